@@ -1,0 +1,126 @@
+"""Process groups for tensor (TP), context (CP) and data (DP) parallelism.
+
+One frozen dataclass, `ParallelState`, holds the groups and this rank's coordinates. The rank grid is
+Megatron's order with TP fastest-varying:
+
+    global_rank = tp_rank + tp_size * (cp_rank + cp_size * dp_rank)
+
+so a TP group is `tp_size` consecutive ranks (one node's GPUs in practice, where NVLink is).
+The groups live on whatever backend torch.distributed was initialised with (gloo on CPU, NCCL on
+GPU). Without torch.distributed every size is 1 and every group is None, so the serial path needs no
+set-up at all.
+
+    from megatron_sp import parallel_state
+    ps = parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    ps.tp_group, ps.tp_rank, ps.dp_size ...
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """This rank's place in the (dp, cp, tp) grid and the process groups along each axis."""
+
+    tp_size: int = 1
+    cp_size: int = 1
+    dp_size: int = 1
+    tp_rank: int = 0
+    cp_rank: int = 0
+    dp_rank: int = 0
+    tp_group: Optional[object] = None   # ranks that share one layer's weight shards
+    cp_group: Optional[object] = None   # ranks that share one sequence (context parallel)
+    dp_group: Optional[object] = None   # ranks holding the same shards, different data
+    dp_cp_group: Optional[object] = None  # gradient reduction group: data and context parallel ranks
+
+    def __post_init__(self):
+        for name in ("tp_size", "cp_size", "dp_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ParallelState.{name} must be >= 1, got {getattr(self, name)}.")
+        for axis in ("tp", "cp", "dp"):
+            rank, size = getattr(self, f"{axis}_rank"), getattr(self, f"{axis}_size")
+            if not 0 <= rank < size:
+                raise ValueError(f"ParallelState.{axis}_rank={rank} is outside [0, {axis}_size={size}).")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.cp_size * self.dp_size
+
+    @property
+    def is_first_tp_rank(self) -> bool:
+        return self.tp_rank == 0
+
+
+_STATE: Optional[ParallelState] = None
+
+
+def grid_ranks(tp_size: int, cp_size: int, dp_size: int):
+    """Lists of global ranks forming each TP, CP, DP and DP×CP group (TP fastest)."""
+    def rank(tp, cp, dp):
+        return tp + tp_size * (cp + cp_size * dp)
+
+    tp = [[rank(t, c, d) for t in range(tp_size)] for d in range(dp_size) for c in range(cp_size)]
+    cp = [[rank(t, c, d) for c in range(cp_size)] for d in range(dp_size) for t in range(tp_size)]
+    dp = [[rank(t, c, d) for d in range(dp_size)] for c in range(cp_size) for t in range(tp_size)]
+    dp_cp = [[rank(t, c, d) for d in range(dp_size) for c in range(cp_size)] for t in range(tp_size)]
+    return tp, cp, dp, dp_cp
+
+
+def _check_factors(world_size: int, tp: int, cp: int) -> int:
+    if tp < 1 or cp < 1:
+        raise ValueError(
+            f"tensor_model_parallel_size ({tp}) and context_parallel_size ({cp}) must be >= 1.")
+    if world_size % (tp * cp) != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) × "
+            f"context_parallel_size ({cp}); choose sizes whose product divides the number of ranks.")
+    return world_size // (tp * cp)
+
+
+def _new_groups(rank_lists, my_rank):
+    """Creates every group of one axis (collectively, same order on all ranks); returns mine."""
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks)
+        if my_rank in ranks:
+            mine = group
+    return mine
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1,
+                              context_parallel_size: int = 1) -> ParallelState:
+    """Builds the TP/CP/DP groups (collective over the whole world) and makes them current."""
+    global _STATE
+    tp, cp = tensor_model_parallel_size, context_parallel_size
+    if not dist.is_initialized():
+        _check_factors(1, tp, cp)
+        _STATE = ParallelState()
+        return _STATE
+    world, me = dist.get_world_size(), dist.get_rank()
+    dp = _check_factors(world, tp, cp)
+    tp_lists, cp_lists, dp_lists, dp_cp_lists = grid_ranks(tp, cp, dp)
+    _STATE = ParallelState(
+        tp_size=tp, cp_size=cp, dp_size=dp,
+        tp_rank=me % tp, cp_rank=(me // tp) % cp, dp_rank=me // (tp * cp),
+        tp_group=_new_groups(tp_lists, me), cp_group=_new_groups(cp_lists, me),
+        dp_group=_new_groups(dp_lists, me), dp_cp_group=_new_groups(dp_cp_lists, me))
+    return _STATE
+
+
+def get() -> ParallelState:
+    """The current ParallelState; a serial one when initialize_model_parallel was never called."""
+    return _STATE if _STATE is not None else ParallelState()
+
+
+def model_parallel_is_initialized() -> bool:
+    return _STATE is not None
+
+
+def destroy_model_parallel() -> None:
+    """Forgets the current groups (the process groups themselves are freed with the world)."""
+    global _STATE
+    _STATE = None
