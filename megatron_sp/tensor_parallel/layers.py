@@ -1,0 +1,183 @@
+"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
+
+Shard shapes on a rank of a TP group of size t (s = sequence, b = batch):
+
+    ColumnParallelLinear  weight [out/t, in]   input  [s/t, b, in] (SP) or [s, b, in]   output [s, b, out/t]
+    RowParallelLinear     weight [out, in/t]   input  [s, b, in/t]                       output [s/t, b, out] (SP) or [s, b, out]
+    VocabParallelEmbedding weight [V/t, h]     input  ids [b, s]                         output [s/t, b, h] (SP) or [s, b, h]
+
+Every parameter carries where it sits in the serial model (see `ShardSpec`), which is all
+`GPTModel.load_full_state_dict` / `full_state_dict` need. Parameters that live in the SP region
+(replicated, but each rank sees only its sequence shard) are marked `sequence_parallel=True`: their
+gradients are partial sums that must be summed over the TP group (training.grad_sync does it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_sp.tensor_parallel import mappings
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How a local parameter relates to the full one.
+
+    dim      dimension split across TP ranks (None: replicated)
+    groups   the split dim is viewed as [groups, rest] and `rest` is split (fused QKV: groups=3),
+             so each rank holds whole heads of q, k and v
+    full     size of the split dim in the serial model (the vocab before padding for embeddings)
+    """
+
+    dim: Optional[int] = None
+    groups: int = 1
+    full: Optional[int] = None
+
+
+def mark(param: nn.Parameter, spec: ShardSpec = ShardSpec(), sequence_parallel: bool = False):
+    param.shard_spec = spec
+    param.sequence_parallel = sequence_parallel
+    return param
+
+
+class _ParallelLinear(torch.autograd.Function):
+    """y = gather(x) @ w.T (+ b), where `gather` is the input-side collective of the layer.
+
+    mode "sp": forward all-gathers x along dim 0 and saves only the local shard; backward gathers
+               it again for the weight gradient and reduce-scatters the input gradient (Megatron).
+    mode "tp": forward identity, backward all-reduces the input gradient (the f mapping).
+    mode "none": plain linear (row-parallel layers: their collective comes after).
+    The input-gradient collective is issued asynchronously and overlapped with the weight GEMM.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, mode):
+        ctx.group, ctx.mode, ctx.has_bias = group, mode, bias is not None
+        ctx.save_for_backward(x, weight)
+        total = mappings._all_gather_dim0(x, group) if mode == "sp" else x
+        out = torch.matmul(total, weight.t())
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        group, mode = ctx.group, ctx.mode
+        total = mappings._all_gather_dim0(x, group) if mode == "sp" else x
+        grad_in = torch.matmul(grad_out, weight)
+        handle, grad_in_shard = None, grad_in
+        if mode == "sp":
+            grad_in_shard = torch.empty_like(x)
+            handle = dist.reduce_scatter_tensor(grad_in_shard, grad_in.contiguous(), group=group,
+                                                async_op=True)
+        elif mode == "tp":
+            handle = dist.all_reduce(grad_in, group=group, async_op=True)
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_w = torch.matmul(g2.t(), total.reshape(-1, total.shape[-1]))
+        grad_b = g2.sum(0) if ctx.has_bias else None
+        if handle is not None:
+            handle.wait()
+        return grad_in_shard, grad_w, grad_b, None, None
+
+
+def parallel_linear(x, weight, bias, group, mode):
+    """Functional form of the column/row GEMM with its input-side collective (see _ParallelLinear)."""
+    if group is None or dist.get_world_size(group) == 1:
+        mode = "none"
+    if mode == "none":
+        return nn.functional.linear(x, weight, bias)
+    return _ParallelLinear.apply(x, weight, bias, group, mode)
+
+
+def _tp_info(group):
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A with A split by columns (output features). Under SP the input is seq-sharded and
+    all-gathered (g); otherwise it is copied (f). The output stays TP-sharded: [s, b, out/t]."""
+
+    def __init__(self, in_features: int, out_features: int, *, group=None, sequence_parallel=False,
+                 bias=True, groups: int = 1, dtype=torch.float32, device=None):
+        super().__init__()
+        t, _ = _tp_info(group)
+        if out_features % (t * groups) != 0:
+            raise ValueError(f"ColumnParallelLinear: out_features {out_features} not divisible by {t * groups}.")
+        self.group, self.sequence_parallel = group, sequence_parallel
+        local = out_features // t
+        self.weight = mark(nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device)),
+                           ShardSpec(0, groups, out_features))
+        self.bias = None
+        if bias:
+            self.bias = mark(nn.Parameter(torch.zeros(local, dtype=dtype, device=device)),
+                             ShardSpec(0, groups, out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return parallel_linear(x, self.weight, self.bias, self.group, "sp" if self.sequence_parallel else "tp")
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A with A split by rows (input features); X arrives TP-sharded [s, b, in/t].
+    The partial products are reduce-scattered along the sequence (ḡ, SP) or all-reduced (f̄).
+    The bias is added after the collective, so under SP it lives in the SP region."""
+
+    def __init__(self, in_features: int, out_features: int, *, group=None, sequence_parallel=False,
+                 bias=True, dtype=torch.float32, device=None):
+        super().__init__()
+        t, _ = _tp_info(group)
+        if in_features % t != 0:
+            raise ValueError(f"RowParallelLinear: in_features {in_features} not divisible by {t}.")
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = mark(nn.Parameter(torch.empty(out_features, in_features // t, dtype=dtype, device=device)),
+                           ShardSpec(1, 1, in_features))
+        self.bias = None
+        if bias:
+            self.bias = mark(nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)),
+                             sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor, *, add_bias: bool = True) -> torch.Tensor:
+        """add_bias=False leaves the bias to a fused bias-dropout-add that follows."""
+        partial = torch.matmul(x, self.weight.t())            # [s, b, out] partial sum over ranks
+        if self.sequence_parallel:
+            out = mappings.reduce_scatter_to_sequence_parallel_region(partial, self.group)  # [s/t, b, out]
+        else:
+            out = mappings.reduce_from_tensor_parallel_region(partial, self.group)
+        return out + self.bias if (add_bias and self.bias is not None) else out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the (padded) vocabulary split across TP ranks.
+
+    Each rank looks up the ids in its vocab range and zeros the rest; the partial embeddings are
+    summed with a reduce-scatter along the sequence under SP (the output enters the SP region),
+    or an all-reduce otherwise.
+    """
+
+    def __init__(self, vocab_size: int, padded_vocab_size: int, hidden_size: int, *, group=None,
+                 sequence_parallel=False, dtype=torch.float32, device=None):
+        super().__init__()
+        t, rank = _tp_info(group)
+        if padded_vocab_size % t != 0 or padded_vocab_size < vocab_size:
+            raise ValueError(f"padded vocab {padded_vocab_size} must be >= {vocab_size} and divisible by {t}.")
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.vocab_size, self.padded_vocab_size = vocab_size, padded_vocab_size
+        local = padded_vocab_size // t
+        self.vocab_start, self.vocab_end = rank * local, (rank + 1) * local
+        self.weight = mark(nn.Parameter(torch.empty(local, hidden_size, dtype=dtype, device=device)),
+                           ShardSpec(0, 1, vocab_size))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [b, s] -> [s/t, b, h] (SP) or [s, b, h]."""
+        ids = ids.t()                                          # [s, b]
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        partial = nn.functional.embedding(local_ids, self.weight)
+        partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)  # [s, b, h]
+        if self.sequence_parallel:
+            return mappings.reduce_scatter_to_sequence_parallel_region(partial, self.group)
+        return mappings.reduce_from_tensor_parallel_region(partial, self.group)

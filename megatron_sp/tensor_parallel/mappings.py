@@ -1,0 +1,175 @@
+"""Autograd collectives between the four regions of a layer (Megatron's names and semantics).
+
+Activations are [s, b, h]. Each public function's docstring is its contract; `group` is the tensor
+parallel group (None or size 1 short-circuits to the identity). Paper names (Korthikanti et al.):
+f = copy_to_tensor_parallel_region, f̄ = reduce_from_tensor_parallel_region,
+g = gather_from_sequence_parallel_region, ḡ = reduce_scatter_to_sequence_parallel_region.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+# ---- raw collectives (no autograd) -------------------------------------------------------------
+
+def _all_reduce(x, group):
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather_dim0(x, group):
+    x = x.contiguous()
+    out = torch.empty((_size(group) * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out
+
+
+def _reduce_scatter_dim0(x, group):
+    t = _size(group)
+    if x.shape[0] % t != 0:
+        raise ValueError(f"reduce-scatter along dim 0 needs its size ({x.shape[0]}) divisible by {t}.")
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // t,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out
+
+
+def _split_dim(x, dim, group):
+    t = _size(group)
+    if x.shape[dim] % t != 0:
+        raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} into {t} equal parts.")
+    return x.chunk(t, dim=dim)[_rank(group)].contiguous()
+
+
+def _all_gather_last(x, group):
+    # Gather along dim 0 (one contiguous collective), then move the rank axis next to the last dim.
+    t = _size(group)
+    stacked = _all_gather_dim0(x.unsqueeze(0), group)          # [t, ..., h/t]
+    return torch.cat(stacked.unbind(0), dim=-1)               # [..., h]
+
+
+def _reduce_scatter_last(x, group):
+    t = _size(group)
+    parts = x.chunk(t, dim=-1)                                 # t × [..., h/t]
+    stacked = torch.stack(parts, dim=0)                        # [t, ..., h/t]
+    return _reduce_scatter_dim0(stacked, group).squeeze(0)
+
+
+def _all_to_all(x, group, scatter_dim, gather_dim):
+    """Splits x along scatter_dim across ranks and concatenates the received pieces along gather_dim."""
+    t = _size(group)
+    send = torch.stack(x.chunk(t, dim=scatter_dim), dim=0).contiguous()  # [t, ...piece]
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+# ---- autograd functions ----------------------------------------------------------------------
+
+class _Collective(torch.autograd.Function):
+    """One autograd Function for every mapping: forward op and backward op chosen by name."""
+
+    OPS = {
+        "identity": lambda x, g: x,
+        "all_reduce": _all_reduce,
+        "all_gather_dim0": _all_gather_dim0,
+        "reduce_scatter_dim0": _reduce_scatter_dim0,
+        "split_dim0": lambda x, g: _split_dim(x, 0, g),
+        "split_last": lambda x, g: _split_dim(x, -1, g),
+        "all_gather_last": _all_gather_last,
+        "reduce_scatter_last": _reduce_scatter_last,
+    }
+
+    @staticmethod
+    def forward(ctx, x, group, forward_op, backward_op):
+        ctx.group, ctx.backward_op = group, backward_op
+        return _Collective.OPS[forward_op](x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _Collective.OPS[ctx.backward_op](grad, ctx.group), None, None, None
+
+
+def _apply(x, group, forward_op, backward_op):
+    if _size(group) == 1:
+        return x
+    return _Collective.apply(x, group, forward_op, backward_op)
+
+
+def copy_to_tensor_parallel_region(x, group):
+    """f — forward: identity, backward: all-reduce."""
+    return _apply(x, group, "identity", "all_reduce")
+
+
+def reduce_from_tensor_parallel_region(x, group):
+    """f̄ — forward: all-reduce, backward: identity."""
+    return _apply(x, group, "all_reduce", "identity")
+
+
+def scatter_to_tensor_parallel_region(x, group):
+    """forward: split last dim (keep my part), backward: all-gather last dim."""
+    return _apply(x, group, "split_last", "all_gather_last")
+
+
+def gather_from_tensor_parallel_region(x, group):
+    """forward: all-gather last dim, backward: split last dim."""
+    return _apply(x, group, "all_gather_last", "split_last")
+
+
+def scatter_to_sequence_parallel_region(x, group):
+    """forward: split dim 0 (keep my part), backward: all-gather dim 0."""
+    return _apply(x, group, "split_dim0", "all_gather_dim0")
+
+
+def gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad: bool = True):
+    """g — forward: all-gather dim 0, backward: reduce-scatter dim 0.
+
+    With tensor_parallel_output_grad=False the consumer is replicated (not TP-sharded), so each
+    rank's gradient is already the full one and the backward only splits dim 0.
+    """
+    backward = "reduce_scatter_dim0" if tensor_parallel_output_grad else "split_dim0"
+    return _apply(x, group, "all_gather_dim0", backward)
+
+
+def reduce_scatter_to_sequence_parallel_region(x, group):
+    """ḡ — forward: reduce-scatter dim 0, backward: all-gather dim 0."""
+    return _apply(x, group, "reduce_scatter_dim0", "all_gather_dim0")
+
+
+def all_gather_last_dim_from_tensor_parallel_region(x, group):
+    """forward: all-gather last dim, backward: reduce-scatter last dim."""
+    return _apply(x, group, "all_gather_last", "reduce_scatter_last")
+
+
+def reduce_scatter_last_dim_to_tensor_parallel_region(x, group):
+    """forward: reduce-scatter last dim, backward: all-gather last dim."""
+    return _apply(x, group, "reduce_scatter_last", "all_gather_last")
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim):
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        return _all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, ctx.group, gather_dim, scatter_dim), None, None, None
+
+
+def all_to_all(x, group, scatter_dim: int, gather_dim: int):
+    """Ulysses — forward: all-to-all (split scatter_dim, concat gather_dim), backward: the inverse."""
+    if _size(group) == 1:
+        return x
+    return _AllToAll.apply(x, group, scatter_dim, gather_dim)

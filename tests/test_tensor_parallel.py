@@ -1,0 +1,175 @@
+"""Mappings, layers and vocab-parallel cross entropy at TP 1, 2 and 4 (gloo, 4 processes), forward and
+backward, against the plain math on the full tensor."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dist_pool import WorkerPool
+
+S, B, H = 8, 2, 12
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = WorkerPool(4)
+    yield p
+    p.close()
+
+
+def _full(seed, *shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _chunk(x, t, r, dim):
+    return x.chunk(t, dim=dim)[r]
+
+
+# Each case: (mapping name, input of rank r, upstream grad of rank r, expected output, expected input grad)
+# X is the full input, Xs[r] / Gs[r] per-rank full-shaped tensors, G the full upstream gradient.
+def _case(name, t, r):
+    X, G = _full(1, S, B, H), _full(2, S, B, H)
+    Xs = [_full(10 + i, S, B, H) for i in range(t)]
+    Gs = [_full(20 + i, S, B, H) for i in range(t)]
+    c = _chunk
+    cases = {
+        "copy_to_tensor_parallel_region": (X, Gs[r], X, sum(Gs)),
+        "reduce_from_tensor_parallel_region": (Xs[r], G, sum(Xs), G),
+        "scatter_to_tensor_parallel_region":
+            (X, c(Gs[r], t, r, -1), c(X, t, r, -1), torch.cat([c(Gs[i], t, i, -1) for i in range(t)], -1)),
+        "gather_from_tensor_parallel_region": (c(X, t, r, -1), G, X, c(G, t, r, -1)),
+        "scatter_to_sequence_parallel_region":
+            (X, c(Gs[r], t, r, 0), c(X, t, r, 0), torch.cat([c(Gs[i], t, i, 0) for i in range(t)], 0)),
+        "gather_from_sequence_parallel_region": (c(X, t, r, 0), Gs[r], X, c(sum(Gs), t, r, 0)),
+        "reduce_scatter_to_sequence_parallel_region":
+            (Xs[r], c(Gs[r], t, r, 0), c(sum(Xs), t, r, 0), torch.cat([c(Gs[i], t, i, 0) for i in range(t)], 0)),
+        "all_gather_last_dim_from_tensor_parallel_region": (c(X, t, r, -1), Gs[r], X, c(sum(Gs), t, r, -1)),
+        "reduce_scatter_last_dim_to_tensor_parallel_region":
+            (Xs[r], c(Gs[r], t, r, -1), c(sum(Xs), t, r, -1), torch.cat([c(Gs[i], t, i, -1) for i in range(t)], -1)),
+    }
+    return cases[name]
+
+
+MAPPINGS = ["copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
+            "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
+            "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
+            "reduce_scatter_to_sequence_parallel_region",
+            "all_gather_last_dim_from_tensor_parallel_region",
+            "reduce_scatter_last_dim_to_tensor_parallel_region"]
+
+
+def _mapping_worker(tp, name):
+    from megatron_sp import parallel_state
+    from megatron_sp.tensor_parallel import mappings
+    ps = parallel_state.initialize_model_parallel(tp)
+    x, upstream, want_out, want_grad = _case(name, tp, ps.tp_rank)
+    x = x.clone().requires_grad_()
+    out = getattr(mappings, name)(x, ps.tp_group)
+    out.backward(upstream)
+    return (out - want_out).abs().max().item(), (x.grad - want_grad).abs().max().item()
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_mappings_forward_backward(pool, tp):
+    for name in MAPPINGS:
+        for rank, (err_out, err_grad) in enumerate(pool.run(_mapping_worker, tp, name)):
+            assert err_out < 1e-12 and err_grad < 1e-12, (name, tp, rank, err_out, err_grad)
+
+
+def _all_to_all_worker(tp):
+    from megatron_sp import parallel_state
+    from megatron_sp.tensor_parallel import mappings
+    ps = parallel_state.initialize_model_parallel(tp)
+    r = ps.tp_rank
+    X, G = _full(3, S, B, 4, 3), _full(4, S, B, 4, 3)            # [s, b, n, d]
+    x = _chunk(X, tp, r, 0).clone().requires_grad_()             # sequence-sharded
+    out = mappings.all_to_all(x, ps.tp_group, scatter_dim=2, gather_dim=0)  # head-sharded
+    out.backward(_chunk(G, tp, r, 2))
+    return ((out - _chunk(X, tp, r, 2)).abs().max().item(), (x.grad - _chunk(G, tp, r, 0)).abs().max().item())
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_all_to_all(pool, tp):
+    for err_out, err_grad in pool.run(_all_to_all_worker, tp):
+        assert err_out == 0.0 and err_grad == 0.0
+
+
+def _linear_worker(tp, sp):
+    """Column then row parallel linear (an MLP without activation) against nn.Linear on the full tensor."""
+    from megatron_sp import parallel_state
+    from megatron_sp.models.sharding import gather_full, shard_full
+    from megatron_sp.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    ps = parallel_state.initialize_model_parallel(tp)
+    t, r, g = ps.tp_size, ps.tp_rank, ps.tp_group
+    X, G = _full(5, S, B, H).float(), _full(6, S, B, H).float()
+    W1, b1, W2, b2 = _full(7, 2 * H, H).float(), _full(8, 2 * H).float(), _full(9, H, 2 * H).float(), _full(11, H).float()
+    col = ColumnParallelLinear(H, 2 * H, group=g, sequence_parallel=sp)
+    row = RowParallelLinear(2 * H, H, group=g, sequence_parallel=sp)
+    with torch.no_grad():
+        for p, full in ((col.weight, W1), (col.bias, b1), (row.weight, W2), (row.bias, b2)):
+            p.copy_(shard_full(full, p.shard_spec, tuple(p.shape), r, t))
+    x = (_chunk(X, t, r, 0) if sp else X).clone().requires_grad_()
+    out = row(col(x))
+    out.backward(_chunk(G, t, r, 0) if sp else G)
+    bias_grad = row.bias.grad.clone()
+    if sp:
+        torch.distributed.all_reduce(bias_grad, group=g)       # SP-region parameter: sum over TP
+    grads = [gather_full(p.grad, p.shard_spec, g) for p in (col.weight, col.bias, row.weight)]
+    return out.detach(), x.grad, grads + [bias_grad]
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True), (4, False), (4, True)])
+def test_column_row_parallel_linear(pool, tp, sp):
+    X, G = _full(5, S, B, H).float(), _full(6, S, B, H).float()
+    W1, b1, W2, b2 = [_full(s, *shape).float().requires_grad_()
+                      for s, shape in ((7, (2 * H, H)), (8, (2 * H,)), (9, (H, 2 * H)), (11, (H,)))]
+    x = X.clone().requires_grad_()
+    ref = F.linear(F.linear(x, W1, b1), W2, b2)
+    ref.backward(G)
+    for rank, (out, x_grad, grads) in enumerate(pool.run(_linear_worker, tp, sp)):
+        r = rank % tp                                          # TP rank (ranks are TP-fastest)
+        want_out, want_xg = (_chunk(ref, tp, r, 0), _chunk(x.grad, tp, r, 0)) if sp else (ref, x.grad)
+        torch.testing.assert_close(out, want_out.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x_grad, want_xg, rtol=1e-5, atol=1e-5)
+        for got, want in zip(grads, (W1.grad, b1.grad, W2.grad, b2.grad)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _embedding_ce_worker(tp, sp, vocab, padded):
+    """VocabParallelEmbedding forward/backward and vocab-parallel cross entropy on padded vocab."""
+    from megatron_sp import parallel_state
+    from megatron_sp.models.sharding import gather_full, shard_full
+    from megatron_sp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+    from megatron_sp.tensor_parallel.layers import VocabParallelEmbedding
+    ps = parallel_state.initialize_model_parallel(tp)
+    t, r, g = ps.tp_size, ps.tp_rank, ps.tp_group
+    ids = torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(1))
+    emb = VocabParallelEmbedding(vocab, padded, H, group=g, sequence_parallel=sp)
+    with torch.no_grad():
+        emb.weight.copy_(shard_full(_full(12, vocab, H).float(), emb.weight.shard_spec, tuple(emb.weight.shape), r, t))
+    out = emb(ids)                                             # [s(/t), b, h]
+    out.backward(_chunk(_full(13, S, B, H).float(), t, r, 0) if sp else _full(13, S, B, H).float())
+    logits = _full(14, S, B, padded).float()
+    logits_shard = _chunk(logits, t, r, -1).clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(logits_shard, ids.t(), vocab_start=r * padded // t, vocab_size=vocab, group=g)
+    loss.backward(_full(15, S, B).float())
+    logits_grad = gather_full(logits_shard.grad, emb.weight.shard_spec.__class__(dim=-1), g)
+    return out.detach(), gather_full(emb.weight.grad, emb.weight.shard_spec, g), loss.detach(), logits_grad
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, True), (4, False), (4, True)])
+def test_vocab_parallel_embedding_and_cross_entropy(pool, tp, sp):
+    vocab, padded = 13, 16                                     # 13 is divisible by no TP size
+    ids = torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(1))
+    W = _full(12, vocab, H).float().requires_grad_()
+    ref = F.embedding(ids.t(), W)
+    ref.backward(_full(13, S, B, H).float())
+    logits = _full(14, S, B, padded).float().requires_grad_()
+    ref_loss = F.cross_entropy(logits[..., :vocab].flatten(0, 1), ids.t().flatten(), reduction="none").view(S, B)
+    ref_loss.backward(_full(15, S, B).float())
+    for rank, (out, w_grad, loss, logits_grad) in enumerate(pool.run(_embedding_ce_worker, tp, sp, vocab, padded)):
+        r = rank % tp
+        torch.testing.assert_close(out, _chunk(ref, tp, r, 0).detach() if sp else ref.detach())
+        torch.testing.assert_close(w_grad, W.grad)
+        torch.testing.assert_close(loss, ref_loss.detach())
+        torch.testing.assert_close(logits_grad, logits.grad)
+        assert logits_grad[..., vocab:].abs().max() == 0           # padded logits never count
