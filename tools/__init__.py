@@ -1,0 +1,1 @@
+"""Command-line tools (run as scripts: python tools/<name>.py --help)."""
