@@ -2,10 +2,25 @@
 
 Each op has a pure-PyTorch reference here and, when megatron_sp._C is built, a fused C++/CUDA
 implementation registered as a torch custom op (namespace `megatron_sp`). The public functions
-dispatch to the fused op when `fused=True` and the extension is available, otherwise to the
-reference, so importing never fails without the extension.
+dispatch to the fused op when `fused=True` and the extension is built for the tensor's device,
+otherwise to the reference, so importing never fails without the extension.
 """
+from megatron_sp.ops._extension import extension_available
 from megatron_sp.ops.bias_dropout_add import bias_dropout_add, bias_dropout_add_reference
 from megatron_sp.ops.layer_norm import layer_norm, layer_norm_reference
+from megatron_sp.ops.layout import (
+    gather_to_last_dim, gather_to_last_dim_reference, last_dim_to_gather,
+    last_dim_to_gather_reference, ulysses_heads_to_send, ulysses_pack, ulysses_pack_reference,
+    ulysses_recv_to_heads, ulysses_unpack, ulysses_unpack_reference, zigzag_reorder,
+    zigzag_reorder_reference)
 
-__all__ = ["bias_dropout_add", "bias_dropout_add_reference", "layer_norm", "layer_norm_reference"]
+__all__ = [
+    "extension_available",
+    "bias_dropout_add", "bias_dropout_add_reference",
+    "layer_norm", "layer_norm_reference",
+    "ulysses_pack", "ulysses_pack_reference", "ulysses_unpack", "ulysses_unpack_reference",
+    "ulysses_recv_to_heads", "ulysses_heads_to_send",
+    "gather_to_last_dim", "gather_to_last_dim_reference",
+    "last_dim_to_gather", "last_dim_to_gather_reference",
+    "zigzag_reorder", "zigzag_reorder_reference",
+]

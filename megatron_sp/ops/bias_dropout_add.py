@@ -1,11 +1,17 @@
 """out = residual + dropout(x + bias), with the parallelism-invariant dropout of
-tensor_parallel/random.py (masks are a pure function of seed, layer, site and global indices)."""
+tensor_parallel/random.py (masks are a pure function of seed, layer, site and global indices).
+
+The fused op (megatron_sp::bias_dropout_add_fwd/_bwd, csrc/) draws the same Philox words as the
+reference, bit for bit, and its backward draws them again instead of reading a stored mask: the
+autograd graph keeps only the [s] token positions and [b] sample ids.
+"""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
+from megatron_sp.ops._extension import extension_available, use_fused
 from megatron_sp.tensor_parallel.random import DropoutIndex, dropout
 
 
@@ -18,8 +24,57 @@ def bias_dropout_add_reference(x: torch.Tensor, bias: Optional[torch.Tensor], re
     return residual + dropout(x, p, seed, layer, site, index, feature_offset, training)
 
 
+def _fusable(x, bias, residual) -> bool:
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    return (x.dim() == 3 and x.dtype in dtypes and residual.dtype == x.dtype
+            and (bias is None or bias.dtype in (x.dtype, torch.float32)))
+
+
 def bias_dropout_add(x, bias, residual, p, seed, layer, site, index, feature_offset=0,
                      training=True, fused=True):
-    """Dispatches to the fused op when available (see megatron_sp.ops), else the reference."""
-    return bias_dropout_add_reference(x, bias, residual, p, seed, layer, site, index,
-                                      feature_offset, training)
+    """residual + dropout(x + bias) for x, residual [s, b, h_local], bias [h_local] or None.
+
+    index: DropoutIndex of the rows (global token positions [s], sample ids [b]); feature_offset:
+    global index of local feature 0. Fused op when `fused` and megatron_sp._C is built for x's
+    device (and the dtypes are fp32/bf16/fp16), else the reference; both give the same masks.
+    """
+    if not (use_fused(fused, "bias_dropout_add_fwd", x) and _fusable(x, bias, residual)):
+        return bias_dropout_add_reference(x, bias, residual, p, seed, layer, site, index,
+                                          feature_offset, training)
+    positions = index.token_positions.to(device=x.device, dtype=torch.int64)
+    samples = index.sample_ids.to(device=x.device, dtype=torch.int64)
+    return torch.ops.megatron_sp.bias_dropout_add_fwd(
+        x, bias, residual, positions, samples, float(p) if training else 0.0, int(seed), int(layer),
+        int(site), int(feature_offset))
+
+
+def _fake_fwd(x, bias, residual, positions, samples, p, seed, layer, site, feature_offset):
+    return x.new_empty(x.shape)
+
+
+def _fake_bwd(grad, positions, samples, p, seed, layer, site, feature_offset, bias_grad):
+    grad_bias = grad.new_empty((grad.shape[2],) if bias_grad else (0,), dtype=torch.float32)
+    return grad.new_empty(grad.shape), grad_bias
+
+
+def _setup_context(ctx, inputs, output):
+    _, bias, _, positions, samples, p, seed, layer, site, feature_offset = inputs
+    ctx.save_for_backward(positions, samples)          # all the backward needs: no mask
+    ctx.dropout_args = (p, seed, layer, site, feature_offset)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _backward(ctx, grad):
+    positions, samples = ctx.saved_tensors
+    has_bias = ctx.bias_dtype is not None
+    grad_x, grad_bias = torch.ops.megatron_sp.bias_dropout_add_bwd(
+        grad, positions, samples, *ctx.dropout_args, has_bias)
+    grad_bias = grad_bias.to(ctx.bias_dtype) if has_bias else None
+    return grad_x, grad_bias, grad, None, None, None, None, None, None, None
+
+
+if extension_available():
+    torch.library.register_fake("megatron_sp::bias_dropout_add_fwd")(_fake_fwd)
+    torch.library.register_fake("megatron_sp::bias_dropout_add_bwd")(_fake_bwd)
+    torch.library.register_autograd("megatron_sp::bias_dropout_add_fwd", _backward,
+                                    setup_context=_setup_context)

@@ -1,8 +1,15 @@
-"""LayerNorm over the last dimension with fp32 statistics."""
+"""LayerNorm over the last dimension with fp32 statistics.
+
+The fused op (megatron_sp::layer_norm_fwd/_bwd, csrc/) returns the output and the per-row fp32
+mean and 1/std; its backward returns dx and this rank's weight/bias gradient partial sums (under
+sequence parallelism the model sums those over the TP group).
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from megatron_sp.ops._extension import extension_available, use_fused
 
 
 def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
@@ -12,6 +19,46 @@ def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return out.to(x.dtype)
 
 
+def _fusable(x, weight, bias) -> bool:
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    return (x.dtype in dtypes and weight.dtype in (x.dtype, torch.float32)
+            and bias.dtype == weight.dtype and x.dim() >= 1 and x.shape[-1] > 0)
+
+
 def layer_norm(x, weight, bias, eps, fused=True):
-    """Dispatches to the fused op when available (see megatron_sp.ops), else the reference."""
-    return layer_norm_reference(x, weight, bias, eps)
+    """LayerNorm of x [..., h] with weight, bias [h] (x's dtype or fp32); output in x's dtype."""
+    if not (use_fused(fused, "layer_norm_fwd", x) and _fusable(x, weight, bias)):
+        return layer_norm_reference(x, weight, bias, eps)
+    return torch.ops.megatron_sp.layer_norm_fwd(x, weight, bias, float(eps))[0]
+
+
+def _fake_fwd(x, weight, bias, eps):
+    rows = x.numel() // x.shape[-1]
+    stats = x.new_empty((rows,), dtype=torch.float32)
+    return x.new_empty(x.shape), stats, x.new_empty((rows,), dtype=torch.float32)
+
+
+def _fake_bwd(grad, x, weight, mean, rstd):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _, _ = inputs
+    _, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(x, weight, mean, rstd)
+
+
+def _backward(ctx, grad_out, _grad_mean, _grad_rstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(x)
+    grad_x, grad_w, grad_b = torch.ops.megatron_sp.layer_norm_bwd(grad_out, x, weight, mean, rstd)
+    return grad_x, grad_w, grad_b, None
+
+
+if extension_available():
+    torch.library.register_fake("megatron_sp::layer_norm_fwd")(_fake_fwd)
+    torch.library.register_fake("megatron_sp::layer_norm_bwd")(_fake_bwd)
+    torch.library.register_autograd("megatron_sp::layer_norm_fwd", _backward,
+                                    setup_context=_setup_context)
