@@ -93,3 +93,16 @@ def test_preprocess_bad_lines_name_file_and_line(tmp_path, line, needle):
     assert str(path) in str(err.value)
     with pytest.raises(DataError, match="does not exist"):
         preprocess_data.main(["--input", str(tmp_path / "nope"), "--output-prefix", "x"])
+
+
+def test_preprocess_with_a_trained_hf_tokenizer(tmp_path, jsonl):
+    from tools import preprocess_data, train_tokenizer
+
+    model = str(tmp_path / "tokenizer.json")
+    train_tokenizer.main(["--input", jsonl, "--output", model, "--vocab-size", "320"])
+    prefix = str(tmp_path / "hf")
+    written = preprocess_data.main(["--input", jsonl, "--output-prefix", prefix, "--append-eod",
+                                    "--tokenizer-type", "HuggingFaceTokenizer",
+                                    "--tokenizer-model", model, "--workers", "2"])
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=model)
+    assert _read_with_megatron_core(written[0]) == _expected_documents(tokenizer)
