@@ -130,6 +130,13 @@ def test_blending_respects_weights_and_sources(tmp_path):
         assert all((t >= 50) == bool(ids[i]) for t in words)
 
 
+def test_unweighted_blend_still_gives_the_requested_samples(tmp_path):
+    # megatron-core alone caps an unweighted blend at one epoch of each source (~470 here).
+    train, _, _ = build_gpt_datasets(_two_sources(tmp_path), "1,0,0", SEQ, 7, _tok(), 2000, 0, 0,
+                                     cache_dir=str(tmp_path / "cache"))
+    assert len(train) >= 2000
+
+
 def test_same_seed_same_samples_other_seed_other_order(tmp_path):
     a, b = _two_sources(tmp_path)
 

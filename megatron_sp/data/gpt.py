@@ -37,7 +37,7 @@ def build_gpt_datasets(data_path: list[str] | None, split: str, seq_length: int,
     A valid/test split that gets no documents of some source (tiny data) is None too, with a
     warning (megatron-core would loop forever on it); an empty train split is a DataError.
 
-    data_path: Megatron's --data-path: ["prefix"], ["p1", "p2"] (blend by size) or
+    data_path: Megatron's --data-path: ["prefix"], ["p1", "p2"] (blend by token count) or
         ["0.3", "p1", "0.7", "p2"] (blend by weight); None means the embedded default corpus.
     split: Megatron's --split, e.g. "969,30,1": each prefix's documents are cut into contiguous
         train/valid/test ranges in these proportions.
@@ -55,6 +55,10 @@ def build_gpt_datasets(data_path: list[str] | None, split: str, seq_length: int,
     prefixes, weights = parse_data_path(data_path)
     parse_split(split)  # a clear error here instead of megatron-core's assert
     infos = [validate_indexed_prefix(prefix, tokenizer.vocab_size) for prefix in prefixes]
+    if weights is None and len(prefixes) > 1:
+        # megatron-core blends unweighted sources by size but caps the blend at one epoch of
+        # each; explicit size weights keep the "at least *_samples" promise (more epochs).
+        weights = [float(info.num_tokens) for info in infos]
     gpt = mcore("datasets.gpt_dataset")
     builder_mod = mcore("datasets.blended_megatron_dataset_builder")
     config = gpt.GPTDatasetConfig(
