@@ -1,7 +1,7 @@
 """tools/preprocess_data.py: Megatron's output format, read back by megatron-core, any --workers."""
 import json
 import os
-import subprocess
+import runpy
 import sys
 
 import numpy as np
@@ -67,15 +67,19 @@ def test_preprocess_writes_megatron_format_identically_for_any_workers(tmp_path,
     assert list(np.diff(dataset.document_indices[:4])) == [1, 0, 2]
 
 
-def test_preprocess_script_with_null_tokenizer_and_two_keys(tmp_path):
+def test_preprocess_script_with_null_tokenizer_and_two_keys(tmp_path, monkeypatch, capsys):
     path = tmp_path / "ids.jsonl"
     rows = [{"text": "1 2 3", "other": "7 8"}, {"text": "4 5", "other": "9"}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     prefix = str(tmp_path / "ids")
-    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"),
-                    "--input", str(path), "--output-prefix", prefix, "--json-keys", "text",
-                    "other", "--tokenizer-type", "NullTokenizer", "--vocab-size", "10",
-                    "--append-eod"], check=True, capture_output=True, cwd=str(tmp_path))
+    # Script mode (`python tools/preprocess_data.py ...`), run in-process to skip a new
+    # interpreter's seconds of torch + megatron-core imports.
+    monkeypatch.setattr(sys, "argv", [
+        "preprocess_data.py", "--input", str(path), "--output-prefix", prefix, "--json-keys",
+        "text", "other", "--tokenizer-type", "NullTokenizer", "--vocab-size", "10",
+        "--append-eod"])
+    runpy.run_path(os.path.join(ROOT, "tools", "preprocess_data.py"), run_name="__main__")
+    assert f"wrote {prefix}_other_document.bin" in capsys.readouterr().out
     assert _read_with_megatron_core(prefix + "_text_document") == [[1, 2, 3, 10], [4, 5, 10]]
     assert _read_with_megatron_core(prefix + "_other_document") == [[7, 8, 10], [9, 10]]
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
