@@ -59,18 +59,21 @@ class _ParallelLinear(torch.autograd.Function):
         ctx.group, ctx.mode, ctx.has_bias = group, mode, bias is not None
         ctx.save_for_backward(x, weight)
         total = mappings._all_gather_dim0(x, group) if mode == "sp" else x
-        out = torch.matmul(total, weight.t())
-        return out + bias if bias is not None else out
+        out = torch.matmul(total, weight.t())                 # autocast (bf16/fp16) applies here
+        return out + bias.to(out.dtype) if bias is not None else out
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         group, mode = ctx.group, ctx.mode
         total = mappings._all_gather_dim0(x, group) if mode == "sp" else x
+        # Under autocast the GEMMs ran in grad_out's dtype; autograd casts our grads back to the
+        # dtypes of x and weight (fp32 master weights).
+        weight, total = weight.to(grad_out.dtype), total.to(grad_out.dtype)
         grad_in = torch.matmul(grad_out, weight)
         handle, grad_in_shard = None, grad_in
         if mode == "sp":
-            grad_in_shard = torch.empty_like(x)
+            grad_in_shard = torch.empty(x.shape, dtype=grad_in.dtype, device=grad_in.device)
             handle = dist.reduce_scatter_tensor(grad_in_shard, grad_in.contiguous(), group=group,
                                                 async_op=True)
         elif mode == "tp":

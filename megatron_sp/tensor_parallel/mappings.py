@@ -7,8 +7,14 @@ g = gather_from_sequence_parallel_region, ḡ = reduce_scatter_to_sequence_paral
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
+
+# torch 2.13 renames the tensor collectives (*_single); the old names work on every version we
+# support (2.11 on the GPU machines), so keep them and silence the notice.
+warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\..*_single`")
 
 
 def _size(group) -> int:

@@ -1,0 +1,156 @@
+"""Command line of pretrain_gpt_sp.py: Megatron-LM's flag names and meanings.
+
+`parse_args(argv)` returns an argparse.Namespace, validated; any error a user can cause raises
+`ArgumentError` with one sentence (the entry point prints it and exits 2, no traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+
+class ArgumentError(ValueError):
+    """A bad command line: one clear sentence."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one sentence instead of usage + traceback
+        raise ArgumentError(f"{message} (see --help)")
+
+
+def _model_args(p):
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=128)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden size")
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default seq length")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--no-fused-kernels", action="store_true",
+                   help="use the PyTorch references instead of megatron_sp._C ops")
+
+
+def _parallel_args(p):
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                   help="default: nccl on cuda, gloo on cpu")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="collective timeout: a dead or hung rank fails the job after this long")
+    g.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
+
+
+def _training_args(p):
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=8)
+    g.add_argument("--global-batch-size", type=int, default=None, help="default micro batch × DP")
+    g.add_argument("--train-iters", type=int, default=300)
+    g.add_argument("--exit-interval", type=int, default=None, help="exit after an iteration divisible by this")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=1e-4)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default train iters")
+    g.add_argument("--lr-warmup-iters", type=int, default=20)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+    prec = g.add_mutually_exclusive_group()
+    prec.add_argument("--bf16", action="store_true")
+    prec.add_argument("--fp16", action="store_true")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16, help="fp16 dynamic loss scale start")
+
+
+def _data_args(p):
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="PREFIX or WEIGHT PREFIX WEIGHT PREFIX ...; default: the embedded corpus")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--tokenizer-type", default="ByteLevelTokenizer",
+                   choices=["ByteLevelTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer's vocabulary")
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--data-cache-path", default=None, help="default: <repo>/data_cache")
+
+
+def _logging_args(p):
+    g = p.add_argument_group("logging and evaluation")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--eval-interval", type=int, default=100)
+    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--log-jsonl", default=None, help="one JSON object per logged iteration")
+    g.add_argument("--loss-curve", default=None, help="PNG written at the end (default: next to the JSONL/TB logs)")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="per-device peak for MFU; default: from the GPU model, or measured on CPU")
+    g.add_argument("--no-progress-bar", action="store_true")
+
+
+def _checkpoint_args(p):
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--finetune", action="store_true", help="load weights only and start at iteration 0")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="pretrain_gpt_sp.py", description="GPT pretraining with tensor + sequence parallelism.")
+    for add in (_model_args, _parallel_args, _training_args, _data_args, _logging_args, _checkpoint_args):
+        add(p)
+    return p
+
+
+def world_size_from_env(environ=os.environ) -> int:
+    for key in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if environ.get(key):
+            return int(environ[key])
+    return 1
+
+
+def parse_args(argv=None, world_size: int | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    args.world_size = world_size if world_size is not None else world_size_from_env()
+    validate(args)
+    return args
+
+
+def validate(args) -> None:
+    """Checks that need no data and no devices; fills derived defaults (dp size, batch sizes...)."""
+    for name in ("micro_batch_size", "train_iters", "log_interval", "eval_interval", "num_layers",
+                 "hidden_size", "num_attention_heads", "seq_length", "tensor_model_parallel_size"):
+        if getattr(args, name) <= 0:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
+    tp = args.tensor_model_parallel_size
+    if args.world_size % tp != 0:
+        raise ArgumentError(f"world size {args.world_size} is not divisible by --tensor-model-parallel-size {tp}.")
+    args.data_parallel_size = args.world_size // tp
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    if args.global_batch_size % per_step != 0:
+        raise ArgumentError(f"--global-batch-size {args.global_batch_size} is not divisible by micro batch size × "
+                            f"data-parallel size ({args.micro_batch_size} × {args.data_parallel_size}).")
+    args.num_micro_batches = args.global_batch_size // per_step
+    if args.save_interval is not None and args.save is None:
+        raise ArgumentError("--save-interval needs --save DIR.")
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
+        raise ArgumentError("--tokenizer-type NullTokenizer needs --vocab-size.")
+    if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
+        raise ArgumentError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH/tokenizer.json.")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_iters < 0 or args.min_lr > args.lr:
+        raise ArgumentError("--lr-warmup-iters must be >= 0 and --min-lr must not exceed --lr.")

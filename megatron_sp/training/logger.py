@@ -1,0 +1,124 @@
+"""What a training run reports, on the first rank only: a Megatron-style line every log interval, a
+progress bar when attached to a terminal, TensorBoard event files, a JSON-lines file and a loss-curve
+PNG at the end. JSON numbers are written at full float precision (parity checks read them)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+class TrainingLogger:
+    def __init__(self, args, enabled: bool):
+        self.enabled, self.args = enabled, args
+        self.records, self.eval_records = [], []
+        self._tb = self._jsonl = self._bar = None
+        if not enabled:
+            return
+        if args.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            self._tb = SummaryWriter(log_dir=args.tensorboard_dir)
+        if args.log_jsonl:
+            os.makedirs(os.path.dirname(os.path.abspath(args.log_jsonl)), exist_ok=True)
+            self._jsonl = open(args.log_jsonl, "a", buffering=1)
+        if sys.stdout.isatty() and not args.no_progress_bar:
+            from tqdm import tqdm
+            self._bar = tqdm(total=args.train_iters, desc="train", unit="it", dynamic_ncols=True)
+
+    def info(self, message: str):
+        if self.enabled:
+            self._write(message)
+
+    def _write(self, message: str):
+        if self._bar is not None:
+            self._bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def start_at(self, iteration: int):
+        if self._bar is not None:
+            self._bar.n = iteration
+            self._bar.refresh()
+
+    def step(self, record: dict):
+        """One training iteration's figures; printed/written every log interval."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(loss=f"{record['lm_loss']:.4f}")
+        it = record["iteration"]
+        if it % self.args.log_interval != 0 and it != self.args.train_iters:
+            return
+        self.records.append(record)
+        self._write(_megatron_line(record, self.args.train_iters))
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key in ("lm_loss", "lr", "grad_norm", "tokens_per_sec", "tflops", "mfu", "loss_scale"):
+                if record.get(key) is not None:
+                    self._tb.add_scalar(f"train/{key}", record[key], it)
+
+    def evaluation(self, iteration: int, loss: float, ppl: float, split: str = "validation"):
+        if not self.enabled:
+            return
+        self.eval_records.append({"iteration": iteration, "lm_loss": loss})
+        self._write(f" {split} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E}")
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"iteration": iteration, f"{split}_lm_loss": loss,
+                                          f"{split}_ppl": ppl}) + "\n")
+        if self._tb is not None:
+            self._tb.add_scalar(f"{split}/lm_loss", loss, iteration)
+            self._tb.add_scalar(f"{split}/ppl", ppl, iteration)
+
+    def close(self):
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        path = self.loss_curve_path()
+        if path and self.records:
+            write_loss_curve(path, self.records, self.eval_records)
+            self._write(f" loss curve written to {path}")
+
+    def loss_curve_path(self):
+        if self.args.loss_curve:
+            return self.args.loss_curve
+        if self.args.log_jsonl:
+            return os.path.splitext(self.args.log_jsonl)[0] + "_loss.png"
+        if self.args.tensorboard_dir:
+            return os.path.join(self.args.tensorboard_dir, "loss_curve.png")
+        return None
+
+
+def _megatron_line(r: dict, total: int) -> str:
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    scale = f" loss scale: {r['loss_scale']:.1f} |" if r.get("loss_scale") is not None else ""
+    return (f" [{stamp}] iteration {r['iteration']:8d}/{total:8d} | consumed samples: {r['consumed_samples']:12d}"
+            f" | elapsed time per iteration (ms): {r['elapsed_ms']:.1f} | learning rate: {r['lr']:.6E}"
+            f" | global batch size: {r['global_batch_size']:5d} | lm loss: {r['lm_loss']:.6E} |{scale}"
+            f" grad norm: {r['grad_norm']:.3f} | tokens/s: {r['tokens_per_sec']:.1f}"
+            f" | TFLOP/s/device: {r['tflops']:.3f} | MFU: {100 * r['mfu']:.2f}% (peak {r['peak_tflops']:.3g} TFLOP/s) |")
+
+
+def write_loss_curve(path: str, records, eval_records=()):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["iteration"] for r in records], [r["lm_loss"] for r in records], label="train")
+    if eval_records:
+        ax.plot([r["iteration"] for r in eval_records], [r["lm_loss"] for r in eval_records], "o-", label="validation")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("lm loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)

@@ -1,0 +1,95 @@
+"""One training step (gradient accumulation over micro-batches, grad sync, clipping, AdamW) and the
+evaluation pass. Everything here is per-rank code between collectives; see pretrain.py for set-up."""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_sp.parallel_state import ParallelState
+from megatron_sp.training.grad_sync import finalize_model_grads
+from megatron_sp.training.optimizer import DynamicLossScaler, clip_grads
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient norm became NaN/inf."""
+
+
+@dataclass
+class StepResult:
+    loss: float                 # mean micro-batch loss over the global batch
+    grad_norm: float            # before clipping
+    skipped: bool               # fp16 overflow: no update this step
+
+
+def autocast(device: str, dtype: Optional[torch.dtype]):
+    """bf16/fp16 compute with the fp32 parameters as master weights (no-op for fp32)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device, dtype=dtype)
+
+
+def to_device(batch: dict, device: str) -> dict:
+    return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
+def forward_loss(model, batch: dict) -> torch.Tensor:
+    return model(batch["tokens"], batch["labels"], loss_mask=batch.get("loss_mask"),
+                 position_ids=batch.get("position_ids"), attention_mask=batch.get("attention_mask"),
+                 sample_ids=batch.get("sample_ids"))
+
+
+def mean_over_data_parallel(values, ps: ParallelState, device) -> float:
+    """Mean of this rank's micro-batch losses and those of the other DP ranks (each counted once)."""
+    total = torch.stack([v.float() for v in values]).sum().reshape(1).to(device)
+    if ps.dp_size > 1:
+        dist.all_reduce(total, group=ps.dp_group)
+    return total.item() / (len(values) * ps.dp_size)
+
+
+def train_step(model, optimizer, data_iter, num_micro_batches: int, ps: ParallelState, *, device: str,
+               dtype, clip_grad: float, iteration: int, scaler: Optional[DynamicLossScaler] = None) -> StepResult:
+    """Accumulates gradients over the micro-batches, syncs them, clips and steps."""
+    optimizer.zero_grad(set_to_none=True)
+    losses = []
+    scale = scaler.scale if scaler is not None else 1.0
+    for _ in range(num_micro_batches):
+        batch = to_device(next(data_iter), device)
+        with autocast(device, dtype):
+            loss = forward_loss(model, batch)
+        (loss * (scale / num_micro_batches)).backward()
+        losses.append(loss.detach())
+    loss_value = mean_over_data_parallel(losses, ps, device)
+    if not math.isfinite(loss_value):
+        raise NonFiniteError(f"the training loss is {loss_value} at iteration {iteration}; lower --lr, "
+                             f"check the data, or use --bf16 instead of --fp16.")
+    finalize_model_grads(model, ps)
+    params = [p for p in model.parameters() if p.grad is not None]
+    if scaler is not None and not scaler.unscale_and_check(params):
+        return StepResult(loss_value, float("nan"), skipped=True)
+    grad_norm = clip_grads(params, clip_grad, ps)
+    if not math.isfinite(grad_norm):
+        raise NonFiniteError(f"the gradient norm is {grad_norm} at iteration {iteration}; lower --lr or "
+                             f"enable --clip-grad.")
+    optimizer.step()
+    return StepResult(loss_value, grad_norm, skipped=False)
+
+
+@torch.no_grad()
+def evaluate(model, data_iter, iters: int, num_micro_batches: int, ps: ParallelState, *, device: str,
+             dtype) -> float:
+    """Mean loss over `iters` global batches of the validation split."""
+    model.eval()
+    losses = []
+    try:
+        for _ in range(iters * num_micro_batches):
+            batch = to_device(next(data_iter), device)
+            with autocast(device, dtype):
+                losses.append(forward_loss(model, batch))
+    finally:
+        model.train()
+    return mean_over_data_parallel(losses, ps, device)

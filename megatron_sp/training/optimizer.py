@@ -1,0 +1,105 @@
+"""AdamW over this rank's shards, the true global gradient norm, clipping and fp16 loss scaling.
+
+AdamW is elementwise, so stepping every shard with its own slice of the gradient is the serial
+update. What needs care is the gradient norm: each parameter must count once however it is sharded
+(TP-split: sum the squares over the TP group) or replicated (identical on the TP ranks and on the
+DP replicas: count one copy).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from megatron_sp.parallel_state import ParallelState
+
+
+def param_groups(model, weight_decay: float):
+    """Weight decay on matrices only: no decay on biases and LayerNorm parameters (1-D tensors)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.dim() < 2 else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model, args, device: str):
+    """AdamW; apex's FusedAdam (decoupled weight decay) when apex is installed and we run on CUDA."""
+    groups = param_groups(model, args.weight_decay)
+    kw = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+    if device == "cuda":
+        try:
+            from apex.optimizers import FusedAdam  # type: ignore
+            return FusedAdam(groups, adam_w_mode=True, **kw)
+        except ImportError:
+            return torch.optim.AdamW(groups, fused=True, **kw)
+    return torch.optim.AdamW(groups, foreach=True, **kw)
+
+
+def global_grad_norm(params, ps: ParallelState) -> torch.Tensor:
+    """L2 norm of the full (serial) gradient: each parameter counted once."""
+    params = [p for p in params if p.grad is not None]
+    device = params[0].grad.device if params else "cpu"
+    sharded = torch.zeros((), dtype=torch.float32, device=device)
+    replicated = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        sq = p.grad.detach().float().pow(2).sum()
+        if getattr(p, "shard_spec", None) is not None and p.shard_spec.dim is not None:
+            sharded += sq
+        else:
+            replicated += sq
+    if ps.tp_size > 1:
+        dist.all_reduce(sharded, group=ps.tp_group)
+    return (sharded + replicated).sqrt()
+
+
+def clip_grads(params, max_norm: float, ps: ParallelState) -> float:
+    """Scales gradients so the global norm is at most max_norm (0 disables); returns the norm before."""
+    params = [p for p in params if p.grad is not None]
+    norm = global_grad_norm(params, ps)
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_([p.grad for p in params], coef)
+    return norm.item()
+
+
+class DynamicLossScaler:
+    """fp16 loss scaling: multiply the loss, skip steps whose gradients overflow (on any rank) and
+    halve the scale; double it after `growth_interval` clean steps."""
+
+    def __init__(self, initial_scale: float = 2.0 ** 16, growth_interval: int = 1000, min_scale: float = 1.0):
+        self.scale, self.growth_interval, self.min_scale = initial_scale, growth_interval, min_scale
+        self._clean_steps = 0
+
+    def unscale_and_check(self, params) -> bool:
+        """Divides gradients by the scale; True when every rank's gradients are finite."""
+        grads = [p.grad for p in params if p.grad is not None]
+        torch._foreach_mul_(grads, 1.0 / self.scale)
+        bad = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+        for g in grads:
+            bad += (~torch.isfinite(g)).any().float()
+        if dist.is_initialized():
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        finite = bad.item() == 0
+        self._update(finite)
+        return finite
+
+    def _update(self, finite: bool):
+        if not finite:
+            self.scale = max(self.scale / 2.0, self.min_scale)
+            self._clean_steps = 0
+            return
+        self._clean_steps += 1
+        if self._clean_steps % self.growth_interval == 0:
+            self.scale *= 2.0
+
+    def state_dict(self):
+        return {"scale": self.scale, "clean_steps": self._clean_steps}
+
+    def load_state_dict(self, state):
+        self.scale, self._clean_steps = state["scale"], state["clean_steps"]
+
+
+def is_finite(value: float) -> bool:
+    return math.isfinite(value)

@@ -1,0 +1,39 @@
+"""Learning-rate schedule: linear warmup from 0, then constant / linear / cosine decay to min_lr
+(Megatron's OptimizerParamScheduler without the weight-decay schedule)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass
+class LRSchedule:
+    lr: float
+    min_lr: float
+    warmup_iters: int
+    decay_iters: int
+    style: str = "cosine"  # constant | linear | cosine
+
+    def __post_init__(self):
+        if self.style not in ("constant", "linear", "cosine"):
+            raise ValueError(f"unknown lr decay style {self.style!r}; use constant, linear or cosine.")
+
+    def at(self, iteration: int) -> float:
+        """Learning rate for the step that produces `iteration` (1-based)."""
+        if self.warmup_iters > 0 and iteration <= self.warmup_iters:
+            return self.lr * iteration / self.warmup_iters
+        if self.style == "constant":
+            return self.lr
+        span = max(1, self.decay_iters - self.warmup_iters)
+        progress = min(1.0, (iteration - self.warmup_iters) / span)
+        if self.style == "linear":
+            coeff = 1.0 - progress
+        else:
+            coeff = 0.5 * (math.cos(math.pi * progress) + 1.0)
+        return self.min_lr + coeff * (self.lr - self.min_lr)
+
+    def apply(self, optimizer, iteration: int) -> float:
+        lr = self.at(iteration)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        return lr
