@@ -30,6 +30,7 @@ def parse_args(argv=None):
     p.add_argument("--log-jsonl", required=True)
     p.add_argument("--save")
     p.add_argument("--load")
+    p.add_argument("--save-interval", type=int, default=0)
     p.add_argument("--iter-sleep", type=float, default=0.0, help="seconds per iteration")
     p.add_argument("--distributed-timeout-s", type=float, default=600)
     args, _unknown = p.parse_known_args(argv)  # training flags we do not model are ignored
@@ -67,7 +68,8 @@ def save_iteration(save_dir, iteration: int, rank: int) -> None:
 def write_env(args, env) -> None:
     """All ranks' view of the launch (rank, local rank, pid, ...) to <log-jsonl>.env.json."""
     mine = {**env.__dict__, "pid": os.getpid(), "host": os.uname().nodename,
-            "restart": int(os.environ.get("SLURM_RESTART_COUNT", 0))}
+            "restart": int(os.environ.get("SLURM_RESTART_COUNT", 0)),
+            "torchrun_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))}
     views = [None] * env.world_size
     if dist.is_initialized():
         dist.all_gather_object(views, mine)
@@ -91,9 +93,12 @@ def main(argv=None) -> int:
             with open(args.log_jsonl, "a") as f:
                 f.write(json.dumps({"iteration": iteration, "lm_loss": loss,
                                     "world_size": env.world_size, "launcher": env.launcher}) + "\n")
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            save_iteration(args.save, iteration, env.rank)
         if handler.should_exit():
-            print(f"rank {env.rank}: exit signal at iteration {iteration} "
-                  f"(this rank got: {getattr(handler.received_signal, "name", None)}), saving", flush=True)
+            got = getattr(handler.received_signal, "name", "nothing")
+            print(f"rank {env.rank}: exit signal at iteration {iteration} (this rank got "
+                  f"{got}), saving", flush=True)
             if args.save:
                 save_iteration(args.save, iteration, env.rank)
             break
