@@ -4,7 +4,7 @@
 // at::parallel_for. Per row, one pass draws the 32-bit words of all h features (one Philox call per
 // four features, see philox.h) into a small buffer, and a second vectorised pass applies
 // out = residual + (x + bias) * keep * scale in fp32. The backward draws the same words again (no
-// stored mask) and sums grad_x over rows for the bias gradient.
+// stored mask), writes grad_x = (grad * scale) * keep and sums it over rows for the bias gradient.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -72,7 +72,7 @@ MSP_CPU_INLINE void bda_bwd_row(const T* g, T* gx, float* gbias, const uint32_t*
 #pragma omp simd
   for (int64_t j = 0; j < h; ++j) {
     float keep = words == nullptr ? 1.0f : (words[j] >= thr ? 1.0f : 0.0f);
-    float v = to_f32(g[j]) * keep * scale;
+    float v = (to_f32(g[j]) * scale) * keep;  // the reference's autograd order
     gx[j] = from_f32<T>(v);
     gbias[j] += v;
   }

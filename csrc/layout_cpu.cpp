@@ -38,7 +38,7 @@ at::Tensor run_block_transpose(const at::Tensor& x_in, const BlockTranspose& pla
   at::Tensor out = at::empty(plan.out_shape, x.options());
   parallel_copy_runs(static_cast<char*>(out.data_ptr()), static_cast<const char*>(x.const_data_ptr()),
                      plan.a * plan.b, plan.run * x.element_size(),
-                     [&](int64_t o) { return transpose_source(o, plan.a, plan.b); });
+                     [&](int64_t o) { return transpose_source<int64_t>(o, plan.a, plan.b); });
   return out;
 }
 
@@ -65,7 +65,7 @@ at::Tensor zigzag_reorder_cpu(const at::Tensor& x_in, int64_t p, int64_t dim, bo
   parallel_copy_runs(static_cast<char*>(out.data_ptr()), static_cast<const char*>(x.const_data_ptr()),
                      plan.outer * 2 * p, plan.run * x.element_size(), [&](int64_t o) {
                        int64_t outer = o / (2 * p), slot = o % (2 * p);
-                       return outer * 2 * p + zigzag_source(slot, p, inverse);
+                       return outer * 2 * p + zigzag_source<int64_t>(slot, p, inverse);
                      });
   return out;
 }

@@ -50,7 +50,12 @@ inline void check_bias_dropout_add(const at::Tensor& x, const c10::optional<at::
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() &&
                   residual.device() == x.device(),
               "residual must match x in shape, dtype and device");
-  if (bias.has_value()) check_param(*bias, x, x.size(2), "bias");
+  if (bias.has_value()) {
+    check_param(*bias, x, x.size(2), "bias");
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type(), "bias must have x's dtype ",
+                x.scalar_type(), " (the reference promotes mixed dtypes), got ",
+                bias->scalar_type());
+  }
   check_dropout_index(positions, samples, x.size(0), x.size(1), x);
   check_dropout_scalars(p, feature_offset);
 }

@@ -38,19 +38,24 @@ def _notice_once() -> None:
                      "Build it with `pip install --no-build-isolation -e .`.", _LOAD_ERROR)
 
 
-def has_device_kernel(op_name: str, device_type: str) -> bool:
-    """Whether megatron_sp::op_name has a kernel for this device ('cpu', 'cuda', ...)."""
-    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
-    if key is None:
-        return False
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"megatron_sp::{op_name}", key)
+def _built_devices() -> frozenset:
+    """Device types ('cpu', 'cuda') the extension has kernels for; all ops are built together."""
+    if _LOAD_ERROR:
+        return frozenset()
+    probe = "megatron_sp::layer_norm_fwd"
+    return frozenset(dev for dev, key in (("cpu", "CPU"), ("cuda", "CUDA"))
+                     if torch._C._dispatch_has_kernel_for_dispatch_key(probe, key))
 
 
-def use_fused(fused: bool, op_name: str, x: torch.Tensor) -> bool:
+# Computed once at import: a plain constant, so torch.compile traces use_fused without a break.
+BUILT_DEVICES = _built_devices()
+
+
+def use_fused(fused: bool, x: torch.Tensor) -> bool:
     """The dispatch rule of every public op: fused when asked for, built, and built for x's device."""
     if not fused:
         return False
-    if not extension_available():
+    if not BUILT_DEVICES:
         _notice_once()
         return False
-    return has_device_kernel(op_name, x.device.type)
+    return x.device.type in BUILT_DEVICES

@@ -27,7 +27,7 @@ def bias_dropout_add_reference(x: torch.Tensor, bias: Optional[torch.Tensor], re
 def _fusable(x, bias, residual) -> bool:
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
     return (x.dim() == 3 and x.dtype in dtypes and residual.dtype == x.dtype
-            and (bias is None or bias.dtype in (x.dtype, torch.float32)))
+            and (bias is None or bias.dtype == x.dtype))    # mixed dtypes: reference promotes
 
 
 def bias_dropout_add(x, bias, residual, p, seed, layer, site, index, feature_offset=0,
@@ -36,9 +36,10 @@ def bias_dropout_add(x, bias, residual, p, seed, layer, site, index, feature_off
 
     index: DropoutIndex of the rows (global token positions [s], sample ids [b]); feature_offset:
     global index of local feature 0. Fused op when `fused` and megatron_sp._C is built for x's
-    device (and the dtypes are fp32/bf16/fp16), else the reference; both give the same masks.
+    device and x, bias, residual share one of fp32/bf16/fp16, else the reference; both give the
+    same masks.
     """
-    if not (use_fused(fused, "bias_dropout_add_fwd", x) and _fusable(x, bias, residual)):
+    if not (use_fused(fused, x) and _fusable(x, bias, residual)):
         return bias_dropout_add_reference(x, bias, residual, p, seed, layer, site, index,
                                           feature_offset, training)
     positions = index.token_positions.to(device=x.device, dtype=torch.int64)

@@ -27,7 +27,7 @@ def _fusable(x, weight, bias) -> bool:
 
 def layer_norm(x, weight, bias, eps, fused=True):
     """LayerNorm of x [..., h] with weight, bias [h] (x's dtype or fp32); output in x's dtype."""
-    if not (use_fused(fused, "layer_norm_fwd", x) and _fusable(x, weight, bias)):
+    if not (use_fused(fused, x) and _fusable(x, weight, bias)):
         return layer_norm_reference(x, weight, bias, eps)
     return torch.ops.megatron_sp.layer_norm_fwd(x, weight, bias, float(eps))[0]
 

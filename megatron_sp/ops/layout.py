@@ -92,7 +92,7 @@ def ulysses_pack(x: torch.Tensor, p: int, fused: bool = True) -> torch.Tensor:
     if x.dim() != 4:
         raise ValueError(f"ulysses_pack expects [s/p, b, n, d], got shape {tuple(x.shape)}.")
     _check_divisible(x.shape[2], p, "ulysses_pack: number of heads")
-    if use_fused(fused, "ulysses_pack", x):
+    if use_fused(fused, x):
         return torch.ops.megatron_sp.ulysses_pack(x, p)
     return ulysses_pack_reference(x, p)
 
@@ -101,7 +101,7 @@ def ulysses_unpack(x: torch.Tensor, p: int, fused: bool = True) -> torch.Tensor:
     """head->seq receive buffer to sequence shard: [p, s/p, b, n/p, d] -> [s/p, b, n, d]."""
     if x.dim() != 5 or x.shape[0] != p:
         raise ValueError(f"ulysses_unpack expects [p={p}, s/p, b, n/p, d], got {tuple(x.shape)}.")
-    if use_fused(fused, "ulysses_unpack", x):
+    if use_fused(fused, x):
         return torch.ops.megatron_sp.ulysses_unpack(x, p)
     return ulysses_unpack_reference(x, p)
 
@@ -111,7 +111,7 @@ def gather_to_last_dim(x: torch.Tensor, t: int, fused: bool = True) -> torch.Ten
     if x.dim() < 2:
         raise ValueError(f"gather_to_last_dim expects at least 2 dims, got {tuple(x.shape)}.")
     _check_divisible(x.shape[0], t, "gather_to_last_dim: dim 0")
-    if use_fused(fused, "gather_to_last_dim", x):
+    if use_fused(fused, x):
         return torch.ops.megatron_sp.gather_to_last_dim(x, t)
     return gather_to_last_dim_reference(x, t)
 
@@ -121,7 +121,7 @@ def last_dim_to_gather(x: torch.Tensor, t: int, fused: bool = True) -> torch.Ten
     if x.dim() < 2:
         raise ValueError(f"last_dim_to_gather expects at least 2 dims, got {tuple(x.shape)}.")
     _check_divisible(x.shape[-1], t, "last_dim_to_gather: last dim")
-    if use_fused(fused, "last_dim_to_gather", x):
+    if use_fused(fused, x):
         return torch.ops.megatron_sp.last_dim_to_gather(x, t)
     return last_dim_to_gather_reference(x, t)
 
@@ -132,7 +132,7 @@ def zigzag_reorder(x: torch.Tensor, p: int, dim: int = 0, inverse: bool = False,
     if x.dim() == 0:
         raise ValueError("zigzag_reorder needs a tensor with at least one dimension.")
     _check_divisible(x.shape[dim], 2 * p, f"zigzag_reorder: size of dim {dim}")
-    if use_fused(fused, "zigzag_reorder", x):
+    if use_fused(fused, x):
         return torch.ops.megatron_sp.zigzag_reorder(x, p, dim, inverse)
     return zigzag_reorder_reference(x, p, dim, inverse)
 

@@ -1,0 +1,219 @@
+// bias_dropout_add on CUDA: out = residual + dropout(x + bias) with the Philox dropout of
+// philox.h (bit-identical masks to megatron_sp/tensor_parallel/random.py and to the CPU op).
+//
+// Design: the [s, b, h] slab is rows x h with rows = s*b (row r is token r / b, sample r % b).
+// Threads tile (column vector, row): threadIdx.x walks 128-bit column vectors, the y dimension
+// grid-strides over rows, so a thread keeps its bias vector in registers and only one 32-bit
+// division per row-iteration is needed. With VEC = 16 bytes / sizeof(T), a fp32 vector is exactly
+// one Philox group (4 features) and a bf16/fp16 vector two. Memory traffic is the compulsory
+// read x, read residual, write out; the mask never touches memory. The backward draws the same
+// words again, writes grad_x = (grad * scale) * keep (the reference's rounding order), and sums
+// grad_x over its rows into a per-thread partial row; column_sum finishes the bias gradient.
+// Fallback (h or feature_offset not a multiple of the vector, unaligned pointers): VEC = 1.
+#include "../philox.h"
+#include "common.cuh"
+
+namespace msp {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ uint32_t select_word(const Words4& w, int lane) {
+  return lane == 0 ? w.w[0] : lane == 1 ? w.w[1] : lane == 2 ? w.w[2] : w.w[3];
+}
+
+// keep[i] in {0, 1} for local features j0 .. j0+VEC-1 of the row (position, sample).
+template <int VEC, bool GROUPED>
+__device__ __forceinline__ void draw_keep(const DropoutParams& d, int64_t j0, int64_t position,
+                                          int64_t sample, float (&keep)[VEC]) {
+  if (d.threshold == 0) {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) keep[i] = 1.0f;
+    return;
+  }
+  if constexpr (GROUPED) {  // (feature_offset + j0) % 4 == 0 and VEC % 4 == 0
+    const uint64_t group = static_cast<uint64_t>(d.feature_offset + j0) / 4;
+#pragma unroll
+    for (int g = 0; g < VEC / 4; ++g) {
+      Words4 w = dropout_words(d, group + g, position, sample);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) keep[4 * g + i] = keep_factor(d, w.w[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      const uint64_t f = static_cast<uint64_t>(d.feature_offset + j0 + i);
+      Words4 w = dropout_words(d, f / 4, position, sample);
+      keep[i] = keep_factor(d, select_word(w, static_cast<int>(f & 3)));
+    }
+  }
+}
+
+struct Rows {
+  const int64_t* positions;
+  const int64_t* samples;
+  uint32_t b;
+  __device__ __forceinline__ void at(uint32_t row, int64_t& position, int64_t& sample) const {
+    const uint32_t token = row / b;
+    position = positions[token];
+    sample = samples[row - token * b];
+  }
+};
+
+template <typename T, int VEC, bool GROUPED>
+__global__ void __launch_bounds__(kThreads)
+    bda_fwd_kernel(const T* __restrict__ x, const T* __restrict__ bias, const T* __restrict__ res,
+                   T* __restrict__ out, Rows rows_index, uint32_t rows, int64_t h,
+                   DropoutParams d) {
+  const int64_t j0 = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * VEC;
+  if (j0 >= h) return;
+  float bv[VEC];
+  if (bias != nullptr) {
+    load_f32(bias + j0, bv);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) bv[i] = 0.0f;
+  }
+  for (uint32_t row = blockIdx.y * blockDim.y + threadIdx.y; row < rows;
+       row += gridDim.y * blockDim.y) {
+    int64_t position, sample;
+    rows_index.at(row, position, sample);
+    const int64_t off = int64_t(row) * h + j0;
+    float xv[VEC], rv[VEC], keep[VEC], ov[VEC];
+    load_f32(x + off, xv);
+    load_f32(res + off, rv);
+    draw_keep<VEC, GROUPED>(d, j0, position, sample, keep);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i)
+      ov[i] = __fadd_rn(rv[i], __fmul_rn(__fmul_rn(__fadd_rn(xv[i], bv[i]), keep[i]), d.scale));
+    store_f32(out + off, ov);
+  }
+}
+
+template <typename T, int VEC, bool GROUPED>
+__global__ void __launch_bounds__(kThreads)
+    bda_bwd_kernel(const T* __restrict__ grad, T* __restrict__ grad_x, float* __restrict__ partial,
+                   Rows rows_index, uint32_t rows, int64_t h, DropoutParams d) {
+  const int64_t j0 = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * VEC;
+  if (j0 >= h) return;
+  const uint32_t slot = blockIdx.y * blockDim.y + threadIdx.y;
+  float acc[VEC];
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
+  for (uint32_t row = slot; row < rows; row += gridDim.y * blockDim.y) {
+    int64_t position, sample;
+    rows_index.at(row, position, sample);
+    const int64_t off = int64_t(row) * h + j0;
+    float gv[VEC], keep[VEC];
+    load_f32(grad + off, gv);
+    draw_keep<VEC, GROUPED>(d, j0, position, sample, keep);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      gv[i] = __fmul_rn(__fmul_rn(gv[i], d.scale), keep[i]);
+      acc[i] += gv[i];
+    }
+    store_f32(grad_x + off, gv);
+  }
+  if (partial != nullptr) {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) partial[int64_t(slot) * h + j0 + i] = acc[i];
+  }
+}
+
+// Threads: x over column vectors, y over rows; blocks: enough to fill every SM `waves` times
+// (the backward uses one wave: each row slot costs a partial row of h floats).
+struct Launch {
+  dim3 grid, block;
+};
+
+Launch row_launch(int64_t rows, int64_t h, int vec, int waves) {
+  const int64_t nvec = (h + vec - 1) / vec;
+  const int tx = static_cast<int>(nvec >= kThreads ? kThreads : round_up(nvec, 32));
+  const int ty = kThreads / tx;
+  const int64_t gx = (nvec + tx - 1) / tx;
+  int64_t gy = (rows + ty - 1) / ty;
+  const int64_t budget = int64_t(sm_count()) * (2048 / kThreads) * waves;
+  gy = gy < (budget + gx - 1) / gx ? gy : (budget + gx - 1) / gx;
+  gy = gy < 65535 ? (gy > 0 ? gy : 1) : 65535;
+  return {dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), dim3(tx, ty)};
+}
+
+template <typename T>
+bool grouped_path(const DropoutParams& d, int64_t h, const void* a, const void* b, const void* c,
+                  const void* e) {
+  constexpr int VEC = 16 / sizeof(T);
+  return h % VEC == 0 && d.feature_offset % 4 == 0 && aligned16(a) && aligned16(b) &&
+         aligned16(c) && (e == nullptr || aligned16(e));
+}
+
+template <typename T>
+cudaError_t launch_fwd(const BiasDropoutAddFwd& a, cudaStream_t stream) {
+  constexpr int VEC = 16 / sizeof(T);
+  const Rows idx{a.positions, a.samples, static_cast<uint32_t>(a.b)};
+  const uint32_t rows = static_cast<uint32_t>(a.s * a.b);
+  const T* x = static_cast<const T*>(a.x);
+  const T* res = static_cast<const T*>(a.residual);
+  const T* bias = static_cast<const T*>(a.bias);
+  T* out = static_cast<T*>(a.out);
+  if (grouped_path<T>(a.drop, a.h, x, res, out, bias)) {
+    Launch l = row_launch(rows, a.h, VEC, 4);
+    bda_fwd_kernel<T, VEC, true><<<l.grid, l.block, 0, stream>>>(x, bias, res, out, idx, rows,
+                                                                     a.h, a.drop);
+  } else {
+    Launch l = row_launch(rows, a.h, 1, 4);
+    bda_fwd_kernel<T, 1, false><<<l.grid, l.block, 0, stream>>>(x, bias, res, out, idx, rows,
+                                                                    a.h, a.drop);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_bwd(const BiasDropoutAddBwd& a, cudaStream_t stream) {
+  constexpr int VEC = 16 / sizeof(T);
+  const Rows idx{a.positions, a.samples, static_cast<uint32_t>(a.b)};
+  const uint32_t rows = static_cast<uint32_t>(a.s * a.b);
+  const T* grad = static_cast<const T*>(a.grad);
+  T* grad_x = static_cast<T*>(a.grad_x);
+  float* partial = a.grad_bias != nullptr ? a.scratch : nullptr;
+  const bool grouped = grouped_path<T>(a.drop, a.h, grad, grad_x, grad_x, nullptr);
+  Launch l = row_launch(rows, a.h, grouped ? VEC : 1, 1);
+  if (grouped) {
+    bda_bwd_kernel<T, VEC, true><<<l.grid, l.block, 0, stream>>>(grad, grad_x, partial, idx, rows,
+                                                                  a.h, a.drop);
+  } else {
+    bda_bwd_kernel<T, 1, false><<<l.grid, l.block, 0, stream>>>(grad, grad_x, partial, idx, rows,
+                                                                 a.h, a.drop);
+  }
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || partial == nullptr) return err;
+  return column_sum(partial, int64_t(l.grid.y) * l.block.y, a.h, a.grad_bias, stream);
+}
+
+}  // namespace
+
+int64_t bias_dropout_add_bwd_scratch(int64_t s, int64_t b, int64_t h, DType dtype) {
+  const int vec = dtype == DType::kF32 ? 4 : 8;  // an upper bound: the VEC = 1 path needs fewer
+  Launch l1 = row_launch(s * b, h, vec, 1), lv = row_launch(s * b, h, 1, 1);
+  const int64_t slots1 = int64_t(l1.grid.y) * l1.block.y, slotsv = int64_t(lv.grid.y) * lv.block.y;
+  return (slots1 > slotsv ? slots1 : slotsv) * h;
+}
+
+cudaError_t bias_dropout_add_fwd(const BiasDropoutAddFwd& a, cudaStream_t stream) {
+  if (a.s * a.b == 0 || a.h == 0) return cudaSuccess;
+  if (a.s * a.b > int64_t(0xFFFFFFFF)) return cudaErrorInvalidValue;
+  MSP_DISPATCH_DTYPE(a.dtype, T, return launch_fwd<T>(a, stream));
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t bias_dropout_add_bwd(const BiasDropoutAddBwd& a, cudaStream_t stream) {
+  if (a.h == 0) return cudaSuccess;
+  if (a.s * a.b == 0) return a.grad_bias ? cudaMemsetAsync(a.grad_bias, 0, a.h * 4, stream)
+                                         : cudaSuccess;
+  if (a.s * a.b > int64_t(0xFFFFFFFF)) return cudaErrorInvalidValue;
+  MSP_DISPATCH_DTYPE(a.dtype, T, return launch_bwd<T>(a, stream));
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace cuda
+}  // namespace msp

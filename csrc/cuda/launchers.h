@@ -1,0 +1,84 @@
+// Host-side entry points of the CUDA kernels: raw pointers, sizes and a stream, no torch types.
+//
+// Design: the kernels (csrc/cuda/*.cu) include only CUDA headers and this file, so nvcc can compile
+// them alone (tests/test_cuda_compile.py does, on machines without a GPU or a CUDA torch); the torch
+// binding (ops_cuda.cpp) checks arguments, allocates outputs and calls these. Every launcher
+// returns the launch's cudaError_t; the binding turns a failure into a Python error.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "../philox.h"
+
+namespace msp {
+namespace cuda {
+
+enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+struct BiasDropoutAddFwd {
+  const void* x;           // [s, b, h], dtype
+  const void* bias;        // [h], dtype, or nullptr
+  const void* residual;    // [s, b, h], dtype
+  void* out;               // [s, b, h], dtype
+  const int64_t* positions;  // [s]
+  const int64_t* samples;    // [b]
+  int64_t s, b, h;
+  DType dtype;
+  DropoutParams drop;
+};
+
+struct BiasDropoutAddBwd {
+  const void* grad;        // [s, b, h], dtype
+  void* grad_x;            // [s, b, h], dtype
+  float* grad_bias;        // [h] fp32, or nullptr when no bias gradient is wanted
+  float* scratch;          // bias_dropout_add_bwd_scratch(...) floats
+  const int64_t* positions;
+  const int64_t* samples;
+  int64_t s, b, h;
+  DType dtype;
+  DropoutParams drop;
+};
+
+struct LayerNormFwd {
+  const void* x;           // [rows, h], dtype
+  const void* weight;      // [h], weight_dtype
+  const void* bias;        // [h], weight_dtype
+  void* y;                 // [rows, h], dtype
+  float* mean;             // [rows]
+  float* rstd;             // [rows]
+  int64_t rows, h;
+  float eps;
+  DType dtype, weight_dtype;
+};
+
+struct LayerNormBwd {
+  const void* grad;        // [rows, h], dtype
+  const void* x;           // [rows, h], dtype
+  const void* weight;      // [h], weight_dtype
+  const float* mean;       // [rows]
+  const float* rstd;       // [rows]
+  void* grad_x;            // [rows, h], dtype
+  float* grad_weight_bias; // [2h] fp32: grad_weight then grad_bias
+  float* scratch;          // layer_norm_bwd_scratch(...) floats
+  int64_t rows, h;
+  DType dtype, weight_dtype;
+};
+
+int64_t bias_dropout_add_bwd_scratch(int64_t s, int64_t b, int64_t h, DType dtype);
+cudaError_t bias_dropout_add_fwd(const BiasDropoutAddFwd& args, cudaStream_t stream);
+cudaError_t bias_dropout_add_bwd(const BiasDropoutAddBwd& args, cudaStream_t stream);
+
+int64_t layer_norm_bwd_scratch(int64_t rows, int64_t h, DType dtype);
+cudaError_t layer_norm_fwd(const LayerNormFwd& args, cudaStream_t stream);
+cudaError_t layer_norm_bwd(const LayerNormBwd& args, cudaStream_t stream);
+
+// dst run o <- src run transpose_source(o, a, b) for o < a*b: [a, b, run] -> [b, a, run].
+cudaError_t block_transpose(const void* src, void* dst, int64_t a, int64_t b, int64_t run_bytes,
+                            cudaStream_t stream);
+// dst [outer, 2p, run] <- src chunks in zigzag order (layout_index.h).
+cudaError_t zigzag_reorder(const void* src, void* dst, int64_t outer, int64_t p,
+                           int64_t run_bytes, bool inverse, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace msp

@@ -1,0 +1,275 @@
+// LayerNorm over the last dimension on CUDA: fp32 statistics, fp32/bf16/fp16 in and out,
+// weight/bias in the activation dtype or fp32.
+//
+// Design (llm.c-style, one block per row): a block of up to 512 threads owns one row; each thread
+// loads its 128-bit vectors of the row once and keeps them in registers (up to kCacheFwd vectors),
+// so the exact two-pass statistics (mean, then the centred sum of squares) cost no extra memory
+// traffic; both sums are warp-shuffle + shared-memory block reductions. Memory traffic is the
+// compulsory read x, write y (+ 8 bytes of mean/rstd per row). Rows too long for the register
+// cache re-read x (L1/L2 hits); rows whose width or pointers do not allow 128-bit access run a
+// scalar variant.
+// Backward: a persistent grid of G blocks walks the rows; per row two block sums give
+//   c1 = mean(dy*w*xhat), c2 = mean(dy*w),  dx = rstd * (dy*w - xhat*c1 - c2),
+// and each thread accumulates dw += dy*xhat, db += dy for its own columns in registers, written
+// once as the block's partial row; column_sum adds the G partials (this rank's partial sums;
+// under sequence parallelism the model then sums them over the TP group).
+#include "common.cuh"
+
+namespace msp {
+namespace cuda {
+namespace {
+
+constexpr int kMaxThreads = 512;
+constexpr int kCacheFwd = 8;  // 128-bit vectors per thread kept in registers (forward; a
+                              // 4-vector variant serves the common rows with fewer registers)
+constexpr int kCacheBwd = 4;  // backward (it also holds dy and two accumulators)
+
+struct RowPlan {
+  int threads;     // block size, a multiple of 32
+  int per_thread;  // vectors per thread
+};
+
+RowPlan plan_row(int64_t nvec, int target) {
+  int64_t t = (nvec + target - 1) / target;
+  t = t < 32 ? 32 : (t > kMaxThreads ? kMaxThreads : round_up(t, 32));
+  return {static_cast<int>(t), static_cast<int>((nvec + t - 1) / t)};
+}
+
+// Loads vector v of a row (VEC elements) as floats.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_vec(const T* row, int64_t v, float (&out)[VEC]) {
+  load_f32<T, VEC>(row + v * VEC, out);
+}
+
+// f(k, v) for this thread's vectors v of a row; with CACHE > 0 the loop is unrolled so that k
+// (the register-cache slot) is a compile-time index and the cache never spills to local memory.
+template <int CACHE, typename F>
+__device__ __forceinline__ void for_each_vec(int64_t nvec, F&& f) {
+  if constexpr (CACHE > 0) {
+#pragma unroll
+    for (int k = 0; k < CACHE; ++k) {
+      const int64_t v = threadIdx.x + int64_t(k) * blockDim.x;
+      if (v < nvec) f(k, v);
+    }
+  } else {
+    for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) f(0, v);
+  }
+}
+
+template <typename T, typename W, int VEC, int CACHE>
+__global__ void __launch_bounds__(kMaxThreads)
+    ln_fwd_kernel(const T* __restrict__ x, const W* __restrict__ w, const W* __restrict__ b,
+                  T* __restrict__ y, float* __restrict__ mean, float* __restrict__ rstd, int64_t h,
+                  float eps) {
+  __shared__ float shared[32];
+  const int64_t nvec = h / VEC, row = blockIdx.x;
+  const T* xr = x + row * h;
+  T* yr = y + row * h;
+  Pack<T, VEC> cache[CACHE > 0 ? CACHE : 1];  // raw: 4 registers per 128-bit vector
+  auto row_vec = [&](int k, int64_t v, float(&xv)[VEC]) {
+    if constexpr (CACHE > 0) {
+      pack_to_f32(cache[k], xv);
+    } else {
+      load_vec<T, VEC>(xr, v, xv);
+    }
+  };
+  if constexpr (CACHE > 0)  // issue every load of the row before any math
+    for_each_vec<CACHE>(nvec, [&](int k, int64_t v) { cache[k] = load_pack<T, VEC>(xr + v * VEC); });
+  float sum = 0.0f, sq = 0.0f;
+  for_each_vec<CACHE>(nvec, [&](int k, int64_t v) {
+    float xv[VEC];
+    row_vec(k, v, xv);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) sum += xv[i];
+  });
+  const float mu = block_sum(sum, shared) / static_cast<float>(h);
+  for_each_vec<CACHE>(nvec, [&](int k, int64_t v) {
+    float xv[VEC];
+    row_vec(k, v, xv);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) sq += (xv[i] - mu) * (xv[i] - mu);
+  });
+  const float rs = rsqrtf(block_sum(sq, shared) / static_cast<float>(h) + eps);
+  for_each_vec<CACHE>(nvec, [&](int k, int64_t v) {
+    float xv[VEC], wv[VEC], bv[VEC];
+    row_vec(k, v, xv);
+    load_vec<W, VEC>(w, v, wv);
+    load_vec<W, VEC>(b, v, bv);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) xv[i] = (xv[i] - mu) * rs * wv[i] + bv[i];
+    store_f32<T, VEC>(yr + v * VEC, xv);
+  });
+  if (threadIdx.x == 0) {
+    mean[row] = mu;
+    rstd[row] = rs;
+  }
+}
+
+// The column accumulators dw, db of this thread live in registers (CACHE > 0) or in the block's
+// partial row pw/pb (CACHE == 0; the same thread owns a column on every row, so no race).
+template <typename T, typename W, int VEC, int CACHE>
+__global__ void __launch_bounds__(kMaxThreads)
+    ln_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ w,
+                  const float* __restrict__ mean, const float* __restrict__ rstd,
+                  T* __restrict__ dx, float* __restrict__ partial, int64_t rows, int64_t h) {
+  __shared__ float shared[32];
+  constexpr int A = CACHE > 0 ? CACHE : 1;
+  const int64_t nvec = h / VEC;
+  float* pw = partial + int64_t(blockIdx.x) * 2 * h;
+  float* pb = pw + h;
+  float acc_w[A][VEC], acc_b[A][VEC];
+#pragma unroll
+  for (int k = 0; k < A; ++k)
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc_w[k][i] = acc_b[k][i] = 0.0f;
+  if constexpr (CACHE == 0) {
+    for_each_vec<0>(nvec, [&](int, int64_t v) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) pw[v * VEC + i] = pb[v * VEC + i] = 0.0f;
+    });
+  }
+  const float inv_h = 1.0f / static_cast<float>(h);
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* dyr = dy + row * h;
+    const T* xr = x + row * h;
+    const float mu = mean[row], rs = rstd[row];
+    float s1 = 0.0f, s2 = 0.0f;
+    for_each_vec<CACHE>(nvec, [&](int k, int64_t v) {
+      float gv[VEC], xv[VEC], wv[VEC];
+      load_vec<T, VEC>(dyr, v, gv);
+      load_vec<T, VEC>(xr, v, xv);
+      load_vec<W, VEC>(w, v, wv);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const float xhat = (xv[i] - mu) * rs, gw = gv[i] * wv[i];
+        s1 += gw * xhat;
+        s2 += gw;
+        if constexpr (CACHE > 0) {
+          acc_w[k][i] += gv[i] * xhat;
+          acc_b[k][i] += gv[i];
+        } else {
+          pw[v * VEC + i] += gv[i] * xhat;
+          pb[v * VEC + i] += gv[i];
+        }
+      }
+    });
+    const float c1 = block_sum(s1, shared) * inv_h, c2 = block_sum(s2, shared) * inv_h;
+    for_each_vec<CACHE>(nvec, [&](int, int64_t v) {
+      float gv[VEC], xv[VEC], wv[VEC];
+      load_vec<T, VEC>(dyr, v, gv);  // second read of the row: L1/L2 hits
+      load_vec<T, VEC>(xr, v, xv);
+      load_vec<W, VEC>(w, v, wv);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) gv[i] = rs * (gv[i] * wv[i] - (xv[i] - mu) * rs * c1 - c2);
+      store_f32<T, VEC>(dx + row * h + v * VEC, gv);
+    });
+  }
+  if constexpr (CACHE > 0) {
+    for_each_vec<CACHE>(nvec, [&](int k, int64_t v) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        pw[v * VEC + i] = acc_w[k][i];
+        pb[v * VEC + i] = acc_b[k][i];
+      }
+    });
+  }
+}
+
+template <typename T>
+bool vector_path(int64_t h, const void* a, const void* b, const void* c, const void* d) {
+  return h % (16 / sizeof(T)) == 0 && aligned16(a) && aligned16(b) && aligned16(c) &&
+         aligned16(d);
+}
+
+template <typename T, typename W>
+cudaError_t launch_fwd(const LayerNormFwd& a, cudaStream_t stream) {
+  constexpr int VEC = 16 / sizeof(T);
+  const T* x = static_cast<const T*>(a.x);
+  const W* w = static_cast<const W*>(a.weight);
+  const W* b = static_cast<const W*>(a.bias);
+  T* y = static_cast<T*>(a.y);
+  const dim3 grid(static_cast<unsigned>(a.rows));
+  if (vector_path<T>(a.h, x, w, b, y)) {
+    RowPlan p = plan_row(a.h / VEC, 4);
+    if (p.per_thread <= 4)
+      ln_fwd_kernel<T, W, VEC, 4><<<grid, p.threads, 0, stream>>>(x, w, b, y, a.mean, a.rstd,
+                                                                  a.h, a.eps);
+    else if (p.per_thread <= kCacheFwd)
+      ln_fwd_kernel<T, W, VEC, kCacheFwd><<<grid, p.threads, 0, stream>>>(x, w, b, y, a.mean,
+                                                                          a.rstd, a.h, a.eps);
+    else
+      ln_fwd_kernel<T, W, VEC, 0><<<grid, p.threads, 0, stream>>>(x, w, b, y, a.mean, a.rstd,
+                                                                  a.h, a.eps);
+  } else {
+    RowPlan p = plan_row(a.h, 4);
+    ln_fwd_kernel<T, W, 1, 0><<<grid, p.threads, 0, stream>>>(x, w, b, y, a.mean, a.rstd, a.h,
+                                                              a.eps);
+  }
+  return cudaGetLastError();
+}
+
+struct BwdPlan {
+  RowPlan row;
+  bool vector, cached;
+  int64_t blocks;
+};
+
+BwdPlan plan_bwd(int64_t rows, int64_t h, int vec, bool vector) {
+  BwdPlan p;
+  p.vector = vector;
+  p.row = plan_row(vector ? h / vec : h, kCacheBwd);
+  p.cached = vector && p.row.per_thread <= kCacheBwd;
+  const int64_t per_sm = kMaxThreads / p.row.threads > 0 ? kMaxThreads / p.row.threads : 1;
+  p.blocks = int64_t(sm_count()) * 2 * per_sm;
+  p.blocks = p.blocks < rows ? p.blocks : (rows > 0 ? rows : 1);
+  return p;
+}
+
+template <typename T, typename W>
+cudaError_t launch_bwd(const LayerNormBwd& a, cudaStream_t stream) {
+  constexpr int VEC = 16 / sizeof(T);
+  const T* dy = static_cast<const T*>(a.grad);
+  const T* x = static_cast<const T*>(a.x);
+  const W* w = static_cast<const W*>(a.weight);
+  T* dx = static_cast<T*>(a.grad_x);
+  const BwdPlan p = plan_bwd(a.rows, a.h, VEC, vector_path<T>(a.h, dy, x, w, dx));
+  const dim3 grid(static_cast<unsigned>(p.blocks));
+  if (p.cached)
+    ln_bwd_kernel<T, W, VEC, kCacheBwd><<<grid, p.row.threads, 0, stream>>>(
+        dy, x, w, a.mean, a.rstd, dx, a.scratch, a.rows, a.h);
+  else if (p.vector)
+    ln_bwd_kernel<T, W, VEC, 0><<<grid, p.row.threads, 0, stream>>>(dy, x, w, a.mean, a.rstd, dx,
+                                                                     a.scratch, a.rows, a.h);
+  else
+    ln_bwd_kernel<T, W, 1, 0><<<grid, p.row.threads, 0, stream>>>(dy, x, w, a.mean, a.rstd, dx,
+                                                                   a.scratch, a.rows, a.h);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  return column_sum(a.scratch, p.blocks, 2 * a.h, a.grad_weight_bias, stream);
+}
+
+}  // namespace
+
+int64_t layer_norm_bwd_scratch(int64_t rows, int64_t h, DType dtype) {
+  const int vec = dtype == DType::kF32 ? 4 : 8;
+  const int64_t a = plan_bwd(rows, h, vec, true).blocks, b = plan_bwd(rows, h, 1, false).blocks;
+  return (a > b ? a : b) * 2 * h;
+}
+
+cudaError_t layer_norm_fwd(const LayerNormFwd& a, cudaStream_t stream) {
+  if (a.rows == 0) return cudaSuccess;
+  if (a.rows > int64_t(0x7FFFFFFF)) return cudaErrorInvalidValue;
+  MSP_DISPATCH_DTYPE(a.dtype, T,
+                     MSP_DISPATCH_PARAM(a.weight_dtype, T, W, return launch_fwd<T, W>(a, stream)));
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t layer_norm_bwd(const LayerNormBwd& a, cudaStream_t stream) {
+  if (a.rows == 0) return cudaMemsetAsync(a.grad_weight_bias, 0, 2 * a.h * sizeof(float), stream);
+  MSP_DISPATCH_DTYPE(a.dtype, T,
+                     MSP_DISPATCH_PARAM(a.weight_dtype, T, W, return launch_bwd<T, W>(a, stream)));
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace cuda
+}  // namespace msp

@@ -1,0 +1,166 @@
+// CUDA bindings of the megatron_sp ops: argument checks (shared with the CPU, op_checks.h), output
+// allocation, and a call into the torch-free launchers (launchers.h) on the current stream.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "../op_checks.h"
+#include "launchers.h"
+
+namespace msp {
+namespace {
+
+cuda::DType cuda_dtype(at::ScalarType t) {
+  if (t == at::kBFloat16) return cuda::DType::kBF16;
+  if (t == at::kHalf) return cuda::DType::kF16;
+  TORCH_CHECK(t == at::kFloat, "megatron_sp CUDA ops support fp32/bf16/fp16, got ", t);
+  return cuda::DType::kF32;
+}
+
+void check_launch(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, "megatron_sp::", op, " failed to launch: ",
+              cudaGetErrorString(err));
+}
+
+cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+at::Tensor bda_fwd_cuda(const at::Tensor& x_in, const c10::optional<at::Tensor>& bias_in,
+                        const at::Tensor& res_in, const at::Tensor& positions_in,
+                        const at::Tensor& samples_in, double p, int64_t seed, int64_t layer,
+                        int64_t site, int64_t feature_offset) {
+  check_bias_dropout_add(x_in, bias_in, res_in, positions_in, samples_in, p, feature_offset);
+  c10::cuda::CUDAGuard guard(x_in.device());
+  at::Tensor x = x_in.contiguous(), res = res_in.contiguous(), out = at::empty_like(x);
+  at::Tensor positions = positions_in.contiguous(), samples = samples_in.contiguous();
+  at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
+  cuda::BiasDropoutAddFwd args{
+      x.const_data_ptr(), bias.defined() ? bias.const_data_ptr() : nullptr,
+      res.const_data_ptr(), out.data_ptr(), positions.const_data_ptr<int64_t>(),
+      samples.const_data_ptr<int64_t>(), x.size(0), x.size(1), x.size(2),
+      cuda_dtype(x.scalar_type()), make_dropout_params(p, seed, layer, site, feature_offset)};
+  check_launch(cuda::bias_dropout_add_fwd(args, current_stream()), "bias_dropout_add_fwd");
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> bda_bwd_cuda(const at::Tensor& grad_in, const at::Tensor& pos_in,
+                                                const at::Tensor& samples_in, double p,
+                                                int64_t seed, int64_t layer, int64_t site,
+                                                int64_t feature_offset, bool bias_grad) {
+  TORCH_CHECK(grad_in.dim() == 3, "bias_dropout_add_bwd expects grad_out [s, b, h], got ",
+              grad_in.sizes());
+  check_dropout_index(pos_in, samples_in, grad_in.size(0), grad_in.size(1), grad_in);
+  check_dropout_scalars(p, feature_offset);
+  c10::cuda::CUDAGuard guard(grad_in.device());
+  at::Tensor g = grad_in.contiguous(), gx = at::empty_like(g);
+  at::Tensor positions = pos_in.contiguous(), samples = samples_in.contiguous();
+  const int64_t s = g.size(0), b = g.size(1), h = g.size(2);
+  const cuda::DType dtype = cuda_dtype(g.scalar_type());
+  at::Tensor gbias = at::empty({bias_grad ? h : 0}, g.options().dtype(at::kFloat));
+  at::Tensor scratch = at::empty({bias_grad ? cuda::bias_dropout_add_bwd_scratch(s, b, h, dtype) : 0},
+                                 g.options().dtype(at::kFloat));
+  cuda::BiasDropoutAddBwd args{
+      g.const_data_ptr(), gx.data_ptr(), bias_grad ? gbias.data_ptr<float>() : nullptr,
+      scratch.data_ptr<float>(), positions.const_data_ptr<int64_t>(),
+      samples.const_data_ptr<int64_t>(), s, b, h, dtype,
+      make_dropout_params(p, seed, layer, site, feature_offset)};
+  check_launch(cuda::bias_dropout_add_bwd(args, current_stream()), "bias_dropout_add_bwd");
+  return {gx, gbias};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ln_fwd_cuda(const at::Tensor& x_in,
+                                                           const at::Tensor& w_in,
+                                                           const at::Tensor& b_in, double eps) {
+  const int64_t h = check_layer_norm(x_in, w_in, b_in);
+  c10::cuda::CUDAGuard guard(x_in.device());
+  at::Tensor x = x_in.contiguous(), w = w_in.contiguous(), b = b_in.contiguous();
+  const int64_t rows = x.numel() / h;
+  at::Tensor y = at::empty_like(x);
+  at::Tensor mean = at::empty({rows}, x.options().dtype(at::kFloat)), rstd = at::empty_like(mean);
+  cuda::LayerNormFwd args{x.const_data_ptr(), w.const_data_ptr(), b.const_data_ptr(),
+                          y.data_ptr(), mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, h,
+                          static_cast<float>(eps), cuda_dtype(x.scalar_type()),
+                          cuda_dtype(w.scalar_type())};
+  check_launch(cuda::layer_norm_fwd(args, current_stream()), "layer_norm_fwd");
+  return {y, mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ln_bwd_cuda(const at::Tensor& dy_in,
+                                                           const at::Tensor& x_in,
+                                                           const at::Tensor& w_in,
+                                                           const at::Tensor& mean_in,
+                                                           const at::Tensor& rstd_in) {
+  const int64_t h = check_layer_norm(x_in, w_in, w_in);
+  TORCH_CHECK(dy_in.sizes() == x_in.sizes() && dy_in.scalar_type() == x_in.scalar_type(),
+              "layer_norm_bwd: grad_out must match x in shape and dtype");
+  const int64_t rows = x_in.numel() / h;
+  TORCH_CHECK(mean_in.numel() == rows && rstd_in.numel() == rows &&
+                  mean_in.scalar_type() == at::kFloat && rstd_in.scalar_type() == at::kFloat,
+              "layer_norm_bwd: mean and rstd must be fp32 with one value per row");
+  c10::cuda::CUDAGuard guard(x_in.device());
+  at::Tensor dy = dy_in.contiguous(), x = x_in.contiguous(), w = w_in.contiguous();
+  at::Tensor mean = mean_in.contiguous(), rstd = rstd_in.contiguous(), dx = at::empty_like(x);
+  const cuda::DType dtype = cuda_dtype(x.scalar_type());
+  at::Tensor sums = at::empty({2 * h}, x.options().dtype(at::kFloat));
+  at::Tensor scratch = at::empty({cuda::layer_norm_bwd_scratch(rows, h, dtype)},
+                                 x.options().dtype(at::kFloat));
+  cuda::LayerNormBwd args{dy.const_data_ptr(), x.const_data_ptr(), w.const_data_ptr(),
+                          mean.const_data_ptr<float>(), rstd.const_data_ptr<float>(),
+                          dx.data_ptr(), sums.data_ptr<float>(), scratch.data_ptr<float>(), rows,
+                          h, dtype, cuda_dtype(w.scalar_type())};
+  check_launch(cuda::layer_norm_bwd(args, current_stream()), "layer_norm_bwd");
+  return {dx, sums.narrow(0, 0, h).to(w.scalar_type()), sums.narrow(0, h, h).to(w.scalar_type())};
+}
+
+at::Tensor transpose_cuda(const at::Tensor& x_in, const BlockTranspose& plan, const char* op) {
+  c10::cuda::CUDAGuard guard(x_in.device());
+  at::Tensor x = x_in.contiguous(), out = at::empty(plan.out_shape, x.options());
+  check_launch(cuda::block_transpose(x.const_data_ptr(), out.data_ptr(), plan.a, plan.b,
+                                     plan.run * x.element_size(), current_stream()),
+               op);
+  return out;
+}
+
+at::Tensor ulysses_pack_cuda(const at::Tensor& x, int64_t p) {
+  return transpose_cuda(x, ulysses_pack_plan(x, p), "ulysses_pack");
+}
+
+at::Tensor ulysses_unpack_cuda(const at::Tensor& x, int64_t p) {
+  return transpose_cuda(x, ulysses_unpack_plan(x, p), "ulysses_unpack");
+}
+
+at::Tensor gather_to_last_dim_cuda(const at::Tensor& x, int64_t t) {
+  return transpose_cuda(x, gather_to_last_dim_plan(x, t), "gather_to_last_dim");
+}
+
+at::Tensor last_dim_to_gather_cuda(const at::Tensor& x, int64_t t) {
+  return transpose_cuda(x, last_dim_to_gather_plan(x, t), "last_dim_to_gather");
+}
+
+at::Tensor zigzag_reorder_cuda(const at::Tensor& x_in, int64_t p, int64_t dim, bool inverse) {
+  const ZigzagPlan plan = zigzag_plan(x_in, p, dim);
+  c10::cuda::CUDAGuard guard(x_in.device());
+  at::Tensor x = x_in.contiguous(), out = at::empty(x.sizes(), x.options());
+  check_launch(cuda::zigzag_reorder(x.const_data_ptr(), out.data_ptr(), plan.outer, p,
+                                    plan.run * x.element_size(), inverse, current_stream()),
+               "zigzag_reorder");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(megatron_sp, CUDA, m) {
+  m.impl("bias_dropout_add_fwd", &bda_fwd_cuda);
+  m.impl("bias_dropout_add_bwd", &bda_bwd_cuda);
+  m.impl("layer_norm_fwd", &ln_fwd_cuda);
+  m.impl("layer_norm_bwd", &ln_bwd_cuda);
+  m.impl("ulysses_pack", &ulysses_pack_cuda);
+  m.impl("ulysses_unpack", &ulysses_unpack_cuda);
+  m.impl("gather_to_last_dim", &gather_to_last_dim_cuda);
+  m.impl("last_dim_to_gather", &last_dim_to_gather_cuda);
+  m.impl("zigzag_reorder", &zigzag_reorder_cuda);
+}
+
+}  // namespace msp

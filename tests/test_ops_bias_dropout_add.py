@@ -1,0 +1,128 @@
+"""Fused bias_dropout_add (C++ CPU op) against the reference: masks bit-identical, fwd and bwd."""
+import pytest
+import torch
+
+from megatron_sp import ops
+from megatron_sp.ops.bias_dropout_add import bias_dropout_add, bias_dropout_add_reference
+from megatron_sp.ops.testing import FLOAT_DTYPES, assert_close_dtype, randn, random_index
+from megatron_sp.tensor_parallel.random import hidden_keep_mask
+
+pytestmark = pytest.mark.skipif(not ops.extension_available(), reason="megatron_sp._C not built")
+
+SHAPES = [(1, 1, 1), (5, 3, 7), (16, 2, 64), (9, 4, 130)]   # [s, b, h], odd sizes included
+OFFSETS = [0, 3, 128]                                        # global index of local feature 0
+
+
+def _fused_keep(shape, p, seed, layer, site, index, offset):
+    """The fused op's mask: x = 1, no bias, residual = 0 gives exactly keep * scale."""
+    ones, zeros = torch.ones(shape), torch.zeros(shape)
+    out = torch.ops.megatron_sp.bias_dropout_add_fwd(
+        ones, None, zeros, index.token_positions, index.sample_ids, p, seed, layer, site, offset)
+    return out != 0
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("offset", OFFSETS)
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_mask_bit_identical_to_random_py(shape, offset, p):
+    g = torch.Generator().manual_seed(hash((shape, offset, p)) % 2**31)
+    index = random_index(shape[0], shape[1], generator=g)
+    seed, layer, site = -7 + 2**33, 5, 3                   # seed wraps mod 2^32 in both
+    expected = hidden_keep_mask(shape, p, seed, layer, site, index, offset)
+    assert torch.equal(_fused_keep(shape, p, seed, layer, site, index, offset), expected)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp32_forward_bitwise_equal(shape):
+    s, b, h = shape
+    x, res, bias = torch.randn(shape), torch.randn(shape), torch.randn(h)
+    index = random_index(s, b)
+    ref = bias_dropout_add_reference(x, bias, res, 0.3, 11, 2, 3, index, 5)
+    assert torch.equal(bias_dropout_add(x, bias, res, 0.3, 11, 2, 3, index, 5), ref)
+
+
+def _grads(fn, x, bias, res):
+    out = fn()
+    grad = torch.randn(out.shape).to(out.dtype)
+    out.backward(grad)
+    return out.detach(), x.grad, None if bias is None else bias.grad, res.grad
+
+
+def _leaves(shape, dtype, bias_dtype):
+    x, res = randn(shape, dtype, requires_grad=True), randn(shape, dtype, requires_grad=True)
+    bias = None if bias_dtype is None else randn(shape[2], bias_dtype, requires_grad=True)
+    return x, bias, res
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("bias_dtype", ["same", torch.float32, None])  # fp32: reference path
+@pytest.mark.parametrize("shape", [(5, 3, 7), (16, 2, 64)])
+def test_forward_backward_match_reference(dtype, bias_dtype, shape):
+    bias_dtype = dtype if bias_dtype == "same" else bias_dtype
+    torch.manual_seed(0)
+    index, args = random_index(shape[0], shape[1]), (0.25, 42, 1, 2)
+    leaves_f = _leaves(shape, dtype, bias_dtype)
+    leaves_r = tuple(None if t is None else t.detach().clone().requires_grad_() for t in leaves_f)
+    torch.manual_seed(1)
+    got = _grads(lambda: bias_dropout_add(leaves_f[0], leaves_f[1], leaves_f[2], *args, index, 6),
+                 *leaves_f)
+    torch.manual_seed(1)
+    want = _grads(lambda: bias_dropout_add_reference(leaves_r[0], leaves_r[1], leaves_r[2], *args,
+                                                     index, 6), *leaves_r)
+    for i, (a, e) in enumerate(zip(got, want)):
+        if e is None:
+            assert a is None
+            continue
+        assert a.dtype == e.dtype
+        assert_close_dtype(a, e, dtype, scale=shape[0] * shape[1] if i == 2 else 1.0)
+
+
+def test_eval_and_zero_p_are_plain_adds():
+    x, res, bias = torch.randn(4, 2, 8), torch.randn(4, 2, 8), torch.randn(8)
+    index = random_index(4, 2)
+    expected = res + (x + bias)
+    assert torch.equal(bias_dropout_add(x, bias, res, 0.5, 1, 0, 2, index, training=False), expected)
+    assert torch.equal(bias_dropout_add(x, bias, res, 0.0, 1, 0, 2, index), expected)
+
+
+def test_backward_saves_no_mask():
+    """Only the [s] positions and [b] sample ids are kept for the backward (masks are redrawn)."""
+    s, b, h = 8, 2, 32
+    x = torch.randn(s, b, h, requires_grad=True)
+    bias = torch.randn(h, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        bias_dropout_add(x, bias, torch.randn(s, b, h), 0.1, 1, 0, 2, random_index(s, b))
+    assert sorted(tuple(t.shape) for t in saved) == [(b,), (s,)]
+    assert all(t.dtype == torch.int64 for t in saved)
+
+
+def test_opcheck():
+    s, b, h = 6, 3, 12
+    index = random_index(s, b)
+    for dtype, bias in [(torch.float32, torch.randn(h)), (torch.bfloat16, None)]:
+        x = torch.randn(s, b, h, dtype=dtype, requires_grad=True)
+        res = torch.randn(s, b, h, dtype=dtype, requires_grad=True)
+        bias = None if bias is None else bias.requires_grad_()
+        torch.library.opcheck(torch.ops.megatron_sp.bias_dropout_add_fwd,
+                              (x, bias, res, index.token_positions, index.sample_ids, 0.2, 3, 1, 2, 4))
+
+
+def test_torch_compile_fullgraph():
+    s, b, h = 4, 2, 16
+    index = random_index(s, b)
+    x, res, bias = torch.randn(s, b, h), torch.randn(s, b, h), torch.randn(h)
+    fn = torch.compile(lambda x, bias, res: bias_dropout_add(x, bias, res, 0.3, 9, 1, 3, index),
+                       backend="aot_eager", fullgraph=True)
+    assert torch.equal(fn(x, bias, res), bias_dropout_add_reference(x, bias, res, 0.3, 9, 1, 3, index))
+
+
+def test_bad_arguments_raise_clear_errors():
+    x = torch.randn(4, 2, 8)
+    index = random_index(4, 2)
+    with pytest.raises(RuntimeError, match="dropout probability"):
+        torch.ops.megatron_sp.bias_dropout_add_fwd(x, None, x, index.token_positions,
+                                                   index.sample_ids, 1.5, 0, 0, 0, 0)
+    with pytest.raises(RuntimeError, match="token_positions"):
+        torch.ops.megatron_sp.bias_dropout_add_fwd(x, None, x, index.token_positions[:3],
+                                                   index.sample_ids, 0.1, 0, 0, 0, 0)
