@@ -53,12 +53,16 @@ def _parity_worker(tp, sp, dropout):
     ps = parallel_state.initialize_model_parallel(tp)
     model = GPTModel(_config(tp, sp, dropout))
     init = model.full_state_dict()
-    losses, grads0 = _train(model, model.reduce_sequence_parallel_grads, model.full_grad_dict)
+    from megatron_sp.training.optimizer import global_grad_norm
+
+    def grads_and_norm():
+        return model.full_grad_dict(), global_grad_norm(list(model.parameters()), ps).item()
+    losses, (grads0, norm0) = _train(model, model.reduce_sequence_parallel_grads, grads_and_norm)
     replicated = {n: p.detach().clone() for n, p in model.named_parameters() if p.shard_spec.dim is None}
     final = model.full_state_dict()
     if ps.dp_rank != 0:                                        # DP replicas: only the rank grid matters
         return None
-    return {"tp_rank": ps.tp_rank, "init": init, "losses": losses, "grads0": grads0,
+    return {"tp_rank": ps.tp_rank, "init": init, "losses": losses, "grads0": grads0, "norm0": norm0,
             "final": final, "replicated": replicated}
 
 
@@ -107,6 +111,8 @@ def test_parity_with_reference(pool, tp, sp, dropout):
             assert torch.equal(res["init"][k], init[k]), k
         for got, want in zip(res["losses"], ref_losses):
             assert abs(got - want) <= 1e-5 * abs(want), (res["losses"], ref_losses)
+        ref_norm = torch.stack([g.norm() for g in ref_grads.values()]).norm().item()
+        assert abs(res["norm0"] - ref_norm) <= 1e-5 * ref_norm     # each parameter counted once
         assert res["grads0"].keys() == ref_grads.keys()
         for k in ref_grads:
             assert _rel(res["grads0"][k], ref_grads[k]) < 1e-5, (k, _rel(res["grads0"][k], ref_grads[k]))

@@ -10,6 +10,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -79,12 +80,14 @@ def build_data(setup: Setup, ps):
     from megatron_sp.data import build_gpt_datasets
     args = setup.args
     evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters
-    train, valid, _ = build_gpt_datasets(
-        args.data_path or None, args.split, args.seq_length, args.seed, setup.tokenizer,
-        train_samples=args.train_iters * args.global_batch_size,
-        valid_samples=evals * args.global_batch_size, test_samples=args.eval_iters * args.global_batch_size,
-        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
-        eod_mask_loss=args.eod_mask_loss, cache_dir=args.data_cache_path)
+    with warnings.catch_warnings():   # the run never reads the test split: an empty one is fine
+        warnings.filterwarnings("ignore", message="The test split")
+        train, valid, _ = build_gpt_datasets(
+            args.data_path or None, args.split, args.seq_length, args.seed, setup.tokenizer,
+            train_samples=args.train_iters * args.global_batch_size,
+            valid_samples=evals * args.global_batch_size, test_samples=args.eval_iters * args.global_batch_size,
+            reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+            eod_mask_loss=args.eod_mask_loss, cache_dir=args.data_cache_path)
     return train, valid
 
 
@@ -106,7 +109,10 @@ def main(argv=None) -> int:
     args = setup.args
     init_distributed(args.distributed_backend, args.device, timeout_s=60 * args.distributed_timeout_minutes)
     try:
-        return Trainer(setup).run()
+        code = Trainer(setup).run()
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()   # nobody tears the group down while a peer still logs
+        return code
     except NonFiniteError as err:
         print(f"pretrain_gpt_sp.py: error: {err}", file=sys.stderr)
         return 1
