@@ -1,7 +1,7 @@
 """The canonical (TP-independent) layout of every parameter, and this rank's slice of it.
 
-Canonical tensor = the ReferenceGPT tensor with the split dim viewed as [groups, F/groups] (fused QKV:
-[3, h, h]) and no vocabulary padding. A TP rank's shard is then one contiguous block of it:
+Canonical tensor = the ReferenceGPT tensor, unpadded, with a grouped split dim viewed as
+[groups, F/groups] (only the fused QKV: [3, h, h] and [3, h]). A TP rank's shard is then one contiguous block of it:
 
     canonical  [.., g, F/g, ..]      local block  [.., g, F/(g t), ..] at offset r·F/(g t) on the F/g axis
 
@@ -26,11 +26,13 @@ def _split_axis(p):
     spec = p.shard_spec
     if spec.dim is None:
         return None
-    return spec.dim % p.dim() + 1, spec.groups
+    return spec.dim % p.dim() + (1 if spec.groups > 1 else 0), spec.groups
 
 
 def _grouped_view(t, p):
     spec = p.shard_spec
+    if spec.groups == 1:
+        return t
     d = spec.dim % p.dim()
     shape = list(t.shape)
     return t.reshape(shape[:d] + [spec.groups, shape[d] // spec.groups] + shape[d + 1:])

@@ -175,6 +175,9 @@ def load(args, trainer) -> None:
         return
     _check_compatible(meta, trainer.cfg, path)
     with_optim = not (args.finetune or args.no_load_optim)
+    if with_optim and not _has_optimizer_state(path):
+        trainer.log.info(f" {path} holds no optimizer state (converted weights?): the optimizer starts fresh")
+        with_optim = False
     state = _target_state(trainer, with_optim)
     _dcp().load(state, checkpoint_id=path)
     _restore_model(trainer, state["model"])
@@ -202,6 +205,11 @@ def _locate(root: str):
     if not os.path.exists(meta_path):
         raise CheckpointError(f"checkpoint {path} named by {LATEST} is missing or incomplete.")
     return path, json.load(open(meta_path))
+
+
+def _has_optimizer_state(path) -> bool:
+    meta = _dcp().FileSystemReader(path).read_metadata().state_dict_metadata
+    return any(key.startswith("optim.") for key in meta)
 
 
 def _check_compatible(meta, cfg, path):

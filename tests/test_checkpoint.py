@@ -1,0 +1,121 @@
+"""Checkpoints: exact resume (bit for bit), resharding TP=2+SP -> TP=1 and TP=4, atomic save under
+kill -9, --finetune / --no-load-optim, and the safetensors conversion tool."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from launch_helpers import REPO, TINY, check, losses, torchrun
+from megatron_sp.training import checkpointing, pretrain
+
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+RUN = TINY + ["--train-iters", "20", "--global-batch-size", "4"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """An uninterrupted TP=2+SP run of 20 iterations, and one stopped after 10 with a checkpoint."""
+    root = tmp_path_factory.mktemp("ckpt")
+    check(torchrun(2, RUN + TP2_SP + ["--log-jsonl", str(root / "straight.jsonl")], cwd=root))
+    check(torchrun(2, RUN + TP2_SP + ["--save", str(root / "ckpt"), "--exit-interval", "10",
+                                      "--log-jsonl", str(root / "first.jsonl")], cwd=root))
+    return root
+
+
+@pytest.mark.slow
+def test_exact_resume_is_bit_identical(runs, tmp_path):
+    straight = losses(runs / "straight.jsonl")
+    assert losses(runs / "first.jsonl") == straight[:10]
+    check(torchrun(2, RUN + TP2_SP + ["--load", str(runs / "ckpt"), "--log-jsonl", str(tmp_path / "resumed.jsonl")],
+                   cwd=tmp_path))
+    assert losses(tmp_path / "resumed.jsonl") == straight[10:]       # bit for bit
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 4])
+def test_resharded_resume_matches(runs, tmp_path, tp):
+    flags = ["--tensor-model-parallel-size", str(tp)] + (["--sequence-parallel"] if tp > 1 else [])
+    check(torchrun(tp, RUN + flags + ["--load", str(runs / "ckpt"), "--log-jsonl", str(tmp_path / "r.jsonl")],
+                   cwd=tmp_path))
+    got, want = losses(tmp_path / "r.jsonl"), losses(runs / "straight.jsonl")[10:]
+    assert len(got) == 10
+    for a, b in zip(got, want):
+        assert abs(a - b) <= 1e-5 * abs(b), (tp, got, want)
+
+
+SMALL = TINY + ["--global-batch-size", "4"]
+EVERY2 = ["--save-interval", "2"]
+
+KILLER = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+from megatron_sp.training import checkpointing, pretrain
+real = checkpointing._dcp()
+class Dying:
+    def save(self, state, checkpoint_id):          # the shards are written, then the process dies
+        real.save(state, checkpoint_id=checkpoint_id)
+        if checkpoint_id.endswith("iter_0000004.tmp"):
+            os.kill(os.getpid(), signal.SIGKILL)
+    def __getattr__(self, name):
+        return getattr(real, name)
+checkpointing._dcp = lambda: Dying()
+sys.exit(pretrain.main(sys.argv[1:]))
+"""
+
+
+def test_save_killed_midway_keeps_previous_checkpoint(tmp_path, capsys):
+    save = tmp_path / "ckpt"
+    driver = tmp_path / "driver.py"
+    driver.write_text(KILLER.format(repo=REPO))
+    proc = subprocess.run([sys.executable, str(driver), *SMALL, *EVERY2, "--train-iters", "6", "--save", str(save)],
+                          cwd=tmp_path, capture_output=True, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert checkpointing.read_latest(str(save)) == 2                 # marker still on the last good one
+    assert (save / "iter_0000004.tmp").is_dir() and not (save / "iter_0000004").exists()
+    code = pretrain.main(SMALL + EVERY2 + ["--train-iters", "6", "--load", str(save), "--save", str(save),
+                                  "--log-jsonl", str(tmp_path / "resumed.jsonl")])
+    assert code == 0 and "loaded checkpoint" in capsys.readouterr().out
+    assert [r["iteration"] for r in map(json.loads, open(tmp_path / "resumed.jsonl"))] == [3, 4, 5, 6]
+    assert checkpointing.read_latest(str(save)) == 6
+    assert not (save / "iter_0000004.tmp").exists()                  # leftovers cleaned by the next save
+
+
+def test_finetune_and_no_load_optim(tmp_path):
+    save = tmp_path / "ckpt"
+    assert pretrain.main(SMALL + ["--train-iters", "4", "--save", str(save),
+                                  "--log-jsonl", str(tmp_path / "a.jsonl")]) == 0
+    assert pretrain.main(SMALL + ["--train-iters", "6", "--load", str(save),
+                                  "--log-jsonl", str(tmp_path / "b.jsonl")]) == 0
+    assert pretrain.main(SMALL + ["--train-iters", "6", "--load", str(save), "--no-load-optim",
+                                  "--log-jsonl", str(tmp_path / "c.jsonl")]) == 0
+    assert pretrain.main(SMALL + ["--train-iters", "2", "--load", str(save), "--finetune",
+                                  "--log-jsonl", str(tmp_path / "d.jsonl")]) == 0
+    first = losses(tmp_path / "a.jsonl")
+    resumed, fresh_optim, finetuned = (losses(tmp_path / f"{n}.jsonl") for n in "bcd")
+    assert len(resumed) == len(fresh_optim) == 2 and len(finetuned) == 2   # iterations 5-6, and 1-2
+    assert resumed[0] == fresh_optim[0]                # same weights at iteration 5...
+    assert resumed[1] != fresh_optim[1]                # ...but fresh Adam moments change the step
+    assert finetuned[0] < first[0] - 0.05              # trained weights, data from the start
+
+
+def test_safetensors_round_trip(tmp_path):
+    from safetensors.torch import load_file
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import convert_checkpoint
+    from megatron_sp.models.reference import ReferenceGPT
+    save = tmp_path / "ckpt"
+    assert pretrain.main(SMALL + ["--train-iters", "2", "--save", str(save)]) == 0
+    convert_checkpoint.main(["to-safetensors", "--load", str(save), "--output", str(tmp_path / "m.safetensors")])
+    full = load_file(str(tmp_path / "m.safetensors"))
+    meta = json.load(open(save / "iter_0000002" / "metadata.json"))
+    cfg_fields = {k: v for k, v in meta["config"].items()}
+    ref = ReferenceGPT(pretrain.GPTConfig(**cfg_fields))
+    ref.load_state_dict(full)                           # ReferenceGPT's keys and shapes exactly
+    convert_checkpoint.main(["from-safetensors", "--input", str(tmp_path / "m.safetensors"),
+                             "--save", str(tmp_path / "back")])
+    again = convert_checkpoint.read_full_state(checkpointing.checkpoint_dir(str(tmp_path / "back"), 0))
+    assert again.keys() == full.keys() and all(torch.equal(again[k], full[k]) for k in full)
+    assert pretrain.main(SMALL + ["--train-iters", "1", "--load", str(tmp_path / "back"), "--finetune"]) == 0
