@@ -49,7 +49,7 @@ class TrainingLogger:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{record['lm_loss']:.4f}")
         it = record["iteration"]
-        if it % self.args.log_interval != 0 and it != self.args.train_iters:
+        if it % self.args.log_interval != 0 and it not in (1, self.args.train_iters):
             return
         self.records.append(record)
         self._write(_megatron_line(record, self.args.train_iters))
