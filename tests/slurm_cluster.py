@@ -13,12 +13,15 @@ Non-obvious constraints, each learnt the hard way:
   `--ntasks=4` on a 2-core machine stays pending for ever.
 - The host name must resolve, or torch's rendezvous (which looks it up) hangs.
 - munged's socket folder must be mode 755 so that unprivileged job steps can reach it.
-- A requeued job waits `cred_expire` seconds before it may start again (default 120 s): set to 5.
+- A requeued job waits `cred_expire` seconds before it may start again (default 120 s): set to 5,
+  the least Slurm accepts (below that it silently keeps 120), and the main scheduling loop, which
+  is what starts it then, runs every second instead of every 60 s.
 - `sbatch --wait` polls every 10 s; `wait()` polls `scontrol show job` instead.
 - Every Slurm command needs SLURM_CONF: use `cluster.env` / `cluster.cmd()`.
 """
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -186,7 +189,7 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 SchedulerType=sched/builtin
-SchedulerParameters=batch_sched_delay=0
+SchedulerParameters=batch_sched_delay=0,sched_interval=1
 SlurmdParameters=config_overrides
 MpiDefault=none
 ReturnToService=2
@@ -296,3 +299,35 @@ def slurm_cluster():
     finally:
         cluster.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+# ---- helpers shared by the launch tests ----------------------------------------------------------
+def read_losses(path: str | os.PathLike) -> list[tuple[int, float]]:
+    """(iteration, lm_loss) for each line of a training log (JSON lines), in file order."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                record = json.loads(line)
+                out.append((record["iteration"], record["lm_loss"]))
+    return out
+
+
+def wait_until(predicate, timeout: float, what: str, poll_s: float = 0.05):
+    """Polls `predicate()` until it is truthy and returns its value; TimeoutError naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise TimeoutError(f"{what}: not after {timeout:.0f} s")
+
+
+def tail(path: str | os.PathLike, chars: int = 4000) -> str:
+    try:
+        return Path(path).read_text(errors="replace")[-chars:]
+    except OSError as e:
+        return f"<no output: {e}>"
