@@ -2,7 +2,7 @@
 //
 // Design: rows are the s*b (token, sample) pairs of an [s, b, h] slab, split over threads with
 // at::parallel_for. Per row, one pass draws the 32-bit words of all h features (one Philox call per
-// four features, see philox.h) into a small buffer, and a second vectorised pass applies
+// four features, 8 calls side by side in AVX-512 lanes: philox_cpu.h) into a small buffer, and a second vectorised pass applies
 // out = residual + (x + bias) * keep * scale in fp32. The backward draws the same words again (no
 // stored mask), writes grad_x = (grad * scale) * keep and sums it over rows for the bias gradient.
 #include <ATen/Dispatch.h>
@@ -19,6 +19,7 @@
 #include "cpu_simd.h"
 #include "op_checks.h"
 #include "philox.h"
+#include "philox_cpu.h"
 
 namespace msp {
 namespace {
@@ -30,20 +31,14 @@ struct RowIndex {
 };
 
 // Words of local features 0..h-1 of one row; buf holds h + 8 words. Returns the row's first word.
-template <typename Unused = void>
-MSP_CPU_INLINE const uint32_t* draw_row_words(const DropoutParams& d, int64_t pos, int64_t sample,
-                                              int64_t h, uint32_t* buf) {
-  int64_t first = d.feature_offset / 4, groups = (d.feature_offset + h + 3) / 4 - first;
-  uint32_t c1 = static_cast<uint32_t>(pos), c2 = static_cast<uint32_t>(sample);
-  uint32_t c3 = static_cast<uint32_t>(static_cast<uint64_t>(sample) >> 32);
-#pragma omp simd
-  for (int64_t g = 0; g < groups; ++g) {
-    Words4 w = philox4x32_10(static_cast<uint32_t>(first + g), c1, c2, c3, d.k0, d.k1);
-    for (int lane = 0; lane < 4; ++lane) buf[4 * g + lane] = w.w[lane];
-  }
+const uint32_t* draw_row_words(const DropoutParams& d, int64_t pos, int64_t sample, int64_t h,
+                               uint32_t* buf) {
+  const int64_t first = d.feature_offset / 4, groups = (d.feature_offset + h + 3) / 4 - first;
+  const uint64_t s = static_cast<uint64_t>(sample);
+  philox_groups(d, static_cast<uint32_t>(first), groups, static_cast<uint32_t>(pos),
+                static_cast<uint32_t>(s), static_cast<uint32_t>(s >> 32), buf);
   return buf + d.feature_offset % 4;
 }
-MSP_SIMD_VARIANTS(draw_row_words)
 
 template <typename T>
 MSP_CPU_INLINE void bda_fwd_row(const T* x, const float* bias, const T* res, T* out,
@@ -83,7 +78,7 @@ const uint32_t* row_words(const DropoutParams& d, const RowIndex& idx, int64_t r
                           uint32_t* buf) {
   if (d.threshold == 0) return nullptr;  // p == 0: keep everything, skip Philox
   int64_t pos = idx.positions[row / idx.b], sample = idx.samples[row % idx.b];
-  return draw_row_words_simd<void>(d, pos, sample, h, buf);
+  return draw_row_words(d, pos, sample, h, buf);
 }
 
 at::Tensor bias_row_f32(const c10::optional<at::Tensor>& bias, int64_t h) {

@@ -11,6 +11,8 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #define MSP_CPU_INLINE inline __attribute__((always_inline))
 
@@ -27,10 +29,16 @@ namespace msp {
 
 enum class SimdLevel { kBaseline, kAvx2, kAvx512 };
 
+// MEGATRON_SP_CPU_CAPABILITY=avx2|default caps the level (like torch's ATEN_CPU_CAPABILITY), so
+// the tests can run every variant on one machine.
 inline SimdLevel detect_simd_level() {
 #if defined(__x86_64__) && defined(__GNUC__)
+  const char* cap = std::getenv("MEGATRON_SP_CPU_CAPABILITY");
+  const bool cap_default = cap != nullptr && std::strcmp(cap, "default") == 0;
+  const bool cap_avx2 = cap != nullptr && std::strcmp(cap, "avx2") == 0;
+  if (cap_default) return SimdLevel::kBaseline;
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  if (!cap_avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
     return SimdLevel::kAvx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return SimdLevel::kAvx2;

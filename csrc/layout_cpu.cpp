@@ -3,7 +3,9 @@
 //
 // Design: each op is a copy of contiguous runs (op_checks.h plans them): a block transpose
 // [a, b, run] -> [b, a, run] or a permutation of 2p chunks of [outer, 2p, run]. The copy is
-// dtype-agnostic (bytes), one memcpy per run, runs spread over threads with at::parallel_for.
+// dtype-agnostic (bytes): runs are copied with inlined vector moves (AVX-512/AVX2 variants,
+// cpu_simd.h), or with streaming stores when the output is much larger than the caches, spread
+// over threads with at::parallel_for.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -11,12 +13,69 @@
 
 #include <algorithm>
 #include <cstring>
+#include <immintrin.h>
+#include <unistd.h>
 
+#include "cpu_simd.h"
 #include "layout_index.h"
 #include "op_checks.h"
 
 namespace msp {
 namespace {
+
+// Fixed-size 64-byte memcpy compiles to vector moves of the variant's width; no call per run.
+MSP_CPU_INLINE void copy_bytes(char* dst, const char* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) std::memcpy(dst + i, src + i, 64);
+  if (i < n) std::memcpy(dst + i, src + i, n - i);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// Streaming (non-temporal) stores: no read-for-ownership of the destination, a third less memory
+// traffic for outputs far larger than the caches.
+MSP_TARGET_AVX2 inline void stream_bytes(char* dst, const char* src, int64_t n) {
+  int64_t i = 0;
+  const int64_t head = std::min<int64_t>(n, (32 - (reinterpret_cast<uintptr_t>(dst) & 31)) & 31);
+  std::memcpy(dst, src, head);
+  for (i = head; i + 32 <= n; i += 32)
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+  if (i < n) std::memcpy(dst + i, src + i, n - i);
+}
+#endif
+
+// Task t of a copy cut into `pieces` pieces per run: output run t / pieces, bytes [off, off+len).
+template <typename Source>
+MSP_CPU_INLINE void copy_pieces(char* dst, const char* src, int64_t bytes, int64_t piece,
+                                int64_t pieces, int64_t t0, int64_t t1, Source source) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t o = t / pieces, off = (t % pieces) * piece;
+    copy_bytes(dst + o * bytes + off, src + source(o) * bytes + off, std::min(piece, bytes - off));
+  }
+}
+
+template <typename Source>
+void stream_pieces(char* dst, const char* src, int64_t bytes, int64_t piece, int64_t pieces,
+                   int64_t t0, int64_t t1, Source source) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t o = t / pieces, off = (t % pieces) * piece;
+    stream_bytes(dst + o * bytes + off, src + source(o) * bytes + off, std::min(piece, bytes - off));
+  }
+  _mm_sfence();
+#endif
+}
+MSP_SIMD_VARIANTS(copy_pieces)
+
+// Outputs at least a quarter of the last-level cache are written with streaming stores (measured
+// on a 32 MiB-L3 CPU: 1.5-2x faster than cached stores at 16 MiB, slower at 4 MiB).
+inline int64_t stream_threshold() {
+  static const int64_t threshold = [] {
+    long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    return std::max<int64_t>(int64_t(8) << 20, l3 > 0 ? l3 / 4 : 0);
+  }();
+  return threshold;
+}
 
 // dst run o <- src run source(o), each `bytes` long. Long runs are cut into pieces so that a
 // permutation of a few huge chunks (zigzag) still uses every thread.
@@ -25,11 +84,11 @@ void parallel_copy_runs(char* dst, const char* src, int64_t runs, int64_t bytes,
   if (bytes == 0 || runs == 0) return;
   const int64_t piece = std::min<int64_t>(bytes, 1 << 16);
   const int64_t pieces = (bytes + piece - 1) / piece;
-  at::parallel_for(0, runs * pieces, std::max<int64_t>(1, (1 << 16) / piece), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      int64_t o = t / pieces, off = (t % pieces) * piece;
-      std::memcpy(dst + o * bytes + off, src + source(o) * bytes + off, std::min(piece, bytes - off));
-    }
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / piece);
+  const bool stream = runs * bytes >= stream_threshold() && simd_level() != SimdLevel::kBaseline;
+  at::parallel_for(0, runs * pieces, grain, [&](int64_t t0, int64_t t1) {
+    if (stream) stream_pieces<Source>(dst, src, bytes, piece, pieces, t0, t1, source);
+    else copy_pieces_simd<Source>(dst, src, bytes, piece, pieces, t0, t1, source);
   });
 }
 

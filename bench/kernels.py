@@ -1,0 +1,268 @@
+"""Fused megatron_sp ops against PyTorch on the same inputs, in the same run.
+
+    python bench/kernels.py --device cpu                 # C++ op vs its PyTorch reference: time, ratio
+    python bench/kernels.py --device cuda                # + bandwidth vs device copy, eager, torch.compile
+    python bench/kernels.py --device cuda --no-compile --dtype float32 --markdown out.md
+
+Every case is validated before it is timed (fused vs reference: masks bit-identical, values within
+the dtype's tolerance); a failed check exits 1. CPU: wall-clock minimum over interleaved runs (the
+minimum, not the median, because shared CI machines are noisy and the work is deterministic).
+CUDA: CUDA-event median; bandwidth = compulsory bytes (each input read once, each output written
+once) / time, and % of the measured device-to-device copy bandwidth (copy_ of a slab as large as the
+largest case). Baselines: `reference` is the op's PyTorch reference in megatron_sp.ops (the same
+numerics); `native` is what eager code usually calls (F.dropout with torch's RNG, F.layer_norm in
+the input dtype); `compiled` is torch.compile of the native (or reference) code.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn.functional as F
+
+from megatron_sp import ops
+from megatron_sp.ops import layout
+from megatron_sp.ops.testing import assert_close_dtype
+from megatron_sp.tensor_parallel.random import DropoutIndex
+
+MSP = torch.ops.megatron_sp
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Case:
+    name: str                        # op and shape
+    nbytes: int                      # compulsory bytes moved
+    fused: Callable[[], object]
+    baselines: Dict[str, Callable[[], object]]
+    check: Callable[[], None]        # raises when the fused result is wrong
+    compiled: Dict[str, Callable[[], object]] = field(default_factory=dict)
+
+
+# ---- cases --------------------------------------------------------------------------------------
+
+def _bda_cases(s, b, h, dtype, dev, compile_):
+    x, res = torch.randn(s, b, h, device=dev, dtype=dtype), torch.randn(s, b, h, device=dev, dtype=dtype)
+    bias = torch.randn(h, device=dev, dtype=dtype)
+    index = DropoutIndex(torch.arange(s, device=dev), torch.arange(b, device=dev))
+    pos, smp, p = index.token_positions, index.sample_ids, 0.1
+    fused = lambda: MSP.bias_dropout_add_fwd(x, bias, res, pos, smp, p, 1234, 3, 2, 0)
+    ref = lambda: ops.bias_dropout_add_reference(x, bias, res, p, 1234, 3, 2, index)
+    native = lambda: res + F.dropout(x + bias, p, training=True)
+
+    def check():
+        assert_close_dtype(fused(), ref(), dtype)
+        keep = MSP.bias_dropout_add_fwd(torch.ones_like(x), None, torch.zeros_like(x), pos, smp, p,
+                                        1234, 3, 2, 0) != 0
+        ones = ops.bias_dropout_add_reference(torch.ones_like(x), None, torch.zeros_like(x), p, 1234,
+                                              3, 2, index) != 0
+        assert torch.equal(keep, ones), "dropout mask differs from random.py"
+
+    fwd = Case(f"bias_dropout_add fwd [{s},{b},{h}]", 3 * x.numel() * x.element_size(), fused,
+               {"reference": ref, "native": native}, check)
+    grad = torch.randn_like(x)
+    fused_bwd = lambda: MSP.bias_dropout_add_bwd(grad, pos, smp, p, 1234, 3, 2, 0, True)
+    xr, br = x.clone().requires_grad_(), bias.clone().requires_grad_()
+    out_ref = ops.bias_dropout_add_reference(xr, br, res, p, 1234, 3, 2, index)
+    ref_bwd = lambda: torch.autograd.grad(out_ref, (xr, br), grad, retain_graph=True)
+
+    def check_bwd():
+        gx, gb = fused_bwd()
+        rx, rb = ref_bwd()
+        assert_close_dtype(gx, rx, dtype)
+        assert_close_dtype(gb, rb, dtype, scale=(s * b) ** 0.5)
+
+    bwd = Case(f"bias_dropout_add bwd [{s},{b},{h}]", 2 * x.numel() * x.element_size(), fused_bwd,
+               {"reference": ref_bwd}, check_bwd)
+    if compile_:
+        fwd.compiled = {"compiled native": torch.compile(lambda: res + F.dropout(x + bias, p)),
+                        "compiled reference": torch.compile(ref)}
+    return [fwd, bwd]
+
+
+def _ln_cases(rows, h, dtype, dev, compile_):
+    x = torch.randn(rows, h, device=dev, dtype=dtype)
+    w, b = torch.randn(h, device=dev, dtype=dtype), torch.randn(h, device=dev, dtype=dtype)
+    fused = lambda: MSP.layer_norm_fwd(x, w, b, 1e-5)
+    ref = lambda: ops.layer_norm_reference(x, w, b, 1e-5)
+    native = lambda: F.layer_norm(x, (h,), w, b, 1e-5)
+    fwd = Case(f"layer_norm fwd [{rows},{h}]", 2 * x.numel() * x.element_size() + rows * 8, fused,
+               {"reference": ref, "native": native},
+               lambda: assert_close_dtype(fused()[0], ref(), dtype))
+    _, mean, rstd = fused()
+    grad = torch.randn_like(x)
+    fused_bwd = lambda: MSP.layer_norm_bwd(grad, x, w, mean, rstd)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    out_ref = ops.layer_norm_reference(*leaves, 1e-5)
+    ref_bwd = lambda: torch.autograd.grad(out_ref, leaves, grad, retain_graph=True)
+
+    def check_bwd():
+        for i, (a, e) in enumerate(zip(fused_bwd(), ref_bwd())):
+            assert_close_dtype(a, e, dtype, scale=4.0 if i == 0 else 4 * rows ** 0.5)
+
+    bwd = Case(f"layer_norm bwd [{rows},{h}]", 3 * x.numel() * x.element_size() + rows * 8,
+               fused_bwd, {"reference": ref_bwd}, check_bwd)
+    if compile_:
+        fwd.compiled = {"compiled native": torch.compile(native)}
+    return [fwd, bwd]
+
+
+def _layout_case(name, x, k, compile_, args=()):
+    fused = lambda: getattr(MSP, name)(x, k, *args)
+    ref = lambda: getattr(layout, name + "_reference")(x, k, *args)
+
+    def check():
+        assert torch.equal(fused(), ref()), f"{name} differs from its reference"
+
+    case = Case(f"{name} {list(x.shape)} k={k}", 2 * x.numel() * x.element_size(), fused,
+                {"reference": ref}, check)
+    if compile_:
+        case.compiled = {"compiled reference": torch.compile(ref)}
+    return case
+
+
+def build_cases(device, dtype, compile_, scale):
+    """scale 1: the GPU sizes (a [8192, 8192] bf16 slab); CPU runs smaller shapes."""
+    if device == "cuda":
+        s, b, h, rows, p, n, d = 2048, 4, 8192, 8192, 8, 64, 128
+    else:
+        s, b, h, rows, p, n, d = 1024 // scale, 4, 1024, 4096 // scale, 4, 16, 64
+    dev = device
+    cases = _bda_cases(s, b, h, dtype, dev, compile_) + _ln_cases(rows, h, dtype, dev, compile_)
+    t = 4
+    cases += [
+        _layout_case("ulysses_pack", torch.randn(s, b, n, d, device=dev, dtype=dtype), p, compile_),
+        _layout_case("ulysses_unpack", torch.randn(p, s // p, b, n // p, d, device=dev, dtype=dtype),
+                     p, compile_),
+        _layout_case("gather_to_last_dim", torch.randn(s, b, h // t, device=dev, dtype=dtype), t,
+                     compile_),
+        _layout_case("last_dim_to_gather", torch.randn(s // t, b, h, device=dev, dtype=dtype), t,
+                     compile_),
+        _layout_case("zigzag_reorder", torch.randn(s, b, h, device=dev, dtype=dtype), p, compile_,
+                     (0, False)),
+    ]
+    return cases
+
+
+# ---- timing -------------------------------------------------------------------------------------
+
+def time_cpu(fns: Dict[str, Callable], repeats: int) -> Dict[str, float]:
+    """Fastest call in seconds; the candidates are interleaved so drift hits all alike."""
+    for fn in fns.values():
+        fn(), fn()
+    samples = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[k].append(time.perf_counter() - t0)
+    return {k: min(v) for k, v in samples.items()}
+
+
+def time_cuda(fns: Dict[str, Callable], repeats: int) -> Dict[str, float]:
+    out = {}
+    for k, fn in fns.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        out[k] = statistics.median(times)
+    return out
+
+
+def copy_bandwidth(nbytes: int, repeats: int) -> float:
+    """Device-to-device copy_ bandwidth (read + write bytes / s) on a slab of nbytes."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    t = time_cuda({"copy": lambda: dst.copy_(src)}, repeats)["copy"]
+    return 2 * src.numel() / t
+
+
+# ---- report -------------------------------------------------------------------------------------
+
+def header(args) -> List[str]:
+    cpu = platform.processor() or platform.machine()
+    lines = [f"date {datetime.date.today()} · torch {torch.__version__} · dtype {args.dtype} · "
+             f"device {args.device} · threads {torch.get_num_threads()} · {cpu}",
+             "command: " + " ".join(["python"] + sys.argv)]
+    if args.device == "cuda":
+        lines.append(f"gpu {torch.cuda.get_device_name()} · CUDA {torch.version.cuda}")
+    return lines
+
+
+def run(args) -> List[str]:
+    dtype = DTYPES[args.dtype]
+    cases = build_cases(args.device, dtype, args.compile and args.device == "cuda", args.scale)
+    lines = header(args)
+    timer = time_cuda if args.device == "cuda" else time_cpu
+    copy_bw = None
+    if args.device == "cuda":
+        copy_bw = copy_bandwidth(max(c.nbytes for c in cases), args.repeats)
+        lines.append(f"device copy bandwidth: {copy_bw / 1e12:.3f} TB/s (read + write)")
+    lines.append("")
+    for case in cases:
+        case.check()
+        fns = {"fused": case.fused, **case.baselines, **case.compiled}
+        times = timer(fns, args.repeats)
+        lines += format_case(case, times, copy_bw)
+    return lines
+
+
+def format_case(case: Case, times: Dict[str, float], copy_bw) -> List[str]:
+    fused = times["fused"]
+    out = [f"{case.name}  ({case.nbytes / 2**20:.1f} MiB compulsory)"]
+    for k, t in times.items():
+        row = f"  {k:<20} {t * 1e3:9.3f} ms"
+        if k != "fused":
+            row += f"   fused speed-up x{t / fused:6.2f}"
+        if copy_bw:
+            bw = case.nbytes / t
+            row += f"   {bw / 1e12:6.3f} TB/s  {100 * bw / copy_bw:5.1f}% of copy"
+        out.append(row)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None,
+                        help="default: float32 on cpu, bfloat16 on cuda")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per candidate")
+    parser.add_argument("--scale", type=int, default=1, help="cpu: divide the sequence by this")
+    parser.add_argument("--no-compile", dest="compile", action="store_false",
+                        help="cuda: skip the torch.compile baselines")
+    parser.add_argument("--markdown", help="also write the report to this file")
+    args = parser.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    args.repeats = args.repeats or (50 if args.device == "cuda" else 25)
+    if not ops.extension_available():
+        print("megatron_sp._C is not built: nothing to compare (pip install --no-build-isolation -e .)")
+        return 1
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda needs a GPU")
+        return 1
+    torch.manual_seed(0)
+    lines = run(args)
+    print("\n".join(lines))
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write("```\n" + "\n".join(lines) + "\n```\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
