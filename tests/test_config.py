@@ -1,0 +1,71 @@
+"""GPTConfig validation, parallel_state's rank grid, and the Philox generator's known answers."""
+import pytest
+import torch
+
+from megatron_sp import parallel_state
+from megatron_sp.config import GPTConfig
+from megatron_sp.tensor_parallel import random as tp_random
+
+BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=97, seq_length=32)
+
+
+@pytest.mark.parametrize("override,field", [
+    (dict(hidden_size=66), "hidden_size"),
+    (dict(tensor_model_parallel_size=8), "num_attention_heads"),
+    (dict(tensor_model_parallel_size=2, ffn_hidden_size=255), "ffn_hidden_size"),
+    (dict(tensor_model_parallel_size=4, sequence_parallel=True, seq_length=34, max_position_embeddings=64),
+     "seq_length"),
+    (dict(num_layers=0), "num_layers"),
+    (dict(vocab_size=-3), "vocab_size"),
+    (dict(hidden_dropout=1.0), "hidden_dropout"),
+    (dict(attention_dropout=-0.1), "attention_dropout"),
+    (dict(max_position_embeddings=16), "max_position_embeddings"),
+])
+def test_config_rejects_with_the_field_named(override, field):
+    with pytest.raises(ValueError, match=f"GPTConfig.{field}"):
+        GPTConfig(**{**BASE, **override})
+
+
+def test_sequence_parallel_without_tp_is_a_warned_no_op():
+    with pytest.warns(UserWarning, match="sequence_parallel"):
+        cfg = GPTConfig(**BASE, sequence_parallel=True)
+    assert cfg.sequence_parallel is False
+
+
+def test_defaults_follow_megatron():
+    cfg = GPTConfig(**BASE)
+    assert (cfg.hidden_dropout, cfg.attention_dropout, cfg.seed, cfg.sequence_parallel) == (0.1, 0.1, 1234, False)
+    assert cfg.ffn_hidden_size == 4 * cfg.hidden_size
+    assert GPTConfig(**BASE, tensor_model_parallel_size=4).padded_vocab_size == 512   # multiple of 128 × t
+
+
+def test_rank_grid_is_tp_fastest_and_partitions_the_world():
+    tp, cp, dp, dp_cp = parallel_state.grid_ranks(tp_size=2, cp_size=2, dp_size=2)
+    assert tp[0] == [0, 1] and cp[0] == [0, 2] and dp[0] == [0, 4]
+    for groups in (tp, cp, dp, dp_cp):
+        assert sorted(r for g in groups for r in g) == list(range(8))
+
+
+def test_world_that_does_not_factor_is_a_value_error():
+    with pytest.raises(ValueError, match="not divisible"):
+        parallel_state._check_factors(6, tp=4, cp=1)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size"):
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)  # no process group: world 1
+
+
+def test_philox_known_answers():
+    """Random123's published Philox4x32-10 test vectors."""
+    t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    out = tp_random.philox4x32(t(0x243F6A88), t(0x85A308D3), t(0x13198A2E), t(0x03707344), 0xA4093822, 0x299F31D0)
+    assert [int(w) for w in out] == [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
+    out = tp_random.philox4x32(t(0), t(0), t(0), t(0), 0, 0)
+    assert [int(w) for w in out] == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+
+
+def test_dropout_rate_and_shard_invariance():
+    index = tp_random.default_index(64, 4)
+    keep = tp_random.hidden_keep_mask((64, 4, 96), 0.25, 1234, 3, tp_random.SITE_MLP_OUT, index)
+    assert abs(1 - keep.float().mean().item() - 0.25) < 0.02
+    shard = tp_random.DropoutIndex(torch.arange(16, 32), torch.arange(4))     # rows 16..31, features 48..95
+    part = tp_random.hidden_keep_mask((16, 4, 48), 0.25, 1234, 3, tp_random.SITE_MLP_OUT, shard, feature_offset=48)
+    assert torch.equal(part, keep[16:32, :, 48:])
