@@ -7,6 +7,7 @@ import torch
 from dist_pool import WorkerPool
 
 VOCAB, SEQ, BATCH, STEPS = 97, 32, 2, 3          # 97: not divisible by any TP size
+FUSED = False                                     # the reference ops (test_fused_parity covers megatron_sp._C)
 
 
 @pytest.fixture(scope="module")
@@ -16,11 +17,11 @@ def pool():
     p.close()
 
 
-def _config(tp=1, sp=False, dropout=0.0):
+def _config(tp=1, sp=False, dropout=0.0, fused=FUSED):
     from megatron_sp.config import GPTConfig
     return GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=VOCAB, seq_length=SEQ,
                      tensor_model_parallel_size=tp, sequence_parallel=sp, hidden_dropout=dropout,
-                     attention_dropout=dropout, use_fused_kernels=False)
+                     attention_dropout=dropout, use_fused_kernels=fused)
 
 
 def _batch(step):
@@ -47,11 +48,11 @@ def _train(model, step_fn, grad_fn):
     return losses, grads0
 
 
-def _parity_worker(tp, sp, dropout):
+def _parity_worker(tp, sp, dropout, fused=FUSED):
     from megatron_sp import parallel_state
     from megatron_sp.models.gpt import GPTModel
     ps = parallel_state.initialize_model_parallel(tp)
-    model = GPTModel(_config(tp, sp, dropout))
+    model = GPTModel(_config(tp, sp, dropout, fused))
     init = model.full_state_dict()
     from megatron_sp.training.optimizer import global_grad_norm
 
@@ -102,8 +103,21 @@ def _rel(a, b):
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True), (4, False), (4, True)])
 def test_parity_with_reference(pool, tp, sp, dropout):
+    _check_parity(pool, tp, sp, dropout, fused=False)
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (4, True)])
+def test_parity_with_fused_kernels(pool, tp, sp):
+    """The same contract with megatron_sp._C's bias-dropout-add and LayerNorm in the model."""
+    from megatron_sp.ops import extension_available
+    if not extension_available():
+        pytest.skip("megatron_sp._C is not built")
+    _check_parity(pool, tp, sp, 0.1, fused=True)
+
+
+def _check_parity(pool, tp, sp, dropout, fused):
     init, ref_losses, ref_grads, ref_final = _reference(dropout)
-    results = [r for r in pool.run(_parity_worker, tp, sp, dropout) if r is not None]
+    results = [r for r in pool.run(_parity_worker, tp, sp, dropout, fused) if r is not None]
     assert len(results) == tp
     for res in results:
         assert res["init"].keys() == init.keys()
