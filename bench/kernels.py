@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import statistics
 import sys
@@ -27,10 +28,14 @@ from typing import Callable, Dict, List
 import torch
 import torch.nn.functional as F
 
-from megatron_sp import ops
-from megatron_sp.ops import layout
-from megatron_sp.ops.testing import assert_close_dtype
-from megatron_sp.tensor_parallel.random import DropoutIndex
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:                       # runs without installing the package
+    sys.path.insert(0, REPO_ROOT)
+
+from megatron_sp import ops  # noqa: E402
+from megatron_sp.ops import layout  # noqa: E402
+from megatron_sp.ops.testing import assert_close_dtype  # noqa: E402
+from megatron_sp.tensor_parallel.random import DropoutIndex  # noqa: E402
 
 MSP = torch.ops.megatron_sp
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -29,6 +29,10 @@ MSP_CPU_INLINE void philox_groups_scalar(const DropoutParams& d, uint32_t first,
 
 #if defined(__x86_64__) && defined(__GNUC__)
 
+// GCC 12's intrinsic headers trip -Wmaybe-uninitialized on their own `__Y = __Y` placeholders.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
 MSP_TARGET_AVX512 inline void philox_groups_avx512(const DropoutParams& d, uint32_t first,
                                                    int64_t groups, uint32_t c1, uint32_t c2,
                                                    uint32_t c3, uint32_t* buf) {
@@ -102,6 +106,7 @@ MSP_TARGET_AVX2 inline void philox_groups_avx2(const DropoutParams& d, uint32_t 
   philox_groups_scalar(d, first + static_cast<uint32_t>(g), groups - g, c1, c2, c3, buf + 4 * g);
 }
 
+#pragma GCC diagnostic pop
 #endif
 
 // buf[4g + lane] = word `lane` of Philox(key, (first + g, c1, c2, c3)) for g < groups.

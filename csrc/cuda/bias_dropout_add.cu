@@ -201,7 +201,7 @@ int64_t bias_dropout_add_bwd_scratch(int64_t s, int64_t b, int64_t h, DType dtyp
 
 cudaError_t bias_dropout_add_fwd(const BiasDropoutAddFwd& a, cudaStream_t stream) {
   if (a.s * a.b == 0 || a.h == 0) return cudaSuccess;
-  if (a.s * a.b > int64_t(0xFFFFFFFF)) return cudaErrorInvalidValue;
+  if (a.s * a.b >= (int64_t(1) << 31)) return cudaErrorInvalidValue;  // 32-bit row loop
   MSP_DISPATCH_DTYPE(a.dtype, T, return launch_fwd<T>(a, stream));
   return cudaErrorInvalidValue;
 }
@@ -210,7 +210,7 @@ cudaError_t bias_dropout_add_bwd(const BiasDropoutAddBwd& a, cudaStream_t stream
   if (a.h == 0) return cudaSuccess;
   if (a.s * a.b == 0) return a.grad_bias ? cudaMemsetAsync(a.grad_bias, 0, a.h * 4, stream)
                                          : cudaSuccess;
-  if (a.s * a.b > int64_t(0xFFFFFFFF)) return cudaErrorInvalidValue;
+  if (a.s * a.b >= (int64_t(1) << 31)) return cudaErrorInvalidValue;  // 32-bit row loop
   MSP_DISPATCH_DTYPE(a.dtype, T, return launch_bwd<T>(a, stream));
   return cudaErrorInvalidValue;
 }
