@@ -16,5 +16,10 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}   # see launch/slurm_common.sh
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export PYTHONUNBUFFERED=1
+# After a restart the ranks must not meet in the agent's long-lived TCP store: it still holds the
+# failed attempt's addresses, and a rank can read one before its new peer overwrites it (gloo:
+# "connectFullMesh ... Connection refused", pytorch issue 135712). With this, rank 0 of each attempt
+# hosts a fresh store.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 exec "${PYTHON:-python}" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node "$NPROC" \
   --max-restarts "${MAX_RESTARTS:-0}" "${PROGRAM:-pretrain_gpt_sp.py}" "$@"

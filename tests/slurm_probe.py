@@ -33,6 +33,9 @@ def parse_args(argv=None):
     p.add_argument("--save-interval", type=int, default=0)
     p.add_argument("--iter-sleep", type=float, default=0.0, help="seconds per iteration")
     p.add_argument("--distributed-timeout-s", type=float, default=600)
+    p.add_argument("--slow-restart-s", type=float, default=0.0,
+                   help="after a torchrun restart, rank 1 joins this much later (the others find "
+                        "the previous attempt's keys in a reused store first, if it is reused)")
     args, _unknown = p.parse_known_args(argv)  # training flags we do not model are ignored
     return args
 
@@ -83,6 +86,8 @@ def write_env(args, env) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     handler = ExitSignalHandler(device=args.device).install()
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and os.environ.get("RANK") == "1":
+        time.sleep(args.slow_restart_s)
     env = init_distributed(args.distributed_backend, args.device, args.distributed_timeout_s)
     write_env(args, env)
     start = load_iteration(args.load)

@@ -159,3 +159,11 @@ def test_init_distributed_cuda_without_gpu_is_clear(clean_launch_env, monkeypatc
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(RuntimeError, match="no CUDA device"):
         dist_env.init_distributed("gloo", "cuda")
+
+
+def test_warns_about_torchrun_restarts_with_shared_store(clean_launch_env, monkeypatch):
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                       "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.warns(UserWarning, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        dist_env.init_distributed("gloo", "cpu")

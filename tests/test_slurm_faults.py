@@ -166,7 +166,8 @@ def test_torchrun_restarts_group_and_probe_resumes(tmp_path):
     log, ckpt, out = tmp_path / "probe.jsonl", tmp_path / "ckpt", tmp_path / "out.txt"
     args = ["--device", "cpu", "--distributed-backend", "gloo", "--train-iters", "10",
             "--iter-sleep", "0.2", "--log-jsonl", log, "--save", ckpt, "--load", ckpt,
-            "--save-interval", "3"]
+            "--save-interval", "3",
+            "--slow-restart-s", "2"]  # rank 1 rejoins late: the stale-store race of launch/local.sh
     agent = run_local_torchrun(PROBE, args, out, max_restarts=1)
     try:
         seconds = kill_rank_and_time_survivor(agent, log, after_iterations=5)

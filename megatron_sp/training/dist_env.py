@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping
@@ -228,6 +229,7 @@ def init_distributed(backend: str, device: str, timeout_s: float = 600) -> DistE
         raise ValueError("the nccl backend needs --device cuda; use --distributed-backend gloo on CPU")
     env = detect_env()
     _export(env)
+    _warn_shared_store_restarts(env)
     device_id = _select_cuda_device(env.local_rank) if device == "cuda" else None
     if env.world_size == 1:
         return env
@@ -244,6 +246,16 @@ def init_distributed(backend: str, device: str, timeout_s: float = 600) -> DistE
             f"rank {env.rank}/{env.world_size} ({env.launcher}) could not join the process group at "
             f"{env.master_addr}:{env.master_port} within {timeout_s:.0f} s: {e}") from e
     return env
+
+
+def _warn_shared_store_restarts(env: DistEnv) -> None:
+    """torchrun restarts + the agent's shared TCP store can hand new ranks the old ranks' addresses."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if (env.rank == 0 and restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        warnings.warn("torchrun --max-restarts with the agent's shared TCP store: after a restart a "
+                      "rank may read the failed attempt's addresses and fail to connect (pytorch "
+                      "issue 135712); export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun, "
+                      "as launch/local.sh and launch/torchrun.sbatch do", stacklevel=3)
 
 
 def _export(env: DistEnv) -> None:
