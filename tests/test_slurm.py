@@ -83,35 +83,27 @@ def read_env(log: Path) -> list[dict]:
 
 # ---- the probe: launch path only ----------------------------------------------------------------
 @pytest.mark.parametrize("template", ["srun", "torchrun"])
-def test_template_runs_probe_on_two_ranks(slurm_cluster, tmp_path, template):
-    log = tmp_path / "probe.jsonl"
-    args = ["--device", "cpu", "--distributed-backend", "gloo", "--train-iters", "4",
-            "--log-jsonl", log]
-    job, out = submit_template(slurm_cluster, template, tmp_path, PROBE, args)
-    wait_completed(slurm_cluster, job, out)
-    assert read_losses(log) == probe_losses(4)
-    ranks = read_env(log)
-    launcher = "slurm" if template == "srun" else "torchrun"
-    assert [(r["rank"], r["local_rank"], r["world_size"], r["launcher"]) for r in ranks] == \
-        [(0, 0, 2, launcher), (1, 1, 2, launcher)]
-    if template == "srun":  # master from the node list, port from the job id (as srun.sbatch sets)
-        assert ranks[0]["master_addr"] == slurm_cluster.host
-        assert ranks[0]["master_port"] == 10000 + job % 20000
-
-
-def test_usr1_saves_requeues_and_resumes_probe(slurm_cluster, tmp_path):
-    """SIGUSR1 to the batch shell (what --signal=B:USR1@120 does) -> save, exit, requeue, resume."""
+def test_usr1_saves_requeues_and_resumes_probe(slurm_cluster, tmp_path, template):
+    """Ranks from Slurm's environment (or torchrun's); SIGUSR1 to the batch shell (what
+    --signal=B:USR1@120 does) -> every rank saves at the same iteration, exits, the job requeues
+    itself and resumes from --load."""
     log, ckpt = tmp_path / "probe.jsonl", tmp_path / "ckpt"
     args = ["--device", "cpu", "--distributed-backend", "gloo", "--train-iters", "10",
             "--iter-sleep", "0.3", "--log-jsonl", log, "--save", ckpt, "--load", ckpt]
-    job, out = submit_template(slurm_cluster, "srun", tmp_path, PROBE, args)
+    job, out = submit_template(slurm_cluster, template, tmp_path, PROBE, args)
     wait_for_iterations(slurm_cluster, job, log, out, 2)
     slurm_cluster.signal(job, "USR1", batch=True)
     info = wait_completed(slurm_cluster, job, out)
     assert info["Restarts"] == "1", tail(out)
-    assert read_losses(log) == probe_losses(10)  # each iteration once: saved at the boundary
-    assert read_env(log)[0]["restart"] == 1
     assert "requeueing job" in tail(out)
+    assert read_losses(log) == probe_losses(10)  # each iteration once: saved where it stopped
+    ranks = read_env(log)  # as the resumed run saw it
+    launcher = "slurm" if template == "srun" else "torchrun"
+    assert [(r["rank"], r["local_rank"], r["world_size"], r["launcher"], r["restart"])
+            for r in ranks] == [(0, 0, 2, launcher, 1), (1, 1, 2, launcher, 1)]
+    if template == "srun":  # master from the node list, port from the job id (as srun.sbatch sets)
+        assert ranks[0]["master_addr"] == slurm_cluster.host
+        assert ranks[0]["master_port"] == 10000 + job % 20000
 
 
 # ---- the training program ----------------------------------------------------------------------
