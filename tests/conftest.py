@@ -8,6 +8,16 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    """In-process runs of pretrain_gpt_sp's main() export RANK/WORLD_SIZE/...; keep them from
+    leaking into later tests' subprocesses (a leaked WORLD_SIZE=1 would win over Slurm's)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "slow: multi-process end-to-end test")

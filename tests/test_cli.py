@@ -13,8 +13,10 @@ from megatron_sp.training import pretrain
 
 
 def _run(capsys, argv, monkeypatch=None, world=None):
-    if world is not None:
-        monkeypatch.setenv("WORLD_SIZE", str(world))
+    if world is not None:                                  # as torchrun would start rank 0
+        for key, value in dict(WORLD_SIZE=world, RANK=0, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1",
+                               MASTER_PORT=29500).items():
+            monkeypatch.setenv(key, str(value))
     code = pretrain.main(TINY + ["--train-iters", "2"] + argv)
     err = capsys.readouterr().err.strip()
     return code, err

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 
 class ArgumentError(ValueError):
@@ -113,16 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def world_size_from_env(environ=os.environ) -> int:
-    for key in ("WORLD_SIZE", "SLURM_NTASKS"):
-        if environ.get(key):
-            return int(environ[key])
-    return 1
-
-
-def parse_args(argv=None, world_size: int | None = None) -> argparse.Namespace:
+def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
+    """world_size: the number of processes the launcher started (dist_env.detect_env)."""
     args = build_parser().parse_args(argv)
-    args.world_size = world_size if world_size is not None else world_size_from_env()
+    args.world_size = world_size
     validate(args)
     return args
 

@@ -45,7 +45,8 @@ def _is_first_rank() -> bool:
 def check_inputs(argv) -> Setup:
     """Flags, model sizes, tokenizer and data files: all validated before any heavy work."""
     from megatron_sp.data import build_tokenizer, parse_data_path, validate_indexed_prefix
-    args = parse_args(argv)
+    from megatron_sp.training.dist_env import detect_env
+    args = parse_args(argv, world_size=detect_env().world_size)   # torchrun's or Slurm's variables
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
