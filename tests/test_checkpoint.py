@@ -84,8 +84,8 @@ def test_save_killed_midway_keeps_previous_checkpoint(tmp_path, capsys):
 
 
 def test_finetune_and_no_load_optim(tmp_path):
-    save = tmp_path / "ckpt"
-    assert pretrain.main(SMALL + ["--train-iters", "4", "--save", str(save),
+    save = tmp_path / "ckpt"                            # --load of a directory not made yet: from scratch
+    assert pretrain.main(SMALL + ["--train-iters", "4", "--save", str(save), "--load", str(save),
                                   "--log-jsonl", str(tmp_path / "a.jsonl")]) == 0
     assert pretrain.main(SMALL + ["--train-iters", "6", "--load", str(save),
                                   "--log-jsonl", str(tmp_path / "b.jsonl")]) == 0

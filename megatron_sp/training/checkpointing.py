@@ -195,8 +195,8 @@ def load(args, trainer) -> None:
 
 
 def _locate(root: str):
-    if not os.path.isdir(root):
-        raise CheckpointError(f"--load directory {root} does not exist.")
+    if not os.path.isdir(root):      # first submission of `--save X --load X`: nothing yet (Megatron)
+        return None, None
     it = read_latest(root)
     if it is None:
         return None, None

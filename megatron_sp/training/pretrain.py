@@ -108,7 +108,11 @@ def main(argv=None) -> int:
         return 2
     from megatron_sp.training.dist_env import destroy_distributed, init_distributed
     args = setup.args
-    init_distributed(args.distributed_backend, args.device, timeout_s=60 * args.distributed_timeout_minutes)
+    try:
+        init_distributed(args.distributed_backend, args.device, timeout_s=60 * args.distributed_timeout_minutes)
+    except (ValueError, RuntimeError) as err:    # a wrong launch or a rendezvous that failed
+        print(f"pretrain_gpt_sp.py: error: {err}", file=sys.stderr)
+        return 2 if isinstance(err, ValueError) else 1
     try:
         code = Trainer(setup).run()
         if torch.distributed.is_initialized():
@@ -117,6 +121,9 @@ def main(argv=None) -> int:
     except NonFiniteError as err:
         print(f"pretrain_gpt_sp.py: error: {err}", file=sys.stderr)
         return 1
+    except checkpointing.CheckpointError as err:
+        print(f"pretrain_gpt_sp.py: error: {err}", file=sys.stderr)
+        return 2
     finally:
         destroy_distributed()
 
