@@ -135,25 +135,44 @@ def _layout_case(name, x, k, compile_, args=()):
 
 def build_cases(device, dtype, compile_, scale):
     """scale 1: the GPU sizes (a [8192, 8192] bf16 slab); CPU runs smaller shapes."""
-    if device == "cuda":
+    if device == "cuda":                                      # 128 MiB bf16 slabs
         s, b, h, rows, p, n, d = 2048, 4, 8192, 8192, 8, 64, 128
     else:
-        s, b, h, rows, p, n, d = 1024 // scale, 4, 1024, 4096 // scale, 4, 16, 64
+        s, b, h, rows, p, n, d = 1024 // scale, 4, 1024, 4096 // scale, 4, 16, 64  # 16 MiB slabs
     dev = device
     cases = _bda_cases(s, b, h, dtype, dev, compile_) + _ln_cases(rows, h, dtype, dev, compile_)
-    t = 4
+    t = 4                       # every layout case moves one [s, b, h]-sized slab
     cases += [
         _layout_case("ulysses_pack", torch.randn(s, b, n, d, device=dev, dtype=dtype), p, compile_),
-        _layout_case("ulysses_unpack", torch.randn(p, s // p, b, n // p, d, device=dev, dtype=dtype),
+        _layout_case("ulysses_unpack", torch.randn(p, s, b, n // p, d, device=dev, dtype=dtype),
                      p, compile_),
-        _layout_case("gather_to_last_dim", torch.randn(s, b, h // t, device=dev, dtype=dtype), t,
+        _layout_case("gather_to_last_dim", torch.randn(s, b, h, device=dev, dtype=dtype), t,
                      compile_),
-        _layout_case("last_dim_to_gather", torch.randn(s // t, b, h, device=dev, dtype=dtype), t,
+        _layout_case("last_dim_to_gather", torch.randn(s, b, h, device=dev, dtype=dtype), t,
                      compile_),
         _layout_case("zigzag_reorder", torch.randn(s, b, h, device=dev, dtype=dtype), p, compile_,
                      (0, False)),
     ]
     return cases
+
+
+def saved_bytes_lines(s, b, h, dtype, dev) -> List[str]:
+    """Bytes autograd keeps for the backward of one bias_dropout_add site, reference vs fused."""
+    index = DropoutIndex(torch.arange(s, device=dev), torch.arange(b, device=dev))
+
+    def saved(fused):
+        x = torch.randn(s, b, h, device=dev, dtype=dtype, requires_grad=True)
+        bias = torch.randn(h, device=dev, dtype=dtype, requires_grad=True)
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: sizes.append(t.numel() * t.element_size()) or t, lambda t: t):
+            ops.bias_dropout_add(x, bias, torch.randn_like(x), 0.1, 1, 0, 2, index, fused=fused)
+        return sum(sizes)
+
+    ref, fused = saved(False), saved(True)
+    return [f"saved for backward by one bias_dropout_add [{s},{b},{h}] {str(dtype)[6:]}: "
+            f"reference {ref} B (the keep mask in the activation dtype), fused {fused} B "
+            f"(positions + sample ids); a 1-byte mask would be {s * b * h} B", ""]
 
 
 # ---- timing -------------------------------------------------------------------------------------
@@ -219,6 +238,7 @@ def run(args) -> List[str]:
         copy_bw = copy_bandwidth(max(c.nbytes for c in cases), args.repeats)
         lines.append(f"device copy bandwidth: {copy_bw / 1e12:.3f} TB/s (read + write)")
     lines.append("")
+    lines += saved_bytes_lines(256, 2, 1024, dtype, args.device)
     for case in cases:
         case.check()
         fns = {"fused": case.fused, **case.baselines, **case.compiled}

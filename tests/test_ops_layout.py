@@ -111,3 +111,15 @@ def test_user_errors_are_value_errors():
         layout.zigzag_reorder(torch.randn(6, 2), 2)
     with pytest.raises(ValueError, match="dim 0"):
         layout.gather_to_last_dim(torch.randn(5, 2), 2)
+
+
+def test_long_runs_and_streaming_outputs():
+    """Runs of >= 16 KiB take the run copy (not ATen's strided copy); outputs >= 8 MiB stream."""
+    cases = [("gather_to_last_dim", torch.randn(4, 3, 4096), 2),           # 16 KiB runs
+             ("last_dim_to_gather", torch.randn(2, 3, 8192), 2),
+             ("gather_to_last_dim", torch.randn(8, 64, 4096), 2)]          # 8 MiB: streaming
+    for name, x, k in cases:
+        assert torch.equal(getattr(torch.ops.megatron_sp, name)(x, k),
+                           getattr(layout, name + "_reference")(x, k))
+    z = torch.randn(64, 8, 4096)                                           # 8 MiB zigzag
+    assert torch.equal(layout.zigzag_reorder(z, 2), layout.zigzag_reorder_reference(z, 2))
