@@ -52,18 +52,22 @@ inline SimdLevel simd_level() {
 }
 
 // name<Ts...>(args...) -> name##_simd<Ts...>(args...), running the widest variant the CPU has.
-#define MSP_SIMD_VARIANTS(name)                                                    \
-  template <typename... Ts, typename... Args>                                      \
-  MSP_TARGET_AVX512 auto name##_avx512(Args... args) { return name<Ts...>(args...); }   \
-  template <typename... Ts, typename... Args>                                      \
-  MSP_TARGET_AVX2 auto name##_avx2(Args... args) { return name<Ts...>(args...); }       \
-  template <typename... Ts, typename... Args>                                      \
-  auto name##_simd(Args... args) {                                                 \
-    switch (::msp::simd_level()) {                                                 \
-      case ::msp::SimdLevel::kAvx512: return name##_avx512<Ts...>(args...);        \
-      case ::msp::SimdLevel::kAvx2: return name##_avx2<Ts...>(args...);            \
-      default: return name<Ts...>(args...);                                        \
-    }                                                                              \
+#define MSP_SIMD_VARIANTS(name)                                                  \
+  template <typename... Ts, typename... Args>                                    \
+  MSP_TARGET_AVX512 auto name##_avx512(Args... args) {                           \
+    return name<Ts...>(args...);                                                 \
+  }                                                                              \
+  template <typename... Ts, typename... Args>                                    \
+  MSP_TARGET_AVX2 auto name##_avx2(Args... args) {                               \
+    return name<Ts...>(args...);                                                 \
+  }                                                                              \
+  template <typename... Ts, typename... Args>                                    \
+  auto name##_simd(Args... args) {                                               \
+    switch (::msp::simd_level()) {                                               \
+      case ::msp::SimdLevel::kAvx512: return name##_avx512<Ts...>(args...);      \
+      case ::msp::SimdLevel::kAvx2: return name##_avx2<Ts...>(args...);          \
+      default: return name<Ts...>(args...);                                      \
+    }                                                                            \
   }
 
 MSP_CPU_INLINE float to_f32(float v) { return v; }

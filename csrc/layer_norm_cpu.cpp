@@ -154,8 +154,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dy_in,
       ln_bwd_rows_simd<T, W>(dyp, xp, wp, mp, rp, dxp, part, h, r0, r1);
     });
   });
-  at::Tensor gw = sums.narrow(0, 0, h).to(w.scalar_type());
-  at::Tensor gb = sums.narrow(0, h, h).to(w.scalar_type());
+  // Copies: the two gradients must not share one storage (optimisers update them in place).
+  at::Tensor gw = sums.narrow(0, 0, h).to(w.scalar_type(), false, /*copy=*/true);
+  at::Tensor gb = sums.narrow(0, h, h).to(w.scalar_type(), false, /*copy=*/true);
   return {dx, gw, gb};
 }
 

@@ -76,3 +76,10 @@ def test_unfused_path_is_the_reference():
 def test_bad_weight_shape_raises():
     with pytest.raises(RuntimeError, match="weight must have shape"):
         torch.ops.megatron_sp.layer_norm_fwd(torch.randn(2, 8), torch.ones(7), torch.zeros(8), 1e-5)
+
+
+def test_weight_and_bias_grads_own_their_storage():
+    x = torch.randn(4, 16, requires_grad=True)
+    w, b = torch.ones(16, requires_grad=True), torch.zeros(16, requires_grad=True)
+    layer_norm(x, w, b, 1e-5).sum().backward()
+    assert w.grad.untyped_storage().data_ptr() != b.grad.untyped_storage().data_ptr()

@@ -111,7 +111,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ln_bwd_cuda(const at::Tensor& dy_
                           dx.data_ptr(), sums.data_ptr<float>(), scratch.data_ptr<float>(), rows,
                           h, dtype, cuda_dtype(w.scalar_type())};
   check_launch(cuda::layer_norm_bwd(args, current_stream()), "layer_norm_bwd");
-  return {dx, sums.narrow(0, 0, h).to(w.scalar_type()), sums.narrow(0, h, h).to(w.scalar_type())};
+  // Copies: the two gradients must not share one storage (optimisers update them in place).
+  at::Tensor gw = sums.narrow(0, 0, h).to(w.scalar_type(), false, /*copy=*/true);
+  at::Tensor gb = sums.narrow(0, h, h).to(w.scalar_type(), false, /*copy=*/true);
+  return {dx, gw, gb};
 }
 
 at::Tensor transpose_cuda(const at::Tensor& x_in, const BlockTranspose& plan, const char* op) {
