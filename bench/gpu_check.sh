@@ -4,8 +4,8 @@
 #   1. builds megatron_sp._C in place with its CUDA kernels (sm_90 unless TORCH_CUDA_ARCH_LIST says),
 #   2. runs the op tests, the CUDA ones included (tests/test_cuda_*.py, tests/test_ops_*.py),
 #   3. runs bench/kernels.py --device cuda (bf16 with the torch.compile baselines, then fp32).
-# Every step's log and the benchmark tables go to $OUT (or /tmp/megatron_sp_gpu_check/). Exit status 0 only when
-# every step passed; later steps still run after a failed test step.
+# Every step's log and the benchmark tables go to $OUT (or /tmp/megatron_sp_gpu_check/). Exit
+# status 0 only when every step passed; later steps still run after a failed test step.
 #   bash bench/gpu_check.sh          # about 5-7 minutes on one H200
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

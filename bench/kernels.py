@@ -1,7 +1,7 @@
 """Fused megatron_sp ops against PyTorch on the same inputs, in the same run.
 
-    python bench/kernels.py --device cpu                 # C++ op vs its PyTorch reference: time, ratio
-    python bench/kernels.py --device cuda                # + bandwidth vs device copy, eager, torch.compile
+    python bench/kernels.py --device cpu     # C++ op vs its PyTorch reference: time, ratio
+    python bench/kernels.py --device cuda    # + bandwidth vs device copy, eager, torch.compile
     python bench/kernels.py --device cuda --no-compile --dtype float32 --markdown out.md
 
 Every case is validated before it is timed (fused vs reference: masks bit-identical, values within
@@ -54,7 +54,8 @@ class Case:
 # ---- cases --------------------------------------------------------------------------------------
 
 def _bda_cases(s, b, h, dtype, dev, compile_):
-    x, res = torch.randn(s, b, h, device=dev, dtype=dtype), torch.randn(s, b, h, device=dev, dtype=dtype)
+    x = torch.randn(s, b, h, device=dev, dtype=dtype)
+    res = torch.randn(s, b, h, device=dev, dtype=dtype)
     bias = torch.randn(h, device=dev, dtype=dtype)
     index = DropoutIndex(torch.arange(s, device=dev), torch.arange(b, device=dev))
     pos, smp, p = index.token_positions, index.sample_ids, 0.1

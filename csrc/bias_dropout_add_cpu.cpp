@@ -1,10 +1,11 @@
 // bias_dropout_add on the CPU: out = residual + dropout(x + bias), masks drawn by Philox.
 //
 // Design: rows are the s*b (token, sample) pairs of an [s, b, h] slab, split over threads with
-// at::parallel_for. Per row, one pass draws the 32-bit words of all h features (one Philox call per
-// four features, 8 calls side by side in AVX-512 lanes: philox_cpu.h) into a small buffer, and a second vectorised pass applies
-// out = residual + (x + bias) * keep * scale in fp32. The backward draws the same words again (no
-// stored mask), writes grad_x = (grad * scale) * keep and sums it over rows for the bias gradient.
+// at::parallel_for. Per row, one pass draws the 32-bit words of all h features into a small
+// buffer (one Philox call per four features, 8 calls side by side in AVX-512 lanes: philox_cpu.h),
+// and a second vectorised pass applies out = residual + (x + bias) * keep * scale in fp32. The
+// backward draws the same words again (no stored mask), writes grad_x = (grad * scale) * keep and
+// sums it over rows for the bias gradient.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

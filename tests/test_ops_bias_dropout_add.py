@@ -142,7 +142,8 @@ for (s, b, h), off in [((5, 3, 7), 3), ((4, 2, 96), 0), ((3, 2, 130), 6)]:
     index = random_index(s, b)
     ref = bias_dropout_add_reference(x, bias, res, 0.3, 5, 1, 2, index, off)
     assert torch.equal(bias_dropout_add(x, bias, res, 0.3, 5, 1, 2, index, off), ref)
-    torch.testing.assert_close(layer_norm(x, bias, bias, 1e-5), layer_norm_reference(x, bias, bias, 1e-5))
+    torch.testing.assert_close(layer_norm(x, bias, bias, 1e-5),
+                               layer_norm_reference(x, bias, bias, 1e-5))
 print("OK")
 """
 

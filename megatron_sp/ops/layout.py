@@ -146,8 +146,10 @@ def _register_permutation(name, out_shape, backward):
     def setup_context(ctx, inputs, output):
         ctx.args = inputs[1:]
 
-    torch.library.register_autograd(f"megatron_sp::{name}",
-                                    lambda ctx, grad: (backward(grad, *ctx.args),) + (None,) * len(ctx.args),
+    def backward_fn(ctx, grad):           # a permutation's gradient is the inverse permutation
+        return (backward(grad, *ctx.args),) + (None,) * len(ctx.args)
+
+    torch.library.register_autograd(f"megatron_sp::{name}", backward_fn,
                                     setup_context=setup_context)
 
 
