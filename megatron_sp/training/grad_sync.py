@@ -1,9 +1,13 @@
-"""Gradient synchronisation after the backward of the last micro-batch.
+"""Gradient synchronisation between the backward passes and the optimizer step.
 
 1. SP-region parameters (LayerNorms, row-parallel biases, positions under SP): their gradients are
    partial sums over the sequence shards, summed over the TP group (GPTModel does it).
-2. Data parallelism: every gradient is averaged over the DP group, in flat buckets so that a few
-   large all-reduces replace one per parameter.
+2. Data parallelism: every gradient is averaged over the DP group in flat buckets, so that a few
+   large all-reduces replace one per parameter. With `OverlappedGradSync` a bucket's all-reduce
+   starts during the last micro-batch's backward as soon as all its gradients are final, and runs
+   while autograd computes the gradients of earlier layers.
+The two sums act on different groups and commute; the DP one goes first because the overlapped
+buckets captured the gradients before either sum.
 """
 from __future__ import annotations
 
@@ -15,35 +19,101 @@ from megatron_sp.parallel_state import ParallelState
 BUCKET_BYTES = 25 * 1024 * 1024
 
 
-def _buckets(grads, bucket_bytes):
-    bucket, size = [], 0
-    for g in grads:
-        bucket.append(g)
-        size += g.numel() * g.element_size()
-        if size >= bucket_bytes:
+def _buckets(tensors, bucket_bytes):
+    """Consecutive groups of same-dtype tensors of about bucket_bytes each."""
+    by_dtype = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        bucket, size = [], 0
+        for t in same:
+            bucket.append(t)
+            size += t.numel() * t.element_size()
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
             yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket
+
+
+def _average_flat(grads, ps, async_op=False):
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    handle = dist.all_reduce(flat, group=ps.dp_group, async_op=async_op)
+    return flat, handle
+
+
+def _scatter_back(flat, grads, dp_size):
+    flat.div_(dp_size)
+    torch._foreach_copy_(grads, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
 
 def all_reduce_data_parallel_grads(params, ps: ParallelState, bucket_bytes: int = BUCKET_BYTES):
-    """Averages gradients over the DP group (bucketed, one all-reduce per dtype bucket)."""
+    """Averages gradients over the DP group after the backward (one all-reduce per bucket)."""
     if ps.dp_size == 1:
         return
-    grads = [p.grad for p in params if p.grad is not None]
-    by_dtype = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for same_dtype in by_dtype.values():
-        for bucket in _buckets(same_dtype, bucket_bytes):
-            flat = torch.cat([g.reshape(-1) for g in bucket])
-            dist.all_reduce(flat, group=ps.dp_group)
-            flat.div_(ps.dp_size)
-            torch._foreach_copy_(bucket, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in bucket]), bucket)])
+    for bucket in _buckets([p.grad for p in params if p.grad is not None], bucket_bytes):
+        flat, _ = _average_flat(bucket, ps)
+        _scatter_back(flat, bucket, ps.dp_size)
 
 
-def finalize_model_grads(model, ps: ParallelState):
-    """Everything between backward and the optimizer step, except clipping."""
+class OverlappedGradSync:
+    """DP gradient averaging overlapped with the last micro-batch's backward.
+
+    Buckets follow the reverse order of parameter creation (roughly the order in which backward
+    finishes them). `arm()` before the last micro-batch's backward; each parameter's
+    post-accumulate-grad hook marks it final and launches its bucket's asynchronous all-reduce once
+    the bucket is complete; `finish()` launches what is left (parameters that got no gradient),
+    waits, averages and writes the results back into `.grad`.
+    """
+
+    def __init__(self, model, ps: ParallelState, bucket_bytes: int = BUCKET_BYTES):
+        self.ps, self.armed = ps, False
+        params = [p for p in reversed(list(model.parameters())) if p.requires_grad]
+        self.buckets = list(_buckets(params, bucket_bytes))
+        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        self._reset()
+
+    def _reset(self):
+        self.ready = [set() for _ in self.buckets]
+        self.launched = {}
+
+    def arm(self):
+        self.armed = True
+
+    def _on_grad_ready(self, param):
+        if not self.armed or self.ps.dp_size == 1:
+            return
+        i = self.bucket_of[id(param)]
+        self.ready[i].add(id(param))
+        if len(self.ready[i]) == len(self.buckets[i]):
+            self._launch(i)
+
+    def _launch(self, i):
+        grads = [p.grad for p in self.buckets[i] if p.grad is not None]
+        if grads:
+            self.launched[i] = (grads, *_average_flat(grads, self.ps, async_op=True))
+
+    def finish(self):
+        if self.ps.dp_size > 1:
+            for i in range(len(self.buckets)):
+                if i not in self.launched:
+                    self._launch(i)
+            for grads, flat, handle in self.launched.values():
+                handle.wait()
+                _scatter_back(flat, grads, self.ps.dp_size)
+        self.armed = False
+        self._reset()
+
+    def remove(self):
+        for h in self._hooks:
+            h.remove()
+
+
+def finalize_model_grads(model, ps: ParallelState, overlapped: OverlappedGradSync | None = None):
+    """Everything between the last backward and the optimizer step, except clipping."""
+    if overlapped is not None:    # first: its buffers hold the gradients as backward left them
+        overlapped.finish()
+    else:
+        all_reduce_data_parallel_grads(list(model.parameters()), ps)
     model.reduce_sequence_parallel_grads()
-    all_reduce_data_parallel_grads(list(model.parameters()), ps)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp.parallel_state import ParallelState
-from megatron_sp.training.grad_sync import finalize_model_grads
+from megatron_sp.training.grad_sync import OverlappedGradSync, finalize_model_grads
 from megatron_sp.training.optimizer import DynamicLossScaler, clip_grads
 
 
@@ -52,12 +52,15 @@ def mean_over_data_parallel(values, ps: ParallelState, device) -> float:
 
 
 def train_step(model, optimizer, data_iter, num_micro_batches: int, ps: ParallelState, *, device: str,
-               dtype, clip_grad: float, iteration: int, scaler: Optional[DynamicLossScaler] = None) -> StepResult:
+               dtype, clip_grad: float, iteration: int, scaler: Optional[DynamicLossScaler] = None,
+               grad_sync: Optional[OverlappedGradSync] = None) -> StepResult:
     """Accumulates gradients over the micro-batches, syncs them, clips and steps."""
     optimizer.zero_grad(set_to_none=True)
     losses = []
     scale = scaler.scale if scaler is not None else 1.0
-    for _ in range(num_micro_batches):
+    for micro in range(num_micro_batches):
+        if grad_sync is not None and micro == num_micro_batches - 1:
+            grad_sync.arm()                       # DP all-reduces start during this backward
         batch = to_device(next(data_iter), device)
         with autocast(device, dtype):
             loss = forward_loss(model, batch)
@@ -67,7 +70,7 @@ def train_step(model, optimizer, data_iter, num_micro_batches: int, ps: Parallel
     if not math.isfinite(loss_value):
         raise NonFiniteError(f"the training loss is {loss_value} at iteration {iteration}; lower --lr, "
                              f"check the data, or use --bf16 instead of --fp16.")
-    finalize_model_grads(model, ps)
+    finalize_model_grads(model, ps, grad_sync)
     params = [p for p in model.parameters() if p.grad is not None]
     if scaler is not None and not scaler.unscale_and_check(params):
         return StepResult(loss_value, float("nan"), skipped=True)

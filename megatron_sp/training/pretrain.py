@@ -19,6 +19,7 @@ from megatron_sp import parallel_state
 from megatron_sp.config import GPTConfig
 from megatron_sp.training import checkpointing
 from megatron_sp.training.arguments import ArgumentError, parse_args
+from megatron_sp.training.grad_sync import OverlappedGradSync
 from megatron_sp.training.logger import TrainingLogger
 from megatron_sp.training.loop import NonFiniteError, evaluate, train_step
 from megatron_sp.training.optimizer import DynamicLossScaler, build_optimizer
@@ -143,6 +144,8 @@ class Trainer:
         self.model = GPTModel(self.cfg, self.ps).to(args.device)
         self.optimizer = build_optimizer(self.model, args, args.device)
         self.scaler = DynamicLossScaler(args.initial_loss_scale) if args.fp16 else None
+        self.grad_sync = (OverlappedGradSync(self.model, self.ps)
+                          if args.overlap_grad_reduce and self.ps.dp_size > 1 else None)
         self.schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                                    args.lr_decay_style)
         self.state = checkpointing.TrainState()
@@ -191,7 +194,7 @@ class Trainer:
         start = time.perf_counter()
         result = train_step(self.model, self.optimizer, train_iter, args.num_micro_batches, self.ps,
                             device=args.device, dtype=self.dtype, clip_grad=args.clip_grad,
-                            iteration=state.iteration + 1, scaler=self.scaler)
+                            iteration=state.iteration + 1, scaler=self.scaler, grad_sync=self.grad_sync)
         if args.device == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
