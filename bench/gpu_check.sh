@@ -3,7 +3,8 @@
 # Python 3.12, torch 2.11 + CUDA 13, nvcc, pytest, ninja and no internet):
 #   1. builds megatron_sp._C in place with its CUDA kernels (sm_90 unless TORCH_CUDA_ARCH_LIST says),
 #   2. runs the op tests, the CUDA ones included (tests/test_cuda_*.py, tests/test_ops_*.py),
-#   3. runs bench/kernels.py --device cuda (bf16 with the torch.compile baselines, then fp32).
+#   3. runs bench/kernels.py --device cuda (bf16 with the torch.compile baselines, then fp32),
+#   4. times pretrain_gpt_sp.py at the speed-goal config on synthetic tokens (tokens/s, MFU).
 # Every step's log and the benchmark tables go to $OUT (or /tmp/megatron_sp_gpu_check/). Exit
 # status 0 only when every step passed; later steps still run after a failed test step.
 #   bash bench/gpu_check.sh          # about 5-7 minutes on one H200
@@ -57,5 +58,19 @@ step bench_bf16 "$PY" bench/kernels.py --device cuda --dtype bfloat16 \
   --markdown "$OUT_DIR/kernels_cuda_bf16.md"
 step bench_fp32 "$PY" bench/kernels.py --device cuda --dtype float32 --no-compile \
   --markdown "$OUT_DIR/kernels_cuda_fp32.md"
+# Training speed at the speed-goal config (GPT 24 × 2048, 16 heads, seq 2048, micro batch 4, vocab 50304,
+# bf16, fwd+bwd+AdamW) on one GPU with random tokens (--mock-data: no dataset, no megatron-core needed);
+# with and without dropout (the reference figures' dropout setting is not stated). tokens/s per line.
+train_speed() {
+  local dropout
+  for dropout in 0.0 0.1; do
+    "$PY" pretrain_gpt_sp.py --device cuda --bf16 --mock-data --tokenizer-type NullTokenizer --vocab-size 50303 \
+      --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --micro-batch-size 4 \
+      --global-batch-size 4 --train-iters 30 --log-interval 5 --eval-interval 1000 --lr-warmup-iters 5 \
+      --hidden-dropout $dropout --attention-dropout $dropout --no-progress-bar \
+      --log-jsonl "$OUT_DIR/train_speed_dropout$dropout.jsonl" || return 1
+  done
+}
+step train_speed train_speed
 echo "gpu_check: $([ $status -eq 0 ] && echo PASSED || echo FAILED); outputs in $OUT_DIR"
 exit $status

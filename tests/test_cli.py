@@ -101,3 +101,14 @@ def test_non_finite_loss_stops_naming_iteration(capsys, monkeypatch, tmp_path):
     code = pretrain.main(TINY + ["--train-iters", "5", "--log-jsonl", str(tmp_path / "log.jsonl")])
     err = capsys.readouterr().err
     assert code == 1 and "iteration 3" in err, err
+
+
+def test_mock_data_needs_no_megatron_core(tmp_path):
+    """--mock-data (speed runs on machines without data) trains without importing megatron-core."""
+    code = ("import sys; from megatron_sp.training import pretrain; "
+            "rc = pretrain.main(sys.argv[1:]); assert 'megatron.core' not in sys.modules; sys.exit(rc)")
+    argv = TINY + ["--train-iters", "2", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "500"]
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=tmp_path,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "iteration        2/       2" in proc.stdout

@@ -73,6 +73,8 @@ def _data_args(p):
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None,
                    help="PREFIX or WEIGHT PREFIX WEIGHT PREFIX ...; default: the embedded corpus")
+    g.add_argument("--mock-data", action="store_true",
+                   help="random tokens instead of a dataset (speed runs; needs no data and no megatron-core)")
     g.add_argument("--split", default="969,30,1")
     g.add_argument("--tokenizer-type", default="ByteLevelTokenizer",
                    choices=["ByteLevelTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])

@@ -79,9 +79,14 @@ def build_config(args, vocab_size: int) -> GPTConfig:
 
 def build_data(setup: Setup, ps):
     """Train/valid datasets (megatron-core GPTDataset over .bin/.idx, or the embedded corpus)."""
-    from megatron_sp.data import build_gpt_datasets
     args = setup.args
     evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters
+    if args.mock_data:
+        from megatron_sp.data.mock import MockGPTDataset
+        return (MockGPTDataset(args.train_iters * args.global_batch_size, args.seq_length, setup.cfg.vocab_size,
+                               args.seed),
+                MockGPTDataset(evals * args.global_batch_size, args.seq_length, setup.cfg.vocab_size, args.seed + 1))
+    from megatron_sp.data import build_gpt_datasets
     with warnings.catch_warnings():   # the run never reads the test split: an empty one is fine
         warnings.filterwarnings("ignore", message="The test split")
         train, valid, _ = build_gpt_datasets(
