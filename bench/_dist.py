@@ -1,4 +1,5 @@
-"""Shared helper for the bench scripts: a world of gloo CPU processes that runs module-level functions.
+"""Shared helpers for the bench scripts: a world of gloo CPU processes that runs module-level functions,
+and plain-text tables.
 
     with World(4) as world:
         per_rank = world.run(fn, *args)      # fn(*args) on every rank; list of results by rank
@@ -23,3 +24,13 @@ if REPO_ROOT not in sys.path:
 
 
 from megatron_sp.local_world import LocalWorld as World  # noqa: E402,F401  (spawned ranks inherit sys.path)
+
+
+def table(headers, rows, align=None) -> str:
+    """A plain-text table: first column left-aligned, the others right-aligned (or `align`)."""
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+    align = align or ["<"] + [">"] * (len(headers) - 1)
+    fmt = "  ".join(f"{{:{al}{w}}}" for al, w in zip(align, widths))
+    lines = [fmt.format(*headers), "  ".join("-" * w for w in widths)]
+    lines += [fmt.format(*[str(x) for x in r]) for r in rows]
+    return "\n".join(lines)

@@ -38,7 +38,7 @@ import traceback
 from collections import OrderedDict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import World  # noqa: E402  (also puts the repo root on sys.path)
+from _dist import World, table as _table  # noqa: E402  (also puts the repo root on sys.path)
 
 # torch.distributed attribute -> (kind, how to size it)
 WRAPPED = OrderedDict([
@@ -201,15 +201,6 @@ def per_layer(res, key):
         if d["calls"] or d["raw"]:
             out[k] = d
     return out
-
-
-def _table(headers, rows, align=None):
-    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
-    align = align or ["<"] + [">"] * (len(headers) - 1)
-    fmt = "  ".join(f"{{:{al}{w}}}" for al, w in zip(align, widths))
-    lines = [fmt.format(*headers), "  ".join("-" * w for w in widths)]
-    lines += [fmt.format(*[str(x) for x in r]) for r in rows]
-    return "\n".join(lines)
 
 
 def _is_regather(kind, phase, site):

@@ -131,13 +131,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dy_in,
                                                        const at::Tensor& w_in,
                                                        const at::Tensor& mean_in,
                                                        const at::Tensor& rstd_in) {
-  const int64_t h = check_layer_norm(x_in, w_in, w_in);
-  TORCH_CHECK(dy_in.sizes() == x_in.sizes() && dy_in.scalar_type() == x_in.scalar_type(),
-              "layer_norm_bwd: grad_out must match x in shape and dtype");
-  const int64_t rows = x_in.numel() / h;
-  TORCH_CHECK(mean_in.numel() == rows && rstd_in.numel() == rows &&
-                  mean_in.scalar_type() == at::kFloat && rstd_in.scalar_type() == at::kFloat,
-              "layer_norm_bwd: mean and rstd must be fp32 with one value per row");
+  int64_t rows = 0;
+  const int64_t h = check_layer_norm_bwd(dy_in, x_in, w_in, mean_in, rstd_in, &rows);
   at::Tensor dy = dy_in.contiguous(), x = x_in.contiguous(), w = w_in.contiguous();
   at::Tensor mean = mean_in.contiguous(), rstd = rstd_in.contiguous(), dx = at::empty_like(x);
   at::Tensor sums;

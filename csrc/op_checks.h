@@ -71,6 +71,19 @@ inline int64_t check_layer_norm(const at::Tensor& x, const at::Tensor& weight,
   return x.size(-1);
 }
 
+// layer_norm_bwd's inputs; returns h and sets rows.
+inline int64_t check_layer_norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
+                                    const at::Tensor& mean, const at::Tensor& rstd, int64_t* rows) {
+  const int64_t h = check_layer_norm(x, w, w);
+  TORCH_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type(),
+              "layer_norm_bwd: grad_out must match x in shape and dtype");
+  *rows = x.numel() / h;
+  TORCH_CHECK(mean.numel() == *rows && rstd.numel() == *rows && mean.scalar_type() == at::kFloat &&
+                  rstd.scalar_type() == at::kFloat,
+              "layer_norm_bwd: mean and rstd must be fp32 with one value per row");
+  return h;
+}
+
 // A layout op as a copy of contiguous runs: either a block transpose
 // [a, b, run] -> [b, a, run], or a permutation of 2p chunks along one axis of [outer, 2p, run].
 struct BlockTranspose {
