@@ -50,10 +50,6 @@ class ParallelState:
     def world_size(self) -> int:
         return self.tp_size * self.cp_size * self.dp_size
 
-    @property
-    def is_first_tp_rank(self) -> bool:
-        return self.tp_rank == 0
-
 
 _STATE: Optional[ParallelState] = None
 

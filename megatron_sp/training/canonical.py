@@ -17,10 +17,6 @@ import torch
 import torch.distributed as dist
 
 
-def canonical_name(name: str) -> str:
-    return name
-
-
 def _split_axis(p):
     """(axis of the F/g block in the canonical view, groups) or None for replicated parameters."""
     spec = p.shard_spec

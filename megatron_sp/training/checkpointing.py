@@ -25,8 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_sp.training.canonical import (canonical_name, empty_dcp_target, from_canonical_local,
-                                            to_dcp_tensor)
+from megatron_sp.training.canonical import empty_dcp_target, from_canonical_local, to_dcp_tensor
 
 LATEST = "latest_checkpointed_iteration.txt"
 
@@ -85,10 +84,10 @@ def build_state(trainer, with_optim: bool):
     """The DCP state dict of this rank: model (and optimizer) tensors in canonical layout."""
     state = {"model": {}, "optim": {}}
     for name, p, ps in _model_items(trainer):
-        state["model"][canonical_name(name)] = to_dcp_tensor(p.detach(), p, ps)
+        state["model"][name] = to_dcp_tensor(p.detach(), p, ps)
         if with_optim:
             st = trainer.optimizer.state.get(p, {})
-            state["optim"][canonical_name(name)] = {
+            state["optim"][name] = {
                 "exp_avg": to_dcp_tensor(st.get("exp_avg", torch.zeros_like(p)), p, ps),
                 "exp_avg_sq": to_dcp_tensor(st.get("exp_avg_sq", torch.zeros_like(p)), p, ps),
                 "step": torch.as_tensor(st.get("step", 0.0), dtype=torch.float32).cpu().clone()}
@@ -99,9 +98,9 @@ def build_state(trainer, with_optim: bool):
 
 def _target_state(trainer, with_optim: bool):
     """Empty tensors shaped like this rank's slices, for DCP to fill."""
-    state = {"model": {canonical_name(n): empty_dcp_target(p, ps) for n, p, ps in _model_items(trainer)}}
+    state = {"model": {n: empty_dcp_target(p, ps) for n, p, ps in _model_items(trainer)}}
     if with_optim:
-        state["optim"] = {canonical_name(n): {"exp_avg": empty_dcp_target(p, ps),
+        state["optim"] = {n: {"exp_avg": empty_dcp_target(p, ps),
                                               "exp_avg_sq": empty_dcp_target(p, ps),
                                               "step": torch.zeros((), dtype=torch.float32)}
                           for n, p, ps in _model_items(trainer)}
@@ -224,14 +223,14 @@ def _check_compatible(meta, cfg, path):
 @torch.no_grad()
 def _restore_model(trainer, tensors):
     for name, p, ps in _model_items(trainer):
-        p.copy_(from_canonical_local(tensors[canonical_name(name)], p, ps))
+        p.copy_(from_canonical_local(tensors[name], p, ps))
 
 
 @torch.no_grad()
 def _restore_optim(trainer, tensors):
     fused = any(g.get("fused") or g.get("capturable") for g in trainer.optimizer.param_groups)
     for name, p, ps in _model_items(trainer):
-        saved = tensors[canonical_name(name)]
+        saved = tensors[name]
         step_device = p.device if fused else "cpu"
         trainer.optimizer.state[p] = {
             "step": saved["step"].to(step_device),

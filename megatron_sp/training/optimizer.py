@@ -7,8 +7,6 @@ DP replicas: count one copy).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
@@ -99,7 +97,3 @@ class DynamicLossScaler:
 
     def load_state_dict(self, state):
         self.scale, self._clean_steps = state["scale"], state["clean_steps"]
-
-
-def is_finite(value: float) -> bool:
-    return math.isfinite(value)
