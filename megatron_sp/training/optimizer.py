@@ -35,21 +35,23 @@ def build_optimizer(model, args, device: str):
     return torch.optim.AdamW(groups, foreach=True, **kw)
 
 
+def _sum_of_squares(grads, device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()   # one fused kernel per dtype
+
+
 def global_grad_norm(params, ps: ParallelState) -> torch.Tensor:
     """L2 norm of the full (serial) gradient: each parameter counted once."""
-    params = [p for p in params if p.grad is not None]
-    device = params[0].grad.device if params else "cpu"
-    sharded = torch.zeros((), dtype=torch.float32, device=device)
-    replicated = torch.zeros((), dtype=torch.float32, device=device)
-    for p in params:
-        sq = p.grad.detach().float().pow(2).sum()
-        if getattr(p, "shard_spec", None) is not None and p.shard_spec.dim is not None:
-            sharded += sq
-        else:
-            replicated += sq
+    grads = [p for p in params if p.grad is not None]
+    device = grads[0].grad.device if grads else "cpu"
+    is_split = [getattr(p, "shard_spec", None) is not None and p.shard_spec.dim is not None for p in grads]
+    split = [p.grad.detach() for p, s in zip(grads, is_split) if s]
+    replicated = [p.grad.detach() for p, s in zip(grads, is_split) if not s]
+    sharded = _sum_of_squares(split, device)
     if ps.tp_size > 1:
-        dist.all_reduce(sharded, group=ps.tp_group)
-    return (sharded + replicated).sqrt()
+        dist.all_reduce(sharded, group=ps.tp_group)     # TP shards: sum over the group
+    return (sharded + _sum_of_squares(replicated, device)).sqrt()   # replicas: this rank's copy
 
 
 def clip_grads(params, max_norm: float, ps: ParallelState) -> float:
