@@ -23,13 +23,17 @@ class GPTConfig:
     init_method_std: float = 0.02   # std of the normal init; output projections use std/sqrt(2L)
     layernorm_epsilon: float = 1e-5
     seed: int = 1234                # weights and dropout masks are pure functions of this seed
-    tensor_model_parallel_size: int = 1   # TP size t: heads, MLP and vocab are split t ways
+    tensor_model_parallel_size: Optional[int] = None  # TP size t (heads, MLP, vocab split t ways);
+    #                                                   None: the current parallel_state's TP size
     context_parallel_size: int = 1  # CP size (in the rank grid; 1 for now)
     sequence_parallel: bool = False  # shard LayerNorm/dropout/residual along the sequence (needs t > 1)
     make_vocab_size_divisible_by: int = 128  # vocab padded to a multiple of this times t (Megatron)
     use_fused_kernels: bool = True  # use megatron_sp._C ops when built; references otherwise
 
     def __post_init__(self):
+        if self.tensor_model_parallel_size is None:
+            from megatron_sp import parallel_state
+            self.tensor_model_parallel_size = parallel_state.get().tp_size
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.max_position_embeddings is None:
