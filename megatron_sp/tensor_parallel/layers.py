@@ -51,7 +51,8 @@ class _ParallelLinear(torch.autograd.Function):
                it again for the weight gradient and reduce-scatters the input gradient (Megatron).
     mode "tp": forward identity, backward all-reduces the input gradient (the f mapping).
     mode "none": plain linear (row-parallel layers: their collective comes after).
-    The input-gradient collective is issued asynchronously and overlapped with the weight GEMM.
+    In backward the re-gather overlaps the input-gradient GEMM, and the input-gradient collective
+    overlaps the weight-gradient GEMM.
     """
 
     @staticmethod
@@ -66,11 +67,17 @@ class _ParallelLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         group, mode = ctx.group, ctx.mode
-        total = mappings._all_gather_dim0(x, group) if mode == "sp" else x
+        total, gather = x, None
+        if mode == "sp":   # re-gather the saved shard while the input-gradient GEMM runs
+            total = torch.empty((dist.get_world_size(group) * x.shape[0],) + tuple(x.shape[1:]),
+                                dtype=x.dtype, device=x.device)
+            gather = dist.all_gather_into_tensor(total, x.contiguous(), group=group, async_op=True)
         # Under autocast the GEMMs ran in grad_out's dtype; autograd casts our grads back to the
         # dtypes of x and weight (fp32 master weights).
-        weight, total = weight.to(grad_out.dtype), total.to(grad_out.dtype)
-        grad_in = torch.matmul(grad_out, weight)
+        grad_in = torch.matmul(grad_out, weight.to(grad_out.dtype))
+        if gather is not None:
+            gather.wait()
+        total = total.to(grad_out.dtype)
         handle, grad_in_shard = None, grad_in
         if mode == "sp":
             grad_in_shard = torch.empty(x.shape, dtype=grad_in.dtype, device=grad_in.device)
