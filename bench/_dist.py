@@ -34,3 +34,13 @@ def table(headers, rows, align=None) -> str:
     lines = [fmt.format(*headers), "  ".join("-" * w for w in widths)]
     lines += [fmt.format(*[str(x) for x in r]) for r in rows]
     return "\n".join(lines)
+
+
+def add_shape_args(parser) -> None:
+    """The model-shape flags both layer benches take (Megatron names, tiny defaults)."""
+    parser.add_argument("--seq-length", type=int, default=64)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-attention-heads", type=int, default=4)
+    parser.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden size")
+    parser.add_argument("--vocab-size", type=int, default=97)

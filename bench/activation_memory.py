@@ -45,7 +45,7 @@ import traceback
 from collections import OrderedDict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import World, table as _table  # noqa: E402  (also puts the repo root on sys.path)
+from _dist import World, add_shape_args, table as _table  # noqa: E402  (also puts the repo root on sys.path)
 
 
 # ---- the measurement machinery (importable; tests/test_bench_memory.py checks it) --------------
@@ -347,12 +347,7 @@ def report(args, dropout, results):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-length", type=int, default=64)
-    p.add_argument("--micro-batch-size", type=int, default=2)
-    p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--num-attention-heads", type=int, default=4)
-    p.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden size")
-    p.add_argument("--vocab-size", type=int, default=97)
+    add_shape_args(p)
     p.add_argument("--tp-sizes", type=str, default="1,2,4")
     p.add_argument("--dropout", type=float, default=0.1,
                    help="the 'dropout on' table uses this for hidden and attention dropout")
