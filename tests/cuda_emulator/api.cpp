@@ -1,0 +1,63 @@
+// C entry points (for ctypes) to the CUDA launchers of csrc/cuda/launchers.h, built against the
+// emulator. Pointers are host memory; dtype codes are msp::cuda::DType (0 fp32, 1 bf16, 2 fp16).
+#include "cuda/launchers.h"
+
+using msp::cuda::DType;
+
+extern "C" {
+
+void emu_set_sm_count(int sms) { msp_emu::set_sm_count(sms); }
+
+int64_t emu_bda_bwd_scratch(int64_t s, int64_t b, int64_t h, int dtype) {
+  return msp::cuda::bias_dropout_add_bwd_scratch(s, b, h, static_cast<DType>(dtype));
+}
+
+int emu_bda_fwd(const void* x, const void* bias, const void* residual, void* out,
+                const int64_t* positions, const int64_t* samples, int64_t s, int64_t b, int64_t h,
+                int dtype, double p, int64_t seed, int64_t layer, int64_t site,
+                int64_t feature_offset) {
+  msp::cuda::BiasDropoutAddFwd a{x, bias, residual, out, positions, samples, s, b, h,
+                                 static_cast<DType>(dtype),
+                                 msp::make_dropout_params(p, seed, layer, site, feature_offset)};
+  return msp::cuda::bias_dropout_add_fwd(a, nullptr);
+}
+
+int emu_bda_bwd(const void* grad, void* grad_x, float* grad_bias, float* scratch,
+                const int64_t* positions, const int64_t* samples, int64_t s, int64_t b, int64_t h,
+                int dtype, double p, int64_t seed, int64_t layer, int64_t site,
+                int64_t feature_offset) {
+  msp::cuda::BiasDropoutAddBwd a{grad, grad_x, grad_bias, scratch, positions, samples, s, b, h,
+                                 static_cast<DType>(dtype),
+                                 msp::make_dropout_params(p, seed, layer, site, feature_offset)};
+  return msp::cuda::bias_dropout_add_bwd(a, nullptr);
+}
+
+int64_t emu_ln_bwd_scratch(int64_t rows, int64_t h, int dtype) {
+  return msp::cuda::layer_norm_bwd_scratch(rows, h, static_cast<DType>(dtype));
+}
+
+int emu_ln_fwd(const void* x, const void* weight, const void* bias, void* y, float* mean,
+               float* rstd, int64_t rows, int64_t h, float eps, int dtype, int weight_dtype) {
+  msp::cuda::LayerNormFwd a{x, weight, bias, y, mean, rstd, rows, h, eps,
+                            static_cast<DType>(dtype), static_cast<DType>(weight_dtype)};
+  return msp::cuda::layer_norm_fwd(a, nullptr);
+}
+
+int emu_ln_bwd(const void* grad, const void* x, const void* weight, const float* mean,
+               const float* rstd, void* grad_x, float* grad_weight_bias, float* scratch,
+               int64_t rows, int64_t h, int dtype, int weight_dtype) {
+  msp::cuda::LayerNormBwd a{grad, x, weight, mean, rstd, grad_x, grad_weight_bias, scratch, rows,
+                            h, static_cast<DType>(dtype), static_cast<DType>(weight_dtype)};
+  return msp::cuda::layer_norm_bwd(a, nullptr);
+}
+
+int emu_block_transpose(const void* src, void* dst, int64_t a, int64_t b, int64_t run_bytes) {
+  return msp::cuda::block_transpose(src, dst, a, b, run_bytes, nullptr);
+}
+
+int emu_zigzag_reorder(const void* src, void* dst, int64_t outer, int64_t p, int64_t run_bytes,
+                       int inverse) {
+  return msp::cuda::zigzag_reorder(src, dst, outer, p, run_bytes, inverse != 0, nullptr);
+}
+
+}  // extern "C"

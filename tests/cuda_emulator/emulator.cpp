@@ -1,0 +1,162 @@
+// The execution engine of the CUDA emulator (include/msp_cuda_emulator.h): blocks in sequence,
+// the threads of a block as OS threads, barriers for __syncthreads and warp shuffles.
+#include <stdio.h>
+#include <stdlib.h>
+
+#include <atomic>
+#include <barrier>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "msp_cuda_emulator.h"
+
+namespace msp_emu {
+
+thread_local ThreadContext context;
+
+namespace {
+
+cudaError_t last_error = cudaSuccess;
+int sm_count = 2;
+
+[[noreturn]] void fail(const char* what) {
+  const ThreadContext& c = context;
+  fprintf(stderr,
+          "msp_cuda_emulator: %s (block (%u, %u, %u) of (%u, %u, %u), thread (%u, %u, %u) of "
+          "(%u, %u, %u))\n",
+          what, c.block.x, c.block.y, c.block.z, c.grid_dim.x, c.grid_dim.y, c.grid_dim.z,
+          c.thread.x, c.thread.y, c.thread.z, c.block_dim.x, c.block_dim.y, c.block_dim.z);
+  fflush(stderr);
+  abort();
+}
+
+}  // namespace
+
+struct Warp {
+  std::unique_ptr<std::barrier<>> barrier;
+  uint32_t slots[32];
+  std::atomic<int> exited{0};
+  int size = 0;
+};
+
+struct Block {
+  std::unique_ptr<std::barrier<>> barrier;
+  std::unique_ptr<Warp[]> warps;
+
+  void reset(int threads) {
+    barrier = std::make_unique<std::barrier<>>(threads);
+    const int count = (threads + 31) / 32;
+    warps = std::make_unique<Warp[]>(count);
+    for (int w = 0; w < count; ++w) {
+      warps[w].size = threads - 32 * w < 32 ? threads - 32 * w : 32;
+      warps[w].barrier = std::make_unique<std::barrier<>>(warps[w].size);
+    }
+  }
+
+  // A thread that returned from the kernel no longer takes part in the block's barriers.
+  void leave(unsigned int warp) {
+    warps[warp].exited.fetch_add(1);
+    warps[warp].barrier->arrive_and_drop();
+    barrier->arrive_and_drop();
+  }
+};
+
+void syncthreads() { context.live->barrier->arrive_and_wait(); }
+
+uint32_t shfl_xor(uint32_t bits, unsigned int mask, int lane_mask, int width) {
+  Warp& w = context.live->warps[context.warp];
+  if (mask != 0xFFFFFFFFu || width != 32 || w.size != 32)
+    fail("__shfl_xor_sync: only full-warp shuffles are emulated (mask 0xffffffff, width 32)");
+  if (lane_mask < 0 || lane_mask > 31) fail("__shfl_xor_sync: lane mask out of range");
+  w.slots[context.lane] = bits;
+  w.barrier->arrive_and_wait();
+  if (w.exited.load() != 0) fail("__shfl_xor_sync with exited lanes in the warp (undefined)");
+  const uint32_t got = w.slots[context.lane ^ static_cast<unsigned int>(lane_mask)];
+  w.barrier->arrive_and_wait();
+  return got;
+}
+
+void set_sm_count(int sms) { sm_count = sms > 0 ? sms : 1; }
+
+void launch(const std::function<void()>& body, dim3 grid, dim3 block, size_t shared_bytes,
+            cudaStream_t) {
+  const uint64_t threads = uint64_t(block.x) * block.y * block.z;
+  if (threads == 0 || threads > 1024 || block.z > 64 || grid.x == 0 || grid.y == 0 ||
+      grid.z == 0 || grid.x > 0x7FFFFFFFu || grid.y > 65535 || grid.z > 65535 ||
+      shared_bytes > 48 * 1024) {
+    last_error = cudaErrorInvalidConfiguration;
+    return;
+  }
+  const int n = static_cast<int>(threads);
+  Block live;
+  uint3 current{0, 0, 0};
+  bool done = false;
+  std::barrier<> start(n + 1), finish(n + 1);
+  std::vector<std::thread> pool;
+  pool.reserve(n);
+  for (int t = 0; t < n; ++t) {
+    pool.emplace_back([&, t] {
+      ThreadContext& c = context;
+      const unsigned int u = static_cast<unsigned int>(t);
+      c.thread = {u % block.x, (u / block.x) % block.y, u / (block.x * block.y)};
+      c.block_dim = block;
+      c.grid_dim = grid;
+      c.warp = u / 32;
+      c.lane = u % 32;
+      for (;;) {
+        start.arrive_and_wait();
+        if (done) return;
+        c.block = current;
+        c.live = &live;
+        body();
+        live.leave(c.warp);
+        finish.arrive_and_wait();
+      }
+    });
+  }
+  for (unsigned int z = 0; z < grid.z; ++z)
+    for (unsigned int y = 0; y < grid.y; ++y)
+      for (unsigned int x = 0; x < grid.x; ++x) {
+        live.reset(n);
+        current = {x, y, z};
+        start.arrive_and_wait();
+        finish.arrive_and_wait();
+      }
+  done = true;
+  start.arrive_and_wait();
+  for (auto& th : pool) th.join();
+}
+
+}  // namespace msp_emu
+
+cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
+  if (attr != cudaDevAttrMultiProcessorCount) return cudaErrorInvalidValue;
+  *value = msp_emu::sm_count;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetLastError() {
+  cudaError_t e = msp_emu::last_error;
+  msp_emu::last_error = cudaSuccess;
+  return e;
+}
+
+cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t) {
+  memset(ptr, value, bytes);
+  return cudaSuccess;
+}
+
+const char* cudaGetErrorString(cudaError_t err) {
+  switch (err) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+  }
+  return "unknown error";
+}

@@ -1,0 +1,108 @@
+"""The CUDA kernels (csrc/cuda/*.cu, unmodified) run on the CPU emulator of tests/cuda_emulator/
+against the references, so that their indexing, vector and scalar paths, grid-stride loops, warp and
+block reductions and launch sizing are checked on machines without a GPU:
+
+- every case of tests/cuda_emulator/run_cases.py under AddressSanitizer + UBSan (any out-of-bounds
+  load or store, or undefined behaviour, in a kernel fails the run);
+- one case per kernel path under ThreadSanitizer (a missing __syncthreads is a data race between
+  the emulated threads: the emulator's racecheck);
+- planted bugs (an out-of-bounds read, a missing barrier) are caught, so these tests can fail.
+
+The emulator does not model GPU timing, memory ordering between blocks (blocks run one after
+another) or fused multiply-adds; tests/test_cuda_ops.py checks the real thing on a GPU."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from cuda_emulator import build as emulator_build
+from cuda_emulator.run_cases import CASES
+
+RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emulator", "run_cases.py")
+# One case per kernel (and barrier structure) for the slower ThreadSanitizer run; the long-row
+# LayerNorm variants have the same barriers as the short ones and take ~30 s there.
+RACE_CASES = ["bda-64x4x256-off0-bf16-sm1", "bda-5x3x7-off3-fp32-sm1", "ln-40x1024-fp32-wfp32-sm1",
+              "ln-7x999-fp16-wfp16-sm1", "ulysses_pack-5x3x6x7-uint8",
+              "zigzag-2x24x3-p3-dim1-inv"]
+
+
+def _require(sanitizer):
+    if emulator_build.compiler() is None:
+        pytest.skip("no host C++ compiler")
+    if emulator_build.runtime_library(sanitizer) is None:
+        pytest.skip(f"the compiler has no lib{sanitizer}.so")
+
+
+def _run(library, sanitizer, out_json, cases=()):
+    env = emulator_build.sanitizer_env(sanitizer)
+    env["OMP_NUM_THREADS"] = "1"      # torch's OpenMP threads are not ThreadSanitizer-aware
+    proc = subprocess.run([sys.executable, RUNNER, library, str(out_json), *cases], env=env,
+                          capture_output=True, text=True, timeout=1200)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _results(out_json):
+    import json
+    return json.loads(out_json.read_text()) if out_json.exists() else {}
+
+
+@pytest.fixture(scope="module")
+def object_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("emulator-objects"))
+
+
+@pytest.fixture(scope="module")
+def asan_run(tmp_path_factory, object_cache):
+    _require("asan")
+    out = tmp_path_factory.mktemp("emulator-asan")
+    library = emulator_build.build(str(out / "build"), "asan", cache_dir=object_cache)
+    rc, log = _run(library, "asan", out / "results.json")
+    return rc, log, _results(out / "results.json")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_on_emulator(asan_run, case):
+    rc, log, results = asan_run
+    if case not in results or rc != 0:
+        pytest.fail(f"the emulated run did not finish cleanly (exit {rc}):\n{log[-6000:]}")
+    assert results[case]["ok"], results[case]["detail"]
+
+
+def test_no_data_races(tmp_path, object_cache):
+    _require("tsan")
+    library = emulator_build.build(str(tmp_path / "build"), "tsan", cache_dir=object_cache)
+    rc, log = _run(library, "tsan", tmp_path / "results.json", RACE_CASES)
+    results = _results(tmp_path / "results.json")
+    assert rc == 0 and "ThreadSanitizer" not in log, log[-6000:]
+    assert set(results) == set(RACE_CASES), log[-3000:]
+    assert all(r["ok"] for r in results.values()), results
+
+
+def _planted(tmp_path, object_cache, sanitizer, filename, old, new, case):
+    csrc = tmp_path / "csrc"
+    shutil.copytree(emulator_build.CSRC, csrc)
+    path = csrc / "cuda" / filename
+    text = path.read_text()
+    assert old in text, f"the planted bug no longer applies to {filename}: update this test"
+    path.write_text(text.replace(old, new, 1))
+    library = emulator_build.build(str(tmp_path / "build"), sanitizer, csrc=str(csrc),
+                                   cache_dir=object_cache)
+    return _run(library, sanitizer, tmp_path / "results.json", [case])
+
+
+def test_planted_out_of_bounds_read_is_caught(tmp_path, object_cache):
+    _require("asan")
+    rc, log = _planted(tmp_path, object_cache, "asan", "layout.cu",
+                       "vals[u] = src[map(o) * run.d + v];",
+                       "vals[u] = src[map(o) * run.d + v + 1];", "ulysses_pack-16x2x8x64-float32")
+    assert rc != 0 and "heap-buffer-overflow" in log, log[-3000:]
+
+
+def test_planted_missing_barrier_is_caught(tmp_path, object_cache):
+    _require("tsan")
+    rc, log = _planted(tmp_path, object_cache, "tsan", "column_sum.cu",
+                       "  __syncthreads();\n  if (threadIdx.y == 0", "  if (threadIdx.y == 0",
+                       "bda-5x3x7-off3-fp32-sm1")
+    assert rc != 0 and "ThreadSanitizer: data race" in log, log[-3000:]
