@@ -169,8 +169,8 @@ def adjusted_terms(s, b, h, a, f, t, sp, dropout):
             ("Q, K, V (contiguous copies for matmul)", 3 * 4 * sbh * T, "fp32 x2 (paper 6sbh/t)"),
             ("causal mask (bool s x s) for masked_fill", s * s, "not in paper: 1 byte, not /t, not x b"),
             ("softmax output", 4 * a * s * s * b * T, "fp32 x2 (paper 2as^2b/t)"),
-            ("attention dropout mask", 4 * a * s * s * b * T,
-             "stored as fp32 (paper 1 byte: as^2b/t); not regenerated"),
+            ("attention dropout mask", a * s * s * b * T,
+             "bool, 1 byte (as paper: as^2b/t); not regenerated"),
             ("dropout(softmax) (input of P.V)", 4 * a * s * s * b * T, "fp32 x2 (paper 2as^2b/t)"),
         ]
     else:
@@ -187,19 +187,19 @@ def adjusted_terms(s, b, h, a, f, t, sp, dropout):
         ("FC2 GEMM input (GELU out)", 4 * s * b * f * T, "fp32 x2 (paper 8sbh/t at f=4h)"),
     ]
     if dropout > 0:
-        terms.append(("2 hidden dropout masks (attn out, MLP out)", 2 * 4 * sbh * S,
-                      "stored as fp32 (paper 2 x 1 byte: 2sbh); not regenerated"))
+        terms.append(("2 hidden dropout masks (attn out, MLP out)", 2 * sbh * S,
+                      "bool, 1 byte each (as paper: 2sbh); the fused op regenerates them"))
     return terms
 
 
 def adjusted_formula_text(h, f, dropout):
     """Closed form of sum(adjusted_terms) (bytes), in the paper's sbh(...) notation."""
     ct = 12 + 4 + 8 * f / h                      # QKV, attention output, GELU input + FC2 input
-    cs = 16 + (8 if dropout > 0 else 0)          # LN inputs, QKV/FC1 GEMM inputs (+ 2 fp32 masks)
+    cs = 16 + (2 if dropout > 0 else 0)          # LN inputs, QKV/FC1 GEMM inputs (+ 2 bool masks)
     ct_s = f"{ct:g}"
     if dropout > 0:
-        return (f"TP: sbh({cs} + 16/h + {ct_s}/t + 12as/(ht)) + s^2    "
-                f"TP+SP: sbh/t({cs + ct:g} + 16/h + 12as/h) + s^2")
+        return (f"TP: sbh({cs} + 16/h + {ct_s}/t + 9as/(ht)) + s^2    "
+                f"TP+SP: sbh/t({cs + ct:g} + 16/h + 9as/h) + s^2")
     return (f"TP: sbh({cs} + 16/h + {ct_s}/t + 4a/(ht))    "
             f"TP+SP: sbh/t({cs + ct:g} + 16/h + 4a/h)")
 

@@ -172,8 +172,8 @@ def saved_bytes_lines(s, b, h, dtype, dev) -> List[str]:
 
     ref, fused = saved(False), saved(True)
     return [f"saved for backward by one bias_dropout_add [{s},{b},{h}] {str(dtype)[6:]}: "
-            f"reference {ref} B (the keep mask in the activation dtype), fused {fused} B "
-            f"(positions + sample ids); a 1-byte mask would be {s * b * h} B", ""]
+            f"reference {ref} B (its bool keep mask: {s * b * h} B at 1 byte), fused {fused} B "
+            f"(positions + sample ids)", ""]
 
 
 # ---- timing -------------------------------------------------------------------------------------

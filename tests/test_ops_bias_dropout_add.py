@@ -9,7 +9,7 @@ import torch
 from megatron_sp import ops
 from megatron_sp.ops.bias_dropout_add import bias_dropout_add, bias_dropout_add_reference
 from megatron_sp.ops.testing import FLOAT_DTYPES, assert_close_dtype, randn, random_index
-from megatron_sp.tensor_parallel.random import hidden_keep_mask
+from megatron_sp.tensor_parallel.random import dropout, hidden_keep_mask
 
 pytestmark = pytest.mark.skipif(not ops.extension_available(), reason="megatron_sp._C not built")
 
@@ -99,6 +99,27 @@ def test_backward_saves_no_mask():
         bias_dropout_add(x, bias, torch.randn(s, b, h), 0.1, 1, 0, 2, random_index(s, b))
     assert sorted(tuple(t.shape) for t in saved) == [(b,), (s,)]
     assert all(t.dtype == torch.int64 for t in saved)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_reference_dropout_keeps_a_one_byte_mask(dtype):
+    """The reference (unfused) dropout saves its mask as bool, and computes what the plain
+    expression x * keep * scale computes, forward and backward, bit for bit."""
+    s, b, h, p = 8, 2, 32, 0.3
+    x = torch.randn(s, b, h).to(dtype).requires_grad_()
+    twin = x.detach().clone().requires_grad_()
+    grad = torch.randn(s, b, h).to(dtype)
+    index = random_index(s, b)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = dropout(x, p, 1, 0, 2, index)
+    assert [(t.dtype, tuple(t.shape)) for t in saved] == [(torch.bool, (s, b, h))]
+    keep = hidden_keep_mask((s, b, h), p, 1, 0, 2, index)
+    plain = twin * keep.to(dtype) * (1.0 / (1.0 - p))
+    assert torch.equal(out, plain)
+    out.backward(grad)
+    plain.backward(grad)
+    assert torch.equal(x.grad, twin.grad)
 
 
 def test_opcheck():

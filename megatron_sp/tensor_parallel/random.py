@@ -112,9 +112,28 @@ def attention_keep_mask(shape, p: float, seed: int, layer: int, index: DropoutIn
     return random_bits(seed, layer, SITE_ATTENTION_PROBS, query, feature, sample) >= drop_threshold(p)
 
 
+class _KeepMaskScale(torch.autograd.Function):
+    """y = x * keep * scale that saves only the boolean mask (1 byte per element, as in Megatron),
+    not a copy of it in x's dtype; the same two roundings as the plain expression in both passes."""
+
+    @staticmethod
+    def forward(ctx, x, keep, scale):
+        ctx.save_for_backward(keep)
+        ctx.scale = scale
+        return x * keep.to(x.dtype) * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        (keep,) = ctx.saved_tensors
+        return grad * ctx.scale * keep.to(grad.dtype), None, None
+
+
 def apply_keep_mask(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
-    """Inverted dropout with a given mask; differentiable in x."""
-    return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
+    """Inverted dropout with a given boolean mask; differentiable in x. Autograd keeps the bool
+    mask for the backward (1 byte per element)."""
+    if keep.dtype != torch.bool:
+        raise TypeError(f"apply_keep_mask expects a bool mask, got {keep.dtype}")
+    return _KeepMaskScale.apply(x, keep, 1.0 / (1.0 - p))
 
 
 def dropout(x: torch.Tensor, p: float, seed: int, layer: int, site: int, index: DropoutIndex,
