@@ -6,7 +6,8 @@ block reductions and launch sizing are checked on machines without a GPU:
   load or store, or undefined behaviour, in a kernel fails the run);
 - one case per kernel path under ThreadSanitizer (a missing __syncthreads is a data race between
   the emulated threads: the emulator's racecheck);
-- planted bugs (an out-of-bounds read, a missing barrier) are caught, so these tests can fail.
+- planted bugs (an out-of-bounds read, a missing barrier, a launch over the kernel's
+  __launch_bounds__) are caught, so these tests can fail.
 
 The emulator does not model GPU timing, memory ordering between blocks (blocks run one after
 another) or fused multiply-adds; tests/test_cuda_ops.py checks the real thing on a GPU."""
@@ -106,3 +107,14 @@ def test_planted_missing_barrier_is_caught(tmp_path, object_cache):
                        "  __syncthreads();\n  if (threadIdx.y == 0", "  if (threadIdx.y == 0",
                        "bda-5x3x7-off3-fp32-sm1")
     assert rc != 0 and "ThreadSanitizer: data race" in log, log[-3000:]
+
+
+def test_planted_launch_over_launch_bounds_is_caught(tmp_path, object_cache):
+    _require("asan")
+    rc, log = _planted(tmp_path, object_cache, "asan", "bias_dropout_add.cu",
+                       "__launch_bounds__(kThreads)\n    bda_fwd_kernel",
+                       "__launch_bounds__(kThreads / 2)\n    bda_fwd_kernel",
+                       "bda-33x3x256-off512-fp32-sm132")
+    results = _results(tmp_path / "results.json")
+    assert rc == 0 and not results["bda-33x3x256-off512-fp32-sm132"]["ok"], log[-3000:]
+    assert "cudaError 701" in results["bda-33x3x256-off512-fp32-sm132"]["detail"]

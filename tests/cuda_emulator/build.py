@@ -2,10 +2,11 @@
 
 The kernel sources are used as they are; the only rewrite is the launch syntax, which no host
 compiler accepts: `kernel<T, N><<<grid, block, shmem, stream>>>(args)` becomes
-`::msp_emu::launch([&] { kernel<T, N>(args); }, grid, block, shmem, stream)`. With `sanitize`, the
-library is built with AddressSanitizer and UBSan (every kernel load and store is bounds-checked
-against the exact host allocations the caller passes); the process that loads it must then
-preload libasan (`sanitizer_env`).
+`::msp_emu::launch([&] { kernel<T, N>(args); }, grid, block, shmem, stream)` (`launch_bounded` when
+the kernel declares `__launch_bounds__`). With sanitizer "asan" the library is built with
+AddressSanitizer and UBSan (every kernel load and store is bounds-checked against the exact host
+allocations the caller passes), with "tsan" with ThreadSanitizer (races between the emulated threads:
+a missing barrier); the process that loads it must preload the runtime (`sanitizer_env`).
 
     python tests/cuda_emulator/build.py OUT_DIR [--sanitizer asan|tsan|none]   # prints its path
 """
@@ -15,6 +16,7 @@ import argparse
 import glob
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -65,7 +67,10 @@ def _matching(text: str, start: int, open_c: str, close_c: str, step: int) -> in
 
 
 def translate_launches(src: str) -> str:
-    """Rewrites every `kernel<...><<<config>>>(args)` into an emulator launch."""
+    """Rewrites every `kernel<...><<<config>>>(args)` into an emulator launch; a kernel declared
+    with `__launch_bounds__(N)` gets a launch that fails (as on the GPU) with more than N threads."""
+    bounds = dict((name, bound) for bound, name in
+                  re.findall(r"__launch_bounds__\(([^)]*)\)\s*(\w+)\s*\(", src))
     out, i = [], 0
     while (j := src.find("<<<", i)) >= 0:
         k = j
@@ -84,7 +89,11 @@ def translate_launches(src: str) -> str:
         close = _matching(src, paren, "(", ")", 1)
         args = src[paren + 1:close]
         out.append(src[i:k])
-        out.append(f"::msp_emu::launch([&] {{ {kernel}({args}); }}, {config})")
+        bound = bounds.get(kernel.split("<")[0].split("::")[-1])
+        if bound is None:
+            out.append(f"::msp_emu::launch([&] {{ {kernel}({args}); }}, {config})")
+        else:
+            out.append(f"::msp_emu::launch_bounded({bound}, [&] {{ {kernel}({args}); }}, {config})")
         i = close + 1
     out.append(src[i:])
     return "".join(out)

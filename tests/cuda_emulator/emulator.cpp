@@ -128,6 +128,15 @@ void launch(const std::function<void()>& body, dim3 grid, dim3 block, size_t sha
   for (auto& th : pool) th.join();
 }
 
+void launch_bounded(int max_threads, const std::function<void()>& body, dim3 grid, dim3 block,
+                    size_t shared_bytes, cudaStream_t stream) {
+  if (uint64_t(block.x) * block.y * block.z > uint64_t(max_threads)) {
+    last_error = cudaErrorLaunchOutOfResources;
+    return;
+  }
+  launch(body, grid, block, shared_bytes, stream);
+}
+
 }  // namespace msp_emu
 
 cudaError_t cudaGetDevice(int* device) {
@@ -157,6 +166,7 @@ const char* cudaGetErrorString(cudaError_t err) {
     case cudaSuccess: return "no error";
     case cudaErrorInvalidValue: return "invalid argument";
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorLaunchOutOfResources: return "too many resources requested for launch";
   }
   return "unknown error";
 }

@@ -7,8 +7,9 @@
 // so __syncthreads is a barrier, a warp shuffle is an exchange through the warp's slots between two
 // warp barriers, and __shared__ arrays are static storage (one block is live at a time). Threads
 // that return early leave the barriers (as exited threads do on the GPU). A shuffle over a warp
-// with an exited lane, a partial warp or a mask other than the full warp is reported as an error,
-// as is an invalid launch configuration (cudaGetLastError then returns it). fp32 arithmetic is the
+// with an exited lane, a partial warp or a mask other than the full warp is reported as an error;
+// an invalid launch configuration, or more threads than the kernel's __launch_bounds__, fails the
+// launch (cudaGetLastError then returns it). fp32 arithmetic is the
 // host's IEEE single precision (build with -ffp-contract=off so `a * b + c` is not fused: the GPU
 // may fuse it, so results are compared with tolerances wherever the kernel does not use the
 // explicitly rounded __fadd_rn/__fmul_rn).
@@ -47,6 +48,7 @@ enum cudaError_t {
   cudaSuccess = 0,
   cudaErrorInvalidValue = 1,
   cudaErrorInvalidConfiguration = 9,
+  cudaErrorLaunchOutOfResources = 701,
 };
 enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
 typedef struct CUstream_st* cudaStream_t;
@@ -115,6 +117,10 @@ uint32_t shfl_xor(uint32_t bits, unsigned int mask, int lane_mask, int width);
 // Runs `body` (one kernel call with its arguments bound) as the kernel `grid` x `block` launch.
 void launch(const std::function<void()>& body, dim3 grid, dim3 block, size_t shared_bytes = 0,
             cudaStream_t stream = nullptr);
+// The same for a kernel declared __launch_bounds__(max_threads): more threads per block fail the
+// launch with cudaErrorLaunchOutOfResources, as on the GPU.
+void launch_bounded(int max_threads, const std::function<void()>& body, dim3 grid, dim3 block,
+                    size_t shared_bytes = 0, cudaStream_t stream = nullptr);
 // The SM count cudaDeviceGetAttribute reports (it sizes the persistent grids).
 void set_sm_count(int sms);
 
