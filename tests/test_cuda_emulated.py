@@ -3,14 +3,17 @@ against the references, so that their indexing, vector and scalar paths, grid-st
 block reductions and launch sizing are checked on machines without a GPU:
 
 - every case of tests/cuda_emulator/run_cases.py under AddressSanitizer + UBSan (any out-of-bounds
-  load or store, or undefined behaviour, in a kernel fails the run);
+  load or store, or undefined behaviour, in a kernel fails the run), the launchers called directly
+  and through the torch binding (csrc/cuda/ops_cuda.cpp registered for CPU tensors as
+  megatron_sp_emulated::*, compared with the CPU ops, opcheck'd against the fake functions);
 - one case per kernel path under ThreadSanitizer (a missing __syncthreads is a data race between
   the emulated threads: the emulator's racecheck);
 - planted bugs (an out-of-bounds read, a missing barrier, a launch over the kernel's
   __launch_bounds__) are caught, so these tests can fail.
 
 The emulator does not model GPU timing, memory ordering between blocks (blocks run one after
-another) or fused multiply-adds; tests/test_cuda_ops.py checks the real thing on a GPU."""
+another), fused multiply-adds or the CUDA caching allocator and streams; tests/test_cuda_ops.py
+checks the real thing on a GPU."""
 import os
 import shutil
 import subprocess
@@ -58,7 +61,8 @@ def object_cache(tmp_path_factory):
 def asan_run(tmp_path_factory, object_cache):
     _require("asan")
     out = tmp_path_factory.mktemp("emulator-asan")
-    library = emulator_build.build(str(out / "build"), "asan", cache_dir=object_cache)
+    library = emulator_build.build(str(out / "build"), "asan", cache_dir=object_cache,
+                                   binding=True)
     rc, log = _run(library, "asan", out / "results.json")
     return rc, log, _results(out / "results.json")
 

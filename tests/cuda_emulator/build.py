@@ -46,7 +46,10 @@ def runtime_library(sanitizer: str) -> str | None:
 def sanitizer_env(sanitizer: str = "asan") -> dict:
     """Environment for a Python process that loads a library built with `sanitizer`."""
     env = dict(os.environ)
-    env["LD_PRELOAD"] = runtime_library(sanitizer)
+    preload = [runtime_library(sanitizer)]
+    if sanitizer == "asan":  # so that ASan's __cxa_throw interceptor finds the real one (C++
+        preload.append(runtime_library("stdc++"))  # exceptions from the torch binding's checks)
+    env["LD_PRELOAD"] = " ".join(p for p in preload if p)
     env["ASAN_OPTIONS"] = "detect_leaks=0:abort_on_error=1"
     env["UBSAN_OPTIONS"] = "print_stacktrace=1:halt_on_error=1"
     env["TSAN_OPTIONS"] = "halt_on_error=1:report_signal_unsafe=0"
@@ -99,11 +102,48 @@ def translate_launches(src: str) -> str:
     return "".join(out)
 
 
+BINDING_NAMESPACE = "megatron_sp_emulated"
+
+
+def _binding_sources(csrc: str, tree: str) -> list:
+    """The torch binding of the CUDA ops (csrc/cuda/ops_cuda.cpp) registered as CPU kernels of
+    the op library BINDING_NAMESPACE, and that library's schemas (csrc/ops.cpp's, renamed)."""
+    with open(os.path.join(csrc, "cuda", "ops_cuda.cpp")) as f:
+        binding = f.read()
+    impl = "TORCH_LIBRARY_IMPL(megatron_sp, CUDA, m)"
+    if binding.count(impl) != 1:
+        raise ValueError(f"ops_cuda.cpp must contain `{impl}` once")
+    binding = binding.replace(impl, f"TORCH_LIBRARY_IMPL({BINDING_NAMESPACE}, CPU, m)")
+    with open(os.path.join(csrc, "ops.cpp")) as f:
+        ops = f.read()
+    start = ops.index("TORCH_LIBRARY(megatron_sp, m)")
+    schemas = ops[start:ops.index("\n}\n", start) + 3].replace(
+        "TORCH_LIBRARY(megatron_sp, m)", f"TORCH_LIBRARY({BINDING_NAMESPACE}, m)")
+    targets = [os.path.join(tree, "cuda", "ops_cuda.cpp"), os.path.join(tree, "schemas.cpp")]
+    texts = [binding, "#include <torch/library.h>\n" + schemas]
+    for target, text in zip(targets, texts):
+        with open(target, "w") as f:
+            f.write(text)
+    return targets
+
+
+def _torch_flags():
+    import torch
+    from torch.utils import cpp_extension
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    compile_flags = [f"-I{p}" for p in cpp_extension.include_paths()] + [
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    return compile_flags, [f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", "-ltorch"]
+
+
 def build(out_dir: str, sanitizer: str | None = "asan", csrc: str = CSRC,
-          cache_dir: str | None = None) -> str:
+          cache_dir: str | None = None, binding: bool = False) -> str:
     """Translates and compiles the kernels of `csrc`, the emulator and the C API; returns the
-    .so's path. With `cache_dir`, objects are reused across builds when the source, every header
-    and the flags are unchanged (a build of a modified tree recompiles only what changed)."""
+    .so's path. With `binding`, the library also holds the torch binding of the CUDA ops,
+    registered for CPU tensors as torch.ops.megatron_sp_emulated.* (load it with
+    torch.ops.load_library; include/c10/cuda/ stands in for the CUDA guard and stream). With
+    `cache_dir`, objects are reused across builds when the source, every header and the flags are
+    unchanged (a build of a modified tree recompiles only what changed)."""
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++/c++) found")
@@ -122,6 +162,8 @@ def build(out_dir: str, sanitizer: str | None = "asan", csrc: str = CSRC,
         with open(target, "w") as f:
             f.write(f'#line 1 "{cu}"\n' + text)
         sources.append(target)
+    torch_sources = _binding_sources(csrc, tree) if binding else []
+    torch_compile, torch_link = _torch_flags() if binding else ([], [])
     flags = ["-std=c++20", "-O1", "-g", "-fPIC", "-pthread", "-ffp-contract=off", "-Wall",
              "-Wno-unknown-pragmas", "-Werror=return-type", "-I", os.path.join(HERE, "include"),
              "-I", tree]
@@ -135,22 +177,24 @@ def build(out_dir: str, sanitizer: str | None = "asan", csrc: str = CSRC,
 
     headers = hashlib.sha256()
     for header in sorted(glob.glob(os.path.join(tree, "**", "*.*h"), recursive=True) +
-                         glob.glob(os.path.join(HERE, "include", "*.h"))):
+                         glob.glob(os.path.join(HERE, "include", "**", "*.h"), recursive=True)):
         with open(header, "rb") as f:
             headers.update(os.path.basename(header).encode() + f.read())
     key_flags = " ".join(f for f in flags if f != tree).encode()
 
     def compile_one(src):
         obj = os.path.join(out_dir, os.path.basename(src) + ".o")
+        extra = torch_compile if src in torch_sources else []
         if cache_dir is not None:
             with open(src, "rb") as f:
-                text = f.read().split(b"\n", 1)[-1] if src.startswith(tree) else f.read()
-            key = hashlib.sha256(key_flags + headers.digest() + text).hexdigest()[:24]
+                text = f.read().split(b"\n", 1)[-1] if src.endswith(".cu.cpp") else f.read()
+            key = hashlib.sha256(key_flags + " ".join(extra).encode() + headers.digest() +
+                                 text).hexdigest()[:24]
             cached = os.path.join(cache_dir, f"{os.path.basename(src)}.{key}.o")
             if os.path.exists(cached):
                 return cached
-        proc = subprocess.run([cxx, *flags, "-c", src, "-o", obj], capture_output=True, text=True,
-                              timeout=600)
+        proc = subprocess.run([cxx, *flags, *extra, "-c", src, "-o", obj], capture_output=True,
+                              text=True, timeout=600)
         if proc.returncode != 0:
             raise RuntimeError(f"compiling {src} failed:\n{proc.stderr}")
         if cache_dir is not None:
@@ -160,10 +204,10 @@ def build(out_dir: str, sanitizer: str | None = "asan", csrc: str = CSRC,
         return obj
 
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        objects = list(pool.map(compile_one, sources))
+        objects = list(pool.map(compile_one, torch_sources + sources))
     library = os.path.join(out_dir, "libmsp_cuda_emulated.so")
-    proc = subprocess.run([cxx, *flags, "-shared", *objects, "-o", library], capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([cxx, *flags, "-shared", *objects, "-o", library, *torch_link],
+                          capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"linking {library} failed:\n{proc.stderr}")
     return library
@@ -173,8 +217,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     parser.add_argument("--sanitizer", choices=["asan", "tsan", "none"], default="asan")
+    parser.add_argument("--binding", action="store_true",
+                        help="also build the torch binding (torch.ops.megatron_sp_emulated)")
     args = parser.parse_args()
-    print(build(args.out_dir, None if args.sanitizer == "none" else args.sanitizer))
+    print(build(args.out_dir, None if args.sanitizer == "none" else args.sanitizer,
+                binding=args.binding))
 
 
 if __name__ == "__main__":

@@ -203,6 +203,129 @@ def zigzag_case(lib, shape, p, dim, inverse, dtype=torch.bfloat16, align=True):
     assert torch.equal(out, layout.zigzag_reorder_reference(x, p, dim, inverse)), "zigzag differs"
 
 
+# ---- the torch binding (csrc/cuda/ops_cuda.cpp) ---------------------------------------------------
+# Built with build(..., binding=True) and registered for CPU tensors as megatron_sp_emulated::*: the
+# binding's argument checks, contiguity handling, output allocation, scratch sizing and gradient
+# copies run as they would on the GPU, and are compared with the C++ CPU ops (megatron_sp::*).
+
+def _emulated():
+    return torch.ops.megatron_sp_emulated
+
+
+def register_binding_fakes():
+    """The fake (meta) functions of megatron_sp's ops, for the emulated library (opcheck)."""
+    import importlib
+    bda = importlib.import_module("megatron_sp.ops.bias_dropout_add")
+    ln = importlib.import_module("megatron_sp.ops.layer_norm")
+    ns = "megatron_sp_emulated::"
+    torch.library.register_fake(ns + "bias_dropout_add_fwd")(bda._fake_fwd)
+    torch.library.register_fake(ns + "bias_dropout_add_bwd")(bda._fake_bwd)
+    torch.library.register_fake(ns + "layer_norm_fwd")(ln._fake_fwd)
+    torch.library.register_fake(ns + "layer_norm_bwd")(ln._fake_bwd)
+    for name, shape in [("ulysses_pack", layout._pack_shape), ("ulysses_unpack", layout._unpack_shape),
+                        ("gather_to_last_dim", layout._gather_shape),
+                        ("last_dim_to_gather", layout._split_shape),
+                        ("zigzag_reorder", lambda x, p, dim, inverse: x.shape)]:
+        torch.library.register_fake(ns + name)(
+            lambda x, *args, shape=shape: x.new_empty(shape(x, *args)))
+
+
+def _same_error(call_emulated, call_cpu):
+    messages = []
+    for call in (call_emulated, call_cpu):
+        try:
+            call()
+        except RuntimeError as e:
+            messages.append(str(e).split("\n")[0])
+        else:
+            messages.append(None)
+    assert messages[0] is not None and messages[0] == messages[1], messages
+
+
+def binding_bda_case(shape, offset, dtype):
+    assert ops.extension_available(), "the binding cases compare with megatron_sp._C's CPU ops"
+    E, M = _emulated(), torch.ops.megatron_sp
+    s, b, h = shape
+    gen = torch.Generator().manual_seed(s * 1000 + h)
+    x = torch.randn(shape, generator=gen).to(dtype)
+    res = torch.randn(b, s, h, generator=gen).to(dtype).transpose(0, 1)  # not contiguous
+    bias = torch.randn(h, generator=gen).to(dtype)
+    index = random_index(s, b, generator=gen)
+    args = (index.token_positions, index.sample_ids, 0.25, 77, 3, 1, offset)
+    for bias_arg in (bias, None):
+        got = E.bias_dropout_add_fwd(x, bias_arg, res, *args)
+        assert got.dtype == dtype and got.shape == x.shape and got.is_contiguous()
+        assert torch.equal(got, M.bias_dropout_add_fwd(x, bias_arg, res, *args))
+    grad = torch.randn(shape, generator=gen).to(dtype)
+    for bias_grad in (True, False):
+        gx, gb = E.bias_dropout_add_bwd(grad, *args, bias_grad)
+        gx_cpu, gb_cpu = M.bias_dropout_add_bwd(grad, *args, bias_grad)
+        assert torch.equal(gx, gx_cpu)
+        assert gb.dtype == torch.float32 and gb.shape == gb_cpu.shape
+        torch.testing.assert_close(gb, gb_cpu, rtol=1e-5, atol=1e-4 * (s * b) ** 0.5)
+    torch.library.opcheck(E.bias_dropout_add_fwd, (x, bias, res, *args),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(E.bias_dropout_add_bwd, (grad, *args, True),
+                          test_utils=("test_schema", "test_faketensor"))
+    _same_error(lambda: E.bias_dropout_add_fwd(x, bias[:-1], res, *args),
+                lambda: M.bias_dropout_add_fwd(x, bias[:-1], res, *args))
+
+
+def binding_ln_case(shape, dtype, wdtype, align=True):
+    assert ops.extension_available(), "the binding cases compare with megatron_sp._C's CPU ops"
+    E, M = _emulated(), torch.ops.megatron_sp
+    h = shape[-1]
+    gen = torch.Generator().manual_seed(h)
+    x = (torch.randn(shape, generator=gen) * 2 + 0.5).to(dtype)
+    if not align:
+        x = misaligned(x)
+    w, b = torch.randn(h, generator=gen).to(wdtype), torch.randn(h, generator=gen).to(wdtype)
+    y, mean, rstd = E.layer_norm_fwd(x, w, b, 1e-5)
+    y_cpu, mean_cpu, rstd_cpu = M.layer_norm_fwd(x, w, b, 1e-5)
+    assert (y.dtype, y.shape, mean.dtype, mean.shape) == (dtype, x.shape, torch.float32,
+                                                          mean_cpu.shape)
+    assert_close_dtype(y, y_cpu, dtype)
+    torch.testing.assert_close(mean, mean_cpu, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rstd, rstd_cpu, rtol=1e-5, atol=1e-5)
+    grad = torch.randn(shape, generator=gen).to(dtype)
+    dx, gw, gb = E.layer_norm_bwd(grad, x, w, mean, rstd)
+    dx_cpu, gw_cpu, gb_cpu = M.layer_norm_bwd(grad, x, w, mean_cpu, rstd_cpu)
+    rows = x.numel() // h
+    assert dx.dtype == dtype and gw.dtype == gb.dtype == wdtype
+    assert gw.untyped_storage().data_ptr() != gb.untyped_storage().data_ptr(), \
+        "grad_weight and grad_bias share one storage"
+    assert_close_dtype(dx, dx_cpu, dtype, scale=4.0)
+    assert_close_dtype(gw, gw_cpu, dtype, scale=4 * rows ** 0.5)
+    assert_close_dtype(gb, gb_cpu, dtype, scale=4 * rows ** 0.5)
+    torch.library.opcheck(E.layer_norm_fwd, (x, w, b, 1e-5),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(E.layer_norm_bwd, (grad, x, w, mean, rstd),
+                          test_utils=("test_schema", "test_faketensor"))
+    _same_error(lambda: E.layer_norm_fwd(x, w[:-1], b[:-1], 1e-5),
+                lambda: M.layer_norm_fwd(x, w[:-1], b[:-1], 1e-5))
+
+
+def binding_layout_case(dtype):
+    assert ops.extension_available(), "the binding cases compare with megatron_sp._C's CPU ops"
+    E, M = _emulated(), torch.ops.megatron_sp
+    x4 = torch.randint(0, 100, (6, 3, 8, 5)).to(dtype)
+    x5 = torch.randint(0, 100, (4, 6, 3, 2, 5)).to(dtype)
+    x3 = torch.randint(0, 100, (12, 3, 10)).to(dtype)
+    calls = [("ulysses_pack", x4, (4,)), ("ulysses_pack", x4.transpose(0, 1).contiguous()
+                                          .transpose(0, 1), (2,)),
+             ("ulysses_unpack", x5, (4,)), ("gather_to_last_dim", x3, (3,)),
+             ("gather_to_last_dim", x3[:, :, 1:9], (4,)), ("last_dim_to_gather", x3, (5,)),
+             ("zigzag_reorder", x3, (3, 0, False)), ("zigzag_reorder", x3, (5, -1, True)),
+             ("zigzag_reorder", x3[::2], (1, 0, True))]
+    for name, x, args in calls:
+        got, expected = getattr(E, name)(x, *args), getattr(M, name)(x, *args)
+        assert got.dtype == expected.dtype and torch.equal(got, expected), (name, x.shape, args)
+        torch.library.opcheck(getattr(E, name), (x, *args),
+                              test_utils=("test_schema", "test_faketensor"))
+    _same_error(lambda: E.ulysses_pack(x4, 3), lambda: M.ulysses_pack(x4, 3))
+    _same_error(lambda: E.zigzag_reorder(x3, 4, 0, False), lambda: M.zigzag_reorder(x3, 4, 0, False))
+
+
 # ---- the cases ----------------------------------------------------------------------------------
 
 def _cases():
@@ -250,16 +373,33 @@ def _cases():
             cases[f"zigzag-{'x'.join(map(str, shape))}-p{p}-dim{dim}-{'inv' if inverse else 'fwd'}"] = (
                 132, zigzag_case, (shape, p, dim, inverse))
     cases["zigzag-misaligned"] = (1, zigzag_case, ((8, 3), 2, 0, False, torch.bfloat16, False))
+    for dtype in dtypes:
+        cases[f"binding-bda-{DTYPE_NAME[dtype]}"] = (1, binding_bda_case, ((9, 2, 64), 4, dtype))
+        cases[f"binding-bda-odd-{DTYPE_NAME[dtype]}"] = (132, binding_bda_case, ((5, 3, 7), 3, dtype))
+        cases[f"binding-ln-{DTYPE_NAME[dtype]}"] = (1, binding_ln_case, ((4, 3, 64), dtype, dtype))
+        cases[f"binding-ln-odd-{DTYPE_NAME[dtype]}-wfp32"] = (
+            132, binding_ln_case, ((7, 99), dtype, torch.float32, False))
+    for dtype in (torch.float32, torch.bfloat16, torch.uint8):
+        cases[f"binding-layout-{str(dtype)[6:]}"] = (1, binding_layout_case, (dtype,))
     return cases
 
 
 CASES = _cases()
+BINDING_CASES = [name for name in CASES if name.startswith("binding-")]
 
 
 def main():
     lib_path, out_path = sys.argv[1], sys.argv[2]
     only = sys.argv[3:]
     lib = load(lib_path)
+    torch.ops.load_library(lib_path)   # registers megatron_sp_emulated::* if built with binding
+    try:
+        _emulated().ulysses_pack
+        has_binding = True
+    except (AttributeError, RuntimeError):
+        has_binding = False
+    if has_binding:
+        register_binding_fakes()
     results = {}
     for name, (sms, fn, args) in CASES.items():
         if only and not any(o in name for o in only):
@@ -267,7 +407,11 @@ def main():
         t0 = time.perf_counter()
         lib.emu_set_sm_count(sms)
         try:
-            fn(lib, *args)
+            if name in BINDING_CASES:
+                assert has_binding, "the library was built without the binding (binding=True)"
+                fn(*args)
+            else:
+                fn(lib, *args)
             results[name] = {"ok": True, "detail": ""}
         except AssertionError:
             results[name] = {"ok": False, "detail": traceback.format_exc(limit=3)}
