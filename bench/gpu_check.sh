@@ -49,8 +49,18 @@ print('megatron_sp._C kernels for:', sorted(d), e)
 assert 'cuda' in d, 'the extension has no CUDA kernels'"
 }
 
+# pytest for the test step: installed if missing, from the package index or from wheels carried in
+# .whl/ (for a machine without internet: `pip download -d .whl pytest` on one with it).
+ensure_pytest() {
+  "$PY" -c "import pytest" 2>/dev/null && return 0
+  "$PY" -m pip install -q pytest 2>/dev/null ||
+    { [ -d "$ROOT/.whl" ] && "$PY" -m pip install -q --no-index --find-links "$ROOT/.whl" pytest; }
+  "$PY" -c "import pytest" || { echo "pytest is not installed and could not be installed"; return 1; }
+}
+
 step environment environment
 step build build || { echo "build failed: see $OUT_DIR/build.log"; exit 1; }
+step pytest ensure_pytest
 step tests "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda_ops.py tests/test_cuda_compile.py \
   tests/test_ops_bias_dropout_add.py tests/test_ops_layer_norm.py tests/test_ops_layout.py \
   tests/test_ops_extension.py
@@ -59,7 +69,8 @@ step bench_bf16 "$PY" bench/kernels.py --device cuda --dtype bfloat16 \
 step bench_fp32 "$PY" bench/kernels.py --device cuda --dtype float32 --no-compile \
   --markdown "$OUT_DIR/kernels_cuda_fp32.md"
 # Training speed at the speed-goal config (GPT 24 × 2048, 16 heads, seq 2048, micro batch 4, vocab 50304,
-# bf16, fwd+bwd+AdamW) on one GPU with random tokens (--mock-data: no dataset, no megatron-core needed);
+# bf16, fwd+bwd+AdamW) on one GPU with random tokens (--mock-data: needs only torch, tested by
+# tests/test_cli.py::test_mock_data_runs_with_torch_alone);
 # with and without dropout (the reference figures' dropout setting is not stated). tokens/s per line.
 train_speed() {
   local dropout

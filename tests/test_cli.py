@@ -103,12 +103,31 @@ def test_non_finite_loss_stops_naming_iteration(capsys, monkeypatch, tmp_path):
     assert code == 1 and "iteration 3" in err, err
 
 
-def test_mock_data_needs_no_megatron_core(tmp_path):
-    """--mock-data (speed runs on machines without data) trains without importing megatron-core."""
-    code = ("import sys; from megatron_sp.training import pretrain; "
-            "rc = pretrain.main(sys.argv[1:]); assert 'megatron.core' not in sys.modules; sys.exit(rc)")
-    argv = TINY + ["--train-iters", "2", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "500"]
-    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=tmp_path,
-                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+# What a bare GPU machine may lack (only torch there): a None entry in sys.modules makes `import x`
+# raise ImportError and importlib.util.find_spec(x) return None, as for an absent package.
+ABSENT = ("numpy", "megatron", "matplotlib", "tensorboard", "tqdm")
+
+
+def _run_bare(tmp_path, argv):
+    code = (f"import sys; sys.modules.update(dict.fromkeys({ABSENT!r})); "
+            "from megatron_sp.training import pretrain; sys.exit(pretrain.main(sys.argv[1:]))")
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                          cwd=tmp_path, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+
+
+def test_mock_data_runs_with_torch_alone(tmp_path):
+    """--mock-data (speed runs, bench/gpu_check.sh) trains with nothing but torch installed: no
+    numpy, megatron-core, matplotlib, tensorboard or tqdm; the implicit loss-curve PNG is skipped
+    with a notice, and flags that need a missing package are refused at start-up."""
+    argv = TINY + ["--train-iters", "2", "--mock-data", "--tokenizer-type", "NullTokenizer",
+                   "--vocab-size", "500"]
+    proc = _run_bare(tmp_path, argv + ["--log-jsonl", str(tmp_path / "log.jsonl")])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "iteration        2/       2" in proc.stdout
+    assert "no loss curve" in proc.stdout and "matplotlib is not installed" in proc.stdout
+    assert (tmp_path / "log.jsonl").exists() and not (tmp_path / "log_loss.png").exists()
+    for flag, package in (("--loss-curve", "matplotlib"), ("--tensorboard-dir", "tensorboard")):
+        proc = _run_bare(tmp_path, argv + [flag, str(tmp_path / "out")])
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert f"{flag} needs the {package} package" in proc.stderr
+        assert "Traceback" not in proc.stderr

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 
 class ArgumentError(ValueError):
@@ -147,6 +148,12 @@ def validate(args) -> None:
         raise ArgumentError("--tokenizer-type NullTokenizer needs --vocab-size.")
     if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
         raise ArgumentError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH/tokenizer.json.")
+    for flag, value, module, package in (("--loss-curve", args.loss_curve, "matplotlib", "matplotlib"),
+                                         ("--tensorboard-dir", args.tensorboard_dir, "tensorboard",
+                                          "tensorboard")):
+        if value and importlib.util.find_spec(module) is None:
+            raise ArgumentError(f"{flag} needs the {package} package, which is not installed "
+                                f"(pip install {package}).")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_iters < 0 or args.min_lr > args.lr:

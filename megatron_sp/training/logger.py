@@ -1,8 +1,9 @@
 """What a training run reports, on the first rank only: a Megatron-style line every log interval, a
-progress bar when attached to a terminal, TensorBoard event files, a JSON-lines file and a loss-curve
-PNG at the end. JSON numbers are written at full float precision (parity checks read them)."""
+progress bar when attached to a terminal (with tqdm), TensorBoard event files, a JSON-lines file and a
+loss-curve PNG at the end (with matplotlib; --loss-curve without it is refused at start-up). JSON numbers are written at full float precision (parity checks read them)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -23,8 +24,12 @@ class TrainingLogger:
             os.makedirs(os.path.dirname(os.path.abspath(args.log_jsonl)), exist_ok=True)
             self._jsonl = open(args.log_jsonl, "a", buffering=1)
         if sys.stdout.isatty() and not args.no_progress_bar:
-            from tqdm import tqdm
-            self._bar = tqdm(total=args.train_iters, desc="train", unit="it", dynamic_ncols=True)
+            try:
+                from tqdm import tqdm
+            except ImportError:   # no progress bar without tqdm; the log lines are unchanged
+                tqdm = None
+            if tqdm is not None:
+                self._bar = tqdm(total=args.train_iters, desc="train", unit="it", dynamic_ncols=True)
 
     def info(self, message: str):
         if self.enabled:
@@ -83,8 +88,11 @@ class TrainingLogger:
             self._jsonl.close()
         path = self.loss_curve_path()
         if path and self.records:
-            write_loss_curve(path, self.records, self.eval_records)
-            self._write(f" loss curve written to {path}")
+            if importlib.util.find_spec("matplotlib") is None:  # only the implicit PNG gets here
+                self._write(f" no loss curve at {path}: matplotlib is not installed")
+            else:
+                write_loss_curve(path, self.records, self.eval_records)
+                self._write(f" loss curve written to {path}")
 
     def loss_curve_path(self):
         if self.args.loss_curve:

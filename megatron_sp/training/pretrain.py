@@ -45,7 +45,7 @@ def _is_first_rank() -> bool:
 
 def check_inputs(argv) -> Setup:
     """Flags, model sizes, tokenizer and data files: all validated before any heavy work."""
-    from megatron_sp.data import build_tokenizer, parse_data_path, validate_indexed_prefix
+    from megatron_sp.data import build_tokenizer
     from megatron_sp.training.dist_env import detect_env
     args = parse_args(argv, world_size=detect_env().world_size)   # torchrun's or Slurm's variables
     if args.device is None:
@@ -59,7 +59,8 @@ def check_inputs(argv) -> Setup:
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     cfg = build_config(args, tokenizer.vocab_size)
     prefixes = []
-    if args.data_path:
+    if args.data_path:   # (imported here: --mock-data runs need neither numpy nor megatron-core)
+        from megatron_sp.data import parse_data_path, validate_indexed_prefix
         prefixes, _ = parse_data_path(args.data_path)
         for prefix in prefixes:
             validate_indexed_prefix(prefix, vocab_size=tokenizer.vocab_size)
