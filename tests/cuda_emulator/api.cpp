@@ -8,6 +8,17 @@ extern "C" {
 
 void emu_set_sm_count(int sms) { msp_emu::set_sm_count(sms); }
 
+// Traffic counting (library built with sanitizer "traffic"): out = loaded, stored, distinct loaded,
+// distinct stored bytes of the region.
+int emu_traffic_watch(const void* begin, int64_t bytes) {
+  return msp_emu::traffic_watch(begin, static_cast<size_t>(bytes));
+}
+void emu_traffic_of(int region, uint64_t* out) {
+  const msp_emu::Traffic t = msp_emu::traffic_of(region);
+  out[0] = t.loaded, out[1] = t.stored, out[2] = t.distinct_loaded, out[3] = t.distinct_stored;
+}
+void emu_traffic_clear() { msp_emu::traffic_clear(); }
+
 int64_t emu_bda_bwd_scratch(int64_t s, int64_t b, int64_t h, int dtype) {
   return msp::cuda::bias_dropout_add_bwd_scratch(s, b, h, static_cast<DType>(dtype));
 }

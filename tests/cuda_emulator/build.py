@@ -6,9 +6,11 @@ compiler accepts: `kernel<T, N><<<grid, block, shmem, stream>>>(args)` becomes
 the kernel declares `__launch_bounds__`). With sanitizer "asan" the library is built with
 AddressSanitizer and UBSan (every kernel load and store is bounds-checked against the exact host
 allocations the caller passes), with "tsan" with ThreadSanitizer (races between the emulated threads:
-a missing barrier); the process that loads it must preload the runtime (`sanitizer_env`).
+a missing barrier); the process that loads it must preload the runtime (`sanitizer_env`). With
+"traffic" the kernel files call the emulator on every memory access, which counts the global-memory
+bytes each kernel moves (bench/kernel_traffic.py); no runtime to preload.
 
-    python tests/cuda_emulator/build.py OUT_DIR [--sanitizer asan|tsan|none]   # prints its path
+    python tests/cuda_emulator/build.py OUT_DIR [--sanitizer asan|tsan|traffic|none]  # prints its path
 """
 from __future__ import annotations
 
@@ -164,6 +166,7 @@ def build(out_dir: str, sanitizer: str | None = "asan", csrc: str = CSRC,
         sources.append(target)
     torch_sources = _binding_sources(csrc, tree) if binding else []
     torch_compile, torch_link = _torch_flags() if binding else ([], [])
+    kernel_flags = []
     flags = ["-std=c++20", "-O1", "-g", "-fPIC", "-pthread", "-ffp-contract=off", "-Wall",
              "-Wno-unknown-pragmas", "-Werror=return-type", "-I", os.path.join(HERE, "include"),
              "-I", tree]
@@ -172,6 +175,10 @@ def build(out_dir: str, sanitizer: str | None = "asan", csrc: str = CSRC,
                   "-fno-omit-frame-pointer"]
     elif sanitizer == "tsan":
         flags += ["-fsanitize=thread", "-fno-omit-frame-pointer"]
+    elif sanitizer == "traffic":  # every load/store of the kernel files calls the emulator
+        kernel_flags = ["-fsanitize=kernel-address", "--param",
+                        "asan-instrumentation-with-call-threshold=0", "--param", "asan-stack=0",
+                        "--param", "asan-globals=0"]
     elif sanitizer is not None:
         raise ValueError(f"unknown sanitizer {sanitizer!r}")
 
@@ -185,6 +192,8 @@ def build(out_dir: str, sanitizer: str | None = "asan", csrc: str = CSRC,
     def compile_one(src):
         obj = os.path.join(out_dir, os.path.basename(src) + ".o")
         extra = torch_compile if src in torch_sources else []
+        if src.endswith(".cu.cpp"):
+            extra = extra + kernel_flags
         if cache_dir is not None:
             with open(src, "rb") as f:
                 text = f.read().split(b"\n", 1)[-1] if src.endswith(".cu.cpp") else f.read()
@@ -216,7 +225,7 @@ def build(out_dir: str, sanitizer: str | None = "asan", csrc: str = CSRC,
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
-    parser.add_argument("--sanitizer", choices=["asan", "tsan", "none"], default="asan")
+    parser.add_argument("--sanitizer", choices=["asan", "tsan", "traffic", "none"], default="asan")
     parser.add_argument("--binding", action="store_true",
                         help="also build the torch binding (torch.ops.megatron_sp_emulated)")
     args = parser.parse_args()

@@ -137,7 +137,88 @@ void launch_bounded(int max_threads, const std::function<void()>& body, dim3 gri
   launch(body, grid, block, shared_bytes, stream);
 }
 
+// ---- traffic counting ------------------------------------------------------------------------
+
+namespace {
+
+struct Region {
+  uintptr_t begin = 0, end = 0;
+  std::atomic<uint64_t> loaded{0}, stored{0};
+  std::unique_ptr<std::atomic<uint64_t>[]> load_bits, store_bits;  // one bit per byte
+};
+
+constexpr int kMaxRegions = 16;
+Region regions[kMaxRegions];
+std::atomic<int> region_count{0};
+
+void mark(std::atomic<uint64_t>* bits, uintptr_t offset, uintptr_t size) {
+  for (uintptr_t b = offset; b < offset + size; ++b)
+    bits[b >> 6].fetch_or(uint64_t(1) << (b & 63), std::memory_order_relaxed);
+}
+
+void count(uintptr_t addr, uintptr_t size, bool store) {
+  const int n = region_count.load(std::memory_order_acquire);
+  for (int r = 0; r < n; ++r) {
+    Region& g = regions[r];
+    if (addr >= g.begin && addr < g.end) {
+      if (addr + size > g.end) fail("access straddles the end of a watched region");
+      (store ? g.stored : g.loaded).fetch_add(size, std::memory_order_relaxed);
+      mark(store ? g.store_bits.get() : g.load_bits.get(), addr - g.begin, size);
+      return;
+    }
+  }
+}
+
+uint64_t distinct(const std::atomic<uint64_t>* bits, uintptr_t bytes) {
+  uint64_t total = 0;
+  for (uintptr_t w = 0; w < (bytes + 63) / 64; ++w) total += __builtin_popcountll(bits[w].load());
+  return total;
+}
+
+}  // namespace
+
+int traffic_watch(const void* begin, size_t bytes) {
+  const int r = region_count.load();
+  if (r == kMaxRegions) fail("too many watched regions");
+  Region& g = regions[r];
+  g.begin = reinterpret_cast<uintptr_t>(begin);
+  g.end = g.begin + bytes;
+  g.loaded = 0;
+  g.stored = 0;
+  const size_t words = (bytes + 63) / 64;
+  g.load_bits = std::make_unique<std::atomic<uint64_t>[]>(words);
+  g.store_bits = std::make_unique<std::atomic<uint64_t>[]>(words);
+  for (size_t w = 0; w < words; ++w) g.load_bits[w] = 0, g.store_bits[w] = 0;
+  region_count.store(r + 1, std::memory_order_release);
+  return r;
+}
+
+Traffic traffic_of(int r) {
+  const Region& g = regions[r];
+  return {g.loaded.load(), g.stored.load(), distinct(g.load_bits.get(), g.end - g.begin),
+          distinct(g.store_bits.get(), g.end - g.begin)};
+}
+
+void traffic_clear() { region_count.store(0); }
+
 }  // namespace msp_emu
+
+// Called by code built with -fsanitize=kernel-address --param
+// asan-instrumentation-with-call-threshold=0 (the kernel files in "traffic" builds) for every
+// memory access.
+extern "C" {
+#define MSP_EMU_ACCESS(n)                                                                     \
+  void __asan_load##n##_noabort(uintptr_t addr) { msp_emu::count(addr, n, false); }          \
+  void __asan_store##n##_noabort(uintptr_t addr) { msp_emu::count(addr, n, true); }
+MSP_EMU_ACCESS(1)
+MSP_EMU_ACCESS(2)
+MSP_EMU_ACCESS(4)
+MSP_EMU_ACCESS(8)
+MSP_EMU_ACCESS(16)
+void __asan_loadN_noabort(uintptr_t addr, uintptr_t size) { msp_emu::count(addr, size, false); }
+void __asan_storeN_noabort(uintptr_t addr, uintptr_t size) { msp_emu::count(addr, size, true); }
+void __asan_handle_no_return() {}
+}
 
 cudaError_t cudaGetDevice(int* device) {
   *device = 0;

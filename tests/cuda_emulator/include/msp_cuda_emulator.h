@@ -124,6 +124,17 @@ void launch_bounded(int max_threads, const std::function<void()>& body, dim3 gri
 // The SM count cudaDeviceGetAttribute reports (it sizes the persistent grids).
 void set_sm_count(int sms);
 
+// Global-memory traffic (build mode "traffic": the kernel files are compiled with
+// -fsanitize=kernel-address in call mode, so every load and store they make calls the emulator).
+// Accesses inside a watched region are counted: bytes requested (every access) and distinct bytes
+// touched, for loads and stores separately. Accesses elsewhere (the stack, __shared__) are not.
+struct Traffic {
+  uint64_t loaded, stored, distinct_loaded, distinct_stored;
+};
+int traffic_watch(const void* begin, size_t bytes);  // returns the region's index
+Traffic traffic_of(int region);
+void traffic_clear();
+
 }  // namespace msp_emu
 
 #define threadIdx (::msp_emu::context.thread)
