@@ -2,6 +2,7 @@
 
     python bench/kernel_traffic.py                 # bf16, an H200's launch geometry (132 SMs)
     python bench/kernel_traffic.py --sms 66 --dtype float32
+    python bench/kernel_traffic.py --csrc /path/to/other/checkout/csrc   # compare kernel versions
 
 The unmodified csrc/cuda/*.cu are built for tests/cuda_emulator/ with every load and store of the
 kernel files routed to a counter (build mode "traffic"); each op then runs once on the shapes below
@@ -152,10 +153,12 @@ def main():
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--hidden-size", type=int, default=2048)
     parser.add_argument("--num-attention-heads", type=int, default=16)
+    parser.add_argument("--csrc", default=emulator_build.CSRC,
+                        help="kernel sources to count (default: this tree's csrc/)")
     args = parser.parse_args()
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        lib = load(emulator_build.build(tmp, "traffic"))
+        lib = load(emulator_build.build(tmp, "traffic", csrc=args.csrc))
         lib.emu_set_sm_count(args.sms)
         dtype = getattr(torch, args.dtype)
         results = run_ops(lib, dtype, args.seq_length, args.micro_batch_size, args.hidden_size,

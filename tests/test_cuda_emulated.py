@@ -9,7 +9,10 @@ block reductions and launch sizing are checked on machines without a GPU:
 - one case per kernel path under ThreadSanitizer (a missing __syncthreads is a data race between
   the emulated threads: the emulator's racecheck);
 - planted bugs (an out-of-bounds read, a missing barrier, a launch over the kernel's
-  __launch_bounds__) are caught, so these tests can fail.
+  __launch_bounds__) are caught, so these tests can fail;
+- the global-memory bytes each kernel moves (build mode "traffic", bench/kernel_traffic.py): the
+  forward and layout kernels read each input byte once and write each output byte once, and the
+  backward kernels' fp32 partial sums stay a small fraction of their compulsory bytes.
 
 The emulator does not model GPU timing, memory ordering between blocks (blocks run one after
 another), fused multiply-adds or the CUDA caching allocator and streams; tests/test_cuda_ops.py
@@ -122,3 +125,36 @@ def test_planted_launch_over_launch_bounds_is_caught(tmp_path, object_cache):
     results = _results(tmp_path / "results.json")
     assert rc == 0 and not results["bda-33x3x256-off512-fp32-sm132"]["ok"], log[-3000:]
     assert "cudaError 701" in results["bda-33x3x256-off512-fp32-sm132"]["detail"]
+
+
+def test_kernel_traffic(tmp_path, object_cache):
+    if emulator_build.compiler() is None:
+        pytest.skip("no host C++ compiler")
+    sys.path.insert(0, os.path.join(emulator_build.ROOT, "bench"))
+    import torch
+    from cuda_emulator.run_cases import load
+    from kernel_traffic import run_ops
+
+    lib = load(emulator_build.build(str(tmp_path / "build"), "traffic", cache_dir=object_cache))
+    lib.emu_set_sm_count(8)
+    s, b, h = 512, 2, 1024
+    results = {op: (compulsory, counts) for op, compulsory, counts in
+               run_ops(lib, torch.bfloat16, s, b, h, 8, 128, 0.1)}
+    full = s * b * h * 2                     # bytes of one [s, b, h] bf16 activation
+    once = {"bias_dropout_add fwd": (("x", "residual"), ("out",)),
+            "bias_dropout_add bwd": (("grad",), ("grad_x",)),
+            "layer_norm fwd": (("x",), ("y",)),
+            "layer_norm bwd": ((), ("grad_x",))}
+    for op, (compulsory, counts) in results.items():
+        inputs, outputs = once.get(op, (("in",), ("out",)))
+        for name in inputs:                  # (loaded, stored, distinct loaded, distinct stored)
+            assert counts[name] == (full, 0, full, 0), (op, name, counts[name])
+        for name in outputs:
+            assert counts[name] == (0, full, 0, full), (op, name, counts[name])
+    for op in ("bias_dropout_add bwd", "layer_norm bwd"):
+        compulsory, counts = results[op]
+        scratch = counts["scratch (partial sums)"]
+        assert scratch[2] == scratch[3] > 0      # each partial written once and read once
+        assert scratch[3] <= compulsory / 16, (op, scratch, compulsory)
+    for name in ("grad", "x"):                  # the LayerNorm backward reads its rows twice
+        assert results["layer_norm bwd"][1][name][2] == full

@@ -8,7 +8,8 @@
 // one Philox group (4 features) and a bf16/fp16 vector two. Memory traffic is the compulsory
 // read x, read residual, write out; the mask never touches memory. The backward draws the same
 // words again, writes grad_x = (grad * scale) * keep (the reference's rounding order), and sums
-// grad_x over its rows into a per-thread partial row; column_sum finishes the bias gradient.
+// grad_x over its rows into one partial row per block row (see bda_bwd_kernel); column_sum
+// finishes the bias gradient.
 // Fallback (h or feature_offset not a multiple of the vector, unaligned pointers): VEC = 1.
 #include "../philox.h"
 #include "common.cuh"
@@ -91,38 +92,55 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Backward: blocks of 32 column vectors x 8 row slots. Each thread walks its rows (grid-stride),
+// writes grad_x and accumulates its columns in registers; the 8 row slots of a block are then added
+// in a fixed order through shared memory, so the bias-gradient partials are one fp32 row per block
+// row (gridDim.y rows, about one per resident block), not one per row slot.
+constexpr int kBwdCols = 32, kBwdRows = kThreads / kBwdCols;
+
 template <typename T, int VEC, bool GROUPED>
 __global__ void __launch_bounds__(kThreads)
     bda_bwd_kernel(const T* __restrict__ grad, T* __restrict__ grad_x, float* __restrict__ partial,
                    Rows rows_index, uint32_t rows, int64_t h, DropoutParams d) {
-  const int64_t j0 = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * VEC;
-  if (j0 >= h) return;
-  const uint32_t slot = blockIdx.y * blockDim.y + threadIdx.y;
+  __shared__ float slots[kBwdRows][kBwdCols * VEC];
+  const int64_t j0 = (blockIdx.x * int64_t(kBwdCols) + threadIdx.x) * VEC;
+  const bool active = j0 < h;  // no early return: every thread reaches the barrier below
   float acc[VEC];
 #pragma unroll
   for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
-  for (uint32_t row = slot; row < rows; row += gridDim.y * blockDim.y) {
-    int64_t position, sample;
-    rows_index.at(row, position, sample);
-    const int64_t off = int64_t(row) * h + j0;
-    float gv[VEC], keep[VEC];
-    load_f32(grad + off, gv);
-    draw_keep<VEC, GROUPED>(d, j0, position, sample, keep);
+  if (active) {
+    for (uint32_t row = blockIdx.y * kBwdRows + threadIdx.y; row < rows;
+         row += gridDim.y * kBwdRows) {
+      int64_t position, sample;
+      rows_index.at(row, position, sample);
+      const int64_t off = int64_t(row) * h + j0;
+      float gv[VEC], keep[VEC];
+      load_f32(grad + off, gv);
+      draw_keep<VEC, GROUPED>(d, j0, position, sample, keep);
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      gv[i] = __fmul_rn(__fmul_rn(gv[i], d.scale), keep[i]);
-      acc[i] += gv[i];
+      for (int i = 0; i < VEC; ++i) {
+        gv[i] = __fmul_rn(__fmul_rn(gv[i], d.scale), keep[i]);
+        acc[i] += gv[i];
+      }
+      store_f32(grad_x + off, gv);
     }
-    store_f32(grad_x + off, gv);
   }
-  if (partial != nullptr) {
+  if (partial == nullptr) return;  // uniform across the block
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) partial[int64_t(slot) * h + j0 + i] = acc[i];
+  for (int i = 0; i < VEC; ++i) slots[threadIdx.y][threadIdx.x * VEC + i] = acc[i];
+  __syncthreads();
+  if (threadIdx.y == 0 && active) {
+#pragma unroll
+    for (int y = 1; y < kBwdRows; ++y)
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[i] += slots[y][threadIdx.x * VEC + i];
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) partial[int64_t(blockIdx.y) * h + j0 + i] = acc[i];
   }
 }
 
-// Threads: x over column vectors, y over rows; blocks: enough to fill every SM `waves` times
-// (the backward uses one wave: each row slot costs a partial row of h floats).
+// Forward threads: x over column vectors, y over rows; blocks: enough to fill every SM `waves`
+// times.
 struct Launch {
   dim3 grid, block;
 };
@@ -137,6 +155,19 @@ Launch row_launch(int64_t rows, int64_t h, int vec, int waves) {
   gy = gy < (budget + gx - 1) / gx ? gy : (budget + gx - 1) / gx;
   gy = gy < 65535 ? (gy > 0 ? gy : 1) : 65535;
   return {dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), dim3(tx, ty)};
+}
+
+// Backward: kBwdCols x kBwdRows threads; block rows: one wave of resident blocks over the column
+// blocks (each block row costs one partial row of h floats).
+Launch bwd_launch(int64_t rows, int64_t h, int vec) {
+  const int64_t nvec = (h + vec - 1) / vec;
+  const int64_t gx = (nvec + kBwdCols - 1) / kBwdCols;
+  int64_t gy = (rows + kBwdRows - 1) / kBwdRows;
+  const int64_t budget = int64_t(sm_count()) * (2048 / kThreads);
+  const int64_t per_column = (budget + gx - 1) / gx;
+  gy = gy < per_column ? gy : per_column;
+  gy = gy < 65535 ? (gy > 0 ? gy : 1) : 65535;
+  return {dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), dim3(kBwdCols, kBwdRows)};
 }
 
 template <typename T>
@@ -177,7 +208,7 @@ cudaError_t launch_bwd(const BiasDropoutAddBwd& a, cudaStream_t stream) {
   T* grad_x = static_cast<T*>(a.grad_x);
   float* partial = a.grad_bias != nullptr ? a.scratch : nullptr;
   const bool grouped = grouped_path<T>(a.drop, a.h, grad, grad_x, grad_x, nullptr);
-  Launch l = row_launch(rows, a.h, grouped ? VEC : 1, 1);
+  Launch l = bwd_launch(rows, a.h, grouped ? VEC : 1);
   if (grouped) {
     bda_bwd_kernel<T, VEC, true><<<l.grid, l.block, 0, stream>>>(grad, grad_x, partial, idx, rows,
                                                                   a.h, a.drop);
@@ -187,16 +218,15 @@ cudaError_t launch_bwd(const BiasDropoutAddBwd& a, cudaStream_t stream) {
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || partial == nullptr) return err;
-  return column_sum(partial, int64_t(l.grid.y) * l.block.y, a.h, a.grad_bias, stream);
+  return column_sum(partial, l.grid.y, a.h, a.grad_bias, stream);
 }
 
 }  // namespace
 
 int64_t bias_dropout_add_bwd_scratch(int64_t s, int64_t b, int64_t h, DType dtype) {
-  const int vec = dtype == DType::kF32 ? 4 : 8;  // an upper bound: the VEC = 1 path needs fewer
-  Launch l1 = row_launch(s * b, h, vec, 1), lv = row_launch(s * b, h, 1, 1);
-  const int64_t slots1 = int64_t(l1.grid.y) * l1.block.y, slotsv = int64_t(lv.grid.y) * lv.block.y;
-  return (slots1 > slotsv ? slots1 : slotsv) * h;
+  const int vec = dtype == DType::kF32 ? 4 : 8;  // the vector path, or the scalar fallback
+  const int64_t rows_vec = bwd_launch(s * b, h, vec).grid.y, rows_1 = bwd_launch(s * b, h, 1).grid.y;
+  return (rows_vec > rows_1 ? rows_vec : rows_1) * h;
 }
 
 cudaError_t bias_dropout_add_fwd(const BiasDropoutAddFwd& a, cudaStream_t stream) {

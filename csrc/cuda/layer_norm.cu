@@ -8,11 +8,12 @@
 // compulsory read x, write y (+ 8 bytes of mean/rstd per row). Rows too long for the register
 // cache re-read x (L1/L2 hits); rows whose width or pointers do not allow 128-bit access run a
 // scalar variant.
-// Backward: a persistent grid of G blocks walks the rows; per row two block sums give
+// Backward: a persistent grid of blocks walks the rows, several rows at a time per block when rows
+// are narrow; per row two group sums give
 //   c1 = mean(dy*w*xhat), c2 = mean(dy*w),  dx = rstd * (dy*w - xhat*c1 - c2),
 // and each thread accumulates dw += dy*xhat, db += dy for its own columns in registers, written
-// once as the block's partial row; column_sum adds the G partials (this rank's partial sums;
-// under sequence parallelism the model then sums them over the TP group).
+// once as the block's partial row (about two per SM); column_sum adds the partials (this rank's
+// partial sums; under sequence parallelism the model then sums them over the TP group).
 #include "common.cuh"
 
 namespace msp {
@@ -44,16 +45,36 @@ __device__ __forceinline__ void load_vec(const T* row, int64_t v, float (&out)[V
 // f(k, v) for this thread's vectors v of a row; with CACHE > 0 the loop is unrolled so that k
 // (the register-cache slot) is a compile-time index and the cache never spills to local memory.
 template <int CACHE, typename F>
-__device__ __forceinline__ void for_each_vec(int64_t nvec, F&& f) {
+__device__ __forceinline__ void for_each_vec_of(int64_t nvec, int tid, int threads, F&& f) {
   if constexpr (CACHE > 0) {
 #pragma unroll
     for (int k = 0; k < CACHE; ++k) {
-      const int64_t v = threadIdx.x + int64_t(k) * blockDim.x;
+      const int64_t v = tid + int64_t(k) * threads;
       if (v < nvec) f(k, v);
     }
   } else {
-    for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) f(0, v);
+    for (int64_t v = tid; v < nvec; v += threads) f(0, v);
   }
+}
+
+// The same for a whole block working on one row.
+template <int CACHE, typename F>
+__device__ __forceinline__ void for_each_vec(int64_t nvec, F&& f) {
+  for_each_vec_of<CACHE>(nvec, threadIdx.x, blockDim.x, static_cast<F&&>(f));
+}
+
+// Sum over each group of `group` consecutive threads (a multiple of 32 dividing blockDim.x);
+// every thread gets its group's sum. Every thread of the block must call it. `shared`: 32 floats.
+__device__ __forceinline__ float group_sum(float v, float* shared, int group) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = group >> 5;
+  v = warp_sum(v);
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  const int first = warp / warps * warps;
+  float sum = 0.0f;
+  for (int w = 0; w < warps; ++w) sum += shared[first + w];
+  __syncthreads();
+  return sum;
 }
 
 template <typename T, typename W, int VEC, int CACHE>
@@ -105,16 +126,26 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 }
 
-// The column accumulators dw, db of this thread live in registers (CACHE > 0) or in the block's
-// partial row pw/pb (CACHE == 0; the same thread owns a column on every row, so no race).
+// Backward. A block holds G groups of `group` threads; each group works on its own row (rows
+// blockIdx.x * G + g, stepping by gridDim.x * G), so that a narrow row still gets a block of up to
+// 512 threads and the block count, hence the number of partial rows, stays small. The column
+// accumulators dw, db of a thread live in registers (CACHE > 0; the G groups' accumulators are added
+// in a fixed order through shared memory at the end) or, with G = 1, in the block's partial row
+// pw/pb (CACHE == 0; the same thread owns a column on every row, so no race).
+constexpr int kStage = kMaxThreads / 2 * 2 * 8;  // floats: 2 vectors of <= 8 per thread of a group
+                                                 // of <= 256 threads (G > 1 needs group <= 256)
+
 template <typename T, typename W, int VEC, int CACHE>
 __global__ void __launch_bounds__(kMaxThreads)
     ln_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ w,
                   const float* __restrict__ mean, const float* __restrict__ rstd,
-                  T* __restrict__ dx, float* __restrict__ partial, int64_t rows, int64_t h) {
+                  T* __restrict__ dx, float* __restrict__ partial, int64_t rows, int64_t h,
+                  int group) {
   __shared__ float shared[32];
+  __shared__ float stage[kStage];
   constexpr int A = CACHE > 0 ? CACHE : 1;
   const int64_t nvec = h / VEC;
+  const int groups = blockDim.x / group, g = threadIdx.x / group, tid = threadIdx.x % group;
   float* pw = partial + int64_t(blockIdx.x) * 2 * h;
   float* pb = pw + h;
   float acc_w[A][VEC], acc_b[A][VEC];
@@ -122,56 +153,88 @@ __global__ void __launch_bounds__(kMaxThreads)
   for (int k = 0; k < A; ++k)
 #pragma unroll
     for (int i = 0; i < VEC; ++i) acc_w[k][i] = acc_b[k][i] = 0.0f;
-  if constexpr (CACHE == 0) {
-    for_each_vec<0>(nvec, [&](int, int64_t v) {
+  if constexpr (CACHE == 0) {  // groups == 1
+    for_each_vec_of<0>(nvec, tid, group, [&](int, int64_t v) {
 #pragma unroll
       for (int i = 0; i < VEC; ++i) pw[v * VEC + i] = pb[v * VEC + i] = 0.0f;
     });
   }
   const float inv_h = 1.0f / static_cast<float>(h);
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const T* dyr = dy + row * h;
-    const T* xr = x + row * h;
-    const float mu = mean[row], rs = rstd[row];
+  // The loop bound is the same for the whole block (the group sums are block barriers).
+  for (int64_t base = int64_t(blockIdx.x) * groups; base < rows;
+       base += int64_t(gridDim.x) * groups) {
+    const int64_t row = base + g;
+    const bool valid = row < rows;
+    const T* dyr = dy + (valid ? row : 0) * h;
+    const T* xr = x + (valid ? row : 0) * h;
+    const float mu = valid ? mean[row] : 0.0f, rs = valid ? rstd[row] : 0.0f;
     float s1 = 0.0f, s2 = 0.0f;
-    for_each_vec<CACHE>(nvec, [&](int k, int64_t v) {
-      float gv[VEC], xv[VEC], wv[VEC];
-      load_vec<T, VEC>(dyr, v, gv);
-      load_vec<T, VEC>(xr, v, xv);
-      load_vec<W, VEC>(w, v, wv);
+    if (valid) {
+      for_each_vec_of<CACHE>(nvec, tid, group, [&](int k, int64_t v) {
+        float gv[VEC], xv[VEC], wv[VEC];
+        load_vec<T, VEC>(dyr, v, gv);
+        load_vec<T, VEC>(xr, v, xv);
+        load_vec<W, VEC>(w, v, wv);
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        const float xhat = (xv[i] - mu) * rs, gw = gv[i] * wv[i];
-        s1 += gw * xhat;
-        s2 += gw;
-        if constexpr (CACHE > 0) {
-          acc_w[k][i] += gv[i] * xhat;
-          acc_b[k][i] += gv[i];
-        } else {
-          pw[v * VEC + i] += gv[i] * xhat;
-          pb[v * VEC + i] += gv[i];
+        for (int i = 0; i < VEC; ++i) {
+          const float xhat = (xv[i] - mu) * rs, gw = gv[i] * wv[i];
+          s1 += gw * xhat;
+          s2 += gw;
+          if constexpr (CACHE > 0) {
+            acc_w[k][i] += gv[i] * xhat;
+            acc_b[k][i] += gv[i];
+          } else {
+            pw[v * VEC + i] += gv[i] * xhat;
+            pb[v * VEC + i] += gv[i];
+          }
         }
-      }
-    });
-    const float c1 = block_sum(s1, shared) * inv_h, c2 = block_sum(s2, shared) * inv_h;
-    for_each_vec<CACHE>(nvec, [&](int, int64_t v) {
-      float gv[VEC], xv[VEC], wv[VEC];
-      load_vec<T, VEC>(dyr, v, gv);  // second read of the row: L1/L2 hits
-      load_vec<T, VEC>(xr, v, xv);
-      load_vec<W, VEC>(w, v, wv);
+      });
+    }
+    const float c1 = group_sum(s1, shared, group) * inv_h;
+    const float c2 = group_sum(s2, shared, group) * inv_h;
+    if (valid) {
+      for_each_vec_of<CACHE>(nvec, tid, group, [&](int, int64_t v) {
+        float gv[VEC], xv[VEC], wv[VEC];
+        load_vec<T, VEC>(dyr, v, gv);  // second read of the row: L1/L2 hits
+        load_vec<T, VEC>(xr, v, xv);
+        load_vec<W, VEC>(w, v, wv);
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) gv[i] = rs * (gv[i] * wv[i] - (xv[i] - mu) * rs * c1 - c2);
-      store_f32<T, VEC>(dx + row * h + v * VEC, gv);
-    });
+        for (int i = 0; i < VEC; ++i) gv[i] = rs * (gv[i] * wv[i] - (xv[i] - mu) * rs * c1 - c2);
+        store_f32<T, VEC>(dx + row * h + v * VEC, gv);
+      });
+    }
   }
   if constexpr (CACHE > 0) {
-    for_each_vec<CACHE>(nvec, [&](int k, int64_t v) {
+    // Groups 1 .. G-1 hand their accumulators to group 0, one cache slot at a time.
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        pw[v * VEC + i] = acc_w[k][i];
-        pb[v * VEC + i] = acc_b[k][i];
+    for (int k = 0; k < CACHE; ++k) {
+      const int64_t v = tid + int64_t(k) * group;
+      for (int src = 1; src < groups; ++src) {
+        if (g == src && v < nvec) {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            stage[tid * 2 * VEC + i] = acc_w[k][i];
+            stage[tid * 2 * VEC + VEC + i] = acc_b[k][i];
+          }
+        }
+        __syncthreads();
+        if (g == 0 && v < nvec) {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            acc_w[k][i] += stage[tid * 2 * VEC + i];
+            acc_b[k][i] += stage[tid * 2 * VEC + VEC + i];
+          }
+        }
+        __syncthreads();
       }
-    });
+      if (g == 0 && v < nvec) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          pw[v * VEC + i] = acc_w[k][i];
+          pb[v * VEC + i] = acc_b[k][i];
+        }
+      }
+    }
   }
 }
 
@@ -209,19 +272,25 @@ cudaError_t launch_fwd(const LayerNormFwd& a, cudaStream_t stream) {
 }
 
 struct BwdPlan {
-  RowPlan row;
+  RowPlan row;          // threads per row (the group) and vectors per thread
   bool vector, cached;
-  int64_t blocks;
+  int groups;           // rows in flight per block (cached path only; else 1)
+  int64_t blocks;       // = partial rows
 };
 
+// 1024 threads per SM (half occupancy, as many rows in flight as the forward's) in blocks of up to
+// 512 threads: about 2 blocks, hence 2 partial rows of 2h floats, per SM.
 BwdPlan plan_bwd(int64_t rows, int64_t h, int vec, bool vector) {
   BwdPlan p;
   p.vector = vector;
   p.row = plan_row(vector ? h / vec : h, kCacheBwd);
   p.cached = vector && p.row.per_thread <= kCacheBwd;
-  const int64_t per_sm = kMaxThreads / p.row.threads > 0 ? kMaxThreads / p.row.threads : 1;
-  p.blocks = int64_t(sm_count()) * 2 * per_sm;
-  p.blocks = p.blocks < rows ? p.blocks : (rows > 0 ? rows : 1);
+  p.groups = p.cached && p.row.threads <= kMaxThreads / 2 ? kMaxThreads / p.row.threads : 1;
+  const int64_t threads = int64_t(p.row.threads) * p.groups;
+  const int64_t wanted = (rows + p.groups - 1) / p.groups;
+  p.blocks = int64_t(sm_count()) * 1024 / threads;
+  p.blocks = p.blocks < wanted ? p.blocks : wanted;
+  p.blocks = p.blocks > 0 ? p.blocks : 1;
   return p;
 }
 
@@ -234,15 +303,16 @@ cudaError_t launch_bwd(const LayerNormBwd& a, cudaStream_t stream) {
   T* dx = static_cast<T*>(a.grad_x);
   const BwdPlan p = plan_bwd(a.rows, a.h, VEC, vector_path<T>(a.h, dy, x, w, dx));
   const dim3 grid(static_cast<unsigned>(p.blocks));
+  const int group = p.row.threads, threads = group * p.groups;
   if (p.cached)
-    ln_bwd_kernel<T, W, VEC, kCacheBwd><<<grid, p.row.threads, 0, stream>>>(
-        dy, x, w, a.mean, a.rstd, dx, a.scratch, a.rows, a.h);
+    ln_bwd_kernel<T, W, VEC, kCacheBwd><<<grid, threads, 0, stream>>>(
+        dy, x, w, a.mean, a.rstd, dx, a.scratch, a.rows, a.h, group);
   else if (p.vector)
-    ln_bwd_kernel<T, W, VEC, 0><<<grid, p.row.threads, 0, stream>>>(dy, x, w, a.mean, a.rstd, dx,
-                                                                     a.scratch, a.rows, a.h);
+    ln_bwd_kernel<T, W, VEC, 0><<<grid, threads, 0, stream>>>(dy, x, w, a.mean, a.rstd, dx,
+                                                              a.scratch, a.rows, a.h, group);
   else
-    ln_bwd_kernel<T, W, 1, 0><<<grid, p.row.threads, 0, stream>>>(dy, x, w, a.mean, a.rstd, dx,
-                                                                   a.scratch, a.rows, a.h);
+    ln_bwd_kernel<T, W, 1, 0><<<grid, threads, 0, stream>>>(dy, x, w, a.mean, a.rstd, dx,
+                                                            a.scratch, a.rows, a.h, group);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   return column_sum(a.scratch, p.blocks, 2 * a.h, a.grad_weight_bias, stream);
