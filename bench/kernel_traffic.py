@@ -38,12 +38,7 @@ class Traffic:
     """Watches buffers of one op call and reports what the kernels moved in each."""
 
     def __init__(self, lib):
-        self.lib = lib
-        lib.emu_traffic_watch.restype, lib.emu_traffic_watch.argtypes = ctypes.c_int, [
-            ctypes.c_void_p, ctypes.c_int64]
-        lib.emu_traffic_of.restype = None
-        lib.emu_traffic_of.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint64)]
-        lib.emu_traffic_clear.restype, lib.emu_traffic_clear.argtypes = None, []
+        self.lib = lib  # from run_cases.load(): the emu_traffic_* signatures are set there
 
     def measure(self, buffers, call):
         """buffers: {name: tensor}; call(): runs the op. Returns {name: (loaded, stored,

@@ -17,6 +17,7 @@ block reductions and launch sizing are checked on machines without a GPU:
 The emulator does not model GPU timing, memory ordering between blocks (blocks run one after
 another), fused multiply-adds or the CUDA caching allocator and streams; tests/test_cuda_ops.py
 checks the real thing on a GPU."""
+import json
 import os
 import shutil
 import subprocess
@@ -51,7 +52,6 @@ def _run(library, sanitizer, out_json, cases=()):
 
 
 def _results(out_json):
-    import json
     return json.loads(out_json.read_text()) if out_json.exists() else {}
 
 

@@ -43,6 +43,9 @@ SIGNATURES = {
     "emu_ln_bwd": (i32, [vp] * 8 + [i64, i64, i32, i32]),
     "emu_block_transpose": (i32, [vp, vp, i64, i64, i64]),
     "emu_zigzag_reorder": (i32, [vp, vp, i64, i64, i64, i32]),
+    "emu_traffic_watch": (i32, [vp, i64]),
+    "emu_traffic_of": (None, [i32, ctypes.POINTER(ctypes.c_uint64)]),
+    "emu_traffic_clear": (None, []),
 }
 
 
