@@ -6,6 +6,7 @@
 // Layouts (s = sequence, b = batch, h = hidden, n = heads, d = head dim, p/t = group size):
 //   bias_dropout_add_fwd  x, residual [s, b, h]; bias [h] or None; positions [s]; sample ids [b]
 //   layer_norm_fwd        x [..., h] -> (out [..., h], mean [rows] fp32, rstd [rows] fp32)
+//   rms_norm_fwd          x [..., h] -> (out [..., h], rstd [rows] fp32)
 //   ulysses_pack          [s/p, b, n, d] -> [p, s/p, b, n/p, d]   (all_to_all send buffer)
 //   ulysses_unpack        [p, s/p, b, n/p, d] -> [s/p, b, n, d]   (its inverse)
 //   gather_to_last_dim    [t*s, ..., l] -> [s, ..., t*l]           (dim-0 all-gather -> cat(-1))
@@ -24,6 +25,8 @@ TORCH_LIBRARY(megatron_sp, m) {
         "-> (Tensor, Tensor, Tensor)");
   m.def("layer_norm_bwd(Tensor grad_out, Tensor x, Tensor weight, Tensor mean, Tensor rstd) "
         "-> (Tensor, Tensor, Tensor)");
+  m.def("rms_norm_fwd(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rms_norm_bwd(Tensor grad_out, Tensor x, Tensor weight, Tensor rstd) -> (Tensor, Tensor)");
   m.def("ulysses_pack(Tensor x, int p) -> Tensor");
   m.def("ulysses_unpack(Tensor x, int p) -> Tensor");
   m.def("gather_to_last_dim(Tensor x, int t) -> Tensor");

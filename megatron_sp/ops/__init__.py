@@ -13,11 +13,13 @@ from megatron_sp.ops.layout import (
     last_dim_to_gather_reference, ulysses_heads_to_send, ulysses_pack, ulysses_pack_reference,
     ulysses_recv_to_heads, ulysses_unpack, ulysses_unpack_reference, zigzag_reorder,
     zigzag_reorder_reference)
+from megatron_sp.ops.rms_norm import rms_norm, rms_norm_reference
 
 __all__ = [
     "extension_available",
     "bias_dropout_add", "bias_dropout_add_reference",
     "layer_norm", "layer_norm_reference",
+    "rms_norm", "rms_norm_reference",
     "ulysses_pack", "ulysses_pack_reference", "ulysses_unpack", "ulysses_unpack_reference",
     "ulysses_recv_to_heads", "ulysses_heads_to_send",
     "gather_to_last_dim", "gather_to_last_dim_reference",

@@ -1,0 +1,65 @@
+"""RMSNorm over the last dimension with fp32 statistics (Llama's norm: no mean, no bias).
+
+The fused op (megatron_sp::rms_norm_fwd/_bwd, csrc/) returns the output and the per-row fp32
+1/rms; its backward returns dx and this rank's weight gradient partial sum (under sequence
+parallelism the model sums it over the TP group), like layer_norm's.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_sp.ops._extension import extension_available, use_fused
+
+# False with a megatron_sp._C built before this op existed (rebuild it): the reference runs.
+_OP_BUILT = extension_available() and hasattr(torch.ops.megatron_sp, "rms_norm_fwd")
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight computed in fp32, returned in x's dtype."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * rstd * weight.float()).to(x.dtype)
+
+
+def _fusable(x, weight) -> bool:
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    return (x.dtype in dtypes and weight.dtype in (x.dtype, torch.float32)
+            and x.dim() >= 1 and x.shape[-1] > 0)
+
+
+def rms_norm(x, weight, eps, fused=True):
+    """RMSNorm of x [..., h] with weight [h] (x's dtype or fp32); output in x's dtype."""
+    if not (use_fused(fused, x) and _OP_BUILT and _fusable(x, weight)):
+        return rms_norm_reference(x, weight, eps)
+    return torch.ops.megatron_sp.rms_norm_fwd(x, weight, float(eps))[0]
+
+
+def _fake_fwd(x, weight, eps):
+    rows = x.numel() // x.shape[-1]
+    return x.new_empty(x.shape), x.new_empty((rows,), dtype=torch.float32)
+
+
+def _fake_bwd(grad, x, weight, rstd):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _ = inputs
+    _, rstd = output
+    ctx.mark_non_differentiable(rstd)
+    ctx.save_for_backward(x, weight, rstd)
+
+
+def _backward(ctx, grad_out, _grad_rstd):
+    x, weight, rstd = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(x)
+    grad_x, grad_w = torch.ops.megatron_sp.rms_norm_bwd(grad_out, x, weight, rstd)
+    return grad_x, grad_w, None
+
+
+if _OP_BUILT:
+    torch.library.register_fake("megatron_sp::rms_norm_fwd")(_fake_fwd)
+    torch.library.register_fake("megatron_sp::rms_norm_bwd")(_fake_bwd)
+    torch.library.register_autograd("megatron_sp::rms_norm_fwd", _backward,
+                                    setup_context=_setup_context)
