@@ -1,4 +1,4 @@
-"""GPTConfig: the model's shape, regularisation and parallel layout, validated on construction."""
+"""GPTConfig: the model's shape, family, regularisation and parallel layout, validated on construction."""
 from __future__ import annotations
 
 import math
@@ -6,22 +6,33 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional
 
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+ACTIVATIONS = ("gelu", "openai_gelu", "swiglu")        # gelu: erf; openai_gelu: tanh approximation (GPT-2)
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+
+# What a field left at None becomes when the model family (registry spec) does not say: GPT-2.
+FAMILY_FIELDS = {"normalization": "LayerNorm", "activation": "gelu",
+                 "position_embedding_type": "learned_absolute",
+                 "untie_embeddings_and_output_weights": False, "add_bias_linear": True}
+
 
 @dataclass
 class GPTConfig:
-    """A GPT-2-style decoder. Defaults follow Megatron-LM where it has one."""
+    """A decoder-only transformer. Defaults follow Megatron-LM where it has one; fields left at None
+    take the model family's value (`model`, see models/registry.py), then GPT-2's."""
 
     num_layers: int                 # transformer layers
     hidden_size: int                # model width h
-    num_attention_heads: int        # heads n; head dim d = h / n
+    num_attention_heads: int        # query heads n
     vocab_size: int                 # tokenizer's vocabulary; padded internally (see padded_vocab_size)
     seq_length: int                 # tokens per sample s
-    ffn_hidden_size: Optional[int] = None      # MLP width; 4*h when None
-    max_position_embeddings: Optional[int] = None  # learned positions; seq_length when None
+    ffn_hidden_size: Optional[int] = None      # MLP width; 4*h (SwiGLU: Megatron's 8h/3 rounded to 64)
+    max_position_embeddings: Optional[int] = None  # longest sequence; learned positions; seq_length when None
     hidden_dropout: float = 0.1     # dropout after embeddings, attention projection and MLP
     attention_dropout: float = 0.1  # dropout on the attention probabilities
     init_method_std: float = 0.02   # std of the normal init; output projections use std/sqrt(2L)
-    layernorm_epsilon: float = 1e-5
+    layernorm_epsilon: float = 1e-5  # epsilon of LayerNorm / RMSNorm (Megatron's --norm-epsilon)
     seed: int = 1234                # weights and dropout masks are pure functions of this seed
     tensor_model_parallel_size: Optional[int] = None  # TP size t (heads, MLP, vocab split t ways);
     #                                                   None: the current parallel_state's TP size
@@ -29,35 +40,70 @@ class GPTConfig:
     sequence_parallel: bool = False  # shard LayerNorm/dropout/residual along the sequence (needs t > 1)
     make_vocab_size_divisible_by: int = 128  # vocab padded to a multiple of this times t (Megatron)
     use_fused_kernels: bool = True  # use megatron_sp._C ops when built; references otherwise
+    model: str = "gpt2"             # family: a models/registry.py name or "package.module:SPEC"
+    normalization: Optional[str] = None      # LayerNorm | RMSNorm
+    activation: Optional[str] = None         # gelu | openai_gelu | swiglu (fused gate/up projection)
+    position_embedding_type: Optional[str] = None  # learned_absolute | rope | none
+    rotary_base: float = 10000.0    # RoPE theta
+    rotary_percent: float = 1.0     # fraction of each head's channels that RoPE rotates
+    num_query_groups: Optional[int] = None   # key/value heads (GQA); None: one per query head
+    kv_channels: Optional[int] = None        # head dim d; None: hidden_size / num_attention_heads
+    untie_embeddings_and_output_weights: Optional[bool] = None  # separate output layer
+    add_bias_linear: Optional[bool] = None   # biases in the linear layers
+    add_qkv_bias: Optional[bool] = None      # bias of the QKV projection; None: add_bias_linear
+    attention_backend: str = "auto"  # unfused/local: explicit softmax; else SDPA when dropout allows
 
     def __post_init__(self):
         if self.tensor_model_parallel_size is None:
             from megatron_sp import parallel_state
             self.tensor_model_parallel_size = parallel_state.get().tp_size
+        self._fill_family_defaults()
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
+            self.ffn_hidden_size = (int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.activation == "swiglu"
+                                    else 4 * self.hidden_size)
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+        self._check_choices()
         self._check_positive()
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads == 0:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
         self._check_divisibility()
-        for name in ("hidden_dropout", "attention_dropout"):
-            p = getattr(self, name)
-            if not 0.0 <= p < 1.0:
-                raise ValueError(f"GPTConfig.{name} must be in [0, 1), got {p}.")
-        if self.max_position_embeddings < self.seq_length:
-            raise ValueError(
-                f"GPTConfig.max_position_embeddings ({self.max_position_embeddings}) is smaller than "
-                f"seq_length ({self.seq_length}); raise it or shorten the sequence.")
+        self._check_ranges()
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             warnings.warn("GPTConfig.sequence_parallel has no effect with tensor_model_parallel_size=1; "
                           "turning it off.", stacklevel=3)
             self.sequence_parallel = False
 
+    def _fill_family_defaults(self):
+        from megatron_sp.models.registry import get_spec
+        try:
+            spec = get_spec(self.model)
+        except ValueError as err:
+            raise ValueError(f"GPTConfig.model: {err}") from None
+        for name, value in {**FAMILY_FIELDS, **spec.defaults}.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        if self.add_qkv_bias is None:
+            self.add_qkv_bias = self.add_bias_linear
+
+    def _check_choices(self):
+        for name, choices in (("normalization", NORMALIZATIONS), ("activation", ACTIVATIONS),
+                              ("position_embedding_type", POSITION_EMBEDDINGS),
+                              ("attention_backend", ATTENTION_BACKENDS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"GPTConfig.{name} must be one of {', '.join(choices)}, "
+                                 f"got {getattr(self, name)!r}.")
+
     def _check_positive(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
                      "ffn_hidden_size", "max_position_embeddings", "tensor_model_parallel_size",
-                     "context_parallel_size", "make_vocab_size_divisible_by"):
+                     "context_parallel_size", "make_vocab_size_divisible_by", "num_query_groups",
+                     "kv_channels"):
             value = getattr(self, name)
+            if value is None and name in ("num_query_groups", "kv_channels"):
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}.")
         if self.init_method_std <= 0 or self.layernorm_epsilon <= 0:
@@ -65,11 +111,18 @@ class GPTConfig:
 
     def _check_divisibility(self):
         h, n, t = self.hidden_size, self.num_attention_heads, self.tensor_model_parallel_size
-        if h % n != 0:
-            raise ValueError(f"GPTConfig.hidden_size ({h}) must be divisible by num_attention_heads ({n}).")
+        g = self.num_query_groups
+        if self.kv_channels is None:
+            raise ValueError(f"GPTConfig.hidden_size ({h}) must be divisible by num_attention_heads ({n}), "
+                             f"or give kv_channels.")
         if n % t != 0:
             raise ValueError(f"GPTConfig.num_attention_heads ({n}) must be divisible by "
                              f"tensor_model_parallel_size ({t}).")
+        if n % g != 0:
+            raise ValueError(f"GPTConfig.num_query_groups ({g}) must divide num_attention_heads ({n}).")
+        if g % t != 0 and t % g != 0:
+            raise ValueError(f"GPTConfig.num_query_groups ({g}) must be divisible by tensor_model_parallel_size "
+                             f"({t}), or divide it (then each key/value head is replicated on {t} // {g} ranks).")
         if self.ffn_hidden_size % t != 0:
             raise ValueError(f"GPTConfig.ffn_hidden_size ({self.ffn_hidden_size}) must be divisible by "
                              f"tensor_model_parallel_size ({t}).")
@@ -80,9 +133,32 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.seq_length ({self.seq_length}) must be divisible by "
                              f"context_parallel_size ({self.context_parallel_size}).")
 
+    def _check_ranges(self):
+        for name in ("hidden_dropout", "attention_dropout"):
+            p = getattr(self, name)
+            if not 0.0 <= p < 1.0:
+                raise ValueError(f"GPTConfig.{name} must be in [0, 1), got {p}.")
+        if self.max_position_embeddings < self.seq_length:
+            raise ValueError(
+                f"GPTConfig.max_position_embeddings ({self.max_position_embeddings}) is smaller than "
+                f"seq_length ({self.seq_length}); raise it or shorten the sequence.")
+        if self.position_embedding_type == "rope":
+            if not 0.0 < self.rotary_percent <= 1.0:
+                raise ValueError(f"GPTConfig.rotary_percent must be in (0, 1], got {self.rotary_percent}.")
+            if self.rotary_dim % 2 != 0 or self.rotary_dim == 0:
+                raise ValueError(f"GPTConfig.rotary_percent ({self.rotary_percent}) × kv_channels "
+                                 f"({self.kv_channels}) must be a positive even number of channels.")
+            if not self.rotary_base > 0:
+                raise ValueError(f"GPTConfig.rotary_base must be positive, got {self.rotary_base}.")
+
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates (the first ones)."""
+        return int(self.kv_channels * self.rotary_percent)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -90,15 +166,29 @@ class GPTConfig:
         multiple = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
+    def _layer_matmul_params(self) -> tuple[int, int]:
+        """(weights, biases) of one layer's linear layers."""
+        h, f, d = self.hidden_size, self.ffn_hidden_size, self.kv_channels
+        q, kv = self.num_attention_heads * d, self.num_query_groups * d
+        fc1 = 2 * f if self.activation == "swiglu" else f
+        weights = h * (q + 2 * kv) + q * h + h * fc1 + f * h
+        biases = ((q + 2 * kv) if self.add_qkv_bias else 0) + ((2 * h + fc1) if self.add_bias_linear else 0)
+        return weights, biases
+
     def num_parameters(self) -> int:
-        """Parameters of the (unpadded) model, tied embedding counted once."""
-        h, f, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
-        per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
-        return self.vocab_size * h + self.max_position_embeddings * h + L * per_layer + 2 * h
+        """Parameters of the (unpadded) serial model, a tied embedding counted once."""
+        h, L = self.hidden_size, self.num_layers
+        norm = (2 if self.normalization == "LayerNorm" else 1) * h
+        weights, biases = self._layer_matmul_params()
+        embeddings = self.vocab_size * h * (2 if self.untie_embeddings_and_output_weights else 1)
+        if self.position_embedding_type == "learned_absolute":
+            embeddings += self.max_position_embeddings * h
+        return embeddings + L * (weights + biases + 2 * norm) + norm
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token (forward + backward = 3× forward), attention scores included."""
-        h, f, L, s = self.hidden_size, self.ffn_hidden_size, self.num_layers, self.seq_length
-        matmul_params = L * (4 * h * h + 2 * h * f) + self.vocab_size * h
-        attention = L * 2 * s * h  # QK^T and PV, causal half not discounted (Megatron convention)
-        return 3 * 2 * (matmul_params + attention)
+        L, s = self.num_layers, self.seq_length
+        weights, _ = self._layer_matmul_params()
+        matmul_params = L * weights + self.vocab_size * self.hidden_size
+        attention = L * 2 * s * self.num_attention_heads * self.kv_channels  # QK^T and PV, causal half
+        return 3 * 2 * (matmul_params + attention)                           # not discounted (Megatron)

@@ -1,6 +1,11 @@
 """The numerical contract: GPTModel at TP ∈ {1, 2, 4} × SP ∈ {off, on}, dropout off and on, computes the
 loss and every gradient of ReferenceGPT (fp32, 1e-5 relative); after 3 AdamW steps the parameters
-still match; parameters replicated across a TP group are bit-identical on its ranks."""
+still match; parameters replicated across a TP group are bit-identical on its ranks.
+
+Families: GPT-2 (LayerNorm, GELU, learned positions, tied) and Llama with grouped-query attention
+(RMSNorm, SwiGLU, RoPE, untied, no biases; 4 query heads, 2 key/value heads: split over 2 ranks, held
+in copies by pairs of ranks at TP=4), both built from their spec; the same harness checks any spec
+(tests/test_model_spec.py uses it for a user-defined block)."""
 import pytest
 import torch
 
@@ -17,11 +22,19 @@ def pool():
     p.close()
 
 
-def _config(tp=1, sp=False, dropout=0.0, fused=FUSED):
+FAMILIES = {"gpt2": {}, "llama": {"model": "llama", "num_query_groups": 2}}
+
+
+def _config(tp=1, sp=False, dropout=0.0, fused=FUSED, family="gpt2"):
     from megatron_sp.config import GPTConfig
     return GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=VOCAB, seq_length=SEQ,
                      tensor_model_parallel_size=tp, sequence_parallel=sp, hidden_dropout=dropout,
-                     attention_dropout=dropout, use_fused_kernels=fused)
+                     attention_dropout=dropout, use_fused_kernels=fused, **FAMILIES.get(family, family_fields(family)))
+
+
+def family_fields(family):
+    """A family not in FAMILIES: a registered model name or a "module:SPEC" path."""
+    return {"model": family}
 
 
 def _batch(step):
@@ -48,28 +61,41 @@ def _train(model, step_fn, grad_fn):
     return losses, grads0
 
 
-def _parity_worker(tp, sp, dropout, fused=FUSED):
+def _copies(model, ps):
+    """Local pieces of segments held in copies (GQA key/value heads), by (name, segment, part)."""
+    from megatron_sp.tensor_parallel.sharding import split_local
+    out = {}
+    for name, p in model.named_parameters():
+        if p.shard_spec.segments:
+            for i, (shard, view) in enumerate(split_local(p.detach(), p.shard_spec, ps.tp_rank, ps.tp_size)):
+                if shard.copies > 1:
+                    out[(name, i, shard.offset)] = view.clone()
+    return out
+
+
+def _parity_worker(tp, sp, dropout, fused=FUSED, family="gpt2"):
     from megatron_sp import parallel_state
     from megatron_sp.models.gpt import GPTModel
-    ps = parallel_state.initialize_model_parallel(tp)
-    model = GPTModel(_config(tp, sp, dropout, fused))
-    init = model.full_state_dict()
+    from megatron_sp.training.grad_sync import reduce_tensor_parallel_grads
     from megatron_sp.training.optimizer import global_grad_norm
+    ps = parallel_state.initialize_model_parallel(tp)
+    model = GPTModel(_config(tp, sp, dropout, fused, family))
+    init = model.full_state_dict()
 
     def grads_and_norm():
         return model.full_grad_dict(), global_grad_norm(list(model.parameters()), ps).item()
-    losses, (grads0, norm0) = _train(model, model.reduce_sequence_parallel_grads, grads_and_norm)
+    losses, (grads0, norm0) = _train(model, lambda: reduce_tensor_parallel_grads(model, ps), grads_and_norm)
     replicated = {n: p.detach().clone() for n, p in model.named_parameters() if p.shard_spec.dim is None}
     final = model.full_state_dict()
     if ps.dp_rank != 0:                                        # DP replicas: only the rank grid matters
         return None
     return {"tp_rank": ps.tp_rank, "init": init, "losses": losses, "grads0": grads0, "norm0": norm0,
-            "final": final, "replicated": replicated}
+            "final": final, "replicated": replicated, "copies": _copies(model, ps)}
 
 
-def _reference(dropout):
+def _reference(dropout, family="gpt2"):
     from megatron_sp.models.reference import ReferenceGPT
-    model = ReferenceGPT(_config(dropout=dropout))
+    model = ReferenceGPT(_config(dropout=dropout, family=family))
     init = {k: v.clone() for k, v in model.state_dict().items()}
     grads = lambda: {n: p.grad.clone() for n, p in model.named_parameters()}  # noqa: E731
     losses, grads0 = _train(model, lambda: None, grads)
@@ -100,24 +126,32 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
+LAYOUTS = [(1, False), (2, False), (2, True), (4, False), (4, True)]
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True), (4, False), (4, True)])
+@pytest.mark.parametrize("tp,sp", LAYOUTS)
 def test_parity_with_reference(pool, tp, sp, dropout):
-    _check_parity(pool, tp, sp, dropout, fused=False)
+    check_parity(pool, tp, sp, dropout, fused=False)
 
 
-@pytest.mark.parametrize("tp,sp", [(1, False), (4, True)])
-def test_parity_with_fused_kernels(pool, tp, sp):
-    """The same contract with megatron_sp._C's bias-dropout-add and LayerNorm in the model."""
+@pytest.mark.parametrize("tp,sp,dropout", [(t, s, 0.1) for t, s in LAYOUTS] + [(4, True, 0.0)])
+def test_llama_gqa_parity_with_reference(pool, tp, sp, dropout):
+    check_parity(pool, tp, sp, dropout, fused=False, family="llama")
+
+
+@pytest.mark.parametrize("family,tp,sp", [("gpt2", 1, False), ("gpt2", 4, True), ("llama", 4, True)])
+def test_parity_with_fused_kernels(pool, family, tp, sp):
+    """The same contract with megatron_sp._C's bias-dropout-add, LayerNorm and RMSNorm in the model."""
     from megatron_sp.ops import extension_available
     if not extension_available():
         pytest.skip("megatron_sp._C is not built")
-    _check_parity(pool, tp, sp, 0.1, fused=True)
+    check_parity(pool, tp, sp, 0.1, fused=True, family=family)
 
 
-def _check_parity(pool, tp, sp, dropout, fused):
-    init, ref_losses, ref_grads, ref_final = _reference(dropout)
-    results = [r for r in pool.run(_parity_worker, tp, sp, dropout, fused) if r is not None]
+def check_parity(pool, tp, sp, dropout, fused, family="gpt2"):
+    init, ref_losses, ref_grads, ref_final = _reference(dropout, family)
+    results = [r for r in pool.run(_parity_worker, tp, sp, dropout, fused, family) if r is not None]
     assert len(results) == tp
     for res in results:
         assert res["init"].keys() == init.keys()
@@ -136,6 +170,12 @@ def _check_parity(pool, tp, sp, dropout, fused):
     for k, value in results[0]["replicated"].items():          # bit-identical across the TP group
         for res in results[1:]:
             assert torch.equal(res["replicated"][k], value), k
+    copies = {}
+    for res in results:                                        # copies of a key/value head: identical
+        for key, value in res["copies"].items():
+            assert torch.equal(copies.setdefault(key, value), value), key
+    if family == "llama" and tp == 4:
+        assert copies, "GQA with 2 key/value heads at TP=4 must hold them in copies"
 
 
 def test_dropout_is_active_and_changes_loss():

@@ -96,14 +96,14 @@ def test_all_to_all(pool, tp):
 def _linear_worker(tp, sp):
     """Column then row parallel linear (an MLP without activation) against nn.Linear on the full tensor."""
     from megatron_sp import parallel_state
-    from megatron_sp.models.sharding import gather_full, shard_full
+    from megatron_sp.tensor_parallel.sharding import gather_full, shard_full
     from megatron_sp.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     ps = parallel_state.initialize_model_parallel(tp)
     t, r, g = ps.tp_size, ps.tp_rank, ps.tp_group
     X, G = _full(5, S, B, H).float(), _full(6, S, B, H).float()
     W1, b1, W2, b2 = _full(7, 2 * H, H).float(), _full(8, 2 * H).float(), _full(9, H, 2 * H).float(), _full(11, H).float()
-    col = ColumnParallelLinear(H, 2 * H, group=g, sequence_parallel=sp)
-    row = RowParallelLinear(2 * H, H, group=g, sequence_parallel=sp)
+    col = ColumnParallelLinear(H, 2 * H, init="normal", group=g, sequence_parallel=sp)
+    row = RowParallelLinear(2 * H, H, init="normal", group=g, sequence_parallel=sp)
     with torch.no_grad():
         for p, full in ((col.weight, W1), (col.bias, b1), (row.weight, W2), (row.bias, b2)):
             p.copy_(shard_full(full, p.shard_spec, tuple(p.shape), r, t))
@@ -137,7 +137,7 @@ def test_column_row_parallel_linear(pool, tp, sp):
 def _embedding_ce_worker(tp, sp, vocab, padded):
     """VocabParallelEmbedding forward/backward and vocab-parallel cross entropy on padded vocab."""
     from megatron_sp import parallel_state
-    from megatron_sp.models.sharding import gather_full, shard_full
+    from megatron_sp.tensor_parallel.sharding import gather_full, shard_full
     from megatron_sp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
     from megatron_sp.tensor_parallel.layers import VocabParallelEmbedding
     ps = parallel_state.initialize_model_parallel(tp)

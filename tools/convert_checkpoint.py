@@ -22,16 +22,17 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_sp.training import checkpointing  # noqa: E402
+from megatron_sp.training.canonical import canonical_to_full, full_to_canonical  # noqa: E402
 
-QKV = ("attn.qkv.weight", "attn.qkv.bias")
-
-
-def _canonical_to_reference(name, t):
-    return t.reshape(-1, *t.shape[2:]) if name.endswith(QKV) else t
-
-
-def _reference_to_canonical(name, t):
-    return t.reshape(3, -1, *t.shape[1:]) if name.endswith(QKV) else t
+def model_specs(config: dict) -> dict:
+    """Each parameter's ShardSpec for a saved config (a shape-only serial model on the meta device)."""
+    from megatron_sp.config import GPTConfig
+    from megatron_sp.models.reference import ReferenceGPT
+    fields = {k: v for k, v in config.items() if k in GPTConfig.__dataclass_fields__}
+    fields["tensor_model_parallel_size"], fields["sequence_parallel"] = 1, False
+    with torch.device("meta"):
+        model = ReferenceGPT(GPTConfig(**fields), initialise=False)
+    return {name: p.shard_spec for name, p in model.named_parameters()}
 
 
 def read_full_state(path: str) -> dict:
@@ -45,7 +46,8 @@ def read_full_state(path: str) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(state, checkpoint_id=path, no_dist=True)
-    return {k: _canonical_to_reference(k, v) for k, v in state["model"].items()}
+    config = json.load(open(os.path.join(path, "metadata.json")))["config"]
+    return canonical_to_full(state["model"], model_specs(config))
 
 
 def to_safetensors(load: str, iteration, output: str) -> None:
@@ -83,7 +85,7 @@ def from_safetensors(input_path: str, save: str, heads) -> None:
         raise SystemExit("error: the file does not record the number of heads; pass --num-attention-heads.")
     path = checkpointing.checkpoint_dir(save, 0)
     os.makedirs(path, exist_ok=True)
-    state = {"model": {k: _reference_to_canonical(k, v.float()) for k, v in tensors.items()}}
+    state = {"model": full_to_canonical({k: v.float() for k, v in tensors.items()}, model_specs(config))}
     dcp = checkpointing._dcp()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

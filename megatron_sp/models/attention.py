@@ -1,8 +1,11 @@
-"""Causal self-attention core shared by the serial and the parallel model.
+"""Attention: the self-attention layer (QKV projection, RoPE, core, output projection) and the causal
+core shared by the serial and the parallel model.
 
-    q, k, v  [b, n, s, d]  (n: the heads this rank holds)  ->  [b, n, s, d]
+    q         [b, n_q, s, d]     (n_q: the query heads this rank holds)
+    k, v      [b, n_kv, s, d]    grouped-query attention: query head i uses key/value head i // (n_q / n_kv)
+    returns   [b, n_q, s, d]
 
-Without attention dropout it is F.scaled_dot_product_attention (flash / memory-efficient kernels,
+Without attention dropout the core is F.scaled_dot_product_attention (flash / memory-efficient kernels,
 no s² tensor kept). With attention dropout it is the explicit softmax, because the dropout mask must
 be the parallelism-invariant one (tensor_parallel/random.py), which SDPA cannot take.
 """
@@ -13,8 +16,12 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from megatron_sp.models.rope import RotaryEmbedding
 from megatron_sp.tensor_parallel.random import DropoutIndex, apply_keep_mask, attention_keep_mask
+
+EXPLICIT_BACKENDS = ("unfused", "local")     # --attention-backend values that never use SDPA
 
 
 def allowed_mask(attention_mask: Optional[torch.Tensor], s: int, device) -> Optional[torch.Tensor]:
@@ -26,19 +33,84 @@ def allowed_mask(attention_mask: Optional[torch.Tensor], s: int, device) -> Opti
 
 
 def causal_attention(q, k, v, *, attention_mask=None, dropout_p: float = 0.0, seed: int = 0,
-                     layer: int = 0, index: Optional[DropoutIndex] = None, head_offset: int = 0):
-    """Causal attention; attention_mask [b, 1, s, s] bool with True = masked out (documents)."""
-    s = q.shape[-2]
+                     layer: int = 0, index: Optional[DropoutIndex] = None, head_offset: int = 0,
+                     explicit: bool = False):
+    """Causal attention; attention_mask [b, 1, s, s] bool with True = masked out (documents).
+    head_offset: global index of local query head 0 (keys the dropout mask)."""
+    b, nq, s, d = q.shape
+    rep = nq // k.shape[1]
     allowed = allowed_mask(attention_mask, s, q.device)
-    if dropout_p == 0.0:
+    if dropout_p == 0.0 and not explicit:
+        gqa = {"enable_gqa": True} if rep > 1 else {}
         if allowed is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, **gqa)
     if allowed is None:
         allowed = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-    scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))  # [b, n, s, s]
+    if rep > 1:   # grouped: broadcast each key/value head over its rep query heads, no copies
+        q, k, v = q.view(b, nq // rep, rep, s, d), k.unsqueeze(2), v.unsqueeze(2)   # [b, n_kv, rep|1, s, d]
+    scores = torch.matmul(q, k.transpose(-1, -2)).view(b, nq, s, s) * (1.0 / math.sqrt(d))  # [b, n_q, s, s]
     scores = scores.float().masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    keep = attention_keep_mask(tuple(probs.shape), dropout_p, seed, layer, index, head_offset,
-                               index.token_positions)
-    return torch.matmul(apply_keep_mask(probs, keep, dropout_p), v)
+    if dropout_p > 0.0:
+        keep = attention_keep_mask(tuple(probs.shape), dropout_p, seed, layer, index, head_offset,
+                                   index.token_positions)
+        probs = apply_keep_mask(probs, keep, dropout_p)
+    if rep > 1:
+        probs = probs.view(b, nq // rep, rep, s, s)
+    return torch.matmul(probs, v).view(b, nq, s, d)
+
+
+class CausalAttention(nn.Module):
+    """The core on whole sequences (no context parallelism): q, k, v [b, heads, s, d] -> [b, n_q, s, d]."""
+
+    def __init__(self, cfg, layer: int):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+
+    def forward(self, q, k, v, ctx, head_offset: int):
+        p = self.cfg.attention_dropout if ctx.training else 0.0
+        return causal_attention(q, k, v, attention_mask=ctx.attention_mask, dropout_p=p, seed=self.cfg.seed,
+                                layer=self.layer, index=ctx.full_index, head_offset=head_offset,
+                                explicit=self.cfg.attention_backend in EXPLICIT_BACKENDS)
+
+
+class SelfAttention(nn.Module):
+    """Fused QKV projection (column-parallel: whole heads per rank), optional RoPE, the core, and
+    the output projection (row-parallel). forward(x [s_sp, b, h]) -> [s_sp, b, h] *before* the
+    output bias (`output_bias`, added by the bias-dropout-add that follows).
+
+    Head layout on a rank of t: n_q/t query heads; n_kv/t key/value heads, or, with fewer key/value
+    heads than ranks, the one its query heads use (held by t/n_kv ranks, see sharding.py).
+    """
+
+    def __init__(self, cfg, layer: int, b):
+        super().__init__()
+        h, d, nq, g = cfg.hidden_size, cfg.kv_channels, cfg.num_attention_heads, cfg.num_query_groups
+        self.d = d
+        self.nq_local = nq // b.tp_size
+        self.nkv_local = g // b.tp_size if g % b.tp_size == 0 else 1
+        self.head_offset = b.tp_rank * self.nq_local
+        self.qkv = b.column(h, (nq + 2 * g) * d, init="normal", bias=cfg.add_qkv_bias,
+                            segments=(nq * d, g * d, g * d), units=(nq, g, g))
+        self.proj = b.row(nq * d, h, init="scaled_normal", bias=cfg.add_bias_linear)
+        self.rope = RotaryEmbedding(cfg) if cfg.position_embedding_type == "rope" else None
+        self.core = b.core_attention(cfg, layer)
+
+    @property
+    def output_bias(self):
+        return self.proj.bias
+
+    def forward(self, x, ctx):
+        qkv = self.qkv(x)                                                # [s, b, (n_q + 2 n_kv) d] local
+        s, bsz = qkv.shape[:2]
+        nq, nkv, d = self.nq_local, self.nkv_local, self.d
+        q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
+        q = q.view(s, bsz, nq, d).permute(1, 2, 0, 3)                    # [b, n_q, s, d]
+        k = k.view(s, bsz, nkv, d).permute(1, 2, 0, 3)                   # [b, n_kv, s, d]
+        v = v.view(s, bsz, nkv, d).permute(1, 2, 0, 3)
+        if self.rope is not None:
+            q, k = self.rope(q, ctx.position_ids), self.rope(k, ctx.position_ids)
+        out = self.core(q, k, v, ctx, self.head_offset)                  # [b, n_q, s, d]
+        out = out.permute(2, 0, 1, 3).reshape(s, bsz, nq * d)            # [s, b, n_q d]
+        return self.proj(out, add_bias=False)

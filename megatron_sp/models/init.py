@@ -1,8 +1,12 @@
-"""Deterministic initialisation of full (serial-shaped) tensors.
+"""Deterministic initialisation of full (serial-shaped) tensors from each parameter's init tag.
 
 Every tensor is drawn from its own CPU generator seeded by (config seed, parameter name), on the full
 serial shape; parallel models then slice their shard. So a model initialised at TP=4 equals the one
 initialised at TP=1, and neither depends on the order in which parameters are created.
+
+Tags (set where the parameter is created, tensor_parallel.layers.mark): "normal" N(0, std),
+"scaled_normal" N(0, std / sqrt(2 L)) for the projections into the residual stream (GPT-2), "ones",
+"zeros". A parameter without a tag is an error, never a silent default.
 """
 from __future__ import annotations
 
@@ -11,20 +15,27 @@ import zlib
 
 import torch
 
-from megatron_sp.config import GPTConfig
 
-_SCALED = ("attn.proj.weight", "mlp.fc2.weight")   # output projections: std / sqrt(2 L) (GPT-2)
-_NORMS = ("ln1.", "ln2.", "final_ln.")
-
-
-def init_full_tensor(name: str, shape, cfg: GPTConfig) -> torch.Tensor:
+def init_full_tensor(name: str, shape, tag: str, cfg) -> torch.Tensor:
     """The initial value of parameter `name` (a ReferenceGPT state-dict key) with full shape."""
-    if any(name.startswith(n) or f".{n}" in name for n in _NORMS):
-        return torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
-    if name.endswith("bias"):
+    if tag == "ones":
+        return torch.ones(shape)
+    if tag == "zeros":
         return torch.zeros(shape)
     std = cfg.init_method_std
-    if name.endswith(_SCALED):
+    if tag == "scaled_normal":
         std = std / math.sqrt(2.0 * cfg.num_layers)
+    elif tag != "normal":
+        raise ValueError(f"parameter {name}: unknown init tag {tag!r}.")
     gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+def check_init_tags(module) -> None:
+    """Every parameter must say how it is initialised."""
+    untagged = [name for name, p in module.named_parameters() if getattr(p, "init_tag", None) is None]
+    if untagged:
+        raise ValueError(f"parameter {untagged[0]} has no init tag: create it with "
+                         f"megatron_sp.tensor_parallel.layers.mark(param, init=...) (normal, scaled_normal, "
+                         f"ones or zeros) or through the builder's column/row layers"
+                         f"{f' ({len(untagged) - 1} more untagged)' if len(untagged) > 1 else ''}.")

@@ -13,34 +13,27 @@ gradients are partial sums that must be summed over the TP group (training.grad_
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megatron_sp.tensor_parallel import mappings
+from megatron_sp.tensor_parallel.sharding import ShardSpec, local_dim_size
 
 
-@dataclass(frozen=True)
-class ShardSpec:
-    """How a local parameter relates to the full one.
-
-    dim      dimension split across TP ranks (None: replicated)
-    groups   the split dim is viewed as [groups, rest] and `rest` is split (fused QKV: groups=3),
-             so each rank holds whole heads of q, k and v
-    full     size of the split dim in the serial model (the vocab before padding for embeddings)
-    """
-
-    dim: Optional[int] = None
-    groups: int = 1
-    full: Optional[int] = None
+INIT_TAGS = ("normal", "scaled_normal", "ones", "zeros")
 
 
-def mark(param: nn.Parameter, spec: ShardSpec = ShardSpec(), sequence_parallel: bool = False):
+def mark(param: nn.Parameter, spec: ShardSpec = ShardSpec(), sequence_parallel: bool = False, *,
+         init: str) -> nn.Parameter:
+    """Tags a parameter with where it sits in the serial model (spec), whether it lives in the SP
+    region (its gradient is a partial sum over the TP group) and how it is initialised
+    (models/init.py: "normal" std, "scaled_normal" std/sqrt(2L), "ones", "zeros")."""
+    if init not in INIT_TAGS:
+        raise ValueError(f"unknown init tag {init!r}; use one of {INIT_TAGS}.")
     param.shard_spec = spec
     param.sequence_parallel = sequence_parallel
+    param.init_tag = init
     return param
 
 
@@ -110,22 +103,30 @@ def _tp_info(group):
 
 class ColumnParallelLinear(nn.Module):
     """Y = X A with A split by columns (output features). Under SP the input is seq-sharded and
-    all-gathered (g); otherwise it is copied (f). The output stays TP-sharded: [s, b, out/t]."""
+    all-gathered (g); otherwise it is copied (f). The output stays TP-sharded: [s, b, out_local].
 
-    def __init__(self, in_features: int, out_features: int, *, group=None, sequence_parallel=False,
-                 bias=True, groups: int = 1, dtype=torch.float32, device=None):
+    segments/units: a fused layer's output parts (sizes summing to out_features) and the heads each
+    is made of (see tensor_parallel/sharding.py); each part is split on its own, so the local output
+    is [part0_r | part1_r | ...]. init: the weight's init tag; the bias starts at zero.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, init: str, group=None,
+                 sequence_parallel=False, bias=True, segments: tuple = (), units: tuple = (),
+                 dtype=torch.float32, device=None):
         super().__init__()
         t, _ = _tp_info(group)
-        if out_features % (t * groups) != 0:
-            raise ValueError(f"ColumnParallelLinear: out_features {out_features} not divisible by {t * groups}.")
+        if segments and sum(segments) != out_features:
+            raise ValueError(f"ColumnParallelLinear: segments {segments} do not add up to {out_features}.")
+        spec = ShardSpec(0, tuple(segments), tuple(units))
+        if not segments and out_features % t != 0:
+            raise ValueError(f"ColumnParallelLinear: out_features {out_features} not divisible by {t}.")
+        local = local_dim_size(spec, out_features, t)
         self.group, self.sequence_parallel = group, sequence_parallel
-        local = out_features // t
-        self.weight = mark(nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device)),
-                           ShardSpec(0, groups, out_features))
+        self.weight = mark(nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device)), spec,
+                           init=init)
         self.bias = None
         if bias:
-            self.bias = mark(nn.Parameter(torch.zeros(local, dtype=dtype, device=device)),
-                             ShardSpec(0, groups, out_features))
+            self.bias = mark(nn.Parameter(torch.zeros(local, dtype=dtype, device=device)), spec, init="zeros")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return parallel_linear(x, self.weight, self.bias, self.group, "sp" if self.sequence_parallel else "tp")
@@ -136,19 +137,19 @@ class RowParallelLinear(nn.Module):
     The partial products are reduce-scattered along the sequence (ḡ, SP) or all-reduced (f̄).
     The bias is added after the collective, so under SP it lives in the SP region."""
 
-    def __init__(self, in_features: int, out_features: int, *, group=None, sequence_parallel=False,
-                 bias=True, dtype=torch.float32, device=None):
+    def __init__(self, in_features: int, out_features: int, *, init: str, group=None,
+                 sequence_parallel=False, bias=True, dtype=torch.float32, device=None):
         super().__init__()
         t, _ = _tp_info(group)
         if in_features % t != 0:
             raise ValueError(f"RowParallelLinear: in_features {in_features} not divisible by {t}.")
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = mark(nn.Parameter(torch.empty(out_features, in_features // t, dtype=dtype, device=device)),
-                           ShardSpec(1, 1, in_features))
+                           ShardSpec(1), init=init)
         self.bias = None
         if bias:
             self.bias = mark(nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)),
-                             sequence_parallel=sequence_parallel)
+                             sequence_parallel=sequence_parallel, init="zeros")
 
     def forward(self, x: torch.Tensor, *, add_bias: bool = True) -> torch.Tensor:
         """add_bias=False leaves the bias to a fused bias-dropout-add that follows."""
@@ -168,8 +169,8 @@ class VocabParallelEmbedding(nn.Module):
     or an all-reduce otherwise.
     """
 
-    def __init__(self, vocab_size: int, padded_vocab_size: int, hidden_size: int, *, group=None,
-                 sequence_parallel=False, dtype=torch.float32, device=None):
+    def __init__(self, vocab_size: int, padded_vocab_size: int, hidden_size: int, *, init: str = "normal",
+                 group=None, sequence_parallel=False, dtype=torch.float32, device=None):
         super().__init__()
         t, rank = _tp_info(group)
         if padded_vocab_size % t != 0 or padded_vocab_size < vocab_size:
@@ -179,7 +180,7 @@ class VocabParallelEmbedding(nn.Module):
         local = padded_vocab_size // t
         self.vocab_start, self.vocab_end = rank * local, (rank + 1) * local
         self.weight = mark(nn.Parameter(torch.empty(local, hidden_size, dtype=dtype, device=device)),
-                           ShardSpec(0, 1, vocab_size))
+                           ShardSpec(0, full=vocab_size), init=init)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [b, s] -> [s/t, b, h] (SP) or [s, b, h]."""

@@ -1,7 +1,9 @@
 """Gradient synchronisation between the backward passes and the optimizer step.
 
-1. SP-region parameters (LayerNorms, row-parallel biases, positions under SP): their gradients are
-   partial sums over the sequence shards, summed over the TP group (GPTModel does it).
+1. Partial gradients over the TP group (`reduce_tensor_parallel_grads`): SP-region parameters
+   (norms, row-parallel biases, positions under SP; marked `sequence_parallel`) saw only their
+   rank's sequence shard, and key/value heads held in copies (GQA with fewer key/value heads than
+   TP ranks) saw only their rank's query heads. Each is summed over the ranks that hold it.
 2. Data parallelism: every gradient is averaged over the DP group in flat buckets, so that a few
    large all-reduces replace one per parameter. With `OverlappedGradSync` a bucket's all-reduce
    starts during the last micro-batch's backward as soon as all its gradients are final, and runs
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp.parallel_state import ParallelState
+from megatron_sp.tensor_parallel.sharding import split_local
 
 BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -116,4 +119,43 @@ def finalize_model_grads(model, ps: ParallelState, overlapped: OverlappedGradSyn
         overlapped.finish()
     else:
         all_reduce_data_parallel_grads(list(model.parameters()), ps)
-    model.reduce_sequence_parallel_grads()
+    reduce_tensor_parallel_grads(model, ps)
+
+
+def _copied_segments(params, ps):
+    """(gradient view, shard) of every parameter segment held in copies by several TP ranks."""
+    out = []
+    for p in params:
+        spec = getattr(p, "shard_spec", None)
+        if p.grad is None or spec is None or not spec.segments:
+            continue
+        out += [(view, shard) for shard, view in split_local(p.grad, spec, ps.tp_rank, ps.tp_size)
+                if shard.copies > 1]
+    return out
+
+
+@torch.no_grad()
+def reduce_tensor_parallel_grads(model, ps: ParallelState):
+    """Sums the partial gradients over the TP group, once per backward (see the module docstring).
+
+    Copies: every rank writes its piece into its part's slot of a zeroed [parts, piece] buffer, and
+    one all-reduce over the TP group leaves each slot holding the sum over that part's copies."""
+    model._tp_grads_pending = False
+    if ps.tp_size == 1:
+        return
+    params = list(model.parameters())
+    whole = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    slots = []
+    for view, shard in _copied_segments(params, ps):
+        buffer = view.new_zeros((shard.full // shard.size,) + tuple(view.shape))
+        buffer[shard.offset // shard.size] = view
+        slots.append((view, shard, buffer))
+    tensors = whole + [buffer for _, _, buffer in slots]
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=ps.tp_group)
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(part.view_as(t))
+    for view, shard, buffer in slots:
+        view.copy_(buffer[shard.offset // shard.size])

@@ -1,5 +1,7 @@
 """Learning-rate schedule: linear warmup from 0, then constant / linear / cosine decay to min_lr
-(Megatron's OptimizerParamScheduler without the weight-decay schedule)."""
+(Megatron's OptimizerParamScheduler without the weight-decay schedule). Its unit is an iteration,
+or a sample with --train-samples (the trainer passes iteration × global batch size), so the
+warmup/decay spans are --lr-warmup-iters/--lr-decay-iters or --lr-warmup-samples/--lr-decay-samples."""
 from __future__ import annotations
 
 import math
@@ -19,7 +21,7 @@ class LRSchedule:
             raise ValueError(f"unknown lr decay style {self.style!r}; use constant, linear or cosine.")
 
     def at(self, iteration: int) -> float:
-        """Learning rate for the step that produces `iteration` (1-based)."""
+        """Learning rate for the step that ends at `iteration` units (1-based iterations, or samples)."""
         if self.warmup_iters > 0 and iteration <= self.warmup_iters:
             return self.lr * iteration / self.warmup_iters
         if self.style == "constant":

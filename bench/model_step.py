@@ -1,0 +1,111 @@
+"""Training-step time and memory of GPTModel on this machine: forward + backward + AdamW.
+
+    python bench/model_step.py                          # TP=1 in this process, and TP=2+SP on 2 gloo ranks
+    python bench/model_step.py --model llama --tp-sizes 1
+    python bench/model_step.py --device cuda --bf16 --num-layers 24 --hidden-size 2048 ...
+
+Per configuration: the median step time over --steps timed steps (after --warmup), tokens/s per
+rank group, and the bytes autograd keeps for the backward (activations saved by one forward,
+parameters excluded: the same counter as bench/activation_memory.py) on rank 0. The
+figures are printed as a table; the script has no pass/fail criterion.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _dist import World, add_shape_args, table  # noqa: E402
+
+
+def _config(a, tp):
+    from megatron_sp.config import GPTConfig
+    kw = dict(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+              vocab_size=a.vocab_size, seq_length=a.seq_length, ffn_hidden_size=a.ffn_hidden_size,
+              tensor_model_parallel_size=tp, sequence_parallel=tp > 1, hidden_dropout=a.dropout,
+              attention_dropout=a.dropout, use_fused_kernels=not a.no_fused_kernels)
+    if a.model != "gpt2":
+        kw["model"] = a.model
+    return GPTConfig(**kw)
+
+
+def _saved_bytes(model, tokens, labels):
+    from activation_memory import SavedTensorCounter
+    with SavedTensorCounter(model) as counter:
+        loss = model(tokens, labels)
+    del loss
+    return sum(r["nbytes"] for r in counter.records.values())
+
+
+def measure(a, tp):
+    """Runs on every rank of a TP group (or in-process for tp=1); returns rank 0's figures."""
+    import torch
+    from megatron_sp import parallel_state
+    from megatron_sp.models.gpt import GPTModel
+    torch.manual_seed(0)
+    ps = parallel_state.initialize_model_parallel(tp)
+    model = GPTModel(_config(a, tp), ps).to(a.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.seq_length), generator=g).to(a.device)
+    labels = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.seq_length), generator=g).to(a.device)
+    dtype = torch.bfloat16 if a.bf16 else None
+    from megatron_sp.training.loop import autocast
+    from megatron_sp.training.grad_sync import finalize_model_grads
+    times = []
+    for step in range(a.warmup + a.steps):
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with autocast(a.device, dtype):
+            loss = model(tokens, labels)
+        loss.backward()
+        finalize_model_grads(model, ps)
+        opt.step()
+        if a.device == "cuda":
+            torch.cuda.synchronize()
+        if step >= a.warmup:
+            times.append(time.perf_counter() - start)
+    with autocast(a.device, dtype):
+        saved = _saved_bytes(model, tokens, labels)
+    ms = 1000 * statistics.median(times)
+    return {"tp": tp, "ms": ms, "min_ms": 1000 * min(times),
+            "tokens_per_s": a.micro_batch_size * a.seq_length / (ms / 1000), "saved_bytes": saved}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_args(p)
+    p.set_defaults(seq_length=256, micro_batch_size=4, hidden_size=256, num_attention_heads=8, vocab_size=8192)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--model", default="gpt2")
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--tp-sizes", default="1,2")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--no-fused-kernels", action="store_true")
+    a = p.parse_args(argv)
+    import torch
+    torch.set_num_threads(1)
+    tps = [int(t) for t in a.tp_sizes.split(",")]
+    rows = []
+    for tp in tps:
+        if tp == 1:
+            res = measure(a, 1)
+        else:
+            with World(tp) as world:
+                res = world.run(measure, a, tp)[0]
+        rows.append([f"TP={tp}{'+SP' if tp > 1 else ''}", f"{res['ms']:.1f}", f"{res['min_ms']:.1f}",
+                     f"{res['tokens_per_s']:.0f}", f"{res['saved_bytes'] / 2**20:.2f}"])
+    print(f"{a.model}: L={a.num_layers} h={a.hidden_size} n={a.num_attention_heads} s={a.seq_length} "
+          f"b={a.micro_batch_size} V={a.vocab_size} dropout={a.dropout} "
+          f"{'bf16' if a.bf16 else 'fp32'} fused={not a.no_fused_kernels} device={a.device}, 1 thread per rank")
+    print(table(["layout", "median ms/step", "min ms", "tokens/s", "saved MiB (rank 0)"], rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""One decoder-only language model assembled from a ModelSpec and a builder:
+
+    tokens [b, s] -> embedding -> layers (spec.block) -> final norm -> head (tied or untied) -> loss
+
+With SerialBuilder it is the serial oracle (ReferenceGPT), with ParallelBuilder the TP+SP model
+(GPTModel); both have the same state-dict keys, the full shapes being the serial ones:
+
+    embedding.word_embeddings.weight       [V, h]         (also the output layer when tied)
+    embedding.position_embeddings.weight   [P, h]         learned positions only
+    layers.{i}.ln1.{weight,bias}           [h]            (RMSNorm: weight only)
+    layers.{i}.attn.qkv.{weight,bias}      [(n + 2 g) d, h]   rows: q heads, k heads, v heads
+    layers.{i}.attn.proj.{weight,bias}     [h, n d], [h]
+    layers.{i}.ln2.{weight,bias}           [h]
+    layers.{i}.mlp.fc1.{weight,bias}       [f, h] ([2f, h]: SwiGLU gate rows, then up rows)
+    layers.{i}.mlp.fc2.{weight,bias}       [h, f], [h]
+    final_ln.{weight,bias}                 [h]
+    output_layer.weight                    [V, h]         untied only
+(biases only with add_bias_linear / add_qkv_bias; n query heads, g key/value heads, d head dim).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_sp.models.init import check_init_tags
+from megatron_sp.models.registry import get_spec
+
+
+class LanguageModel(nn.Module):
+    """forward(tokens [b, s], labels [b, s]) -> mean loss; labels=None -> logits [b, s, V].
+
+    Keyword-only: loss_mask [b, s]; position_ids [b, s] (document resets); attention_mask
+    [b, 1, s, s] bool, True = masked (Megatron); sample_ids [b] global sample indices keying dropout.
+    """
+
+    def __init__(self, cfg, builder, spec=None):
+        super().__init__()
+        self.spec = spec if spec is not None else get_spec(cfg.model)
+        self.cfg, self.builder = cfg, builder
+        self.embedding = self.spec.embedding(cfg, builder)
+        # Transformer layer i draws dropout with layer id i + 1; id 0 is the embedding's.
+        self.layers = nn.ModuleList(self.spec.block.build(cfg, i + 1, builder) for i in range(cfg.num_layers))
+        self.final_ln = self.spec.final_norm(cfg, builder)
+        self.output_layer = builder.output_layer(cfg) if cfg.untie_embeddings_and_output_weights else None
+        self.head = builder.lm_head(cfg)
+        check_init_tags(self)
+        self._tp_grads_pending = False   # partial gradients not yet summed (training.grad_sync)
+
+    def forward(self, tokens, labels=None, *, loss_mask=None, position_ids=None, attention_mask=None,
+                sample_ids=None):
+        ctx = self.builder.context(self.cfg, tokens, position_ids=position_ids, attention_mask=attention_mask,
+                                   sample_ids=sample_ids, training=self.training)
+        x = self.embedding(tokens, ctx)                                   # [s_sp, b, h]
+        for block in self.layers:
+            x = block(x, ctx)
+        if torch.is_grad_enabled():
+            self._tp_grads_pending = True
+        weight = (self.output_layer if self.output_layer is not None else self.embedding.word_embeddings).weight
+        return self.head(self.final_ln(x), weight, labels, loss_mask)
