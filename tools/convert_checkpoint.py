@@ -15,52 +15,21 @@ import argparse
 import json
 import os
 import sys
-import warnings
-
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_sp.training import checkpointing  # noqa: E402
-from megatron_sp.training.canonical import canonical_to_full, full_to_canonical  # noqa: E402
-
-def model_specs(config: dict) -> dict:
-    """Each parameter's ShardSpec for a saved config (a shape-only serial model on the meta device)."""
-    from megatron_sp.config import GPTConfig
-    from megatron_sp.models.reference import ReferenceGPT
-    fields = {k: v for k, v in config.items() if k in GPTConfig.__dataclass_fields__}
-    fields["tensor_model_parallel_size"], fields["sequence_parallel"] = 1, False
-    with torch.device("meta"):
-        model = ReferenceGPT(GPTConfig(**fields), initialise=False)
-    return {name: p.shard_spec for name, p in model.named_parameters()}
-
-
-def read_full_state(path: str) -> dict:
-    """All model tensors of one checkpoint directory, in ReferenceGPT layout."""
-    dcp = checkpointing._dcp()
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    state = {"model": {}}
-    for key, md in meta.items():
-        if key.startswith("model."):
-            state["model"][key[len("model."):]] = torch.zeros(tuple(md.size), dtype=md.properties.dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(state, checkpoint_id=path, no_dist=True)
-    config = json.load(open(os.path.join(path, "metadata.json")))["config"]
-    return canonical_to_full(state["model"], model_specs(config))
+from megatron_sp.training.full_state import (checkpoint_path, read_full_state,  # noqa: E402
+                                             write_full_checkpoint)
 
 
 def to_safetensors(load: str, iteration, output: str) -> None:
     from safetensors.torch import save_file
-    it = iteration if iteration is not None else checkpointing.read_latest(load)
-    if it is None:
-        raise SystemExit(f"error: {load} holds no checkpoint ({checkpointing.LATEST} missing).")
-    path = checkpointing.checkpoint_dir(load, it)
-    tensors = {k: v.contiguous() for k, v in read_full_state(path).items()}
-    meta = json.load(open(os.path.join(path, "metadata.json")))
+    path = checkpoint_path(load, iteration)
+    state, meta = read_full_state(path)
+    tensors = {k: v.contiguous() for k, v in state.items()}
     save_file(tensors, output, metadata={"megatron_sp_config": json.dumps(meta["config"]),
                                          "iteration": str(meta["iteration"])})
-    print(f"wrote {len(tensors)} tensors of iteration {it} to {output}")
+    print(f"wrote {len(tensors)} tensors of iteration {meta['iteration']} to {output}")
 
 
 def _infer_config(tensors: dict, heads: int) -> dict:
@@ -83,20 +52,7 @@ def from_safetensors(input_path: str, save: str, heads) -> None:
         config["num_attention_heads"] = heads
     if not config.get("num_attention_heads"):
         raise SystemExit("error: the file does not record the number of heads; pass --num-attention-heads.")
-    path = checkpointing.checkpoint_dir(save, 0)
-    os.makedirs(path, exist_ok=True)
-    state = {"model": full_to_canonical({k: v.float() for k, v in tensors.items()}, model_specs(config))}
-    dcp = checkpointing._dcp()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save(state, checkpoint_id=path, no_dist=True)
-    meta = {"iteration": 0, "train_state": {"iteration": 0, "consumed_train_samples": 0,
-                                           "consumed_valid_samples": 0},
-            "tokens_seen": 0, "tensor_model_parallel_size": 1, "data_parallel_size": 1,
-            "sequence_parallel": False, "config": config, "loss_scale": None, "format": "megatron_sp-dcp-1",
-            "converted_from": os.path.abspath(input_path)}
-    json.dump(meta, open(os.path.join(path, "metadata.json"), "w"), indent=2, sort_keys=True)
-    checkpointing._write_text_atomic(os.path.join(save, checkpointing.LATEST), "0")
+    path = write_full_checkpoint(tensors, config, save, input_path)
     print(f"wrote checkpoint {path} ({len(tensors)} tensors, no optimizer state)")
 
 
@@ -112,10 +68,14 @@ def main(argv=None) -> int:
     b.add_argument("--save", required=True)
     b.add_argument("--num-attention-heads", type=int, default=None)
     args = p.parse_args(argv)
-    if args.command == "to-safetensors":
-        to_safetensors(args.load, args.iteration, args.output)
-    else:
-        from_safetensors(args.input, args.save, args.num_attention_heads)
+    try:
+        if args.command == "to-safetensors":
+            to_safetensors(args.load, args.iteration, args.output)
+        else:
+            from_safetensors(args.input, args.save, args.num_attention_heads)
+    except ValueError as err:           # CheckpointError, GPTConfig's ValueError
+        print(f"convert_checkpoint.py: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -59,7 +59,6 @@ def _split_dim(x, dim, group):
 
 def _all_gather_last(x, group):
     # Gather along dim 0 (one contiguous collective), then move the rank axis next to the last dim.
-    t = _size(group)
     stacked = _all_gather_dim0(x.unsqueeze(0), group)          # [t, ..., h/t]
     return torch.cat(stacked.unbind(0), dim=-1)               # [..., h]
 

@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""Convert between a megatron_sp checkpoint and a Hugging Face model directory (GPT2LMHeadModel,
+LlamaForCausalLM: model.safetensors + config.json, loadable offline by transformers).
+
+    # checkpoint (any TP size) -> HF directory
+    python tools/convert_hf.py export --load runs/ckpt [--iteration N] --output hf/ [--dtype bf16]
+    # HF directory -> checkpoint at iteration 0; prints the pretrain_gpt_sp.py model flags to use
+    python tools/convert_hf.py import --input hf/ --save runs/ckpt0
+    python pretrain_gpt_sp.py <printed flags> --load runs/ckpt0 --finetune ...
+
+Runs in one process, no torch.distributed needed; transformers is not needed either. Optimizer state
+is not converted. Sharded HF checkpoints (model-0000x-of-0000y.safetensors + index) are read too.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_sp.models.hf import from_hf, to_hf  # noqa: E402
+from megatron_sp.training.full_state import (checkpoint_path, config_from_dict,  # noqa: E402
+                                             read_full_state, write_full_checkpoint)
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def export(load: str, iteration, output: str, dtype: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+    state, meta = read_full_state(checkpoint_path(load, iteration))
+    cfg = config_from_dict(meta["config"])
+    tensors, config = to_hf(state, cfg)
+    tensors = {k: v.to(getattr(torch, DTYPES[dtype])) for k, v in tensors.items()}
+    config.update(torch_dtype=DTYPES[dtype], dtype=DTYPES[dtype])
+    os.makedirs(output, exist_ok=True)
+    save_file(tensors, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(output, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    print(f"wrote {config['architectures'][0]} ({len(tensors)} tensors, iteration {meta['iteration']}) to {output}")
+
+
+def read_hf(directory: str) -> tuple[dict, dict]:
+    from safetensors.torch import load_file
+    config_path = os.path.join(directory, "config.json")
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not os.path.isfile(config_path) or not files:
+        raise ValueError(f"{directory} is not a Hugging Face model directory (config.json and *.safetensors "
+                         f"expected; .bin weights are not read: they are pickles).")
+    with open(config_path) as f:
+        config = json.load(f)
+    tensors = {}
+    for path in files:
+        tensors.update(load_file(path))
+    return tensors, config
+
+
+def model_flags(fields: dict) -> str:
+    """The pretrain_gpt_sp.py flags that build this model: --model llama when its defaults fit
+    (untied, no biases), else GPT-2's defaults with the architecture flags spelled out."""
+    llama = fields["model"] == "llama" and fields["untie_embeddings_and_output_weights"] \
+        and not fields["add_bias_linear"]
+    flags = [f"--model {'llama' if llama else 'gpt2'}", f"--num-layers {fields['num_layers']}",
+             f"--hidden-size {fields['hidden_size']}", f"--num-attention-heads {fields['num_attention_heads']}",
+             f"--ffn-hidden-size {fields['ffn_hidden_size']}",
+             f"--max-position-embeddings {fields['max_position_embeddings']}",
+             f"--norm-epsilon {fields['layernorm_epsilon']}"]
+    if fields["model"] == "llama":
+        flags += [f"--group-query-attention --num-query-groups {fields['num_query_groups']}",
+                  f"--kv-channels {fields['kv_channels']}", f"--rotary-base {int(fields['rotary_base'])}"]
+        if not llama:
+            flags += ["--normalization RMSNorm --swiglu --position-embedding-type rope"]
+            flags += [] if fields["add_bias_linear"] else ["--disable-bias-linear"]
+    elif fields["activation"] == "openai_gelu":
+        flags.append("--openai-gelu")
+    if fields["untie_embeddings_and_output_weights"] and not llama:
+        flags.append("--untie-embeddings-and-output-weights")
+    return " ".join(flags)
+
+
+def import_(input_dir: str, save: str) -> None:
+    tensors, hf_config = read_hf(input_dir)
+    state, fields = from_hf(tensors, hf_config)
+    config = dict(fields, seq_length=fields["max_position_embeddings"])
+    path = write_full_checkpoint(state, config, save, input_dir)
+    print(f"wrote checkpoint {path} ({len(state)} tensors, no optimizer state); train it with\n"
+          f"  {model_flags(fields)} --load {save} --finetune\n"
+          f"and a tokenizer of {fields['vocab_size']} ids (e.g. --tokenizer-type HuggingFaceTokenizer "
+          f"--tokenizer-model {os.path.join(input_dir, 'tokenizer.json')}).")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("export")
+    a.add_argument("--load", required=True)
+    a.add_argument("--iteration", type=int, default=None, help="default: the latest")
+    a.add_argument("--output", required=True)
+    a.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    b = sub.add_parser("import")
+    b.add_argument("--input", required=True)
+    b.add_argument("--save", required=True)
+    args = p.parse_args(argv)
+    try:
+        if args.command == "export":
+            export(args.load, args.iteration, args.output, args.dtype)
+        else:
+            import_(args.input, args.save)
+    except ValueError as err:             # ConversionError, CheckpointError, GPTConfig's ValueError
+        print(f"convert_hf.py: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
