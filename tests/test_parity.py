@@ -185,3 +185,48 @@ def test_dropout_is_active_and_changes_loss():
     plain = ReferenceGPT(_config(dropout=0.0))(tokens, labels, sample_ids=ids)
     dropped = ReferenceGPT(_config(dropout=0.1))(tokens, labels, sample_ids=ids)
     assert abs(plain.item() - dropped.item()) > 1e-4
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (4, True)])
+def test_user_block_gets_parity_for_free(pool, tp, sp):
+    """tests/example_parallel_residual.py: a new block variant in one file, no parallel code."""
+    check_parity(pool, tp, sp, 0.1, fused=False, family="example_parallel_residual:SPEC")
+
+
+def _documents():
+    """Two documents per sample (boundary at 11 and 20): reset positions and a block-causal mask."""
+    tokens, labels, ids = _batch(0)
+    starts = [0, 11, 20]
+    doc = torch.zeros(SEQ, dtype=torch.long)
+    for start in starts[1:]:
+        doc[start:] += 1
+    positions = torch.arange(SEQ) - torch.tensor(starts)[doc]
+    mask = (doc.view(-1, 1) != doc.view(1, -1)).view(1, 1, SEQ, SEQ).expand(BATCH, 1, SEQ, SEQ)
+    return tokens, labels, ids, positions.expand(BATCH, SEQ), mask
+
+
+def _document_worker(tp, sp, family):
+    from megatron_sp import parallel_state
+    from megatron_sp.models.gpt import GPTModel
+    parallel_state.initialize_model_parallel(tp)
+    model = GPTModel(_config(tp, sp, 0.1, False, family))
+    tokens, labels, ids, positions, mask = _documents()
+    loss = model(tokens, labels, sample_ids=ids, position_ids=positions, attention_mask=mask)
+    loss.backward()
+    return loss.item(), model.full_grad_dict()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_document_positions_and_masks_parity(pool, family):
+    """Reset position ids (learned positions and RoPE) and document masks at TP=4+SP, dropout on."""
+    from megatron_sp.models.reference import ReferenceGPT
+    ref = ReferenceGPT(_config(dropout=0.1, family=family))
+    tokens, labels, ids, positions, mask = _documents()
+    loss = ref(tokens, labels, sample_ids=ids, position_ids=positions, attention_mask=mask)
+    loss.backward()
+    plain = ref(tokens, labels, sample_ids=ids).item()
+    assert abs(loss.item() - plain) > 1e-4                     # positions and masks do change the function
+    for got_loss, grads in pool.run(_document_worker, 4, True, family):
+        assert abs(got_loss - loss.item()) <= 1e-5 * loss.item()
+        for name, p in ref.named_parameters():
+            assert _rel(grads[name], p.grad) < 1e-5, name
