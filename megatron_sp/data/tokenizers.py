@@ -15,7 +15,7 @@ from collections import OrderedDict
 
 from megatron_sp.data.errors import DataError
 
-TOKENIZER_TYPES = ("ByteLevelTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("ByteLevelTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
 
 # End-of-document spellings used by common tokenizer.json files, in order of preference.
 _EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
@@ -111,6 +111,39 @@ class HuggingFaceTokenizer(_Tokenizer):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+class GPT2BPETokenizer(HuggingFaceTokenizer):
+    """Megatron's GPT2BPETokenizer: GPT-2's byte-level BPE from `--vocab-file vocab.json` and
+    `--merge-file merges.txt` (the files OpenAI released; also what `tokenizers` saves), through the
+    `tokenizers` library. EOD is <|endoftext|>, which the vocabulary must hold (GPT-2's is 50256)."""
+
+    def __init__(self, vocab_file: str | None, merge_file: str | None):
+        import tokenizers
+        from tokenizers import decoders, models, pre_tokenizers
+
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if not path or not os.path.isfile(path):
+                raise DataError(f"GPT2BPETokenizer needs {flag} PATH to an existing file, got {path!r} "
+                                f"(GPT-2's vocab.json and merges.txt).")
+        try:
+            self._tok = tokenizers.Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        except Exception as err:  # the library raises a bare Exception on malformed files
+            raise DataError(f"{vocab_file} / {merge_file} are not a GPT-2 BPE vocabulary and merges file "
+                            f"({err}).") from None
+        self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        self._tok.decoder = decoders.ByteLevel()
+        self.path = vocab_file
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eod = self._tok.token_to_id("<|endoftext|>")
+        if self.eod is None:
+            raise DataError(f"{vocab_file} has no <|endoftext|> token (GPT2BPETokenizer's end of document).")
+        self.pad = self.eod
+        digest = hashlib.sha256()
+        for path in (vocab_file, merge_file):
+            with open(path, "rb") as f:
+                digest.update(f.read())
+        self._sha = digest.hexdigest()
+
+
 class NullTokenizer(_Tokenizer):
     """Megatron's NullTokenizer: the "text" already is space-separated token ids.
 
@@ -145,12 +178,15 @@ class NullTokenizer(_Tokenizer):
 
 
 def build_tokenizer(tokenizer_type: str = "ByteLevelTokenizer", tokenizer_model: str | None = None,
-                    vocab_size: int | None = None):
+                    vocab_size: int | None = None, vocab_file: str | None = None, merge_file: str | None = None):
     """Build a tokenizer by Megatron-style name.
 
     `vocab_size` is used by NullTokenizer only (as in Megatron); the other types know their size.
+    `vocab_file`/`merge_file`: GPT2BPETokenizer's files.
     Raises DataError for an unknown type or a missing/invalid tokenizer file.
     """
+    if tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "ByteLevelTokenizer":
         return ByteLevelTokenizer()
     if tokenizer_type == "HuggingFaceTokenizer":
