@@ -104,6 +104,22 @@ def run_ops(lib, dtype, s, b, h, heads, head_dim, p):
     results.append(("layer_norm bwd", nbytes(x) * 3 + nbytes(w) + 2 * nbytes(mean) + nbytes(sums),
                     counts))
 
+    rstd = torch.empty(rows)
+    bufs = {"x": x, "weight": w, "y": y, "rstd": rstd}
+    counts = traffic.measure(bufs, lambda: lib.emu_rms_fwd(ptr(x), ptr(w), ptr(y), ptr(rstd),
+                                                           rows, h, 1e-6, code, code))
+    results.append(("rms_norm fwd", nbytes(x) * 2 + nbytes(w) + nbytes(rstd), counts))
+
+    grad_w = torch.empty(h)
+    scratch = torch.empty(lib.emu_rms_bwd_scratch(rows, h, code))
+    bufs = {"grad": grad, "x": x, "weight": w, "rstd": rstd, "grad_x": dx, "grad_weight": grad_w,
+            "scratch (partial sums)": scratch}
+    counts = traffic.measure(bufs, lambda: lib.emu_rms_bwd(
+        ptr(grad), ptr(x), ptr(w), ptr(rstd), ptr(dx), ptr(grad_w), ptr(scratch), rows, h, code,
+        code))
+    results.append(("rms_norm bwd", nbytes(x) * 3 + nbytes(w) + nbytes(rstd) + nbytes(grad_w),
+                    counts))
+
     # Ulysses pack [s, b, n, d] -> [p, s, b, n/p, d] (a = s*b, b = p, run = n/p*d) and the others.
     qkv = torch.randn(s, b, heads, head_dim).to(dtype)
     el = qkv.element_size()

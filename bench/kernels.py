@@ -3,6 +3,7 @@
     python bench/kernels.py --device cpu     # C++ op vs its PyTorch reference: time, ratio
     python bench/kernels.py --device cuda    # + bandwidth vs device copy, eager, torch.compile
     python bench/kernels.py --device cuda --no-compile --dtype float32 --markdown out.md
+    python bench/kernels.py --device cpu --only rms_norm     # the cases whose name contains it
 
 Every case is validated before it is timed (fused vs reference: masks bit-identical, values within
 the dtype's tolerance); a failed check exits 1. CPU: wall-clock minimum over interleaved runs (the
@@ -10,8 +11,8 @@ minimum, not the median, because shared CI machines are noisy and the work is de
 CUDA: CUDA-event median; bandwidth = compulsory bytes (each input read once, each output written
 once) / time, and % of the measured device-to-device copy bandwidth (copy_ of a slab as large as the
 largest case). Baselines: `reference` is the op's PyTorch reference in megatron_sp.ops (the same
-numerics); `native` is what eager code usually calls (F.dropout with torch's RNG, F.layer_norm in
-the input dtype); `compiled` is torch.compile of the native (or reference) code.
+numerics); `native` is what eager code usually calls (F.dropout with torch's RNG, F.layer_norm or
+F.rms_norm in the input dtype); `compiled` is torch.compile of the native (or reference) code.
 """
 from __future__ import annotations
 
@@ -120,6 +121,33 @@ def _ln_cases(rows, h, dtype, dev, compile_):
     return [fwd, bwd]
 
 
+def _rms_cases(rows, h, dtype, dev, compile_):
+    x = torch.randn(rows, h, device=dev, dtype=dtype)
+    w = torch.randn(h, device=dev, dtype=dtype)
+    fused = lambda: MSP.rms_norm_fwd(x, w, 1e-6)
+    ref = lambda: ops.rms_norm_reference(x, w, 1e-6)
+    native = lambda: F.rms_norm(x, (h,), w, 1e-6)
+    fwd = Case(f"rms_norm fwd [{rows},{h}]", 2 * x.numel() * x.element_size() + rows * 4, fused,
+               {"reference": ref, "native": native},
+               lambda: assert_close_dtype(fused()[0], ref(), dtype))
+    _, rstd = fused()
+    grad = torch.randn_like(x)
+    fused_bwd = lambda: MSP.rms_norm_bwd(grad, x, w, rstd)
+    leaves = [t.clone().requires_grad_() for t in (x, w)]
+    out_ref = ops.rms_norm_reference(*leaves, 1e-6)
+    ref_bwd = lambda: torch.autograd.grad(out_ref, leaves, grad, retain_graph=True)
+
+    def check_bwd():
+        for i, (a, e) in enumerate(zip(fused_bwd(), ref_bwd())):
+            assert_close_dtype(a, e, dtype, scale=4.0 if i == 0 else 4 * rows ** 0.5)
+
+    bwd = Case(f"rms_norm bwd [{rows},{h}]", 3 * x.numel() * x.element_size() + rows * 4,
+               fused_bwd, {"reference": ref_bwd}, check_bwd)
+    if compile_:
+        fwd.compiled = {"compiled native": torch.compile(native)}
+    return [fwd, bwd]
+
+
 def _layout_case(name, x, k, compile_, args=()):
     fused = lambda: getattr(MSP, name)(x, k, *args)
     ref = lambda: getattr(layout, name + "_reference")(x, k, *args)
@@ -142,6 +170,7 @@ def build_cases(device, dtype, compile_, scale):
         s, b, h, rows, p, n, d = 1024 // scale, 4, 1024, 4096 // scale, 4, 16, 64  # 16 MiB slabs
     dev = device
     cases = _bda_cases(s, b, h, dtype, dev, compile_) + _ln_cases(rows, h, dtype, dev, compile_)
+    cases += _rms_cases(rows, h, dtype, dev, compile_)
     t = 4                       # every layout case moves one [s, b, h]-sized slab
     cases += [
         _layout_case("ulysses_pack", torch.randn(s, b, n, d, device=dev, dtype=dtype), p, compile_),
@@ -232,6 +261,9 @@ def header(args) -> List[str]:
 def run(args) -> List[str]:
     dtype = DTYPES[args.dtype]
     cases = build_cases(args.device, dtype, args.compile and args.device == "cuda", args.scale)
+    cases = [c for c in cases if args.only is None or args.only in c.name]
+    if not cases:
+        raise SystemExit(f"no case name contains --only {args.only!r}")
     lines = header(args)
     timer = time_cuda if args.device == "cuda" else time_cpu
     copy_bw = None
@@ -272,6 +304,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-compile", dest="compile", action="store_false",
                         help="cuda: skip the torch.compile baselines")
     parser.add_argument("--markdown", help="also write the report to this file")
+    parser.add_argument("--only", help="run only the cases whose name contains this")
     args = parser.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     args.repeats = args.repeats or (50 if args.device == "cuda" else 25)

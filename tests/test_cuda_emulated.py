@@ -32,8 +32,8 @@ RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emulator
 # One case per kernel (and barrier structure) for the slower ThreadSanitizer run; the long-row
 # LayerNorm variants have the same barriers as the short ones and take ~30 s there.
 RACE_CASES = ["bda-64x4x256-off0-bf16-sm1", "bda-5x3x7-off3-fp32-sm1", "ln-40x1024-fp32-wfp32-sm1",
-              "ln-7x999-fp16-wfp16-sm1", "ulysses_pack-5x3x6x7-uint8",
-              "zigzag-2x24x3-p3-dim1-inv"]
+              "ln-7x999-fp16-wfp16-sm1", "rms-40x1024-fp32-wfp32-sm1",
+              "ulysses_pack-5x3x6x7-uint8", "zigzag-2x24x3-p3-dim1-inv"]
 
 
 def _require(sanitizer):
@@ -144,17 +144,20 @@ def test_kernel_traffic(tmp_path, object_cache):
     once = {"bias_dropout_add fwd": (("x", "residual"), ("out",)),
             "bias_dropout_add bwd": (("grad",), ("grad_x",)),
             "layer_norm fwd": (("x",), ("y",)),
-            "layer_norm bwd": ((), ("grad_x",))}
+            "layer_norm bwd": ((), ("grad_x",)),
+            "rms_norm fwd": (("x",), ("y",)),
+            "rms_norm bwd": ((), ("grad_x",))}
     for op, (compulsory, counts) in results.items():
         inputs, outputs = once.get(op, (("in",), ("out",)))
         for name in inputs:                  # (loaded, stored, distinct loaded, distinct stored)
             assert counts[name] == (full, 0, full, 0), (op, name, counts[name])
         for name in outputs:
             assert counts[name] == (0, full, 0, full), (op, name, counts[name])
-    for op in ("bias_dropout_add bwd", "layer_norm bwd"):
+    for op in ("bias_dropout_add bwd", "layer_norm bwd", "rms_norm bwd"):
         compulsory, counts = results[op]
         scratch = counts["scratch (partial sums)"]
         assert scratch[2] == scratch[3] > 0      # each partial written once and read once
         assert scratch[3] <= compulsory / 16, (op, scratch, compulsory)
-    for name in ("grad", "x"):                  # the LayerNorm backward reads its rows twice
+    for name in ("grad", "x"):                  # the norm backwards read their rows twice
         assert results["layer_norm bwd"][1][name][2] == full
+        assert results["rms_norm bwd"][1][name][2] == full

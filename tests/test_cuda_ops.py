@@ -11,6 +11,7 @@ from megatron_sp.ops import layout
 from megatron_sp.ops._extension import BUILT_DEVICES
 from megatron_sp.ops.bias_dropout_add import bias_dropout_add, bias_dropout_add_reference
 from megatron_sp.ops.layer_norm import layer_norm, layer_norm_reference
+from megatron_sp.ops.rms_norm import rms_norm, rms_norm_reference
 from megatron_sp.ops.testing import FLOAT_DTYPES, assert_close_dtype, random_index
 from megatron_sp.tensor_parallel.random import DropoutIndex, hidden_keep_mask
 
@@ -142,6 +143,55 @@ def test_layer_norm_misaligned():
                        torch.bfloat16)
 
 
+@pytest.mark.parametrize("shape", LN_SHAPES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("wdtype", ["same", torch.float32])
+def test_rms_norm_matches_reference(shape, dtype, wdtype):
+    wdtype = dtype if wdtype == "same" else wdtype
+    h = shape[-1]
+    x = (torch.randn(shape, device="cuda") * 2 + 0.5).to(dtype).requires_grad_()
+    w = torch.randn(h, device="cuda").to(wdtype).requires_grad_()
+    twins = [t.detach().clone().requires_grad_() for t in (x, w)]
+    grad = torch.randn(shape, device="cuda").to(dtype)
+    out = rms_norm(x, w, 1e-6)
+    ref = rms_norm_reference(*twins, 1e-6)
+    assert_close_dtype(out, ref, dtype)
+    out.backward(grad)
+    ref.backward(grad)
+    assert_close_dtype(x.grad, twins[0].grad, dtype, scale=4.0)
+    assert w.grad.dtype == wdtype
+    assert_close_dtype(w.grad, twins[1].grad, dtype, scale=4 * (x.numel() // h) ** 0.5)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_rms_norm_cuda_close_to_cpu_kernel(dtype):
+    x, w, grad = (torch.randn(33, 1000).to(dtype), torch.randn(1000).to(dtype),
+                  torch.randn(33, 1000).to(dtype))
+    y_cpu, rstd_cpu = MSP.rms_norm_fwd(x, w, 1e-6)
+    y, rstd = MSP.rms_norm_fwd(x.cuda(), w.cuda(), 1e-6)
+    assert_close_dtype(y.cpu(), y_cpu, dtype)
+    torch.testing.assert_close(rstd.cpu(), rstd_cpu, rtol=1e-5, atol=1e-6)
+    dx_cpu, dw_cpu = MSP.rms_norm_bwd(grad, x, w, rstd_cpu)
+    dx, dw = MSP.rms_norm_bwd(grad.cuda(), x.cuda(), w.cuda(), rstd)
+    assert_close_dtype(dx.cpu(), dx_cpu, dtype, scale=4.0)
+    assert_close_dtype(dw.cpu(), dw_cpu, dtype, scale=4 * 33 ** 0.5)
+
+
+def test_rms_norm_misaligned_and_noncontiguous():
+    x = _misaligned((5, 64), torch.bfloat16)
+    w = torch.randn(64, device="cuda", dtype=torch.bfloat16)
+    assert_close_dtype(rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6), torch.bfloat16)
+    xt = torch.randn(64, 5, device="cuda").t()
+    wf = w.float()
+    torch.testing.assert_close(rms_norm(xt, wf, 1e-6), rms_norm_reference(xt, wf, 1e-6))
+
+
+def test_rms_norm_close_to_native_bf16():
+    x = torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
+    assert_close_dtype(rms_norm(x, w, 1e-6), F.rms_norm(x, (2048,), w, 1e-6), torch.bfloat16)
+
+
 LAYOUT_CASES = [
     ("ulysses_pack", (64, 2, 32, 128), 4), ("ulysses_pack", (5, 3, 6, 7), 3),
     ("ulysses_unpack", (4, 64, 2, 8, 128), 4), ("ulysses_unpack", (3, 5, 2, 2, 7), 3),
@@ -178,6 +228,7 @@ def test_opcheck_cuda():
     w, bb = torch.randn(h, device="cuda", requires_grad=True), torch.randn(h, device="cuda",
                                                                            requires_grad=True)
     torch.library.opcheck(MSP.layer_norm_fwd, (x, w, bb, 1e-5))
+    torch.library.opcheck(MSP.rms_norm_fwd, (x, w, 1e-6))
     torch.library.opcheck(MSP.ulysses_pack, (torch.randn(2, 3, 4, 8, device="cuda"), 2))
     torch.library.opcheck(MSP.zigzag_reorder, (torch.randn(8, 3, device="cuda"), 2, 0, False))
 
@@ -198,3 +249,17 @@ def test_torch_compile_inductor_block():
     torch.testing.assert_close(out, block(x, w, bias))
     out.sum().backward()
     assert x.grad is not None and w.grad is not None
+
+
+def test_torch_compile_inductor_rms_norm():
+    """rms_norm through inductor, fullgraph, forward and backward, against the reference."""
+    x = torch.randn(32, 2, 256, device="cuda", requires_grad=True)
+    w = torch.randn(256, device="cuda", requires_grad=True)
+    xr, wr = (t.detach().clone().requires_grad_() for t in (x, w))
+    out = torch.compile(lambda x, w: rms_norm(x, w, 1e-6), fullgraph=True)(x, w)
+    ref = rms_norm_reference(xr, wr, 1e-6)
+    torch.testing.assert_close(out, ref)
+    out.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad)
+    torch.testing.assert_close(w.grad, wr.grad, rtol=1e-4, atol=1e-4)

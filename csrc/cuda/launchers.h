@@ -65,6 +65,28 @@ struct LayerNormBwd {
   DType dtype, weight_dtype;
 };
 
+struct RmsNormFwd {
+  const void* x;           // [rows, h], dtype
+  const void* weight;      // [h], weight_dtype
+  void* y;                 // [rows, h], dtype
+  float* rstd;             // [rows]
+  int64_t rows, h;         // rows < 2^31, h > 0 (else cudaErrorInvalidValue)
+  float eps;
+  DType dtype, weight_dtype;
+};
+
+struct RmsNormBwd {
+  const void* grad;        // [rows, h], dtype
+  const void* x;           // [rows, h], dtype
+  const void* weight;      // [h], weight_dtype
+  const float* rstd;       // [rows]
+  void* grad_x;            // [rows, h], dtype
+  float* grad_weight;      // [h] fp32
+  float* scratch;          // rms_norm_bwd_scratch(...) floats
+  int64_t rows, h;         // h > 0 (else cudaErrorInvalidValue)
+  DType dtype, weight_dtype;
+};
+
 int64_t bias_dropout_add_bwd_scratch(int64_t s, int64_t b, int64_t h, DType dtype);
 cudaError_t bias_dropout_add_fwd(const BiasDropoutAddFwd& args, cudaStream_t stream);
 cudaError_t bias_dropout_add_bwd(const BiasDropoutAddBwd& args, cudaStream_t stream);
@@ -72,6 +94,10 @@ cudaError_t bias_dropout_add_bwd(const BiasDropoutAddBwd& args, cudaStream_t str
 int64_t layer_norm_bwd_scratch(int64_t rows, int64_t h, DType dtype);
 cudaError_t layer_norm_fwd(const LayerNormFwd& args, cudaStream_t stream);
 cudaError_t layer_norm_bwd(const LayerNormBwd& args, cudaStream_t stream);
+
+int64_t rms_norm_bwd_scratch(int64_t rows, int64_t h, DType dtype);
+cudaError_t rms_norm_fwd(const RmsNormFwd& args, cudaStream_t stream);
+cudaError_t rms_norm_bwd(const RmsNormBwd& args, cudaStream_t stream);
 
 // dst run o <- src run transpose_source(o, a, b) for o < a*b: [a, b, run] -> [b, a, run].
 cudaError_t block_transpose(const void* src, void* dst, int64_t a, int64_t b, int64_t run_bytes,

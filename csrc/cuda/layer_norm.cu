@@ -14,68 +14,11 @@
 // and each thread accumulates dw += dy*xhat, db += dy for its own columns in registers, written
 // once as the block's partial row (about two per SM); column_sum adds the partials (this rank's
 // partial sums; under sequence parallelism the model then sums them over the TP group).
-#include "common.cuh"
+#include "row_norm.cuh"
 
 namespace msp {
 namespace cuda {
 namespace {
-
-constexpr int kMaxThreads = 512;
-constexpr int kCacheFwd = 8;  // 128-bit vectors per thread kept in registers (forward; a
-                              // 4-vector variant serves the common rows with fewer registers)
-constexpr int kCacheBwd = 4;  // backward (it also holds dy and two accumulators)
-
-struct RowPlan {
-  int threads;     // block size, a multiple of 32
-  int per_thread;  // vectors per thread
-};
-
-RowPlan plan_row(int64_t nvec, int target) {
-  int64_t t = (nvec + target - 1) / target;
-  t = t < 32 ? 32 : (t > kMaxThreads ? kMaxThreads : round_up(t, 32));
-  return {static_cast<int>(t), static_cast<int>((nvec + t - 1) / t)};
-}
-
-// Loads vector v of a row (VEC elements) as floats.
-template <typename T, int VEC>
-__device__ __forceinline__ void load_vec(const T* row, int64_t v, float (&out)[VEC]) {
-  load_f32<T, VEC>(row + v * VEC, out);
-}
-
-// f(k, v) for this thread's vectors v of a row; with CACHE > 0 the loop is unrolled so that k
-// (the register-cache slot) is a compile-time index and the cache never spills to local memory.
-template <int CACHE, typename F>
-__device__ __forceinline__ void for_each_vec_of(int64_t nvec, int tid, int threads, F&& f) {
-  if constexpr (CACHE > 0) {
-#pragma unroll
-    for (int k = 0; k < CACHE; ++k) {
-      const int64_t v = tid + int64_t(k) * threads;
-      if (v < nvec) f(k, v);
-    }
-  } else {
-    for (int64_t v = tid; v < nvec; v += threads) f(0, v);
-  }
-}
-
-// The same for a whole block working on one row.
-template <int CACHE, typename F>
-__device__ __forceinline__ void for_each_vec(int64_t nvec, F&& f) {
-  for_each_vec_of<CACHE>(nvec, threadIdx.x, blockDim.x, static_cast<F&&>(f));
-}
-
-// Sum over each group of `group` consecutive threads (a multiple of 32 dividing blockDim.x);
-// every thread gets its group's sum. Every thread of the block must call it. `shared`: 32 floats.
-__device__ __forceinline__ float group_sum(float v, float* shared, int group) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = group >> 5;
-  v = warp_sum(v);
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  const int first = warp / warps * warps;
-  float sum = 0.0f;
-  for (int w = 0; w < warps; ++w) sum += shared[first + w];
-  __syncthreads();
-  return sum;
-}
 
 template <typename T, typename W, int VEC, int CACHE>
 __global__ void __launch_bounds__(kMaxThreads)
@@ -132,9 +75,6 @@ __global__ void __launch_bounds__(kMaxThreads)
 // accumulators dw, db of a thread live in registers (CACHE > 0; the G groups' accumulators are added
 // in a fixed order through shared memory at the end) or, with G = 1, in the block's partial row
 // pw/pb (CACHE == 0; the same thread owns a column on every row, so no race).
-constexpr int kStage = kMaxThreads / 2 * 2 * 8;  // floats: 2 vectors of <= 8 per thread of a group
-                                                 // of <= 256 threads (G > 1 needs group <= 256)
-
 template <typename T, typename W, int VEC, int CACHE>
 __global__ void __launch_bounds__(kMaxThreads)
     ln_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ w,
@@ -142,17 +82,17 @@ __global__ void __launch_bounds__(kMaxThreads)
                   T* __restrict__ dx, float* __restrict__ partial, int64_t rows, int64_t h,
                   int group) {
   __shared__ float shared[32];
-  __shared__ float stage[kStage];
+  __shared__ float stage[kStageFloats<2>];
   constexpr int A = CACHE > 0 ? CACHE : 1;
   const int64_t nvec = h / VEC;
   const int groups = blockDim.x / group, g = threadIdx.x / group, tid = threadIdx.x % group;
   float* pw = partial + int64_t(blockIdx.x) * 2 * h;
   float* pb = pw + h;
-  float acc_w[A][VEC], acc_b[A][VEC];
+  float acc[2][A][VEC];  // [weight, bias][cache slot][element]
 #pragma unroll
   for (int k = 0; k < A; ++k)
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) acc_w[k][i] = acc_b[k][i] = 0.0f;
+    for (int i = 0; i < VEC; ++i) acc[0][k][i] = acc[1][k][i] = 0.0f;
   if constexpr (CACHE == 0) {  // groups == 1
     for_each_vec_of<0>(nvec, tid, group, [&](int, int64_t v) {
 #pragma unroll
@@ -181,8 +121,8 @@ __global__ void __launch_bounds__(kMaxThreads)
           s1 += gw * xhat;
           s2 += gw;
           if constexpr (CACHE > 0) {
-            acc_w[k][i] += gv[i] * xhat;
-            acc_b[k][i] += gv[i];
+            acc[0][k][i] += gv[i] * xhat;
+            acc[1][k][i] += gv[i];
           } else {
             pw[v * VEC + i] += gv[i] * xhat;
             pb[v * VEC + i] += gv[i];
@@ -204,44 +144,8 @@ __global__ void __launch_bounds__(kMaxThreads)
       });
     }
   }
-  if constexpr (CACHE > 0) {
-    // Groups 1 .. G-1 hand their accumulators to group 0, one cache slot at a time.
-#pragma unroll
-    for (int k = 0; k < CACHE; ++k) {
-      const int64_t v = tid + int64_t(k) * group;
-      for (int src = 1; src < groups; ++src) {
-        if (g == src && v < nvec) {
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) {
-            stage[tid * 2 * VEC + i] = acc_w[k][i];
-            stage[tid * 2 * VEC + VEC + i] = acc_b[k][i];
-          }
-        }
-        __syncthreads();
-        if (g == 0 && v < nvec) {
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) {
-            acc_w[k][i] += stage[tid * 2 * VEC + i];
-            acc_b[k][i] += stage[tid * 2 * VEC + VEC + i];
-          }
-        }
-        __syncthreads();
-      }
-      if (g == 0 && v < nvec) {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          pw[v * VEC + i] = acc_w[k][i];
-          pb[v * VEC + i] = acc_b[k][i];
-        }
-      }
-    }
-  }
-}
-
-template <typename T>
-bool vector_path(int64_t h, const void* a, const void* b, const void* c, const void* d) {
-  return h % (16 / sizeof(T)) == 0 && aligned16(a) && aligned16(b) && aligned16(c) &&
-         aligned16(d);
+  if constexpr (CACHE > 0)
+    store_group_accumulators<2, CACHE, VEC>(acc, stage, pw, h, nvec, tid, g, groups, group);
 }
 
 template <typename T, typename W>
@@ -271,29 +175,6 @@ cudaError_t launch_fwd(const LayerNormFwd& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-struct BwdPlan {
-  RowPlan row;          // threads per row (the group) and vectors per thread
-  bool vector, cached;
-  int groups;           // rows in flight per block (cached path only; else 1)
-  int64_t blocks;       // = partial rows
-};
-
-// 1024 threads per SM (half occupancy, as many rows in flight as the forward's) in blocks of up to
-// 512 threads: about 2 blocks, hence 2 partial rows of 2h floats, per SM.
-BwdPlan plan_bwd(int64_t rows, int64_t h, int vec, bool vector) {
-  BwdPlan p;
-  p.vector = vector;
-  p.row = plan_row(vector ? h / vec : h, kCacheBwd);
-  p.cached = vector && p.row.per_thread <= kCacheBwd;
-  p.groups = p.cached && p.row.threads <= kMaxThreads / 2 ? kMaxThreads / p.row.threads : 1;
-  const int64_t threads = int64_t(p.row.threads) * p.groups;
-  const int64_t wanted = (rows + p.groups - 1) / p.groups;
-  p.blocks = int64_t(sm_count()) * 1024 / threads;
-  p.blocks = p.blocks < wanted ? p.blocks : wanted;
-  p.blocks = p.blocks > 0 ? p.blocks : 1;
-  return p;
-}
-
 template <typename T, typename W>
 cudaError_t launch_bwd(const LayerNormBwd& a, cudaStream_t stream) {
   constexpr int VEC = 16 / sizeof(T);
@@ -321,9 +202,7 @@ cudaError_t launch_bwd(const LayerNormBwd& a, cudaStream_t stream) {
 }  // namespace
 
 int64_t layer_norm_bwd_scratch(int64_t rows, int64_t h, DType dtype) {
-  const int vec = dtype == DType::kF32 ? 4 : 8;
-  const int64_t a = plan_bwd(rows, h, vec, true).blocks, b = plan_bwd(rows, h, 1, false).blocks;
-  return (a > b ? a : b) * 2 * h;
+  return bwd_partial_rows(rows, h, dtype) * 2 * h;
 }
 
 cudaError_t layer_norm_fwd(const LayerNormFwd& a, cudaStream_t stream) {

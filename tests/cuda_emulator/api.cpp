@@ -62,6 +62,25 @@ int emu_ln_bwd(const void* grad, const void* x, const void* weight, const float*
   return msp::cuda::layer_norm_bwd(a, nullptr);
 }
 
+int64_t emu_rms_bwd_scratch(int64_t rows, int64_t h, int dtype) {
+  return msp::cuda::rms_norm_bwd_scratch(rows, h, static_cast<DType>(dtype));
+}
+
+int emu_rms_fwd(const void* x, const void* weight, void* y, float* rstd, int64_t rows, int64_t h,
+                float eps, int dtype, int weight_dtype) {
+  msp::cuda::RmsNormFwd a{x, weight, y, rstd, rows, h, eps, static_cast<DType>(dtype),
+                          static_cast<DType>(weight_dtype)};
+  return msp::cuda::rms_norm_fwd(a, nullptr);
+}
+
+int emu_rms_bwd(const void* grad, const void* x, const void* weight, const float* rstd,
+                void* grad_x, float* grad_weight, float* scratch, int64_t rows, int64_t h,
+                int dtype, int weight_dtype) {
+  msp::cuda::RmsNormBwd a{grad, x, weight, rstd, grad_x, grad_weight, scratch, rows, h,
+                          static_cast<DType>(dtype), static_cast<DType>(weight_dtype)};
+  return msp::cuda::rms_norm_bwd(a, nullptr);
+}
+
 int emu_block_transpose(const void* src, void* dst, int64_t a, int64_t b, int64_t run_bytes) {
   return msp::cuda::block_transpose(src, dst, a, b, run_bytes, nullptr);
 }

@@ -25,6 +25,7 @@ from megatron_sp import ops
 from megatron_sp.ops import layout
 from megatron_sp.ops.bias_dropout_add import bias_dropout_add_reference
 from megatron_sp.ops.layer_norm import layer_norm_reference
+from megatron_sp.ops.rms_norm import rms_norm_reference
 from megatron_sp.ops.testing import assert_close_dtype, random_index
 from megatron_sp.tensor_parallel.random import hidden_keep_mask
 
@@ -41,6 +42,9 @@ SIGNATURES = {
     "emu_ln_bwd_scratch": (i64, [i64, i64, i32]),
     "emu_ln_fwd": (i32, [vp] * 6 + [i64, i64, f32, i32, i32]),
     "emu_ln_bwd": (i32, [vp] * 8 + [i64, i64, i32, i32]),
+    "emu_rms_bwd_scratch": (i64, [i64, i64, i32]),
+    "emu_rms_fwd": (i32, [vp] * 4 + [i64, i64, f32, i32, i32]),
+    "emu_rms_bwd": (i32, [vp] * 7 + [i64, i64, i32, i32]),
     "emu_block_transpose": (i32, [vp, vp, i64, i64, i64]),
     "emu_zigzag_reorder": (i32, [vp, vp, i64, i64, i64, i32]),
     "emu_traffic_watch": (i32, [vp, i64]),
@@ -163,6 +167,38 @@ def ln_case(lib, rows, h, dtype, wdtype, align=True):
     assert_close_dtype(sums[h:], leaves[2].grad, dtype, scale=4 * rows ** 0.5)
 
 
+# ---- rms_norm -----------------------------------------------------------------------------------
+
+def rms_case(lib, rows, h, dtype, wdtype, align=True):
+    gen = torch.Generator().manual_seed(rows * 100003 + h + 7)
+    x = (torch.randn(rows, h, generator=gen) * 2 + 0.5).to(dtype)
+    w = torch.randn(h, generator=gen).to(wdtype)
+    dy = torch.randn(rows, h, generator=gen).to(dtype)
+    if not align:
+        x, dy = misaligned(x), misaligned(dy)
+    code, wcode = DTYPE_CODE[dtype], DTYPE_CODE[wdtype]
+    y, rstd = torch.empty(rows, h, dtype=dtype), torch.empty(rows)
+    check_launch(lib.emu_rms_fwd(ptr(x), ptr(w), ptr(y), ptr(rstd), rows, h, 1e-6, code, wcode),
+                 "rms_norm_fwd")
+    x64 = x.double()
+    torch.testing.assert_close(rstd, (x64.pow(2).mean(1) + 1e-6).rsqrt().float(), rtol=1e-5,
+                               atol=1e-5)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w)]
+    ref = rms_norm_reference(*leaves, 1e-6)
+    assert_close_dtype(y, ref.detach(), dtype)
+
+    dx, grad_w = torch.empty(rows, h, dtype=dtype), torch.empty(h)
+    scratch = torch.empty(lib.emu_rms_bwd_scratch(rows, h, code))
+    check_launch(lib.emu_rms_bwd(ptr(dy), ptr(x), ptr(w), ptr(rstd), ptr(dx), ptr(grad_w),
+                                 ptr(scratch), rows, h, code, wcode), "rms_norm_bwd")
+    if rows == 0:
+        assert torch.equal(grad_w, torch.zeros(h)), "no rows: grad_weight must be zeros"
+        return
+    ref.backward(dy)
+    assert_close_dtype(dx, leaves[0].grad, dtype, scale=4.0)
+    assert_close_dtype(grad_w, leaves[1].grad, dtype, scale=4 * rows ** 0.5)
+
+
 # ---- layouts ------------------------------------------------------------------------------------
 
 def _transpose(lib, x, a, b, run, out_shape, align=True):
@@ -225,6 +261,9 @@ def register_binding_fakes():
     torch.library.register_fake(ns + "bias_dropout_add_bwd")(bda._fake_bwd)
     torch.library.register_fake(ns + "layer_norm_fwd")(ln._fake_fwd)
     torch.library.register_fake(ns + "layer_norm_bwd")(ln._fake_bwd)
+    rms = importlib.import_module("megatron_sp.ops.rms_norm")
+    torch.library.register_fake(ns + "rms_norm_fwd")(rms._fake_fwd)
+    torch.library.register_fake(ns + "rms_norm_bwd")(rms._fake_bwd)
     for name, shape in [("ulysses_pack", layout._pack_shape), ("ulysses_unpack", layout._unpack_shape),
                         ("gather_to_last_dim", layout._gather_shape),
                         ("last_dim_to_gather", layout._split_shape),
@@ -308,6 +347,35 @@ def binding_ln_case(shape, dtype, wdtype, align=True):
                 lambda: M.layer_norm_fwd(x, w[:-1], b[:-1], 1e-5))
 
 
+def binding_rms_case(shape, dtype, wdtype, align=True):
+    assert ops.extension_available(), "the binding cases compare with megatron_sp._C's CPU ops"
+    E, M = _emulated(), torch.ops.megatron_sp
+    h = shape[-1]
+    gen = torch.Generator().manual_seed(h + 1)
+    x = (torch.randn(shape, generator=gen) * 2 + 0.5).to(dtype)
+    x = misaligned(x) if not align else x.transpose(0, 1).contiguous().transpose(0, 1)  # strided
+    w = torch.randn(h, generator=gen).to(wdtype)
+    y, rstd = E.rms_norm_fwd(x, w, 1e-6)
+    y_cpu, rstd_cpu = M.rms_norm_fwd(x, w, 1e-6)
+    assert (y.dtype, y.shape, rstd.dtype, rstd.shape) == (dtype, x.shape, torch.float32,
+                                                          rstd_cpu.shape)
+    assert_close_dtype(y, y_cpu, dtype)
+    torch.testing.assert_close(rstd, rstd_cpu, rtol=1e-5, atol=1e-5)
+    grad = torch.randn(shape, generator=gen).to(dtype)
+    dx, gw = E.rms_norm_bwd(grad, x, w, rstd)
+    dx_cpu, gw_cpu = M.rms_norm_bwd(grad, x, w, rstd_cpu)
+    assert dx.dtype == dtype and gw.dtype == wdtype and gw.shape == (h,)
+    assert_close_dtype(dx, dx_cpu, dtype, scale=4.0)
+    assert_close_dtype(gw, gw_cpu, dtype, scale=4 * (x.numel() // h) ** 0.5)
+    torch.library.opcheck(E.rms_norm_fwd, (x, w, 1e-6),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(E.rms_norm_bwd, (grad, x, w, rstd),
+                          test_utils=("test_schema", "test_faketensor"))
+    _same_error(lambda: E.rms_norm_fwd(x, w[:-1], 1e-6), lambda: M.rms_norm_fwd(x, w[:-1], 1e-6))
+    _same_error(lambda: E.rms_norm_bwd(grad, x, w, rstd[:-1]),
+                lambda: M.rms_norm_bwd(grad, x, w, rstd_cpu[:-1]))
+
+
 def binding_layout_case(dtype):
     assert ops.extension_available(), "the binding cases compare with megatron_sp._C's CPU ops"
     E, M = _emulated(), torch.ops.megatron_sp
@@ -358,6 +426,18 @@ def _cases():
             cases[f"ln-{rows}x{h}-{DTYPE_NAME[dtype]}-w{DTYPE_NAME[wdtype]}-sm{sms}"] = (
                 sms, ln_case, (rows, h, dtype, wdtype))
     cases["ln-misaligned-bf16"] = (1, ln_case, (5, 64, torch.bfloat16, torch.bfloat16, False))
+    # RMSNorm, the same paths as LayerNorm with fewer dtype combinations (the kernels share
+    # row_norm.cuh): cached vector path with row groups (1024) and the persistent-grid loop (40 rows
+    # on 1 SM), scalar (999, 1), 8-vector forward cache with the uncached vector backward (8200
+    # fp32: 5 vectors per thread), uncached forward (16400 fp32: 9), no rows, misaligned.
+    for rows, h, sms, combos in [(40, 1024, 1, [(fp32, fp32), (fp16, fp32)]),
+                                 (7, 999, 1, [(bf16, bf16)]), (3, 1, 132, [(fp16, fp16)]),
+                                 (2, 8200, 132, [(fp32, fp32)]), (1, 16400, 1, [(fp32, fp32)]),
+                                 (0, 64, 1, [(fp32, fp32)])]:
+        for dtype, wdtype in combos:
+            cases[f"rms-{rows}x{h}-{DTYPE_NAME[dtype]}-w{DTYPE_NAME[wdtype]}-sm{sms}"] = (
+                sms, rms_case, (rows, h, dtype, wdtype))
+    cases["rms-misaligned-bf16"] = (1, rms_case, (5, 64, torch.bfloat16, torch.bfloat16, False))
     for name, shape, k in [("ulysses_pack", (16, 2, 8, 64), 4), ("ulysses_pack", (5, 3, 6, 7), 3),
                            ("ulysses_unpack", (4, 8, 2, 2, 64), 4),
                            ("ulysses_unpack", (3, 5, 2, 2, 7), 3),
@@ -382,6 +462,8 @@ def _cases():
         cases[f"binding-ln-{DTYPE_NAME[dtype]}"] = (1, binding_ln_case, ((4, 3, 64), dtype, dtype))
         cases[f"binding-ln-odd-{DTYPE_NAME[dtype]}-wfp32"] = (
             132, binding_ln_case, ((7, 99), dtype, torch.float32, False))
+    cases["binding-rms-fp32"] = (1, binding_rms_case, ((4, 3, 64), fp32, fp32))
+    cases["binding-rms-odd-fp16-wfp32"] = (132, binding_rms_case, ((7, 99), fp16, fp32, False))
     for dtype in (torch.float32, torch.bfloat16, torch.uint8):
         cases[f"binding-layout-{str(dtype)[6:]}"] = (1, binding_layout_case, (dtype,))
     return cases
