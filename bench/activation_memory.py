@@ -164,24 +164,15 @@ def adjusted_terms(s, b, h, a, f, t, sp, dropout):
         ("QKV GEMM input (LN1 out)", 4 * sbh * S, "fp32 x2 (paper 2sbh); SP: local shard only"),
         ("FC1 GEMM input (LN2 out)", 4 * sbh * S, "fp32 x2 (paper 2sbh); SP: local shard only"),
     ]
-    if dropout > 0:
-        terms += [
-            ("Q, K, V (contiguous copies for matmul)", 3 * 4 * sbh * T, "fp32 x2 (paper 6sbh/t)"),
-            ("causal mask (bool s x s) for masked_fill", s * s, "not in paper: 1 byte, not /t, not x b"),
-            ("softmax output", 4 * a * s * s * b * T, "fp32 x2 (paper 2as^2b/t)"),
-            ("attention dropout mask", a * s * s * b * T,
-             "bool, 1 byte (as paper: as^2b/t); not regenerated"),
-            ("dropout(softmax) (input of P.V)", 4 * a * s * s * b * T, "fp32 x2 (paper 2as^2b/t)"),
-        ]
-    else:
-        terms += [
-            ("Q, K, V (one QKV storage, saved by SDPA)", 3 * 4 * sbh * T, "fp32 x2 (paper 6sbh/t)"),
-            ("SDPA output = proj GEMM input (one storage)", 4 * sbh * T,
-             "fp32 x2 (paper 2sbh/t); flash saves it, proj's view shares it"),
-            ("SDPA logsumexp [b,n,s]", 4 * a * s * b * T, "not in paper; and no s^2 term (paper 5as^2b/t)"),
-        ]
-    if dropout > 0:
-        terms.append(("proj GEMM input (attention out, [s,b,h/t] copy)", 4 * sbh * T, "fp32 x2 (paper 2sbh/t)"))
+    core = "blockwise attention" if dropout > 0 else "SDPA"
+    terms += [
+        (f"Q, K, V (one QKV storage, saved by {core})", 3 * 4 * sbh * T, "fp32 x2 (paper 6sbh/t)"),
+        (f"{core} output = proj GEMM input (one storage)", 4 * sbh * T,
+         "fp32 x2 (paper 2sbh/t); the core saves it, proj's view shares it"),
+        (f"{core} logsumexp [b,n,s]", 4 * a * s * b * T,
+         "not in paper; and no s^2 term (paper 5as^2b/t): dropout masks regenerated per block"
+         if dropout > 0 else "not in paper; and no s^2 term (paper 5as^2b/t)"),
+    ]
     terms += [
         ("GELU input (FC1 out)", 4 * s * b * f * T, "fp32 x2 (paper 8sbh/t at f=4h)"),
         ("FC2 GEMM input (GELU out)", 4 * s * b * f * T, "fp32 x2 (paper 8sbh/t at f=4h)"),
@@ -197,9 +188,6 @@ def adjusted_formula_text(h, f, dropout):
     ct = 12 + 4 + 8 * f / h                      # QKV, attention output, GELU input + FC2 input
     cs = 16 + (2 if dropout > 0 else 0)          # LN inputs, QKV/FC1 GEMM inputs (+ 2 bool masks)
     ct_s = f"{ct:g}"
-    if dropout > 0:
-        return (f"TP: sbh({cs} + 16/h + {ct_s}/t + 9as/(ht)) + s^2    "
-                f"TP+SP: sbh/t({cs + ct:g} + 16/h + 9as/h) + s^2")
     return (f"TP: sbh({cs} + 16/h + {ct_s}/t + 4a/(ht))    "
             f"TP+SP: sbh/t({cs + ct:g} + 16/h + 4a/h)")
 

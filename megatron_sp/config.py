@@ -10,6 +10,7 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "openai_gelu", "swiglu")        # gelu: erf; openai_gelu: tanh approximation (GPT-2)
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+CP_COMM_TYPES = ("p2p", "a2a")
 
 # What a field left at None becomes when the model family (registry spec) does not say: GPT-2.
 FAMILY_FIELDS = {"normalization": "LayerNorm", "activation": "gelu",
@@ -36,7 +37,9 @@ class GPTConfig:
     seed: int = 1234                # weights and dropout masks are pure functions of this seed
     tensor_model_parallel_size: Optional[int] = None  # TP size t (heads, MLP, vocab split t ways);
     #                                                   None: the current parallel_state's TP size
-    context_parallel_size: int = 1  # CP size (in the rank grid; 1 for now)
+    context_parallel_size: Optional[int] = None  # CP size c: each sample's sequence split over c ranks;
+    #                                              None: the current parallel_state's CP size
+    cp_comm_type: str = "p2p"       # context parallel attention: p2p (ring) or a2a (Ulysses all-to-all)
     sequence_parallel: bool = False  # shard LayerNorm/dropout/residual along the sequence (needs t > 1)
     make_vocab_size_divisible_by: int = 128  # vocab padded to a multiple of this times t (Megatron)
     use_fused_kernels: bool = True  # use megatron_sp._C ops when built; references otherwise
@@ -54,9 +57,11 @@ class GPTConfig:
     attention_backend: str = "auto"  # unfused/local: explicit softmax; else SDPA when dropout allows
 
     def __post_init__(self):
-        if self.tensor_model_parallel_size is None:
+        if self.tensor_model_parallel_size is None or self.context_parallel_size is None:
             from megatron_sp import parallel_state
-            self.tensor_model_parallel_size = parallel_state.get().tp_size
+            ps = parallel_state.get()
+            self.tensor_model_parallel_size = self.tensor_model_parallel_size or ps.tp_size
+            self.context_parallel_size = self.context_parallel_size or ps.cp_size
         self._fill_family_defaults()
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = (int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.activation == "swiglu"
@@ -91,7 +96,7 @@ class GPTConfig:
     def _check_choices(self):
         for name, choices in (("normalization", NORMALIZATIONS), ("activation", ACTIVATIONS),
                               ("position_embedding_type", POSITION_EMBEDDINGS),
-                              ("attention_backend", ATTENTION_BACKENDS)):
+                              ("attention_backend", ATTENTION_BACKENDS), ("cp_comm_type", CP_COMM_TYPES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"GPTConfig.{name} must be one of {', '.join(choices)}, "
                                  f"got {getattr(self, name)!r}.")
@@ -126,12 +131,24 @@ class GPTConfig:
         if self.ffn_hidden_size % t != 0:
             raise ValueError(f"GPTConfig.ffn_hidden_size ({self.ffn_hidden_size}) must be divisible by "
                              f"tensor_model_parallel_size ({t}).")
-        if self.sequence_parallel and self.seq_length % (t * self.context_parallel_size) != 0:
+        c = self.context_parallel_size
+        if self.sequence_parallel and self.seq_length % (t * c) != 0:
             raise ValueError(f"GPTConfig.seq_length ({self.seq_length}) must be divisible by "
-                             f"tensor_model_parallel_size ({t}) with sequence_parallel on.")
-        if self.seq_length % self.context_parallel_size != 0:
-            raise ValueError(f"GPTConfig.seq_length ({self.seq_length}) must be divisible by "
-                             f"context_parallel_size ({self.context_parallel_size}).")
+                             f"tensor_model_parallel_size ({t}){f' × context_parallel_size ({c})' if c > 1 else ''} "
+                             f"with sequence_parallel on.")
+        if c > 1:
+            self._check_context_parallel(t, c)
+
+    def _check_context_parallel(self, t, c):
+        parts = 2 * c if self.cp_comm_type == "p2p" else c
+        if self.seq_length % parts != 0:
+            raise ValueError(f"GPTConfig.seq_length ({self.seq_length}) must be divisible by {parts} "
+                             + ("(2 × context_parallel_size: ring attention's zigzag chunks)."
+                                if self.cp_comm_type == "p2p" else "(context_parallel_size)."))
+        heads = self.num_attention_heads // t
+        if self.cp_comm_type == "a2a" and heads % c != 0:
+            raise ValueError(f"GPTConfig.num_attention_heads per TP rank ({heads}) must be divisible by "
+                             f"context_parallel_size ({c}) for cp_comm_type a2a (Ulysses); use p2p.")
 
     def _check_ranges(self):
         for name in ("hidden_dropout", "attention_dropout"):

@@ -6,8 +6,9 @@ core shared by the serial and the parallel model.
     returns   [b, n_q, s, d]
 
 Without attention dropout the core is F.scaled_dot_product_attention (flash / memory-efficient kernels,
-no s² tensor kept). With attention dropout it is the explicit softmax, because the dropout mask must
-be the parallelism-invariant one (tensor_parallel/random.py), which SDPA cannot take.
+no s² tensor kept). With attention dropout it is our blockwise attention (ops/flash_attention.py),
+because the dropout mask must be the parallelism-invariant one (tensor_parallel/random.py), which SDPA
+cannot take; it regenerates the mask per block and keeps no s² tensor either.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_sp.models.rope import RotaryEmbedding
+from megatron_sp.ops.flash_attention import AttentionDropout, flash_attention
 from megatron_sp.tensor_parallel.random import DropoutIndex, apply_keep_mask, attention_keep_mask
 
 EXPLICIT_BACKENDS = ("unfused", "local")     # --attention-backend values that never use SDPA
@@ -62,7 +64,13 @@ def causal_attention(q, k, v, *, attention_mask=None, dropout_p: float = 0.0, se
 
 
 class CausalAttention(nn.Module):
-    """The core on whole sequences (no context parallelism): q, k, v [b, heads, s, d] -> [b, n_q, s, d]."""
+    """The core over the tokens in `ctx` (no context parallelism, or Ulysses' whole sequence):
+    q, k, v [b, heads, s, d] -> [b, n_q, s, d].
+
+    No dropout and no document ids: SDPA (with the mask if any). Dropout, or documents given as ids
+    (context parallelism): blockwise attention (ops/flash_attention.py), which keeps no s×s tensor and
+    draws the same dropout bits. `--attention-backend unfused`/`local`, or a mask that is not
+    block-diagonal by documents: the explicit softmax."""
 
     def __init__(self, cfg, layer: int):
         super().__init__()
@@ -70,9 +78,16 @@ class CausalAttention(nn.Module):
 
     def forward(self, q, k, v, ctx, head_offset: int):
         p = self.cfg.attention_dropout if ctx.training else 0.0
-        return causal_attention(q, k, v, attention_mask=ctx.attention_mask, dropout_p=p, seed=self.cfg.seed,
-                                layer=self.layer, index=ctx.full_index, head_offset=head_offset,
-                                explicit=self.cfg.attention_backend in EXPLICIT_BACKENDS)
+        explicit = self.cfg.attention_backend in EXPLICIT_BACKENDS or (
+            ctx.attention_mask is not None and ctx.segments is None)
+        index = ctx.full_index
+        if explicit or (p == 0.0 and (ctx.segments is None or ctx.attention_mask is not None)):
+            return causal_attention(q, k, v, attention_mask=ctx.attention_mask, dropout_p=p, seed=self.cfg.seed,
+                                    layer=self.layer, index=index, head_offset=head_offset, explicit=explicit)
+        drop = AttentionDropout(p, self.cfg.seed, self.layer, head_offset)
+        positions = index.token_positions
+        return flash_attention(q, k, v, positions, positions, index.sample_ids, drop, ctx.segments, ctx.segments,
+                               fused=self.cfg.use_fused_kernels)
 
 
 class SelfAttention(nn.Module):

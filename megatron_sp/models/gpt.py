@@ -67,7 +67,7 @@ class GPTModel(LanguageModel):
     @torch.no_grad()
     def full_grad_dict(self):
         """Collective: unsharded gradients (partial sums over TP reduced first if still pending)."""
-        if self._tp_grads_pending:
+        if self._tp_grads_pending or self._cp_grads_pending:
             from megatron_sp.training.grad_sync import reduce_tensor_parallel_grads
             reduce_tensor_parallel_grads(self, self.ps)
         return {name: gather_full(p.grad, p.shard_spec, self.ps.tp_group)
@@ -87,5 +87,6 @@ def _check_layout(cfg, ps: parallel_state.ParallelState):
     if cfg.tensor_model_parallel_size != ps.tp_size:
         raise ValueError(f"GPTConfig.tensor_model_parallel_size ({cfg.tensor_model_parallel_size}) does not "
                          f"match the initialised TP group size ({ps.tp_size}).")
-    if ps.cp_size != 1 or cfg.context_parallel_size != 1:
-        raise NotImplementedError("context parallelism is not implemented yet; use context_parallel_size=1.")
+    if cfg.context_parallel_size != ps.cp_size:
+        raise ValueError(f"GPTConfig.context_parallel_size ({cfg.context_parallel_size}) does not match the "
+                         f"initialised CP group size ({ps.cp_size}).")

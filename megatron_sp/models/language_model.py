@@ -45,15 +45,17 @@ class LanguageModel(nn.Module):
         self.head = builder.lm_head(cfg)
         check_init_tags(self)
         self._tp_grads_pending = False   # partial gradients not yet summed (training.grad_sync)
+        self._cp_grads_pending = False
 
     def forward(self, tokens, labels=None, *, loss_mask=None, position_ids=None, attention_mask=None,
                 sample_ids=None):
-        ctx = self.builder.context(self.cfg, tokens, position_ids=position_ids, attention_mask=attention_mask,
-                                   sample_ids=sample_ids, training=self.training)
-        x = self.embedding(tokens, ctx)                                   # [s_sp, b, h]
+        ctx = self.builder.context(self.cfg, tokens, labels=labels, loss_mask=loss_mask, position_ids=position_ids,
+                                   attention_mask=attention_mask, sample_ids=sample_ids, training=self.training)
+        x = self.embedding(ctx.tokens, ctx)                               # [s_sp, b, h]
         for block in self.layers:
             x = block(x, ctx)
         if torch.is_grad_enabled():
             self._tp_grads_pending = True
+            self._cp_grads_pending = ctx.cp is not None
         weight = (self.output_layer if self.output_layer is not None else self.embedding.word_embeddings).weight
-        return self.head(self.final_ln(x), weight, labels, loss_mask)
+        return self.head(self.final_ln(x), weight, ctx)

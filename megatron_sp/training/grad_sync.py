@@ -4,11 +4,13 @@
    (norms, row-parallel biases, positions under SP; marked `sequence_parallel`) saw only their
    rank's sequence shard, and key/value heads held in copies (GQA with fewer key/value heads than
    TP ranks) saw only their rank's query heads. Each is summed over the ranks that hold it.
-2. Data parallelism: every gradient is averaged over the DP group in flat buckets, so that a few
-   large all-reduces replace one per parameter. With `OverlappedGradSync` a bucket's all-reduce
-   starts during the last micro-batch's backward as soon as all its gradients are final, and runs
-   while autograd computes the gradients of earlier layers.
-The two sums act on different groups and commute; the DP one goes first because the overlapped
+2. Data and context parallelism: every gradient is averaged over the DP group and summed over the
+   CP group (each CP rank saw its part of every sequence; the loss is the whole sequence's mean), in
+   one all-reduce over the DP×CP group per flat bucket, so that a few large all-reduces replace one
+   per parameter. With `OverlappedGradSync` a bucket's all-reduce starts during the last
+   micro-batch's backward as soon as all its gradients are final, and runs while autograd computes
+   the gradients of earlier layers.
+The sums act on different groups and commute; the DP×CP one goes first because the overlapped
 buckets captured the gradients before either sum.
 """
 from __future__ import annotations
@@ -39,9 +41,16 @@ def _buckets(tensors, bucket_bytes):
             yield bucket
 
 
+def _replicas(ps) -> int:
+    """Ranks holding the same shards: DP replicas × CP ranks."""
+    return ps.dp_size * ps.cp_size
+
+
 def _average_flat(grads, ps, async_op=False):
+    """Sum over DP×CP (divided by the DP size in _scatter_back: CP parts add up, DP replicas average)."""
     flat = torch.cat([g.reshape(-1) for g in grads])
-    handle = dist.all_reduce(flat, group=ps.dp_group, async_op=async_op)
+    group = ps.dp_cp_group if ps.cp_size > 1 else ps.dp_group
+    handle = dist.all_reduce(flat, group=group, async_op=async_op)
     return flat, handle
 
 
@@ -51,8 +60,8 @@ def _scatter_back(flat, grads, dp_size):
 
 
 def all_reduce_data_parallel_grads(params, ps: ParallelState, bucket_bytes: int = BUCKET_BYTES):
-    """Averages gradients over the DP group after the backward (one all-reduce per bucket)."""
-    if ps.dp_size == 1:
+    """Averages gradients over DP (and sums over CP) after the backward (one all-reduce per bucket)."""
+    if _replicas(ps) == 1:
         return
     for bucket in _buckets([p.grad for p in params if p.grad is not None], bucket_bytes):
         flat, _ = _average_flat(bucket, ps)
@@ -85,7 +94,7 @@ class OverlappedGradSync:
         self.armed = True
 
     def _on_grad_ready(self, param):
-        if not self.armed or self.ps.dp_size == 1:
+        if not self.armed or _replicas(self.ps) == 1:
             return
         i = self.bucket_of[id(param)]
         self.ready[i].add(id(param))
@@ -98,7 +107,7 @@ class OverlappedGradSync:
             self.launched[i] = (grads, *_average_flat(grads, self.ps, async_op=True))
 
     def finish(self):
-        if self.ps.dp_size > 1:
+        if _replicas(self.ps) > 1:
             for i in range(len(self.buckets)):
                 if i not in self.launched:
                     self._launch(i)
@@ -119,6 +128,7 @@ def finalize_model_grads(model, ps: ParallelState, overlapped: OverlappedGradSyn
         overlapped.finish()
     else:
         all_reduce_data_parallel_grads(list(model.parameters()), ps)
+    model._cp_grads_pending = False      # summed over CP with the DP reduction
     reduce_tensor_parallel_grads(model, ps)
 
 
@@ -136,11 +146,19 @@ def _copied_segments(params, ps):
 
 @torch.no_grad()
 def reduce_tensor_parallel_grads(model, ps: ParallelState):
-    """Sums the partial gradients over the TP group, once per backward (see the module docstring).
+    """Sums the partial gradients over the TP group, once per backward (see the module docstring);
+    also over the CP group when finalize_model_grads has not (tests, full_grad_dict).
 
     Copies: every rank writes its piece into its part's slot of a zeroed [parts, piece] buffer, and
     one all-reduce over the TP group leaves each slot holding the sum over that part's copies."""
     model._tp_grads_pending = False
+    if getattr(model, "_cp_grads_pending", False):      # outside the training loop: sum over CP here
+        model._cp_grads_pending = False
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=ps.cp_group)
+            torch._foreach_copy_(grads, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in grads]), grads)])
     if ps.tp_size == 1:
         return
     params = list(model.parameters())

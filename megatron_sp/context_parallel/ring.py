@@ -1,0 +1,130 @@
+"""Ring attention over the CP group (Liu et al. 2023; Megatron-LM's p2p context parallelism).
+
+Each rank keeps its queries and passes its key/value block around the ring: at step i it attends to
+the block of rank (r - i) mod p with the blockwise kernel (ops/flash_attention.py), while the next
+block is already in flight (isend/irecv, overlapped with the compute), and merges the partial
+results by log-sum-exp. Zigzag layout (layout.py): rank r holds sequence chunks r and 2p-1-r, so
+against the block of rank j its work is always half a block pair:
+
+    j == r   its own block, causal                            q [c_r | c_2p-1-r] × k [c_r | c_2p-1-r]
+    j <  r   both query chunks see only the block's first chunk     q [both] × k [c_j]
+    j >  r   only the second query chunk sees anything, all of it   q [c_2p-1-r] × k [both]
+
+The backward walks the ring again from the saved q, k, v, merged out and log-sum-exp: each rank adds
+its query's contribution to the travelling block's dK, dV, which arrive at their owner after p steps
+(the incoming partial sums overlap the compute of the next contribution). Dropout masks are keyed by
+global (sample, head, query, key) positions, so every rank draws the serial model's bits.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_sp.ops.flash_attention import AttentionDropout, flash_attention_bwd, flash_attention_fwd, merge_partials
+
+
+class _Ring:
+    """Point-to-point neighbours in the CP group; exchanges post send and receive together."""
+
+    def __init__(self, group, rank, size):
+        ranks = dist.get_process_group_ranks(group)
+        self.group, self.size = group, size
+        self.next, self.prev = ranks[(rank + 1) % size], ranks[(rank - 1) % size]
+
+    def shift(self, tensors, tag: int = 0):
+        """Sends `tensors` to the next rank, receives the previous rank's; returns (handles, received).
+        Key/value blocks and gradient sums travel on different tags (gloo matches by tag; NCCL by
+        order, which every rank keeps the same)."""
+        received = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group, tag + i) for i, t in enumerate(tensors)]
+        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group, tag + i) for i, r in enumerate(received)]
+        return dist.batch_isend_irecv(ops), received
+
+
+def _wait(handles):
+    for h in handles:
+        h.wait()
+
+
+def _halves(j, r, c):
+    """(query rows, key rows) of the useful part of the pair (this rank r, block of rank j)."""
+    if j == r:
+        return slice(None), slice(None)
+    if j < r:
+        return slice(None), slice(0, c)
+    return slice(c, None), slice(None)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, layout, sample_ids, drop, fused, ring):
+        r, p = layout.rank, layout.size
+        c = q.shape[2] // 2
+        q_pos = layout.positions(r, q.device)
+        q_seg = layout.segments(r)
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = (k, v)
+        for step in range(p):
+            handles, incoming = ring.shift(kv) if step < p - 1 else ([], None)
+            j = (r - step) % p
+            qs, ks = _halves(j, r, c)
+            k_pos, k_seg = layout.positions(j, q.device), layout.segments(j)
+            part, part_lse = flash_attention_fwd(
+                q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], q_pos[qs], k_pos[ks],
+                None if q_seg is None else q_seg[:, qs], None if k_seg is None else k_seg[:, ks],
+                sample_ids, drop, fused)
+            out[:, :, qs], lse[:, :, qs] = merge_partials(out[:, :, qs], lse[:, :, qs], part, part_lse.float())
+            _wait(handles)
+            kv = incoming
+        ctx.save_for_backward(q, k, v, out, lse, sample_ids)
+        ctx.layout, ctx.drop, ctx.fused, ctx.ring = layout, drop, fused, ring
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, sample_ids = ctx.saved_tensors
+        layout, ring = ctx.layout, ctx.ring
+        r, p = layout.rank, layout.size
+        c = q.shape[2] // 2
+        dout = dout.contiguous()
+        q_pos, q_seg = layout.positions(r, q.device), layout.segments(r)
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        kv, pending = (k, v), None
+        for step in range(p):
+            handles, incoming = ring.shift(kv) if step < p - 1 else ([], None)
+            j = (r - step) % p
+            qs, ks = _halves(j, r, c)
+            k_pos, k_seg = layout.positions(j, q.device), layout.segments(j)
+            dq_part, dk_part, dv_part = flash_attention_bwd(
+                dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs], lse[:, :, qs],
+                q_pos[qs], k_pos[ks], None if q_seg is None else q_seg[:, qs],
+                None if k_seg is None else k_seg[:, ks], sample_ids, ctx.drop, ctx.fused)
+            dq[:, :, qs] += dq_part.float()
+            dkv = torch.zeros(2, *kv[0].shape, dtype=torch.float32, device=q.device)   # this block's dK, dV
+            dkv[0][:, :, ks], dkv[1][:, :, ks] = dk_part.float(), dv_part.float()
+            if pending is not None:                     # the partial sums of the ranks before us
+                _wait(pending[0])
+                dkv += pending[1][0]
+            pending = ring.shift([dkv], tag=2)          # towards the block's next holder, then home
+            _wait(handles)
+            kv = incoming
+        _wait(pending[0])
+        dk, dv = pending[1][0]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+class RingAttention(nn.Module):
+    """The core for --cp-comm-type p2p: q, k, v [b, heads, s/p, d] (this rank's zigzag chunks)."""
+
+    def __init__(self, cfg, layer: int, ps):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.ring = _Ring(ps.cp_group, ps.cp_rank, ps.cp_size)
+
+    def forward(self, q, k, v, ctx, head_offset: int):
+        p = self.cfg.attention_dropout if ctx.training else 0.0
+        drop = AttentionDropout(p, self.cfg.seed, self.layer, head_offset)
+        return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ctx.cp, ctx.full_index.sample_ids,
+                                    drop, self.cfg.use_fused_kernels, self.ring)

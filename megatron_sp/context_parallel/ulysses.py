@@ -1,0 +1,82 @@
+"""DeepSpeed-Ulysses: an all-to-all over the CP group turns sequence-sharded q, k, v into
+head-sharded ones over the whole sequence, attention runs as without CP, and a second all-to-all
+turns the output back (Jacobs et al. 2023).
+
+    q_seq   [s/p, b, n, d]   --ulysses_pack--> [p, s/p, b, n/p, d] --all_to_all--> view [s, b, n/p, d]
+    out     [s, b, n/p, d]   --view--> [p, s/p, b, n/p, d] --all_to_all--> --ulysses_unpack--> [s/p, b, n, d]
+
+n is the heads this TP rank holds; n/p of them per CP rank, so n must be divisible by p. Key/value
+heads fewer than p (GQA) are repeated to the query heads before the exchange. The pack/unpack copies
+are the fused layout ops (megatron_sp._C) when built.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_sp import ops
+from megatron_sp.ops.layout import ulysses_heads_to_send, ulysses_recv_to_heads
+
+
+def _exchange(send: torch.Tensor, group) -> torch.Tensor:
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send.contiguous(), group=group)
+    return recv
+
+
+def _seq_to_heads(x, p, group, fused):
+    return ulysses_recv_to_heads(_exchange(ops.ulysses_pack(x, p, fused=fused), group), p)
+
+
+def _heads_to_seq(x, p, group, fused):
+    return ops.ulysses_unpack(_exchange(ulysses_heads_to_send(x, p), group), p, fused=fused)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    """forward: [s/p, b, n, d] -> [s, b, n/p, d]; backward: the inverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, p, group, fused):
+        ctx.args = (p, group, fused)
+        return _seq_to_heads(x, p, group, fused)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_seq(grad, *ctx.args), None, None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    """forward: [s, b, n/p, d] -> [s/p, b, n, d]; backward: the inverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, p, group, fused):
+        ctx.args = (p, group, fused)
+        return _heads_to_seq(x, p, group, fused)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad.contiguous(), *ctx.args), None, None, None
+
+
+class UlyssesAttention(nn.Module):
+    """Wraps a whole-sequence attention core (models/attention.py: CausalAttention) for CP ranks."""
+
+    def __init__(self, core, ps, fused: bool):
+        super().__init__()
+        self.core, self.group, self.p, self.cp_rank, self.fused = core, ps.cp_group, ps.cp_size, ps.cp_rank, fused
+
+    def forward(self, q, k, v, ctx, head_offset: int):
+        """q [b, n_q, s/p, d], k/v [b, n_kv, s/p, d] (this rank's tokens) -> [b, n_q, s/p, d]."""
+        p, nq = self.p, q.shape[1]
+        if nq % p != 0:
+            raise ValueError(f"Ulysses needs the query heads per TP rank ({nq}) divisible by "
+                             f"context_parallel_size ({p}); use --cp-comm-type p2p.")
+        if k.shape[1] % p != 0:                       # too few key/value heads to split: repeat them
+            k, v = (t.repeat_interleave(nq // k.shape[1], dim=1) for t in (k, v))
+
+        def to_heads(t):                                                   # [b, n, s/p, d] -> [b, n/p, s, d]
+            return _SeqToHeads.apply(t.permute(2, 0, 1, 3), p, self.group, self.fused).permute(1, 2, 0, 3)
+        out = self.core(to_heads(q), to_heads(k), to_heads(v), ctx.cp.whole, head_offset + self.cp_rank * (nq // p))
+        out = _HeadsToSeq.apply(out.permute(2, 0, 1, 3).contiguous(), p, self.group, self.fused)
+        return out.permute(1, 2, 0, 3)                                     # [b, n_q, s/p, d]
