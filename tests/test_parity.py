@@ -25,11 +25,12 @@ def pool():
 FAMILIES = {"gpt2": {}, "llama": {"model": "llama", "num_query_groups": 2}}
 
 
-def _config(tp=1, sp=False, dropout=0.0, fused=FUSED, family="gpt2"):
+def _config(tp=1, sp=False, dropout=0.0, fused=FUSED, family="gpt2", cp=1, comm="p2p"):
     from megatron_sp.config import GPTConfig
     return GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=VOCAB, seq_length=SEQ,
                      tensor_model_parallel_size=tp, sequence_parallel=sp, hidden_dropout=dropout,
-                     attention_dropout=dropout, use_fused_kernels=fused, **FAMILIES.get(family, family_fields(family)))
+                     attention_dropout=dropout, use_fused_kernels=fused, context_parallel_size=cp,
+                     cp_comm_type=comm, **FAMILIES.get(family, family_fields(family)))
 
 
 def family_fields(family):
@@ -73,13 +74,13 @@ def _copies(model, ps):
     return out
 
 
-def _parity_worker(tp, sp, dropout, fused=FUSED, family="gpt2"):
+def _parity_worker(tp, sp, dropout, fused=FUSED, family="gpt2", cp=1, comm="p2p"):
     from megatron_sp import parallel_state
     from megatron_sp.models.gpt import GPTModel
     from megatron_sp.training.grad_sync import reduce_tensor_parallel_grads
     from megatron_sp.training.optimizer import global_grad_norm
-    ps = parallel_state.initialize_model_parallel(tp)
-    model = GPTModel(_config(tp, sp, dropout, fused, family))
+    ps = parallel_state.initialize_model_parallel(tp, cp)
+    model = GPTModel(_config(tp, sp, dropout, fused, family, cp, comm))
     init = model.full_state_dict()
 
     def grads_and_norm():
@@ -87,7 +88,7 @@ def _parity_worker(tp, sp, dropout, fused=FUSED, family="gpt2"):
     losses, (grads0, norm0) = _train(model, lambda: reduce_tensor_parallel_grads(model, ps), grads_and_norm)
     replicated = {n: p.detach().clone() for n, p in model.named_parameters() if p.shard_spec.dim is None}
     final = model.full_state_dict()
-    if ps.dp_rank != 0:                                        # DP replicas: only the rank grid matters
+    if ps.dp_rank != 0 or ps.cp_rank != 0:                     # DP replicas, CP ranks: same weights
         return None
     return {"tp_rank": ps.tp_rank, "init": init, "losses": losses, "grads0": grads0, "norm0": norm0,
             "final": final, "replicated": replicated, "copies": _copies(model, ps)}
@@ -149,9 +150,9 @@ def test_parity_with_fused_kernels(pool, family, tp, sp):
     check_parity(pool, tp, sp, 0.1, fused=True, family=family)
 
 
-def check_parity(pool, tp, sp, dropout, fused, family="gpt2"):
+def check_parity(pool, tp, sp, dropout, fused, family="gpt2", cp=1, comm="p2p"):
     init, ref_losses, ref_grads, ref_final = _reference(dropout, family)
-    results = [r for r in pool.run(_parity_worker, tp, sp, dropout, fused, family) if r is not None]
+    results = [r for r in pool.run(_parity_worker, tp, sp, dropout, fused, family, cp, comm) if r is not None]
     assert len(results) == tp
     for res in results:
         assert res["init"].keys() == init.keys()
@@ -205,20 +206,22 @@ def _documents():
     return tokens, labels, ids, positions.expand(BATCH, SEQ), mask
 
 
-def _document_worker(tp, sp, family):
+def _document_worker(tp, sp, family, cp=1, comm="p2p"):
     from megatron_sp import parallel_state
     from megatron_sp.models.gpt import GPTModel
-    parallel_state.initialize_model_parallel(tp)
-    model = GPTModel(_config(tp, sp, 0.1, False, family))
+    parallel_state.initialize_model_parallel(tp, cp)
+    model = GPTModel(_config(tp, sp, 0.1, False, family, cp, comm))
     tokens, labels, ids, positions, mask = _documents()
     loss = model(tokens, labels, sample_ids=ids, position_ids=positions, attention_mask=mask)
     loss.backward()
     return loss.item(), model.full_grad_dict()
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_document_positions_and_masks_parity(pool, family):
-    """Reset position ids (learned positions and RoPE) and document masks at TP=4+SP, dropout on."""
+@pytest.mark.parametrize("family,tp,cp,comm", [("gpt2", 4, 1, "p2p"), ("llama", 4, 1, "p2p"),
+                                               ("llama", 1, 4, "p2p"), ("gpt2", 2, 2, "a2a")])
+def test_document_positions_and_masks_parity(pool, family, tp, cp, comm):
+    """Reset position ids (learned positions and RoPE) and document masks at TP=4+SP, and under
+    context parallelism (the mask becomes document ids; ring and Ulysses), dropout on."""
     from megatron_sp.models.reference import ReferenceGPT
     ref = ReferenceGPT(_config(dropout=0.1, family=family))
     tokens, labels, ids, positions, mask = _documents()
@@ -226,7 +229,41 @@ def test_document_positions_and_masks_parity(pool, family):
     loss.backward()
     plain = ref(tokens, labels, sample_ids=ids).item()
     assert abs(loss.item() - plain) > 1e-4                     # positions and masks do change the function
-    for got_loss, grads in pool.run(_document_worker, 4, True, family):
+    for got_loss, grads in pool.run(_document_worker, tp, tp > 1, family, cp, comm):
         assert abs(got_loss - loss.item()) <= 1e-5 * loss.item()
         for name, p in ref.named_parameters():
             assert _rel(grads[name], p.grad) < 1e-5, name
+
+
+CP_LAYOUTS = [(1, 2), (1, 4), (2, 2)]
+
+
+@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+@pytest.mark.parametrize("tp,cp", CP_LAYOUTS)
+def test_context_parallel_parity(pool, tp, cp, comm):
+    """Ring (p2p) and Ulysses (a2a) context parallelism, with TP+SP at tp=2, dropout on."""
+    check_parity(pool, tp, tp > 1, 0.1, fused=False, cp=cp, comm=comm)
+
+
+@pytest.mark.parametrize("tp,cp,comm", [(1, 4, "a2a"), (2, 2, "p2p")])
+def test_context_parallel_parity_llama_gqa(pool, tp, cp, comm):
+    """GQA under CP: 2 key/value heads repeated for Ulysses' 4-way split; ring passes the 2 heads."""
+    check_parity(pool, tp, tp > 1, 0.1, fused=False, family="llama", cp=cp, comm=comm)
+
+
+def _non_document_mask_worker():
+    from megatron_sp import parallel_state
+    from megatron_sp.models.gpt import GPTModel
+    parallel_state.initialize_model_parallel(1, 2)
+    model = GPTModel(_config(cp=2))
+    tokens, labels, ids = _batch(0)
+    mask = torch.rand(BATCH, 1, SEQ, SEQ, generator=torch.Generator().manual_seed(0)) < 0.3
+    try:
+        model(tokens, labels, attention_mask=mask)
+    except ValueError as err:
+        return str(err)
+
+
+def test_context_parallel_refuses_non_document_masks(pool):
+    for message in pool.run(_non_document_mask_worker):
+        assert "document mask" in message
