@@ -100,8 +100,7 @@ def test_fused_gradients_match_float64_autograd():
 
 @needs_extension
 def test_opcheck():
-    for dtype, wdtype in [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
-                          (torch.float16, torch.float16)]:
+    for dtype, wdtype in [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)]:
         x = torch.randn(5, 24, dtype=dtype, requires_grad=True)
         w = torch.randn(24, dtype=wdtype, requires_grad=True)
         torch.library.opcheck(MSP.rms_norm_fwd, (x, w, 1e-6))
@@ -170,10 +169,13 @@ print("OK")
 """
 
 
+# The widest variant the CPU has runs in the tests above; these force the narrower ones.
+_NARROWER = ["default"] + (["avx2"] if torch.backends.cpu.get_cpu_capability() == "AVX512" else [])
+
+
 @needs_extension
-@pytest.mark.parametrize("capability", ["avx2", "default"])
+@pytest.mark.parametrize("capability", _NARROWER)
 def test_every_cpu_simd_variant(capability):
-    """The widest variant the CPU has runs above; these force the AVX2 and baseline ones."""
     env = dict(os.environ, MEGATRON_SP_CPU_CAPABILITY=capability)
     proc = subprocess.run([sys.executable, "-c", VARIANT_SCRIPT], env=env, capture_output=True,
                           text=True, timeout=120)
