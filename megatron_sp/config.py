@@ -55,6 +55,9 @@ class GPTConfig:
     add_bias_linear: Optional[bool] = None   # biases in the linear layers
     add_qkv_bias: Optional[bool] = None      # bias of the QKV projection; None: add_bias_linear
     attention_backend: str = "auto"  # unfused/local: explicit softmax; else SDPA when dropout allows
+    recompute_granularity: Optional[str] = None  # full (whole layers) | selective (attention core) | None
+    recompute_method: Optional[str] = None   # full: uniform (chunks of recompute_num_layers) | block (first N)
+    recompute_num_layers: Optional[int] = None  # full: layers per chunk (uniform, default 1) or N (block)
 
     def __post_init__(self):
         if self.tensor_model_parallel_size is None or self.context_parallel_size is None:
@@ -76,6 +79,7 @@ class GPTConfig:
             self.num_query_groups = self.num_attention_heads
         self._check_divisibility()
         self._check_ranges()
+        self._check_recompute()
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             warnings.warn("GPTConfig.sequence_parallel has no effect with tensor_model_parallel_size=1; "
                           "turning it off.", stacklevel=3)
@@ -167,6 +171,24 @@ class GPTConfig:
                                  f"({self.kv_channels}) must be a positive even number of channels.")
             if not self.rotary_base > 0:
                 raise ValueError(f"GPTConfig.rotary_base must be positive, got {self.rotary_base}.")
+
+    def _check_recompute(self):
+        g, m = self.recompute_granularity, self.recompute_method
+        if g not in (None, "full", "selective"):
+            raise ValueError(f"GPTConfig.recompute_granularity must be full, selective or None, got {g!r}.")
+        if g != "full":
+            if m is not None or self.recompute_num_layers is not None:
+                raise ValueError("GPTConfig.recompute_method / recompute_num_layers need recompute_granularity full.")
+            return
+        if m is None:
+            self.recompute_method = m = "uniform"
+        if m not in ("uniform", "block"):
+            raise ValueError(f"GPTConfig.recompute_method must be uniform or block, got {m!r}.")
+        if self.recompute_num_layers is None:
+            self.recompute_num_layers = 1 if m == "uniform" else self.num_layers
+        n = self.recompute_num_layers
+        if not isinstance(n, int) or not 1 <= n <= self.num_layers:
+            raise ValueError(f"GPTConfig.recompute_num_layers must be in [1, num_layers={self.num_layers}], got {n!r}.")
 
     @property
     def head_dim(self) -> int:

@@ -107,3 +107,38 @@ def test_gqa_shapes_and_kv_channels():
     assert sd["layers.0.attn.qkv.weight"].shape == (16 * (4 + 2), 48)           # MQA, d independent of h/n
     assert sd["layers.0.attn.proj.weight"].shape == (48, 64)
     assert sd["layers.0.mlp.fc1.weight"].shape == (2 * cfg.ffn_hidden_size, 48)  # fused gate and up
+
+
+def _saved_bytes(cfg):
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from activation_memory import SavedTensorCounter
+    model = ReferenceGPT(cfg).train()
+    tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(0))
+    with SavedTensorCounter(model) as counter:
+        loss = model(tokens, tokens)
+    del loss
+    return counter.total()
+
+
+def test_recompute_saves_fewer_activations():
+    dropout = dict(hidden_dropout=0.1, attention_dropout=0.1, attention_backend="unfused")
+    plain = _saved_bytes(GPTConfig(**{**BASE, **dropout}))
+    selective = _saved_bytes(GPTConfig(**{**BASE, **dropout}, recompute_granularity="selective"))
+    full = _saved_bytes(GPTConfig(**{**BASE, **dropout}, recompute_granularity="full"))
+    assert full < selective < plain             # selective drops the s×s softmax of the unfused core
+    assert plain - selective >= 2 * 4 * 4 * 32 * 32 * 2      # at least softmax + dropped probs, fp32, 2 layers
+
+
+@pytest.mark.parametrize("override,field", [
+    (dict(recompute_granularity="some"), "recompute_granularity"),
+    (dict(recompute_method="block"), "recompute_method"),
+    (dict(recompute_granularity="full", recompute_num_layers=3), "recompute_num_layers"),
+    (dict(context_parallel_size=2, seq_length=30), "seq_length"),
+    (dict(context_parallel_size=4, cp_comm_type="a2a", num_attention_heads=2, hidden_size=64), "num_attention_heads"),
+    (dict(context_parallel_size=2, cp_comm_type="ring"), "cp_comm_type"),
+])
+def test_recompute_and_context_parallel_fields_are_checked(override, field):
+    with pytest.raises(ValueError, match=f"GPTConfig.{field}"):
+        GPTConfig(**{**BASE, **override})

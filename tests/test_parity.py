@@ -25,12 +25,12 @@ def pool():
 FAMILIES = {"gpt2": {}, "llama": {"model": "llama", "num_query_groups": 2}}
 
 
-def _config(tp=1, sp=False, dropout=0.0, fused=FUSED, family="gpt2", cp=1, comm="p2p"):
+def _config(tp=1, sp=False, dropout=0.0, fused=FUSED, family="gpt2", cp=1, comm="p2p", extra=None):
     from megatron_sp.config import GPTConfig
     return GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=VOCAB, seq_length=SEQ,
                      tensor_model_parallel_size=tp, sequence_parallel=sp, hidden_dropout=dropout,
                      attention_dropout=dropout, use_fused_kernels=fused, context_parallel_size=cp,
-                     cp_comm_type=comm, **FAMILIES.get(family, family_fields(family)))
+                     cp_comm_type=comm, **FAMILIES.get(family, family_fields(family)), **(extra or {}))
 
 
 def family_fields(family):
@@ -74,13 +74,13 @@ def _copies(model, ps):
     return out
 
 
-def _parity_worker(tp, sp, dropout, fused=FUSED, family="gpt2", cp=1, comm="p2p"):
+def _parity_worker(tp, sp, dropout, fused=FUSED, family="gpt2", cp=1, comm="p2p", extra=None):
     from megatron_sp import parallel_state
     from megatron_sp.models.gpt import GPTModel
     from megatron_sp.training.grad_sync import reduce_tensor_parallel_grads
     from megatron_sp.training.optimizer import global_grad_norm
     ps = parallel_state.initialize_model_parallel(tp, cp)
-    model = GPTModel(_config(tp, sp, dropout, fused, family, cp, comm))
+    model = GPTModel(_config(tp, sp, dropout, fused, family, cp, comm, extra))
     init = model.full_state_dict()
 
     def grads_and_norm():
@@ -150,9 +150,11 @@ def test_parity_with_fused_kernels(pool, family, tp, sp):
     check_parity(pool, tp, sp, 0.1, fused=True, family=family)
 
 
-def check_parity(pool, tp, sp, dropout, fused, family="gpt2", cp=1, comm="p2p"):
+def check_parity(pool, tp, sp, dropout, fused, family="gpt2", cp=1, comm="p2p", extra=None):
+    """The parallel model (extra: more GPTConfig fields, e.g. recomputation) against the plain reference."""
     init, ref_losses, ref_grads, ref_final = _reference(dropout, family)
-    results = [r for r in pool.run(_parity_worker, tp, sp, dropout, fused, family, cp, comm) if r is not None]
+    results = [r for r in pool.run(_parity_worker, tp, sp, dropout, fused, family, cp, comm, extra)
+               if r is not None]
     assert len(results) == tp
     for res in results:
         assert res["init"].keys() == init.keys()
@@ -267,3 +269,16 @@ def _non_document_mask_worker():
 def test_context_parallel_refuses_non_document_masks(pool):
     for message in pool.run(_non_document_mask_worker):
         assert "document mask" in message
+
+
+RECOMPUTE = {"full-uniform": dict(recompute_granularity="full"),
+             "full-block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+             "selective": dict(recompute_granularity="selective")}
+
+
+@pytest.mark.parametrize("mode", sorted(RECOMPUTE))
+@pytest.mark.parametrize("tp,cp", [(2, 1), (1, 2)])
+def test_recompute_parity(pool, mode, tp, cp):
+    """Activation recomputation (Megatron's full uniform/block and selective) changes nothing: the
+    rerun draws the same dropout bits and reruns the SP/CP collectives in step on every rank."""
+    check_parity(pool, tp, tp > 1, 0.1, fused=False, cp=cp, extra=RECOMPUTE[mode])

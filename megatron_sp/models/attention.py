@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from megatron_sp.models.rope import RotaryEmbedding
 from megatron_sp.ops.flash_attention import AttentionDropout, flash_attention
@@ -111,6 +112,7 @@ class SelfAttention(nn.Module):
         self.proj = b.row(nq * d, h, init="scaled_normal", bias=cfg.add_bias_linear)
         self.rope = RotaryEmbedding(cfg) if cfg.position_embedding_type == "rope" else None
         self.core = b.core_attention(cfg, layer)
+        self.recompute = cfg.recompute_granularity == "selective"
 
     @property
     def output_bias(self):
@@ -126,6 +128,9 @@ class SelfAttention(nn.Module):
         v = v.view(s, bsz, nkv, d).permute(1, 2, 0, 3)
         if self.rope is not None:
             q, k = self.rope(q, ctx.position_ids), self.rope(k, ctx.position_ids)
-        out = self.core(q, k, v, ctx, self.head_offset)                  # [b, n_q, s, d]
+        if self.recompute:    # selective recomputation: the core runs again in the backward
+            out = checkpoint(self.core, q, k, v, ctx, self.head_offset, use_reentrant=False)
+        else:
+            out = self.core(q, k, v, ctx, self.head_offset)              # [b, n_q, s, d]
         out = out.permute(2, 0, 1, 3).reshape(s, bsz, nq * d)            # [s, b, n_q d]
         return self.proj(out, add_bias=False)

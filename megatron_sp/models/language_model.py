@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from megatron_sp.models.init import check_init_tags
 from megatron_sp.models.registry import get_spec
@@ -52,10 +53,33 @@ class LanguageModel(nn.Module):
         ctx = self.builder.context(self.cfg, tokens, labels=labels, loss_mask=loss_mask, position_ids=position_ids,
                                    attention_mask=attention_mask, sample_ids=sample_ids, training=self.training)
         x = self.embedding(ctx.tokens, ctx)                               # [s_sp, b, h]
-        for block in self.layers:
-            x = block(x, ctx)
+        x = self._layers(x, ctx)
         if torch.is_grad_enabled():
             self._tp_grads_pending = True
             self._cp_grads_pending = ctx.cp is not None
         weight = (self.output_layer if self.output_layer is not None else self.embedding.word_embeddings).weight
         return self.head(self.final_ln(x), weight, ctx)
+
+    def _layers(self, x, ctx):
+        """The transformer layers; with full recomputation some run under activation checkpointing,
+        which keeps only their input and runs them again in the backward (dropout masks are keyed by
+        position, so the rerun draws the same bits; collectives rerun in the same order on every rank)."""
+        cfg, layers = self.cfg, list(self.layers)
+        if cfg.recompute_granularity != "full" or not torch.is_grad_enabled():
+            for block in layers:
+                x = block(x, ctx)
+            return x
+        n = cfg.recompute_num_layers
+        if cfg.recompute_method == "block":                    # the first n layers, one at a time
+            for i, block in enumerate(layers):
+                x = checkpoint(block, x, ctx, use_reentrant=False) if i < n else block(x, ctx)
+            return x
+        for start in range(0, len(layers), n):                 # uniform: chunks of n layers
+            x = checkpoint(_run_chunk, layers[start:start + n], x, ctx, use_reentrant=False)
+        return x
+
+
+def _run_chunk(blocks, x, ctx):
+    for block in blocks:
+        x = block(x, ctx)
+    return x
