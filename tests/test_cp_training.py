@@ -1,0 +1,31 @@
+"""Context parallelism in the real program (torchrun, gloo): a TP=2 × CP=2 ring-attention run logs the
+losses of a single-process run (dropout on), and its checkpoint resumes at TP=1 × CP=2 with Ulysses
+(another CP size, TP size and attention algorithm) on the same loss curve."""
+import pytest
+
+from launch_helpers import TINY, check, losses, torchrun
+
+RUN = TINY + ["--train-iters", "8", "--global-batch-size", "4", "--model", "llama", "--group-query-attention",
+              "--num-query-groups", "2"]
+
+
+@pytest.mark.slow
+def test_context_parallel_training_and_resharded_resume(tmp_path):
+    check(torchrun(1, RUN + ["--log-jsonl", str(tmp_path / "serial.jsonl")], cwd=tmp_path))
+    cp = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2",
+          "--cp-comm-type", "p2p"]
+    out = check(torchrun(4, RUN + cp + ["--save", str(tmp_path / "ckpt"), "--exit-interval", "4",
+                                         "--log-jsonl", str(tmp_path / "cp.jsonl")], cwd=tmp_path))
+    assert "TP 2 × CP 2 (p2p) × DP 1" in out.stdout
+    serial = losses(tmp_path / "serial.jsonl")
+    first = losses(tmp_path / "cp.jsonl")
+    assert len(serial) == 8 and len(first) == 4
+    for got, want in zip(first, serial):
+        assert abs(got - want) <= 1e-5 * abs(want), (first, serial)
+    ulysses = ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]
+    check(torchrun(2, RUN + ulysses + ["--load", str(tmp_path / "ckpt"), "--log-jsonl", str(tmp_path / "r.jsonl")],
+                   cwd=tmp_path))
+    resumed = losses(tmp_path / "r.jsonl")
+    assert len(resumed) == 4
+    for got, want in zip(resumed, serial[4:]):
+        assert abs(got - want) <= 1e-5 * abs(want), (resumed, serial[4:])
