@@ -19,11 +19,16 @@ class NonFiniteError(RuntimeError):
     """The loss or the gradient norm became NaN/inf."""
 
 
+class GradientUnderflowError(RuntimeError):
+    """fp16 gradients stay exactly zero even at the largest loss scale."""
+
+
 @dataclass
 class StepResult:
     loss: float                 # mean micro-batch loss over the global batch
     grad_norm: float            # before clipping
-    skipped: bool               # fp16 overflow: no update this step
+    skipped: bool               # fp16 overflow or underflow: no update this step
+    underflow: bool = False     # fp16: every gradient was zero (the loss scale was raised)
 
 
 def autocast(device: str, dtype: Optional[torch.dtype]):
@@ -75,6 +80,13 @@ def train_step(model, optimizer, data_iter, num_micro_batches: int, ps: Parallel
     if scaler is not None and not scaler.unscale_and_check(params):
         return StepResult(loss_value, float("nan"), skipped=True)
     grad_norm = clip_grads(params, clip_grad, ps)
+    verdict = scaler.update(grad_norm) if scaler is not None and math.isfinite(grad_norm) else "ok"
+    if verdict == "no_gradient":                       # the same on every rank: the norm is global
+        raise GradientUnderflowError(
+            f"the fp16 gradients are all zero at iteration {iteration} even at loss scale {scaler.scale:.3g}; "
+            f"use --bf16, or check that the loss reaches the parameters (--eod-mask-loss on all-EOD data?).")
+    if verdict == "underflow":
+        return StepResult(loss_value, grad_norm, skipped=True, underflow=True)
     if not math.isfinite(grad_norm):
         raise NonFiniteError(f"the gradient norm is {grad_norm} at iteration {iteration}; lower --lr or "
                              f"enable --clip-grad.")

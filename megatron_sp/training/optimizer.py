@@ -7,6 +7,8 @@ DP replicas: count one copy).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -66,14 +68,28 @@ def clip_grads(params, max_norm: float, ps: ParallelState) -> float:
 
 class DynamicLossScaler:
     """fp16 loss scaling: multiply the loss, skip steps whose gradients overflow (on any rank) and
-    halve the scale; double it after `growth_interval` clean steps."""
+    halve the scale; double it after `growth_interval` clean steps.
 
-    def __init__(self, initial_scale: float = 2.0 ** 16, growth_interval: int = 1000, min_scale: float = 1.0):
+    Underflow is the opposite failure: with a scale too small (a tiny --initial-loss-scale) every
+    fp16 gradient rounds to zero and AdamW would "train" on zeros without any error. A step whose
+    unscaled gradient norm is exactly 0 is skipped and the scale multiplied by `underflow_growth`;
+    if gradients are still all zero at `max_scale`, `update` says "no_gradient" and the caller
+    stops the run (the model then produces no gradient at any usable scale). A scale below
+    `min_scale` only shrinks gradients (some still round to zero), so clean steps raise it by
+    `underflow_growth` too until it reaches `min_scale`; above it the usual rules apply.
+    """
+
+    def __init__(self, initial_scale: float = 2.0 ** 16, growth_interval: int = 1000, min_scale: float = 1.0,
+                 underflow_growth: float = 2.0 ** 8, max_scale: float = 2.0 ** 24):
+        if not (initial_scale > 0 and math.isfinite(initial_scale)):
+            raise ValueError(f"the initial loss scale must be positive and finite, got {initial_scale}.")
         self.scale, self.growth_interval, self.min_scale = initial_scale, growth_interval, min_scale
+        self.underflow_growth, self.max_scale = underflow_growth, max_scale
         self._clean_steps = 0
 
     def unscale_and_check(self, params) -> bool:
-        """Divides gradients by the scale; True when every rank's gradients are finite."""
+        """Divides gradients by the scale; True when every rank's gradients are finite. An overflow
+        halves the scale here; a finite step is judged by `update` once the gradient norm is known."""
         grads = [p.grad for p in params if p.grad is not None]
         torch._foreach_mul_(grads, 1.0 / self.scale)
         bad = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
@@ -82,17 +98,26 @@ class DynamicLossScaler:
         if dist.is_initialized():
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         finite = bad.item() == 0
-        self._update(finite)
-        return finite
-
-    def _update(self, finite: bool):
         if not finite:
             self.scale = max(self.scale / 2.0, self.min_scale)
             self._clean_steps = 0
-            return
+        return finite
+
+    def update(self, grad_norm: float) -> str:
+        """After a finite step: "ok" (apply it), "underflow" (all gradients zero: skip it, the scale
+        was raised) or "no_gradient" (still all zero at max_scale: stop)."""
+        if grad_norm == 0.0:
+            self._clean_steps = 0
+            if self.scale >= self.max_scale:
+                return "no_gradient"
+            self.scale = min(self.scale * self.underflow_growth, self.max_scale)
+            return "underflow"
         self._clean_steps += 1
-        if self._clean_steps % self.growth_interval == 0:
+        if self.scale < self.min_scale:
+            self.scale = min(self.scale * self.underflow_growth, self.min_scale)
+        elif self._clean_steps % self.growth_interval == 0:
             self.scale *= 2.0
+        return "ok"
 
     def state_dict(self):
         return {"scale": self.scale, "clean_steps": self._clean_steps}
