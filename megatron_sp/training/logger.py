@@ -106,12 +106,16 @@ class TrainingLogger:
 
 def _megatron_line(r: dict, total: int) -> str:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    scale = f" loss scale: {r['loss_scale']:.1f} |" if r.get("loss_scale") is not None else ""
+    loss_scale = r.get("loss_scale")
+    scale = (f" loss scale: {loss_scale:.1f} |" if loss_scale is not None and loss_scale >= 1
+             else f" loss scale: {loss_scale:.3g} |" if loss_scale is not None else "")
+    mfu = (f"MFU: {100 * r['mfu']:.2f}% (peak {r['peak_tflops']:.3g} TFLOP/s)" if r.get("mfu") is not None
+           else "MFU: n/a (no known peak; set --peak-tflops)")
     return (f" [{stamp}] iteration {r['iteration']:8d}/{total:8d} | consumed samples: {r['consumed_samples']:12d}"
             f" | elapsed time per iteration (ms): {r['elapsed_ms']:.1f} | learning rate: {r['lr']:.6E}"
             f" | global batch size: {r['global_batch_size']:5d} | lm loss: {r['lm_loss']:.6E} |{scale}"
             f" grad norm: {r['grad_norm']:.3f} | tokens/s: {r['tokens_per_sec']:.1f}"
-            f" | TFLOP/s/device: {r['tflops']:.3f} | MFU: {100 * r['mfu']:.2f}% (peak {r['peak_tflops']:.3g} TFLOP/s) |")
+            f" | TFLOP/s/device: {r['tflops']:.3f} | {mfu} |")
 
 
 def write_loss_curve(path: str, records, eval_records=()):

@@ -1,7 +1,13 @@
-"""Throughput figures: tokens/s, achieved TFLOP/s per device and MFU against a stated peak."""
+"""Throughput figures: tokens/s, achieved TFLOP/s per device and MFU against a stated peak.
+
+MFU is reported only against a peak that is known (a data-sheet figure for a recognised GPU) or
+stated (--peak-tflops). A CPU has no data-sheet peak, and measuring one at start-up is not a peak:
+on a loaded machine the matmul probe ran slower than training later did and MFU read 244%. Without
+a known peak MFU is None ("n/a" in the log line).
+"""
 from __future__ import annotations
 
-import time
+from typing import Optional
 
 import torch
 
@@ -14,19 +20,8 @@ _GPU_PEAKS = [
 ]
 
 
-def measured_cpu_peak(dtype=torch.float32, n: int = 512, seconds: float = 0.3) -> float:
-    """Matmul throughput of this process on the CPU, in TFLOP/s (the CPU has no data-sheet peak)."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    torch.matmul(a, b)
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        torch.matmul(a, b)
-        count += 1
-    return 2 * n ** 3 * count / (time.perf_counter() - start) / 1e12
-
-
-def peak_tflops(device: str, precision: str, override=None) -> tuple[float, str]:
-    """(peak TFLOP/s per device, where the figure comes from)."""
+def peak_tflops(device: str, precision: str, override=None) -> tuple[Optional[float], str]:
+    """(peak TFLOP/s per device or None when unknown, where the figure comes from)."""
     if override:
         return float(override), "--peak-tflops"
     if device == "cuda":
@@ -34,11 +29,12 @@ def peak_tflops(device: str, precision: str, override=None) -> tuple[float, str]
         for fragment, peaks in _GPU_PEAKS:
             if fragment in name:
                 return peaks[precision], f"{name} {precision} data sheet"
-        return 100.0, f"unknown GPU {name}: assumed 100 TFLOP/s (set --peak-tflops)"
-    return measured_cpu_peak(), "measured fp32 matmul on this CPU process"
+        return None, f"unknown GPU {name}: no MFU without --peak-tflops"
+    return None, "no data-sheet peak for a CPU: no MFU without --peak-tflops"
 
 
-def throughput(flops_per_token: float, tokens: int, seconds: float, world_size: int, peak: float) -> dict:
+def throughput(flops_per_token: float, tokens: int, seconds: float, world_size: int,
+               peak: Optional[float]) -> dict:
     tokens_per_sec = tokens / max(seconds, 1e-9)
     tflops = flops_per_token * tokens_per_sec / world_size / 1e12
-    return {"tokens_per_sec": tokens_per_sec, "tflops": tflops, "mfu": tflops / peak if peak else 0.0}
+    return {"tokens_per_sec": tokens_per_sec, "tflops": tflops, "mfu": tflops / peak if peak else None}
