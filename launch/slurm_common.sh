@@ -42,6 +42,10 @@ train_args_from() {
 # and --requeue is requeued by Slurm without our help.
 run_step() {
   REQUEUE_REQUESTED=
+  # Rank 0 writes "finished N" or "stopped N" here when it exits (megatron_sp/training/signals.py):
+  # a SIGUSR1 that arrives after the last iteration must not requeue a job whose training is done.
+  export MEGATRON_SP_EXIT_STATUS_FILE=${MEGATRON_SP_EXIT_STATUS_FILE:-$PWD/.megatron_sp_exit.${SLURM_JOB_ID:-$$}}
+  rm -f "$MEGATRON_SP_EXIT_STATUS_FILE"
   "$@" &
   local step=$!
   trap "_forward_usr1 $step" USR1
@@ -49,9 +53,14 @@ run_step() {
   while kill -0 "$step" 2>/dev/null; do wait "$step"; done
   wait "$step"
   local rc=$?
-  trap - USR1
-  if [[ -n $REQUEUE_REQUESTED ]]; then
-    echo "$(date +%T) launch: step exited with $rc after SIGUSR1; requeueing job $SLURM_JOB_ID"
+  trap '' USR1   # a late SIGUSR1 must not kill this shell (its default action) after the step
+  local status
+  status=$(cat "$MEGATRON_SP_EXIT_STATUS_FILE" 2>/dev/null || true)
+  rm -f "$MEGATRON_SP_EXIT_STATUS_FILE"
+  if [[ -n $REQUEUE_REQUESTED && $status == finished* ]]; then
+    echo "$(date +%T) launch: SIGUSR1 came but training had finished ($status); not requeueing"
+  elif [[ -n $REQUEUE_REQUESTED ]]; then
+    echo "$(date +%T) launch: step exited with $rc after SIGUSR1 (${status:-no status}); requeueing job $SLURM_JOB_ID"
     scontrol requeue "$SLURM_JOB_ID"
   fi
   return $rc
