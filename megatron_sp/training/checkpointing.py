@@ -7,7 +7,14 @@ Layout of --save DIR:
 
 Atomicity: a checkpoint is written into `iter_N.tmp` and renamed to `iter_N` only after every rank
 has finished; the `latest` marker is replaced (os.replace) last. A process killed during a save
-leaves the previous checkpoint and marker untouched.
+leaves the previous checkpoint and marker untouched; a save that fails (disk full) removes its
+`iter_N.tmp` and stops the run with CheckpointSaveError.
+
+Loading is safe (safe_dcp.py: nothing in a checkpoint is unpickled beyond DCP's own metadata
+classes) and agreed: rank 0 reads the marker and broadcasts the iteration, every rank checks that
+it sees the same metadata.json (which records the size and sha256 of every file) before reading
+tensors, and that all ranks restored the same training state afterwards. Path checks that need
+no process group are in checkpoint_paths.py.
 
 Resharding: each TP-sharded tensor is stored as its slice of one canonical global tensor (see
 canonical.py), declared to DCP with its global offsets (a ShardedTensor), so DCP reads back any
@@ -16,6 +23,8 @@ writes one copy). Data-parallel replicas declare the same slices; DCP de-duplica
 """
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import shutil
@@ -25,9 +34,11 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_sp.training import failures, safe_dcp
 from megatron_sp.training.canonical import empty_dcp_target, from_canonical_local, to_dcp_tensor
-
-LATEST = "latest_checkpointed_iteration.txt"
+from megatron_sp.training.checkpoint_paths import (  # noqa: F401 - re-exported: tools and tests use them
+    LATEST, METADATA_JSON, CheckpointError, check_files_present, check_save_dir, checkpoint_dir, locate,
+    read_latest, read_metadata_json, same_path)
 
 
 @dataclass
@@ -37,15 +48,20 @@ class TrainState:
     consumed_valid_samples: int = 0
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded (missing, incomplete, incompatible): one sentence."""
+class CheckpointSaveError(RuntimeError):
+    """Writing a checkpoint failed (disk full, directory gone): a runtime fault, one sentence."""
 
 
 def _dcp():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import torch.distributed.checkpoint as dcp
-    return dcp
+    """torch.distributed.checkpoint, its reading made safe (safe_dcp.py): use it for every load."""
+    return safe_dcp.safe_module()
+
+
+def _checkpoint_exception():
+    """DCP's CheckpointException (a BaseException: `except Exception` does not catch it)."""
+    _dcp()
+    from torch.distributed.checkpoint.api import CheckpointException
+    return CheckpointException
 
 
 def _rank():
@@ -55,21 +71,6 @@ def _rank():
 def _barrier():
     if dist.is_initialized():
         dist.barrier()
-
-
-def checkpoint_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def read_latest(root: str):
-    """Iteration named by the latest marker, or None when the directory holds no checkpoint."""
-    path = os.path.join(root, LATEST)
-    if not os.path.exists(path):
-        return None
-    text = open(path).read().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"{path} does not hold an iteration number ({text!r}); fix or delete it.")
-    return int(text)
 
 
 # ---- state dicts -------------------------------------------------------------------------------
@@ -107,30 +108,88 @@ def _target_state(trainer, with_optim: bool):
     return state
 
 
+# ---- start-up checks ---------------------------------------------------------------------------
+
+def check_inputs(args, cfg) -> None:
+    """What --load and --save need, checked on every rank before the model is built (no collectives):
+    the checkpoint to resume from (path, marker, metadata.json, model flags, file sizes) and a
+    writable --save with room for one more checkpoint."""
+    if args.load:
+        iteration = locate(args.load, is_save_dir=same_path(args.load, args.save))
+        if iteration is not None:
+            path = checkpoint_dir(args.load, iteration)
+            meta = read_metadata_json(path)
+            _check_compatible(meta, cfg, path)
+            check_files_present(path, meta)
+    if args.save:
+        check_save_dir(args.save, checkpoint_bytes(cfg))
+
+
+def checkpoint_bytes(cfg) -> int:
+    """About one checkpoint's size: fp32 weights and two AdamW moments per parameter."""
+    return 3 * 4 * cfg.num_parameters()
+
+
 # ---- save --------------------------------------------------------------------------------------
 
 def save(args, trainer) -> str:
     """Collective. Writes iter_N atomically and then moves the latest marker to it."""
     root, it = args.save, trainer.state.iteration
     final, tmp = checkpoint_dir(root, it), checkpoint_dir(root, it) + ".tmp"
+    try:
+        _write(args, trainer, tmp)
+        if _rank() == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            _write_text_atomic(os.path.join(root, LATEST), str(it))
+    except (OSError, _checkpoint_exception()) as err:
+        reason = _save_failure(err, root, checkpoint_bytes(trainer.cfg))
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)         # give the space back
+        raise CheckpointSaveError(
+            f"saving iteration {it} to {root} failed on rank {_rank()} ({reason}); the previous "
+            f"checkpoint and {LATEST} are intact: free space or fix --save, then resume.") from None
+    _barrier()
+    trainer.log.info(f" saved checkpoint at iteration {it} to {final}")
+    return final
+
+
+def _write(args, trainer, tmp) -> None:
+    """Every rank's shards and RNG state, then metadata.json with the integrity record (rank 0)."""
     if _rank() == 0:
-        os.makedirs(root, exist_ok=True)
+        os.makedirs(os.path.dirname(tmp), exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)             # leftovers of a killed save
         os.makedirs(tmp)
     _barrier()
     state = build_state(trainer, with_optim=True)
-    _dcp().save(state, checkpoint_id=tmp)
+    with warnings.catch_warnings():   # DCP warns that a single process saves without a process group
+        warnings.simplefilter("ignore")
+        _dcp().save(state, checkpoint_id=tmp)
     torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{_rank()}.pt"))
+    files = safe_dcp.integrity_record(tmp)
     if _rank() == 0:
-        _write_json(os.path.join(tmp, "metadata.json"), _metadata(args, trainer))
+        _write_json(os.path.join(tmp, METADATA_JSON), {**_metadata(args, trainer), "files": files})
     _barrier()
-    if _rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _write_text_atomic(os.path.join(root, LATEST), str(it))
-    _barrier()
-    trainer.log.info(f" saved checkpoint at iteration {it} to {final}")
-    return final
+
+
+def _save_failure(err, root, needed: int) -> str:
+    """Why a save failed, in words: torch.save reports a full disk as 'unexpected pos 704 vs 598'."""
+    reason = _root_cause(err)
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return reason
+    if getattr(err, "errno", None) == errno.ENOSPC or free < needed:
+        return f"No space left on device: {free / 1e6:.1f} MB free, a checkpoint needs about {needed / 1e6:.1f} MB"
+    return reason
+
+
+def _root_cause(err) -> str:
+    """The first rank's OSError inside DCP's CheckpointException, as 'No space left on device'."""
+    for failure in getattr(err, "failures", {}).values():
+        err = failure[0] if isinstance(failure, tuple) else failure
+        break
+    return getattr(err, "strerror", None) or failures.one_sentence(err)
 
 
 def _metadata(args, trainer) -> dict:
@@ -167,18 +226,23 @@ def _rng_state():
 
 def load(args, trainer) -> None:
     """Collective. Restores model, optimizer, LR schedule position, RNG and data position from the
-    latest checkpoint in --load (weights only with --finetune)."""
-    path, meta = _locate(args.load)
-    if path is None:
-        trainer.log.info(f" no checkpoint in {args.load}: starting from scratch")
+    latest checkpoint in --load (weights only with --finetune); every rank loads the same one."""
+    iteration = _agreed_iteration(args)
+    if iteration is None:
+        trainer.log.info(f" no checkpoint in {args.load} (also --save): starting from scratch")
         return
+    path = checkpoint_dir(args.load, iteration)
+    meta = _collectively(read_metadata_json, path)
+    _check_same_everywhere(path, meta)
     _check_compatible(meta, trainer.cfg, path)
+    _collectively(check_files_present, path, meta)
+    _verify_digests(path, meta)
     with_optim = not (args.finetune or args.no_load_optim)
-    if with_optim and not _has_optimizer_state(path):
+    if with_optim and not _collectively(_has_optimizer_state, path):
         trainer.log.info(f" {path} holds no optimizer state (converted weights?): the optimizer starts fresh")
         with_optim = False
     state = _target_state(trainer, with_optim)
-    _dcp().load(state, checkpoint_id=path)
+    _read_tensors(state, path)
     _restore_model(trainer, state["model"])
     if with_optim:
         _restore_optim(trainer, state["optim"])
@@ -186,29 +250,99 @@ def load(args, trainer) -> None:
         trainer.state = TrainState(**meta["train_state"])
         if trainer.scaler and meta.get("loss_scale"):
             trainer.scaler.load_state_dict(meta["loss_scale"])
-        rng = os.path.join(path, f"rng_rank{_rank()}.pt")
-        if not args.no_load_rng and os.path.exists(rng):
-            _restore_rng(torch.load(rng, weights_only=False))
+        rng = None if args.no_load_rng else _collectively(_read_rng, path)
+        if rng is not None:
+            _restore_rng(rng)
+    _check_same_everywhere(path, asdict(trainer.state), what="restored training state")
     trainer.log.info(f" loaded checkpoint {path} (saved at TP={meta['tensor_model_parallel_size']}, "
                      f"iteration {meta['iteration']}){' for finetuning' if args.finetune else ''}")
 
 
-def _locate(root: str):
-    if not os.path.isdir(root):      # first submission of `--save X --load X`: nothing yet (Megatron)
-        return None, None
-    it = read_latest(root)
-    if it is None:
-        return None, None
-    path = checkpoint_dir(root, it)
-    meta_path = os.path.join(path, "metadata.json")
-    if not os.path.exists(meta_path):
-        raise CheckpointError(f"checkpoint {path} named by {LATEST} is missing or incomplete.")
-    return path, json.load(open(meta_path))
+def _agreed_iteration(args):
+    """Collective: rank 0 reads the marker and decides; every rank gets its answer (or its error)."""
+    answer = [None, None]
+    if _rank() == 0:
+        try:
+            answer[0] = locate(args.load, is_save_dir=same_path(args.load, args.save))
+        except CheckpointError as err:
+            answer[1] = str(err)
+    if dist.is_initialized():
+        dist.broadcast_object_list(answer, src=0)
+    if answer[1]:
+        raise CheckpointError(answer[1])
+    return answer[0]
+
+
+def _collectively(fn, *args):
+    """fn(*args) on every rank; if it fails on any rank, every rank raises that rank's CheckpointError."""
+    result, error = None, None
+    try:
+        result = fn(*args)
+    except CheckpointError as err:
+        error = str(err)
+    except safe_dcp.UnsafeCheckpointError as err:
+        error = f"{err}; megatron_sp loads only the checkpoints it writes."
+    except OSError as err:
+        error = f"{getattr(err, 'filename', None) or args[0]} cannot be read ({err.strerror or err})."
+    failure = failures.agree(error)
+    if failure:
+        raise CheckpointError(failure[1])
+    return result
+
+
+def _check_same_everywhere(path, value, what="metadata.json"):
+    """Collective: every rank holds the same `value` (a JSON-able dict), or all raise."""
+    if not dist.is_initialized():
+        return
+    digest = hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, digest)
+    differ = [rank for rank, view in enumerate(views) if view != views[0]]
+    if differ:
+        raise CheckpointError(f"ranks {differ} see a different {what} of {path} than rank 0; --load must be one "
+                              f"directory that every node reads the same (a shared file system).")
+
+
+def _verify_digests(path, meta) -> None:
+    """Collective: the files' sha256 against the record, each rank hashing its share, before unpickling."""
+    record = sorted((meta.get("files") or {}).items())
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    problem = safe_dcp.check_digests(path, record[_rank()::world])
+    failure = failures.agree(problem)
+    if failure:
+        raise CheckpointError(f"checkpoint {path} is damaged: {failure[1]}; load an earlier iteration by "
+                              f"writing its number into {LATEST}.")
+
+
+def _read_tensors(state, path) -> None:
+    try:
+        safe_dcp.load(state, path, no_dist=not dist.is_initialized())
+    except (Exception, _checkpoint_exception()) as err:  # noqa: BLE001 - DCP wraps any reader error
+        if failures.is_collective_failure(err):      # a peer died while reading: not the files' fault
+            raise
+        raise CheckpointError(f"checkpoint {path} cannot be read ({_root_cause(err)}); it is damaged or not "
+                              f"a megatron_sp checkpoint: load an earlier iteration.") from None
 
 
 def _has_optimizer_state(path) -> bool:
-    meta = _dcp().FileSystemReader(path).read_metadata().state_dict_metadata
-    return any(key.startswith("optim.") for key in meta)
+    return any(key.startswith("optim.") for key in safe_dcp.read_metadata(path).state_dict_metadata)
+
+
+def _read_rng(path):
+    """This rank's RNG state (weights_only: tensors and plain containers only), or None if not saved."""
+    file = os.path.join(path, f"rng_rank{_rank()}.pt")
+    if not os.path.exists(file):
+        return None
+    try:
+        state = torch.load(file, weights_only=True)
+        ok = isinstance(state, dict) and isinstance(state.get("torch"), torch.Tensor) \
+            and state["torch"].dtype == torch.uint8 and state["torch"].shape == torch.get_rng_state().shape
+    except Exception as err:  # noqa: BLE001 - truncated zip, foreign pickle, ...: all mean "not ours"
+        ok, state = False, failures.one_sentence(err)
+    if not ok:
+        raise CheckpointError(f"{file} is not a readable RNG state; resume with --no-load-rng or from an "
+                              f"earlier iteration.")
+    return state
 
 
 def _check_compatible(meta, cfg, path):
