@@ -9,7 +9,10 @@ standard-library sources). See README.md and launch/ for clusters.
 """
 import sys
 
-from megatron_sp.training.pretrain import main
-
 if __name__ == "__main__":
-    sys.exit(main())
+    # First, before torch is imported: a SIGUSR1/SIGTERM/SIGINT during start-up is recorded (the run
+    # stops at its first iteration boundary) instead of killing this rank (signals.py imports no torch).
+    from megatron_sp.training.signals import ExitSignalHandler
+    signals = ExitSignalHandler().install()
+    from megatron_sp.training.pretrain import main
+    sys.exit(main(signals=signals))

@@ -28,6 +28,10 @@ from megatron_sp.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa
 _worker = {}  # per-process state: the tokenizer and options (set by _init_worker)
 
 
+class _NotText(Exception):
+    """A document field that is neither a string nor a list of strings (the type name)."""
+
+
 def get_args(argv=None) -> argparse.Namespace:
     """Megatron-LM's flag names; --workers defaults to 1 here (required there)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -69,7 +73,11 @@ def encode_line(numbered_line: tuple[int, bytes]):
         if not isinstance(record, dict) or key not in record:
             raise DataError(f"{args.input} line {lineno} has no {key!r} field; pass the right "
                             "--json-keys.")
-        encoded[key] = _encode_document(record[key], tokenizer, args.append_eod)
+        try:
+            encoded[key] = _encode_document(record[key], tokenizer, args.append_eod)
+        except _NotText as err:
+            raise DataError(f"{args.input} line {lineno}: field {key!r} is of type {err}, not text (a string or "
+                            "a list of strings); fix that line or pass the right --json-keys.") from None
     return encoded, len(line)
 
 
@@ -77,6 +85,8 @@ def _encode_document(text, tokenizer, append_eod: bool):
     """Token ids of one document and the lengths of its sequences (Megatron's Encoder.encode)."""
     ids, lengths = [], []
     for sentence in text if isinstance(text, list) else [text]:
+        if not isinstance(sentence, str):
+            raise _NotText(type(sentence).__name__)
         sentence_ids = tokenizer.tokenize(sentence)
         if sentence_ids:
             ids.extend(sentence_ids)
@@ -119,12 +129,18 @@ def main(argv=None) -> list[str]:
     builders = {key: indexed.IndexedDatasetBuilder(prefix + ".bin.tmp",
                                                    dtype=token_dtype(tokenizer.vocab_size))
                 for key, prefix in prefixes.items()}
-    with tqdm(total=os.path.getsize(args.input), unit="B", unit_scale=True,
-              desc=os.path.basename(args.input)) as progress:
-        for encoded, nbytes in _encoded_stream(args):
-            progress.update(nbytes)
-            for key, (ids, lengths) in (encoded or {}).items():
-                builders[key].add_document(ids, lengths)
+    try:
+        with tqdm(total=os.path.getsize(args.input), unit="B", unit_scale=True,
+                  desc=os.path.basename(args.input)) as progress:
+            for encoded, nbytes in _encoded_stream(args):
+                progress.update(nbytes)
+                for key, (ids, lengths) in (encoded or {}).items():
+                    builders[key].add_document(ids, lengths)
+    except DataError:
+        for prefix in prefixes.values():      # no half-written .bin.tmp left behind
+            if os.path.exists(prefix + ".bin.tmp"):
+                os.remove(prefix + ".bin.tmp")
+        raise
     for key, prefix in prefixes.items():
         # Write under temporary names and rename .bin then .idx: a crash never leaves a pair
         # that looks complete.
@@ -138,5 +154,6 @@ if __name__ == "__main__":
     try:
         for written in main():
             print(f"wrote {written}.bin and {written}.idx")
-    except DataError as error:
-        sys.exit(f"error: {error}")
+    except DataError as error:   # bad input: one sentence, exit 2 (as pretrain_gpt_sp.py)
+        print(f"preprocess_data.py: error: {error}", file=sys.stderr)
+        sys.exit(2)

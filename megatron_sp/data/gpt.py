@@ -16,10 +16,10 @@ after each EOD input token.
 import contextlib
 import hashlib
 import os
-import re
 import warnings
 
 from megatron_sp.data._mcore import mcore
+from megatron_sp.data.blend import parse_data_path, parse_split  # noqa: F401 - part of this API
 from megatron_sp.data.corpus import default_corpus_prefix
 from megatron_sp.data.errors import DataError
 from megatron_sp.data.indexed import validate_indexed_prefix
@@ -73,7 +73,7 @@ def build_gpt_datasets(data_path: list[str] | None, split: str, seq_length: int,
     # rank builds the datasets; megatron-core orders rank 0 first when distributed.
     builder = builder_mod.BlendedMegatronDatasetBuilder(
         gpt.GPTDataset, [train_samples, valid_samples, test_samples], lambda: True, config)
-    with _rank_zero_when_not_distributed():
+    with _rank_zero_when_not_distributed(), _index_cache_without_pickle(config.path_to_cache):
         train, valid, test = builder.build()
     return train, valid, test
 
@@ -93,42 +93,10 @@ def _index_cache_dir(cache_dir: str, infos) -> str:
     return os.path.join(cache_dir, "indices", identity.hexdigest()[:16])
 
 
-def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None]:
-    """Megatron's --data-path list as (prefixes, weights or None); DataError when malformed."""
-    items = [str(item).strip() for item in data_path]
-    numeric = [_is_number(item) for item in items]
-    if not any(numeric):
-        return items, None
-    if len(items) % 2 or not all(numeric[0::2]) or any(numeric[1::2]):
-        raise DataError(f"--data-path {' '.join(items)} mixes weights and prefixes; give either "
-                        "prefixes only or alternating 'weight prefix' pairs.")
-    weights = [float(w) for w in items[0::2]]
-    if any(w <= 0 for w in weights):
-        raise DataError(f"--data-path weights {weights} must all be positive; drop a source "
-                        "instead of giving it weight 0.")
-    return items[1::2], weights
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def parse_split(split: str) -> list[float]:
-    """Normalised split fractions, e.g. "969,30,1" -> [0.969, 0.03, 0.001]; DataError if bad."""
-    parts = [p.strip() for p in re.split(r"[,/]", str(split)) if p.strip()]
-    try:
-        values = [float(p) for p in parts]
-    except ValueError:
-        values = []
-    if not 1 <= len(values) <= 3 or any(v < 0 for v in values) or sum(values) <= 0:
-        raise DataError(f"--split {split!r} must be 1 to 3 comma-separated non-negative numbers "
-                        "with a positive sum, e.g. '969,30,1'.")
-    values += [0.0] * (3 - len(values))
-    return [v / sum(values) for v in values]
+def check_train_split(info, split: str) -> None:
+    """DataError when the train split of `split` gets no tokens of this source (`info` from
+    validate_indexed_prefix); cheap, so the program runs it before building anything."""
+    _empty_splits(info, [(0.0, parse_split(split)[0])], split)
 
 
 def _empty_splits(info, split_matrix, split: str) -> list[int]:
@@ -186,3 +154,32 @@ def _rank_zero_when_not_distributed():
         yield
     finally:
         dist.get_rank = original
+
+
+@contextlib.contextmanager
+def _index_cache_without_pickle(cache_dir: str):
+    """Load megatron-core's cached sample indices with allow_pickle=False.
+
+    megatron-core 0.16.1 reads its index cache (`*-document_index.npy`, `*-sample_index.npy`, ...)
+    with numpy.load(..., allow_pickle=True): a file there that holds a pickle instead of an .npy
+    array would run code. It only ever writes plain integer arrays, so while the datasets are built
+    numpy.load refuses pickles, and a file it cannot read becomes a DataError naming the cache.
+    """
+    import numpy
+
+    original = numpy.load
+
+    def load(file, *args, **kwargs):
+        kwargs["allow_pickle"] = False
+        try:
+            return original(file, *args, **kwargs)
+        except (ValueError, OSError, EOFError) as err:
+            raise DataError(f"{file} in the dataset index cache is not a plain numpy array "
+                            f"({str(err).splitlines()[0] if str(err) else type(err).__name__}); delete "
+                            f"{cache_dir} to rebuild the indices.") from None
+
+    numpy.load = load
+    try:
+        yield
+    finally:
+        numpy.load = original

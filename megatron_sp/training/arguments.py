@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 
 
 class ArgumentError(ValueError):
@@ -158,3 +159,52 @@ def validate(args) -> None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_iters < 0 or args.min_lr > args.lr:
         raise ArgumentError("--lr-warmup-iters must be >= 0 and --min-lr must not exceed --lr.")
+    _check_numbers(args)
+    _check_intervals(args)
+    _check_data_flags(args)
+
+
+# (flag, attribute, predicate on a finite value, what it must be); None values (unset) are skipped.
+_NUMBER_RULES = (
+    ("--lr", "lr", lambda v: v >= 0, "a finite number >= 0"),
+    ("--min-lr", "min_lr", lambda v: v >= 0, "a finite number >= 0"),
+    ("--weight-decay", "weight_decay", lambda v: v >= 0, "a finite number >= 0"),
+    ("--adam-beta1", "adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("--adam-beta2", "adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("--adam-eps", "adam_eps", lambda v: v > 0, "a finite number > 0"),
+    ("--clip-grad", "clip_grad", lambda v: v >= 0, "a finite number >= 0 (0 disables clipping)"),
+    ("--initial-loss-scale", "initial_loss_scale", lambda v: v > 0, "a finite number > 0, e.g. 65536"),
+    ("--init-method-std", "init_method_std", lambda v: v > 0, "a finite number > 0"),
+    ("--distributed-timeout-minutes", "distributed_timeout_minutes", lambda v: v > 0, "a finite number > 0"),
+    ("--peak-tflops", "peak_tflops", lambda v: v > 0, "a finite number > 0"),
+)
+
+
+def _check_numbers(args) -> None:
+    """Values argparse accepts but training cannot use: nan/inf, betas >= 1, negative decay..."""
+    for flag, name, ok, must_be in _NUMBER_RULES:
+        value = getattr(args, name, None)
+        if value is not None and not (math.isfinite(value) and ok(value)):
+            raise ArgumentError(f"{flag} must be {must_be}, got {value}.")
+
+
+def _check_intervals(args) -> None:
+    if args.eval_iters <= 0:
+        raise ArgumentError(f"--eval-iters must be positive, got {args.eval_iters} (to evaluate less often, "
+                            f"raise --eval-interval).")
+    for flag, value in (("--save-interval", args.save_interval), ("--exit-interval", args.exit_interval)):
+        if value is not None and value <= 0:
+            raise ArgumentError(f"{flag} must be positive, got {value}.")
+
+
+def _check_data_flags(args) -> None:
+    """--data-path and --split syntax (plain Python: --mock-data runs import no numpy)."""
+    from megatron_sp.data.blend import check_train_share, parse_data_path
+    from megatron_sp.data.errors import DataError
+    try:
+        if args.data_path:
+            parse_data_path(args.data_path)
+        if not args.mock_data:
+            check_train_share(args.split)
+    except DataError as err:
+        raise ArgumentError(str(err)) from None

@@ -1,14 +1,15 @@
 """pretrain_gpt_sp.py's body: parse and check everything cheap first, then start the world, build the
 data, model and optimizer, and train.
 
-Order matters for users: every error they can cause (flags, sizes, missing or bad data, tokenizer)
-is reported in one sentence before any process group, dataset index or model is built.
+Order matters for users: every error they can cause (flags, sizes, missing or bad data, tokenizer,
+the checkpoint to load, the directory to save to) is found before any dataset index or model is
+built, and reported in one sentence by the rank that found it (failures.py says who prints what).
+Exit codes: 0 done or stopped by a signal after saving, 1 a fault while running, 2 bad input.
 """
 from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -17,11 +18,12 @@ import torch
 
 from megatron_sp import parallel_state
 from megatron_sp.config import GPTConfig
-from megatron_sp.training import checkpointing
+from megatron_sp.data.errors import DataError
+from megatron_sp.training import checkpointing, failures
 from megatron_sp.training.arguments import ArgumentError, parse_args
 from megatron_sp.training.grad_sync import OverlappedGradSync
 from megatron_sp.training.logger import TrainingLogger
-from megatron_sp.training.loop import NonFiniteError, evaluate, train_step
+from megatron_sp.training.loop import GradientUnderflowError, NonFiniteError, evaluate, train_step
 from megatron_sp.training.optimizer import DynamicLossScaler, build_optimizer
 from megatron_sp.training.schedules import LRSchedule
 from megatron_sp.training.throughput import peak_tflops, throughput
@@ -39,13 +41,8 @@ class Setup:
     prefixes: list
 
 
-def _is_first_rank() -> bool:
-    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
-
-
-def check_inputs(argv) -> Setup:
-    """Flags, model sizes, tokenizer and data files: all validated before any heavy work."""
-    from megatron_sp.data import build_tokenizer
+def parse_inputs(argv):
+    """The command line, validated, with the device, backend and cache defaults filled in."""
     from megatron_sp.training.dist_env import detect_env
     args = parse_args(argv, world_size=detect_env().world_size)   # torchrun's or Slurm's variables
     if args.device is None:
@@ -56,14 +53,25 @@ def check_inputs(argv) -> Setup:
         args.distributed_backend = "nccl" if args.device == "cuda" else "gloo"
     if args.data_cache_path is None:
         args.data_cache_path = os.path.join(REPO, "data_cache")
+    return args
+
+
+def check_inputs(argv) -> Setup:
+    """Flags, model sizes, tokenizer, data files, --load and --save: all validated before any heavy work.
+
+    argv: the command line, or a namespace from parse_inputs.
+    """
+    from megatron_sp.data import build_tokenizer
+    args = argv if hasattr(argv, "world_size") else parse_inputs(argv)
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     cfg = build_config(args, tokenizer.vocab_size)
     prefixes = []
     if args.data_path:   # (imported here: --mock-data runs need neither numpy nor megatron-core)
-        from megatron_sp.data import parse_data_path, validate_indexed_prefix
+        from megatron_sp.data import check_train_split, parse_data_path, validate_indexed_prefix
         prefixes, _ = parse_data_path(args.data_path)
         for prefix in prefixes:
-            validate_indexed_prefix(prefix, vocab_size=tokenizer.vocab_size)
+            check_train_split(validate_indexed_prefix(prefix, vocab_size=tokenizer.vocab_size), args.split)
+    checkpointing.check_inputs(args, cfg)
     return Setup(args, cfg, tokenizer, prefixes)
 
 
@@ -106,31 +114,58 @@ def data_iterator(dataset, consumed: int, args, ps):
     return build_data_iterator(dataset, consumed, args.micro_batch_size, ps.dp_rank, ps.dp_size)
 
 
-def main(argv=None) -> int:
+def main(argv=None, signals=None) -> int:
+    """The program. signals: an installed ExitSignalHandler (pretrain_gpt_sp.py installs one before
+    importing torch); without one, main installs its own for its duration."""
+    from megatron_sp.training.signals import ExitSignalHandler
+    own = signals is None
+    if own:   # a SIGTERM/SIGUSR1/SIGINT during start-up is recorded, not fatal
+        signals = ExitSignalHandler().install()
     try:
-        setup = check_inputs(argv)
-    except ValueError as err:          # ArgumentError, DataError, GPTConfig's ValueError
-        if _is_first_rank():
-            print(f"pretrain_gpt_sp.py: error: {err}", file=sys.stderr)
+        return _main(argv, signals)
+    finally:
+        if own:
+            signals.uninstall()
+
+
+def _main(argv, signals) -> int:
+    try:
+        args = parse_inputs(argv)
+    except ArgumentError as err:       # the command line: the same on every rank
+        return failures.report_deterministic(err, 2)
+    except ValueError as err:          # this rank's launcher environment (dist_env)
+        failures.print_error(failures.one_sentence(err))
         return 2
+    setup, input_error = None, None
+    try:
+        setup = check_inputs(args)
+    except (DataError, checkpointing.CheckpointError) as err:   # what this rank sees on disk: agreed below
+        input_error = failures.one_sentence(err)
+    except ValueError as err:          # GPTConfig's: the same on every rank
+        return failures.report_deterministic(err, 2)
     from megatron_sp.training.dist_env import destroy_distributed, init_distributed
-    args = setup.args
     try:
         init_distributed(args.distributed_backend, args.device, timeout_s=60 * args.distributed_timeout_minutes)
     except (ValueError, RuntimeError) as err:    # a wrong launch or a rendezvous that failed
-        print(f"pretrain_gpt_sp.py: error: {err}", file=sys.stderr)
+        failures.print_error(failures.one_sentence(err))
         return 2 if isinstance(err, ValueError) else 1
     try:
-        code = Trainer(setup).run()
+        failed = failures.agree(input_error)
+        if failed:
+            return failures.report_agreed(failed, 2)
+        signals.device = args.device
+        code = Trainer(setup).run(signals)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()   # nobody tears the group down while a peer still logs
         return code
-    except NonFiniteError as err:
-        print(f"pretrain_gpt_sp.py: error: {err}", file=sys.stderr)
-        return 1
-    except checkpointing.CheckpointError as err:
-        print(f"pretrain_gpt_sp.py: error: {err}", file=sys.stderr)
-        return 2
+    except (NonFiniteError, GradientUnderflowError, checkpointing.CheckpointSaveError, OSError) as err:
+        return failures.report_once(failures.one_sentence(err), 1)
+    except (checkpointing.CheckpointError, DataError) as err:
+        return failures.report_once(failures.one_sentence(err), 2)
+    except RuntimeError as err:        # a peer died or hung (anything else is a bug: traceback)
+        if not failures.is_collective_failure(err):
+            raise
+        return failures.report_once(failures.describe_collective_failure(err, args.distributed_timeout_minutes), 1)
     finally:
         destroy_distributed()
 
@@ -161,15 +196,33 @@ class Trainer:
         precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
         self.peak, self.peak_source = peak_tflops(args.device, precision, args.peak_tflops)
 
-    def run(self) -> int:
+    def run(self, signals=None) -> int:
+        """Trains from the current state; returns 0. signals: an installed ExitSignalHandler."""
+        from megatron_sp.training.signals import ExitSignalHandler, write_exit_status
         args, state = self.args, self.state
+        own = signals is None
+        if own:
+            signals = ExitSignalHandler(args.device).install()
         self._describe()
         train_iter = data_iterator(self.train_ds, state.consumed_train_samples, args, self.ps)
         self.valid_iter = data_iterator(self.valid_ds, state.consumed_valid_samples, args, self.ps)
-        from megatron_sp.training.signals import ExitSignalHandler
-        signals = ExitSignalHandler(args.device).install()
         self.log.start_at(state.iteration)
-        exit_code = 0
+        if signals.should_exit():          # got one during start-up: nothing new to save
+            got = getattr(signals.received_signal, "name", "on another rank")
+            self.log.info(f" exit signal ({got}) received before training: exiting at iteration {state.iteration}")
+        elif state.iteration >= args.train_iters:
+            self.log.info(f" training already finished (iteration {state.iteration}, --train-iters "
+                          f"{args.train_iters}): nothing to do")
+        else:
+            self._train_loop(train_iter, signals)
+        write_exit_status(finished=state.iteration >= args.train_iters, iteration=state.iteration)
+        if own:
+            signals.uninstall()
+        self.log.close()
+        return 0
+
+    def _train_loop(self, train_iter, signals):
+        args, state = self.args, self.state
         while state.iteration < args.train_iters:
             self._train_one(train_iter)
             if args.eval_interval and state.iteration % args.eval_interval == 0:
@@ -180,19 +233,14 @@ class Trainer:
                 self.log.info(f" exit signal received: saving at iteration {state.iteration} and exiting")
                 if args.save:
                     checkpointing.save(args, self)
-                exit_code = 0
-                break
+                return
             if args.exit_interval and state.iteration % args.exit_interval == 0:
                 if args.save:
                     checkpointing.save(args, self)
                 self.log.info(f" exiting at iteration {state.iteration} (--exit-interval {args.exit_interval})")
-                break
-        else:
-            if args.save and (not args.save_interval or state.iteration % args.save_interval != 0):
-                checkpointing.save(args, self)
-        signals.uninstall()
-        self.log.close()
-        return exit_code
+                return
+        if args.save and (not args.save_interval or state.iteration % args.save_interval != 0):
+            checkpointing.save(args, self)
 
     def _train_one(self, train_iter):
         args, state = self.args, self.state
@@ -204,6 +252,9 @@ class Trainer:
         if args.device == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
+        if result.underflow:
+            self.log.info(f" iteration {state.iteration + 1}: the fp16 gradients underflowed to zero; step skipped, "
+                          f"loss scale raised to {self.scaler.scale:.3g}")
         state.iteration += 1
         state.consumed_train_samples += args.global_batch_size
         tokens = args.global_batch_size * args.seq_length
@@ -230,7 +281,7 @@ class Trainer:
             f"{' + SP' if c.sequence_parallel else ''} | device {a.device} ({a.distributed_backend}) | "
             f"{c.num_parameters() / 1e6:.2f}M parameters | vocab {c.vocab_size} (padded {c.padded_vocab_size}) | "
             f"{a.num_micro_batches} micro-batches of {a.micro_batch_size} per DP rank | "
-            f"MFU peak {self.peak:.3g} TFLOP/s ({self.peak_source})")
+            f"MFU peak {f'{self.peak:.3g} TFLOP/s' if self.peak else 'n/a'} ({self.peak_source})")
         if self.state.iteration:
             self.log.info(f" resuming at iteration {self.state.iteration}, "
                           f"{self.state.consumed_train_samples} samples consumed")
