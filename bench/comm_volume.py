@@ -11,7 +11,7 @@ library calls them as attributes of the `torch.distributed` module (`dist.all_re
 `import torch.distributed as dist`), so replacing those attributes intercepts every call. Wrapped:
 all_reduce, all_gather_into_tensor / all_gather_single / _all_gather_base, reduce_scatter_tensor /
 reduce_scatter_single / _reduce_scatter_base, all_gather (list), reduce_scatter (list),
-all_to_all_single, all_to_all (list). A call made from inside another wrapped call is not counted
+all_to_all_single, all_to_all (list), batch_isend_irecv (ring attention: the isend bytes). A call made from inside another wrapped call is not counted
 twice. Each call records its op, phase (forward / backward / sp-grad-sync), the library function that
 issued it, the group size t and the tensor bytes, and is charged the standard ring-algorithm cost per
 rank:
@@ -53,6 +53,7 @@ WRAPPED = OrderedDict([
     ("reduce_scatter", "reduce_scatter"),
     ("all_to_all_single", "all_to_all"),
     ("all_to_all", "all_to_all"),
+    ("batch_isend_irecv", "p2p"),
 ])
 # mappings' raw helpers are skipped when naming the call site (the caller of interest is above them)
 _HELPERS = {"_all_reduce", "_all_gather_dim0", "_reduce_scatter_dim0", "_all_gather_last",
@@ -108,6 +109,10 @@ class CollectiveCounter:
                 inp = bound.get("input", bound.get("input_list"))
                 raw = _nbytes(inp)
                 sent = (t - 1) / t * raw
+            elif kind == "p2p":                         # ring attention: what this rank sends
+                ops = bound["p2p_op_list"]
+                raw = sent = sum(_nbytes(op.tensor) for op in ops if op.op is counter._dist.isend)
+                t = counter._world_size(ops[0].group) if ops else 1
             else:                                       # all_to_all
                 inp = bound.get("input", bound.get("input_tensor_list"))
                 raw = _nbytes(inp)

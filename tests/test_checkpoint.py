@@ -144,6 +144,6 @@ def test_safetensors_round_trip(tmp_path):
     ref.load_state_dict(full)                           # ReferenceGPT's keys and shapes exactly
     convert_checkpoint.main(["from-safetensors", "--input", str(tmp_path / "m.safetensors"),
                              "--save", str(tmp_path / "back")])
-    again = convert_checkpoint.read_full_state(checkpointing.checkpoint_dir(str(tmp_path / "back"), 0))
+    again, _ = convert_checkpoint.read_full_state(checkpointing.checkpoint_dir(str(tmp_path / "back"), 0))
     assert again.keys() == full.keys() and all(torch.equal(again[k], full[k]) for k in full)
     assert pretrain.main(SMALL + ["--train-iters", "1", "--load", str(tmp_path / "back"), "--finetune"]) == 0

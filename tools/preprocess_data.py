@@ -43,6 +43,8 @@ def get_args(argv=None) -> argparse.Namespace:
     group.add_argument("--tokenizer-type", default="ByteLevelTokenizer", choices=TOKENIZER_TYPES)
     group.add_argument("--tokenizer-model", default=None, help="tokenizer.json (HuggingFace)")
     group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocab size")
+    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer merges.txt")
     group.add_argument("--append-eod", action="store_true", help="append EOD to each document")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True, help="prefix of the .bin/.idx files")
@@ -53,7 +55,7 @@ def get_args(argv=None) -> argparse.Namespace:
 
 def _init_worker(args: argparse.Namespace) -> None:
     _worker["tokenizer"] = build_tokenizer(args.tokenizer_type, args.tokenizer_model,
-                                           args.vocab_size)
+                                           args.vocab_size, args.vocab_file, args.merge_file)
     _worker["args"] = args
 
 
@@ -122,7 +124,8 @@ def main(argv=None) -> list[str]:
     if not os.path.isfile(args.input):
         raise DataError(f"Input file {args.input} does not exist; pass --input PATH to a JSON-lines "
                         "file.")
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size, args.vocab_file,
+                                args.merge_file)
     indexed = mcore("datasets.indexed_dataset")
     prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)

@@ -63,7 +63,8 @@ class _RingAttention(torch.autograd.Function):
         c = q.shape[2] // 2
         q_pos = layout.positions(r, q.device)
         q_seg = layout.segments(r)
-        out = torch.zeros_like(q)
+        b, n, s, d = q.shape                       # out laid out [s, b, n, d]: proj's input is a view of it
+        out = torch.zeros(s, b, n, d, dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kv = (k, v)
         for step in range(p):

@@ -21,12 +21,39 @@ class _Parser(argparse.ArgumentParser):
 
 def _model_args(p):
     g = p.add_argument_group("model")
+    g.add_argument("--model", default="gpt2",
+                   help="model family: gpt2, llama (models/registry.py) or package.module:SPEC; sets the "
+                        "defaults of the architecture flags below")
     g.add_argument("--num-layers", type=int, default=4)
     g.add_argument("--hidden-size", type=int, default=128)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden size")
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden size (SwiGLU: 8h/3)")
     g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--kv-channels", type=int, default=None, help="head dim; default hidden / heads")
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="key/value heads (grouped-query attention; 1 with --group-query-attention alone)")
     g.add_argument("--seq-length", type=int, default=128)
     g.add_argument("--max-position-embeddings", type=int, default=None, help="default seq length")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"], default=None)
+    g.add_argument("--use-rotary-position-embeddings", dest="position_embedding_type", action="store_const",
+                   const="rope", help="same as --position-embedding-type rope")
+    g.add_argument("--no-position-embedding", dest="position_embedding_type", action="store_const",
+                   const="none", help="same as --position-embedding-type none")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default=None)
+    g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", dest="activation", action="store_const", const="swiglu",
+                   help="SwiGLU MLP (fused gate/up projection)")
+    g.add_argument("--openai-gelu", dest="activation", action="store_const", const="openai_gelu",
+                   help="GPT-2's tanh approximation of GELU")
+    g.add_argument("--untie-embeddings-and-output-weights", dest="untie_embeddings_and_output_weights",
+                   action="store_const", const=True, default=None)
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_const", const=False,
+                   default=None)
+    g.add_argument("--add-qkv-bias", dest="add_qkv_bias", action="store_const", const=True, default=None)
+    g.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default="auto",
+                   help="unfused/local: explicit softmax; otherwise PyTorch SDPA whenever dropout allows")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
@@ -34,11 +61,21 @@ def _model_args(p):
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--no-fused-kernels", action="store_true",
                    help="use the PyTorch references instead of megatron_sp._C ops")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="activation recomputation: whole layers (full) or the attention core (selective)")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="full: checkpoint chunks of --recompute-num-layers (uniform) or the first N layers (block)")
+    g.add_argument("--recompute-num-layers", type=int, default=None)
 
 
 def _parallel_args(p):
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="only 1 (no pipeline parallelism)")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="split each sequence over this many ranks (world = TP × CP × DP)")
+    g.add_argument("--cp-comm-type", choices=["p2p", "a2a"], default="p2p",
+                   help="context-parallel attention: p2p ring attention or a2a (Ulysses all-to-all)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl on cuda, gloo on cpu")
@@ -53,13 +90,18 @@ def _training_args(p):
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=8)
     g.add_argument("--global-batch-size", type=int, default=None, help="default micro batch × DP")
-    g.add_argument("--train-iters", type=int, default=300)
+    g.add_argument("--train-iters", type=int, default=None, help="default 300 (or from --train-samples)")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="train on this many samples (iterations = samples / global batch); LR flags in samples")
     g.add_argument("--exit-interval", type=int, default=None, help="exit after an iteration divisible by this")
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=1e-4)
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default train iters")
-    g.add_argument("--lr-warmup-iters", type=int, default=20)
+    g.add_argument("--lr-decay-samples", type=int, default=None, help="with --train-samples; default train samples")
+    g.add_argument("--lr-warmup-iters", type=int, default=None, help="default 20")
+    g.add_argument("--lr-warmup-samples", type=int, default=None, help="with --train-samples")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None, help="warmup as a fraction of the decay span")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.95)
@@ -79,8 +121,10 @@ def _data_args(p):
                    help="random tokens instead of a dataset (speed runs; needs no data and no megatron-core)")
     g.add_argument("--split", default="969,30,1")
     g.add_argument("--tokenizer-type", default="ByteLevelTokenizer",
-                   choices=["ByteLevelTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
+                   choices=["ByteLevelTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"])
     g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json")
+    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt")
     g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer's vocabulary")
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
@@ -128,14 +172,22 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
 
 def validate(args) -> None:
     """Checks that need no data and no devices; fills derived defaults (dp size, batch sizes...)."""
+    if args.pipeline_model_parallel_size != 1:
+        raise ArgumentError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} is not supported: "
+                            f"megatron_sp has no pipeline parallelism; use tensor, sequence, context and data "
+                            f"parallelism (--pipeline-model-parallel-size 1).")
+    _train_length(args)
     for name in ("micro_batch_size", "train_iters", "log_interval", "eval_interval", "num_layers",
                  "hidden_size", "num_attention_heads", "seq_length", "tensor_model_parallel_size"):
-        if getattr(args, name) <= 0:
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
-    tp = args.tensor_model_parallel_size
-    if args.world_size % tp != 0:
-        raise ArgumentError(f"world size {args.world_size} is not divisible by --tensor-model-parallel-size {tp}.")
-    args.data_parallel_size = args.world_size // tp
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    if cp <= 0:
+        raise ArgumentError(f"--context-parallel-size must be positive, got {cp}.")
+    if args.world_size % (tp * cp) != 0:
+        raise ArgumentError(f"world size {args.world_size} is not divisible by --tensor-model-parallel-size {tp}"
+                            + (f" × --context-parallel-size {cp}" if cp > 1 else "") + ".")
+    args.data_parallel_size = args.world_size // (tp * cp)
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = per_step
@@ -149,19 +201,66 @@ def validate(args) -> None:
         raise ArgumentError("--tokenizer-type NullTokenizer needs --vocab-size.")
     if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
         raise ArgumentError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH/tokenizer.json.")
+    if args.tokenizer_type == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file):
+        raise ArgumentError("--tokenizer-type GPT2BPETokenizer needs --vocab-file vocab.json and --merge-file merges.txt.")
     for flag, value, module, package in (("--loss-curve", args.loss_curve, "matplotlib", "matplotlib"),
                                          ("--tensorboard-dir", args.tensorboard_dir, "tensorboard",
                                           "tensorboard")):
         if value and importlib.util.find_spec(module) is None:
             raise ArgumentError(f"{flag} needs the {package} package, which is not installed "
                                 f"(pip install {package}).")
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_iters < 0 or args.min_lr > args.lr:
-        raise ArgumentError("--lr-warmup-iters must be >= 0 and --min-lr must not exceed --lr.")
+    _schedule_units(args)
+    if args.min_lr > args.lr:
+        raise ArgumentError("--min-lr must not exceed --lr.")
     _check_numbers(args)
     _check_intervals(args)
     _check_data_flags(args)
+
+
+def _train_length(args) -> None:
+    """--train-iters or --train-samples (Megatron: one of them; samples make the LR flags sample-based)."""
+    if args.train_samples is not None and args.train_iters is not None:
+        raise ArgumentError("give --train-iters or --train-samples, not both.")
+    if args.train_samples is None:
+        for flag in ("lr_decay_samples", "lr_warmup_samples"):
+            if getattr(args, flag) is not None:
+                raise ArgumentError(f"--{flag.replace('_', '-')} needs --train-samples (with --train-iters use "
+                                    f"--{flag.replace('_samples', '_iters').replace('_', '-')}).")
+        if args.train_iters is None:
+            args.train_iters = 300
+        return
+    for flag in ("lr_decay_iters", "lr_warmup_iters"):
+        if getattr(args, flag) is not None:
+            raise ArgumentError(f"--{flag.replace('_', '-')} does not go with --train-samples; use "
+                                f"--{flag.replace('_iters', '_samples').replace('_', '-')}.")
+    if args.train_samples <= 0:
+        raise ArgumentError(f"--train-samples must be positive, got {args.train_samples}.")
+    args.train_iters = None   # set once the global batch size is known (_schedule_units)
+
+
+def _schedule_units(args) -> None:
+    """LR schedule span in iterations or samples: args.lr_unit, args.lr_warmup, args.lr_decay."""
+    samples = args.train_samples is not None
+    if samples:
+        args.train_iters = max(1, args.train_samples // args.global_batch_size)
+        decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
+        warmup = args.lr_warmup_samples
+    else:
+        decay = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
+        warmup = args.lr_warmup_iters
+    if args.lr_warmup_fraction is not None:
+        if warmup is not None:
+            raise ArgumentError("give --lr-warmup-fraction or --lr-warmup-iters/--lr-warmup-samples, not both.")
+        if not 0.0 <= args.lr_warmup_fraction <= 1.0:
+            raise ArgumentError(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}.")
+        warmup = int(args.lr_warmup_fraction * decay)
+    if warmup is None:
+        warmup = 0 if samples else 20
+    if warmup < 0 or decay <= 0:
+        raise ArgumentError("the LR warmup must be >= 0 and the decay span positive.")
+    args.lr_unit, args.lr_warmup, args.lr_decay = ("samples" if samples else "iterations"), warmup, decay
+    args.lr_decay_iters = decay if not samples else args.lr_decay_iters
+    args.lr_warmup_iters = warmup if not samples else args.lr_warmup_iters
 
 
 # (flag, attribute, predicate on a finite value, what it must be); None values (unset) are skipped.

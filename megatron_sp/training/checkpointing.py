@@ -345,12 +345,24 @@ def _read_rng(path):
     return state
 
 
+# Model fields that must match; checkpoints written before a field existed hold its GPT-2 value.
+_MODEL_FIELDS = {"num_layers": None, "hidden_size": None, "num_attention_heads": None,
+                 "ffn_hidden_size": None, "vocab_size": None, "max_position_embeddings": None,
+                 "normalization": "LayerNorm", "activation": "gelu",
+                 "position_embedding_type": "learned_absolute", "num_query_groups": None,
+                 "kv_channels": None, "untie_embeddings_and_output_weights": False,
+                 "add_bias_linear": True, "add_qkv_bias": True}
+
+
 def _check_compatible(meta, cfg, path):
     saved = meta["config"]
-    for key in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
-                "max_position_embeddings"):
-        if saved.get(key) != getattr(cfg, key):
-            raise CheckpointError(f"checkpoint {path} has {key}={saved.get(key)} but the model has "
+    legacy = {"num_query_groups": saved.get("num_attention_heads"),
+              "kv_channels": (saved["hidden_size"] // saved["num_attention_heads"]
+                              if saved.get("hidden_size") and saved.get("num_attention_heads") else None)}
+    for key, old_default in _MODEL_FIELDS.items():
+        value = saved.get(key, legacy.get(key, old_default))
+        if value != getattr(cfg, key):
+            raise CheckpointError(f"checkpoint {path} has {key}={value} but the model has "
                                   f"{getattr(cfg, key)}; use the same model flags as the saved run.")
 
 

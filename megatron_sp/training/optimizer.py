@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp.parallel_state import ParallelState
+from megatron_sp.tensor_parallel.sharding import split_local
 
 
 def param_groups(model, weight_decay: float):
@@ -47,9 +48,16 @@ def global_grad_norm(params, ps: ParallelState) -> torch.Tensor:
     """L2 norm of the full (serial) gradient: each parameter counted once."""
     grads = [p for p in params if p.grad is not None]
     device = grads[0].grad.device if grads else "cpu"
-    is_split = [getattr(p, "shard_spec", None) is not None and p.shard_spec.dim is not None for p in grads]
-    split = [p.grad.detach() for p, s in zip(grads, is_split) if s]
-    replicated = [p.grad.detach() for p, s in zip(grads, is_split) if not s]
+    split, replicated = [], []
+    for p in grads:
+        spec = getattr(p, "shard_spec", None)
+        if spec is None or spec.dim is None:
+            replicated.append(p.grad.detach())
+        elif not spec.segments:
+            split.append(p.grad.detach())
+        else:   # segments held in copies (GQA key/value heads): only the first copy counts
+            split += [view for shard, view in split_local(p.grad.detach(), spec, ps.tp_rank, ps.tp_size)
+                      if shard.first_copy]
     sharded = _sum_of_squares(split, device)
     if ps.tp_size > 1:
         dist.all_reduce(sharded, group=ps.tp_group)     # TP shards: sum over the group

@@ -63,7 +63,8 @@ def check_inputs(argv) -> Setup:
     """
     from megatron_sp.data import build_tokenizer
     args = argv if hasattr(argv, "world_size") else parse_inputs(argv)
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size, args.vocab_file,
+                                args.merge_file)
     cfg = build_config(args, tokenizer.vocab_size)
     prefixes = []
     if args.data_path:   # (imported here: --mock-data runs need neither numpy nor megatron-core)
@@ -76,14 +77,25 @@ def check_inputs(argv) -> Setup:
 
 
 def build_config(args, vocab_size: int) -> GPTConfig:
+    groups = args.num_query_groups
+    if groups is None and args.group_query_attention:
+        groups = 1                                   # Megatron's default with --group-query-attention
     return GPTConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         vocab_size=vocab_size, seq_length=args.seq_length, ffn_hidden_size=args.ffn_hidden_size,
         max_position_embeddings=args.max_position_embeddings, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std, seed=args.seed,
+        layernorm_epsilon=args.norm_epsilon,
         tensor_model_parallel_size=args.tensor_model_parallel_size, sequence_parallel=args.sequence_parallel,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        use_fused_kernels=not args.no_fused_kernels)
+        use_fused_kernels=not args.no_fused_kernels, model=args.model, normalization=args.normalization,
+        activation=args.activation, position_embedding_type=args.position_embedding_type,
+        rotary_base=float(args.rotary_base), rotary_percent=args.rotary_percent, num_query_groups=groups,
+        kv_channels=args.kv_channels, untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
+        attention_backend=args.attention_backend, context_parallel_size=args.context_parallel_size,
+        cp_comm_type=args.cp_comm_type, recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers)
 
 
 def build_data(setup: Setup, ps):
@@ -177,7 +189,8 @@ class Trainer:
         self.args, self.cfg = setup.args, setup.cfg
         args = self.args
         torch.manual_seed(args.seed)
-        self.ps = parallel_state.initialize_model_parallel(args.tensor_model_parallel_size)
+        self.ps = parallel_state.initialize_model_parallel(args.tensor_model_parallel_size,
+                                                           args.context_parallel_size)
         self.log = TrainingLogger(args, enabled=torch.distributed.get_rank() == 0
                                   if torch.distributed.is_initialized() else True)
         self.dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
@@ -186,9 +199,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, args, args.device)
         self.scaler = DynamicLossScaler(args.initial_loss_scale) if args.fp16 else None
         self.grad_sync = (OverlappedGradSync(self.model, self.ps)
-                          if args.overlap_grad_reduce and self.ps.dp_size > 1 else None)
-        self.schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
-                                   args.lr_decay_style)
+                          if args.overlap_grad_reduce and self.ps.dp_size * self.ps.cp_size > 1 else None)
+        self.schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup, args.lr_decay, args.lr_decay_style)
         self.state = checkpointing.TrainState()
         if args.load:
             checkpointing.load(args, self)
@@ -244,7 +256,8 @@ class Trainer:
 
     def _train_one(self, train_iter):
         args, state = self.args, self.state
-        lr = self.schedule.apply(self.optimizer, state.iteration + 1)
+        unit = args.global_batch_size if args.lr_unit == "samples" else 1   # Megatron's sample-based LR
+        lr = self.schedule.apply(self.optimizer, (state.iteration + 1) * unit)
         start = time.perf_counter()
         result = train_step(self.model, self.optimizer, train_iter, args.num_micro_batches, self.ps,
                             device=args.device, dtype=self.dtype, clip_grad=args.clip_grad,
@@ -277,8 +290,12 @@ class Trainer:
     def _describe(self):
         a, c = self.args, self.cfg
         self.log.info(
-            f" megatron_sp: world {a.world_size} = TP {a.tensor_model_parallel_size} × DP {a.data_parallel_size}"
+            f" megatron_sp: world {a.world_size} = TP {a.tensor_model_parallel_size}"
+            f"{f' × CP {c.context_parallel_size} ({c.cp_comm_type})' if c.context_parallel_size > 1 else ''}"
+            f" × DP {a.data_parallel_size}"
             f"{' + SP' if c.sequence_parallel else ''} | device {a.device} ({a.distributed_backend}) | "
+            f"model {c.model}: {c.normalization}, {c.activation}, {c.position_embedding_type} positions, "
+            f"{c.num_attention_heads} heads / {c.num_query_groups} kv | "
             f"{c.num_parameters() / 1e6:.2f}M parameters | vocab {c.vocab_size} (padded {c.padded_vocab_size}) | "
             f"{a.num_micro_batches} micro-batches of {a.micro_batch_size} per DP rank | "
             f"MFU peak {f'{self.peak:.3g} TFLOP/s' if self.peak else 'n/a'} ({self.peak_source})")
