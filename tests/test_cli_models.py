@@ -2,7 +2,6 @@
 onto the model they describe, trained (in-process, TP=1); sample-based LR schedules; GPT2BPETokenizer;
 what is not supported (pipeline parallelism) refused in one sentence."""
 import math
-import os
 
 import pytest
 
@@ -90,8 +89,8 @@ def test_gpt3_example_flags_with_a_sample_based_schedule(tmp_path):
     (["--model", "llama", "--group-query-attention", "--num-query-groups", "3"], "num_query_groups"),
     (["--model", "nope"], "unknown model 'nope'"),
 ])
-def test_unsupported_model_flags_are_one_sentence(argv, needle, capsys, tmp_path):
-    os.chdir(tmp_path)
+def test_unsupported_model_flags_are_one_sentence(argv, needle, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     code = pretrain.main(TINY + ["--train-iters", "2"] + argv)
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and needle in err and "Traceback" not in err, err

@@ -140,7 +140,8 @@ def test_init_distributed_single_process_has_no_process_group(clean_launch_env):
     env = dist_env.init_distributed("gloo", "cpu")
     assert env.launcher == "single" and not dist.is_initialized()
     assert os.environ["RANK"] == "0" and os.environ["WORLD_SIZE"] == "1"
-    dist_env.destroy_distributed()  # a no-op without a process group
+    dist_env.destroy_distributed()  # no process group to leave; the exported variables are undone
+    assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ
 
 
 @pytest.mark.parametrize("backend, device, match", [

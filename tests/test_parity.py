@@ -282,3 +282,24 @@ def test_recompute_parity(pool, mode, tp, cp):
     """Activation recomputation (Megatron's full uniform/block and selective) changes nothing: the
     rerun draws the same dropout bits and reruns the SP/CP collectives in step on every rank."""
     check_parity(pool, tp, tp > 1, 0.1, fused=False, cp=cp, extra=RECOMPUTE[mode])
+
+
+def _cp_logits_worker(cp, comm):
+    from megatron_sp import parallel_state
+    from megatron_sp.models.gpt import GPTModel
+    parallel_state.initialize_model_parallel(1, cp)
+    model = GPTModel(_config(cp=cp, comm=comm, fused=True)).eval()
+    tokens, _, ids = _batch(0)
+    with torch.no_grad():
+        return model(tokens, sample_ids=ids)
+
+
+@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+def test_context_parallel_logits_in_natural_order(pool, comm):
+    """labels=None under CP: every rank returns the whole [b, s, V] logits in sequence order (the
+    zigzag chunks undone by the fused zigzag_reorder)."""
+    from megatron_sp.models.reference import ReferenceGPT
+    with torch.no_grad():
+        want = ReferenceGPT(_config(fused=True)).eval()(_batch(0)[0])
+    for got in pool.run(_cp_logits_worker, 4, comm):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

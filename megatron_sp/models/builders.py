@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_sp import ops
 from megatron_sp.context_parallel.layout import cp_positions, document_ids
 from megatron_sp.context_parallel.ring import RingAttention
 from megatron_sp.context_parallel.ulysses import UlyssesAttention
@@ -211,7 +212,7 @@ class ParallelLMHead(nn.Module):
         super().__init__()
         self.vocab_size, self.group, self.sp = cfg.vocab_size, ps.tp_group, cfg.sequence_parallel
         self.vocab_start = ps.tp_rank * (cfg.padded_vocab_size // ps.tp_size)
-        self.cp_group, self.cp_size = ps.cp_group, ps.cp_size
+        self.cp_group, self.cp_size, self.fused = ps.cp_group, ps.cp_size, cfg.use_fused_kernels
 
     def forward(self, hidden, weight, ctx):
         logits = parallel_linear(hidden, weight, None, self.group, "sp" if self.sp else "tp")
@@ -231,8 +232,8 @@ class ParallelLMHead(nn.Module):
         full = mappings.gather_from_tensor_parallel_region(logits, self.group)[..., : self.vocab_size]
         if self.cp_size > 1:                                           # whole sequence, natural order
             full = mappings.gather_from_sequence_parallel_region(full, self.cp_group, tensor_parallel_output_grad=False)
-            order = torch.cat([ctx.cp.positions(r, full.device) for r in range(self.cp_size)])
-            full = full[torch.argsort(order)]
+            if ctx.cp.comm_type == "p2p":                              # the ranks' zigzag chunks, undone
+                full = ops.zigzag_reorder(full.contiguous(), self.cp_size, dim=0, inverse=True, fused=self.fused)
         return full.transpose(0, 1)
 
 

@@ -258,11 +258,28 @@ def _warn_shared_store_restarts(env: DistEnv) -> None:
                       "as launch/local.sh and launch/torchrun.sbatch do", stacklevel=3)
 
 
+_EXPORTED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_previous_env: dict = {}
+
+
 def _export(env: DistEnv) -> None:
-    """torch's env:// rendezvous (and libraries we call) read these."""
+    """torch's env:// rendezvous (and libraries we call) read these; destroy_distributed puts the
+    previous values back, so an in-process run (tests, notebooks) leaves the environment as it was
+    (a leaked WORLD_SIZE=1 would override Slurm's in jobs submitted later from this process)."""
+    if not _previous_env:
+        _previous_env.update({k: os.environ.get(k) for k in _EXPORTED})
     os.environ.update(RANK=str(env.rank), WORLD_SIZE=str(env.world_size),
                       LOCAL_RANK=str(env.local_rank), MASTER_ADDR=env.master_addr,
                       MASTER_PORT=str(env.master_port))
+
+
+def _restore_env() -> None:
+    for key, value in _previous_env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _previous_env.clear()
 
 
 def _select_cuda_device(local_rank: int) -> int:
@@ -287,3 +304,4 @@ def destroy_distributed() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _restore_env()
