@@ -46,34 +46,6 @@ def test_resharded_resume_matches(runs, tmp_path, tp):
         assert abs(a - b) <= 1e-5 * abs(b), (tp, got, want)
 
 
-LLAMA = TINY + ["--train-iters", "8", "--global-batch-size", "4", "--model", "llama", "--group-query-attention",
-                "--num-query-groups", "2"]
-
-
-@pytest.fixture(scope="module")
-def llama_runs(tmp_path_factory):
-    """Llama with 2 key/value heads: an uninterrupted TP=2+SP run of 8 iterations, and one saved at 4."""
-    root = tmp_path_factory.mktemp("llama")
-    check(torchrun(2, LLAMA + TP2_SP + ["--log-jsonl", str(root / "straight.jsonl")], cwd=root))
-    check(torchrun(2, LLAMA + TP2_SP + ["--save", str(root / "ckpt"), "--exit-interval", "4",
-                                        "--log-jsonl", str(root / "first.jsonl")], cwd=root))
-    return root
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 4])
-def test_llama_gqa_resharded_resume_matches(llama_runs, tmp_path, tp):
-    """Saved with the key/value heads split over 2 ranks; resumed at TP=1 (whole) and TP=4 (each
-    head held in copies by 2 ranks): the losses of the uninterrupted run, optimizer state included."""
-    flags = ["--tensor-model-parallel-size", str(tp)] + (["--sequence-parallel"] if tp > 1 else [])
-    check(torchrun(tp, LLAMA + flags + ["--load", str(llama_runs / "ckpt"), "--log-jsonl", str(tmp_path / "r.jsonl")],
-                   cwd=tmp_path))
-    got, want = losses(tmp_path / "r.jsonl"), losses(llama_runs / "straight.jsonl")[4:]
-    assert len(got) == 4
-    for a, b in zip(got, want):
-        assert abs(a - b) <= 1e-5 * abs(b), (tp, got, want)
-
-
 SMALL = TINY + ["--global-batch-size", "4"]
 EVERY2 = ["--save-interval", "2"]
 
