@@ -3,7 +3,7 @@
 LlamaForCausalLM: model.safetensors + config.json, loadable offline by transformers).
 
     # checkpoint (any TP size) -> HF directory
-    python tools/convert_hf.py export --load runs/ckpt [--iteration N] --output hf/ [--dtype bf16]
+    python tools/convert_hf.py export --load runs/ckpt [--iteration N] --output hf/ [--dtype bf16] [--eos-token-id 256]
     # HF directory -> checkpoint at iteration 0; prints the pretrain_gpt_sp.py model flags to use
     python tools/convert_hf.py import --input hf/ --save runs/ckpt0
     python pretrain_gpt_sp.py <printed flags> --load runs/ckpt0 --finetune ...
@@ -28,14 +28,15 @@ from megatron_sp.training.full_state import (checkpoint_path, config_from_dict, 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-def export(load: str, iteration, output: str, dtype: str) -> None:
+def export(load: str, iteration, output: str, dtype: str, eos_token_id=None) -> None:
     import torch
     from safetensors.torch import save_file
     state, meta = read_full_state(checkpoint_path(load, iteration))
     cfg = config_from_dict(meta["config"])
     tensors, config = to_hf(state, cfg)
     tensors = {k: v.to(getattr(torch, DTYPES[dtype])) for k, v in tensors.items()}
-    config.update(torch_dtype=DTYPES[dtype], dtype=DTYPES[dtype])
+    config.update(torch_dtype=DTYPES[dtype], dtype=DTYPES[dtype], bos_token_id=eos_token_id,
+                  eos_token_id=eos_token_id)     # the tokenizer's EOD; not known to the checkpoint
     os.makedirs(output, exist_ok=True)
     save_file(tensors, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(output, "config.json"), "w") as f:
@@ -100,13 +101,15 @@ def main(argv=None) -> int:
     a.add_argument("--iteration", type=int, default=None, help="default: the latest")
     a.add_argument("--output", required=True)
     a.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    a.add_argument("--eos-token-id", type=int, default=None,
+                   help="the tokenizer's end-of-document id, written as bos/eos_token_id (default: none)")
     b = sub.add_parser("import")
     b.add_argument("--input", required=True)
     b.add_argument("--save", required=True)
     args = p.parse_args(argv)
     try:
         if args.command == "export":
-            export(args.load, args.iteration, args.output, args.dtype)
+            export(args.load, args.iteration, args.output, args.dtype, args.eos_token_id)
         else:
             import_(args.input, args.save)
     except ValueError as err:             # ConversionError, CheckpointError, GPTConfig's ValueError
