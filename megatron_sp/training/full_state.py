@@ -20,7 +20,7 @@ def config_from_dict(config: dict, **overrides):
     """A serial GPTConfig from a saved config dict (fields this version does not know are ignored)."""
     from megatron_sp.config import GPTConfig
     fields = {k: v for k, v in config.items() if k in GPTConfig.__dataclass_fields__}
-    fields.update(tensor_model_parallel_size=1, sequence_parallel=False, **overrides)
+    fields.update(tensor_model_parallel_size=1, context_parallel_size=1, sequence_parallel=False, **overrides)
     return GPTConfig(**fields)
 
 
