@@ -4,6 +4,7 @@
     python bench/kernels.py --device cuda    # + bandwidth vs device copy, eager, torch.compile
     python bench/kernels.py --device cuda --no-compile --dtype float32 --markdown out.md
     python bench/kernels.py --device cpu --only rms_norm     # the cases whose name contains it
+    python bench/kernels.py --device cpu --only flash_attention --repeats 5
 
 Every case is validated before it is timed (fused vs reference: masks bit-identical, values within
 the dtype's tolerance); a failed check exits 1. CPU: wall-clock minimum over interleaved runs (the
@@ -13,6 +14,8 @@ once) / time, and % of the measured device-to-device copy bandwidth (copy_ of a 
 largest case). Baselines: `reference` is the op's PyTorch reference in megatron_sp.ops (the same
 numerics); `native` is what eager code usually calls (F.dropout with torch's RNG, F.layer_norm or
 F.rms_norm in the input dtype); `compiled` is torch.compile of the native (or reference) code.
+flash_attention: `explicit` is the s x s softmax of models/attention.causal_attention(explicit=True)
+(its backward: autograd of that graph); the Python reference (block loops) runs up to s = 1024 only.
 """
 from __future__ import annotations
 
@@ -34,6 +37,8 @@ if REPO_ROOT not in sys.path:                       # runs without installing th
     sys.path.insert(0, REPO_ROOT)
 
 from megatron_sp import ops  # noqa: E402
+from megatron_sp.models.attention import causal_attention  # noqa: E402
+from megatron_sp.ops import flash_attention as fa  # noqa: E402
 from megatron_sp.ops import layout  # noqa: E402
 from megatron_sp.ops.testing import assert_close_dtype  # noqa: E402
 from megatron_sp.tensor_parallel.random import DropoutIndex  # noqa: E402
@@ -148,6 +153,51 @@ def _rms_cases(rows, h, dtype, dev, compile_):
     return [fwd, bwd]
 
 
+def _flash_cases(b, n, s, d, p, dtype, dev, with_reference):
+    """Causal self-attention fwd and bwd: the fused op, the explicit s x s softmax, the reference.
+    The forward outputs and the explicit graph the backwards need are made on first use (so that
+    --only other cases do not pay for them)."""
+    q, k, v = (torch.randn(b, n, s, d, device=dev, dtype=dtype) for _ in range(3))
+    pos, samples = torch.arange(s, device=dev), torch.arange(b, device=dev)
+    index, drop = DropoutIndex(pos, samples), fa.AttentionDropout(p, 1234, 3, 0)
+    args = (pos, pos, None, None, samples)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    fused = lambda: MSP.flash_attention_fwd(q, k, v, *args, p, 1234, 3, 0)
+    explicit = lambda: causal_attention(*leaves, dropout_p=p, seed=1234, layer=3, index=index,
+                                        explicit=True)
+    ref = lambda: fa.flash_attention_fwd_reference(q, k, v, *args, drop)
+    state = {}
+
+    def saved():   # (out, lse) of the fused forward, dout, the explicit graph
+        if not state:
+            state.update(fwd=fused(), dout=torch.randn_like(q), graph=explicit())
+        return state
+
+    fused_bwd = lambda: MSP.flash_attention_bwd(saved()["dout"], q, k, v, *saved()["fwd"], *args, p,
+                                                1234, 3, 0)
+    ref_bwd = lambda: fa.flash_attention_bwd_reference(saved()["dout"], q, k, v, *saved()["fwd"],
+                                                       *args, drop)
+    explicit_bwd = lambda: torch.autograd.grad(saved()["graph"], leaves, saved()["dout"],
+                                               retain_graph=True)
+
+    def check():   # against the reference where it runs, else the explicit softmax
+        want = ref()[0] if with_reference else saved()["graph"].detach()
+        assert_close_dtype(saved()["fwd"][0], want, dtype, scale=2.0)
+
+    def check_bwd():
+        want = ref_bwd() if with_reference else explicit_bwd()
+        for a, e in zip(fused_bwd(), want):
+            assert_close_dtype(a, e, dtype, scale=2 * (1 + e.float().abs().max().item()))
+
+    name = f"[{b},{n},{s},{d}] p={p}"
+    nbytes = 4 * q.numel() * q.element_size()
+    base_fwd, base_bwd = {"explicit": explicit}, {"explicit": explicit_bwd}
+    if with_reference:
+        base_fwd["reference"], base_bwd["reference"] = ref, ref_bwd
+    return [Case(f"flash_attention fwd {name}", nbytes, fused, base_fwd, check),
+            Case(f"flash_attention bwd {name}", 2 * nbytes, fused_bwd, base_bwd, check_bwd)]
+
+
 def _layout_case(name, x, k, compile_, args=()):
     fused = lambda: getattr(MSP, name)(x, k, *args)
     ref = lambda: getattr(layout, name + "_reference")(x, k, *args)
@@ -183,6 +233,13 @@ def build_cases(device, dtype, compile_, scale):
         _layout_case("zigzag_reorder", torch.randn(s, b, h, device=dev, dtype=dtype), p, compile_,
                      (0, False)),
     ]
+    if device == "cuda":     # b, heads, s, d, dropout, with the Python reference
+        attention = [(2, 16, 2048, 128, 0.1, False), (2, 16, 4096, 64, 0.0, False)]
+    else:
+        attention = [(1, 8, 256 // scale, 64, 0.0, True), (1, 8, 256 // scale, 64, 0.1, True),
+                     (1, 8, 1024 // scale, 64, 0.0, True), (1, 8, 2048 // scale, 64, 0.0, False)]
+    for shape in attention:
+        cases += _flash_cases(*shape[:5], dtype, dev, shape[5])
     return cases
 
 

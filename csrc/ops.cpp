@@ -12,6 +12,9 @@
 //   gather_to_last_dim    [t*s, ..., l] -> [s, ..., t*l]           (dim-0 all-gather -> cat(-1))
 //   last_dim_to_gather    [s, ..., t*l] -> [t*s, ..., l]           (its inverse)
 //   zigzag_reorder        2p chunks along dim: rank r gets chunks r and 2p-1-r (or the inverse)
+//   flash_attention_fwd   q [b, n_q, s_q, d], k, v [b, n_kv, s_k, d] (any strides) -> (out
+//                         [b, n_q, s_q, d] laid out [s_q, b, n_q, d], lse [b, n_q, s_q] fp32)
+//   flash_attention_bwd   (dout, q, k, v, out, lse, ...) -> (dq, dk, dv), laid out [s, b, n, d]
 #include <Python.h>
 #include <torch/library.h>
 
@@ -32,6 +35,13 @@ TORCH_LIBRARY(megatron_sp, m) {
   m.def("gather_to_last_dim(Tensor x, int t) -> Tensor");
   m.def("last_dim_to_gather(Tensor x, int t) -> Tensor");
   m.def("zigzag_reorder(Tensor x, int p, int dim, bool inverse) -> Tensor");
+  m.def("flash_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor q_positions, "
+        "Tensor k_positions, Tensor? q_segments, Tensor? k_segments, Tensor sample_ids, float p, "
+        "int seed, int layer, int head_offset) -> (Tensor, Tensor)");
+  m.def("flash_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "Tensor q_positions, Tensor k_positions, Tensor? q_segments, Tensor? k_segments, "
+        "Tensor sample_ids, float p, int seed, int layer, int head_offset) "
+        "-> (Tensor, Tensor, Tensor)");
 }
 
 // `import megatron_sp._C` loads this library (running the registrations above); no Python API.

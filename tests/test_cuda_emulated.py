@@ -33,7 +33,8 @@ RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emulator
 # LayerNorm variants have the same barriers as the short ones and take ~30 s there.
 RACE_CASES = ["bda-64x4x256-off0-bf16-sm1", "bda-5x3x7-off3-fp32-sm1", "ln-40x1024-fp32-wfp32-sm1",
               "ln-7x999-fp16-wfp16-sm1", "rms-40x1024-fp32-wfp32-sm1",
-              "ulysses_pack-5x3x6x7-uint8", "zigzag-2x24x3-p3-dim1-inv"]
+              "ulysses_pack-5x3x6x7-uint8", "zigzag-2x24x3-p3-dim1-inv",
+              "flash-20-segments-bf16"]   # all four flash_attention kernels (GQA, dropout)
 
 
 def _require(sanitizer):

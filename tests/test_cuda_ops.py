@@ -263,3 +263,75 @@ def test_torch_compile_inductor_rms_norm():
     ref.sum().backward()
     torch.testing.assert_close(x.grad, xr.grad)
     torch.testing.assert_close(w.grad, wr.grad, rtol=1e-4, atol=1e-4)
+
+
+# ---- flash_attention (csrc/cuda/flash_attention.cu) ------------------------------------------------
+
+def _flash_inputs(b, nq, nkv, s, d, dtype, strided):
+    """q, k, v on the GPU; strided: views of one fused [s, b, (nq + 2 nkv) d] slab (the model's)."""
+    if strided:
+        qkv = torch.randn(s, b, (nq + 2 * nkv) * d, device="cuda").to(dtype)
+        return tuple(t.view(s, b, -1, d).permute(1, 2, 0, 3)
+                     for t in qkv.split([nq * d, nkv * d, nkv * d], dim=-1))
+    return (torch.randn(b, nq, s, d, device="cuda").to(dtype),
+            torch.randn(b, nkv, s, d, device="cuda").to(dtype),
+            torch.randn(b, nkv, s, d, device="cuda").to(dtype))
+
+
+# b, nq, nkv, s, d, segments, strided, p: partial tiles, GQA, d = 128 (4 columns per lane), odd d.
+FLASH_CASES = [(2, 4, 4, 300, 64, False, True, 0.1), (1, 8, 2, 129, 128, True, True, 0.2),
+               (2, 2, 1, 77, 40, True, False, 0.0), (1, 1, 1, 1, 7, False, False, 0.5)]
+
+
+@pytest.mark.parametrize("case", FLASH_CASES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_flash_attention_cuda_equals_cpu_kernel(case, dtype):
+    """CUDA vs the C++ CPU op on the same inputs (and the CPU op is tested against the reference,
+    tests/test_ops_flash_attention.py): out, lse, dq, dk, dv; out laid out [s, b, n, d]."""
+    b, nq, nkv, s, d, segments, strided, p = case
+    q, k, v = _flash_inputs(b, nq, nkv, s, d, dtype, strided)
+    pos = torch.arange(s, device="cuda") + 11
+    seg = torch.randint(0, 3, (b, s), device="cuda").sort(-1).values if segments else None
+    samples = torch.randint(0, 1 << 40, (b,), device="cuda")
+    args = (pos, pos, seg, seg, samples, p, 77, 3, 2)
+    cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
+    out, lse = MSP.flash_attention_fwd(q, k, v, *args)
+    out_cpu, lse_cpu = MSP.flash_attention_fwd(*(cpu(t) for t in (q, k, v)), *(cpu(a) for a in args[:5]),
+                                               *args[5:])
+    assert out.permute(2, 0, 1, 3).is_contiguous() and lse.dtype == torch.float32
+    assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(lse_cpu))
+    torch.testing.assert_close(lse.cpu(), lse_cpu, rtol=1e-5, atol=1e-5)
+    assert_close_dtype(out.cpu(), out_cpu, dtype)
+    dout = torch.randn(q.shape, device="cuda").to(dtype)
+    got = MSP.flash_attention_bwd(dout, q, k, v, out, lse, *args)
+    want = MSP.flash_attention_bwd(*(cpu(t) for t in (dout, q, k, v, out, lse)),
+                                   *(cpu(a) for a in args[:5]), *args[5:])
+    for a, e in zip(got, want):
+        assert a.dtype == dtype and a.shape == e.shape
+        assert_close_dtype(a.cpu(), e, dtype, scale=2 * (1 + e.float().abs().max().item()))
+
+
+def test_flash_attention_cuda_ring_blocks_and_autograd():
+    """Disjoint key ranges (queries that see nothing: out 0, lse -inf) and FlashAttention's
+    autograd on the GPU against the reference's backward."""
+    from megatron_sp.ops.flash_attention import AttentionDropout, FlashAttention
+    q, k, v = (t.requires_grad_() for t in _flash_inputs(1, 2, 1, 70, 32, torch.float32, False))
+    q_pos, k_pos = torch.arange(100, 170, device="cuda"), torch.arange(130, 200, device="cuda")
+    samples, drop = torch.tensor([3], device="cuda"), AttentionDropout(0.2, 5, 1, 0)
+    out, lse = MSP.flash_attention_fwd(q, k, v, q_pos, k_pos, None, None, samples, 0.2, 5, 1, 0)
+    blind = q_pos < 130
+    assert torch.isinf(lse[:, :, blind]).all() and (out[:, :, blind] == 0).all()
+    dout = torch.randn(q.shape, device="cuda")
+    grads = [torch.autograd.grad(FlashAttention.apply(q, k, v, q_pos, k_pos, None, None, samples, drop,
+                                                      fused), (q, k, v), dout) for fused in (True, False)]
+    for a, e in zip(*grads):
+        torch.testing.assert_close(a, e, rtol=2e-5, atol=2e-5)
+
+
+def test_flash_attention_opcheck_and_head_dim_limit():
+    q, k, v = (t.requires_grad_() for t in _flash_inputs(2, 2, 1, 20, 16, torch.float32, True))
+    pos, samples = torch.arange(20, device="cuda"), torch.tensor([0, 1], device="cuda")
+    torch.library.opcheck(MSP.flash_attention_fwd, (q, k, v, pos, pos, None, None, samples, 0.2, 3, 1, 0))
+    big = torch.randn(1, 1, 4, 256, device="cuda")
+    with pytest.raises(RuntimeError, match="head dims up to 128"):
+        MSP.flash_attention_fwd(big, big, big, pos[:4], pos[:4], None, None, samples[:1], 0.0, 0, 0, 0)

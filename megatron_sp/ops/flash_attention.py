@@ -201,3 +201,48 @@ def flash_attention(q, k, v, q_positions, k_positions, sample_ids, drop: Attenti
     """Differentiable blockwise causal attention (see the module docstring); returns out."""
     return FlashAttention.apply(q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, drop,
                                 fused)
+
+
+# ---- the fused op (csrc/flash_attention_cpu.cpp, csrc/cuda/flash_attention.cu) ------------------
+
+def _seq_major(shape, like, dtype=None):
+    """An empty [b, n, s, d] tensor laid out [s, b, n, d] in memory, as the kernels return them."""
+    b, n, s, d = shape
+    return like.new_empty((s, b, n, d), dtype=dtype).permute(1, 2, 0, 3)
+
+
+def _fake_fwd(q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, p, seed, layer,
+              head_offset):
+    return _seq_major(q.shape, q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _fake_bwd(dout, q, k, v, out, lse, q_positions, k_positions, q_segments, k_segments, sample_ids, p,
+              seed, layer, head_offset):
+    return _seq_major(q.shape, q), _seq_major(k.shape, k), _seq_major(v.shape, v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, q_pos, k_pos, q_seg, k_seg, samples, p, seed, layer, head_offset = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)        # the backward of lse itself is not implemented
+    ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos, samples, q_seg, k_seg)
+    ctx.dropout_args = (p, seed, layer, head_offset)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, q_pos, k_pos, samples, q_seg, k_seg = ctx.saved_tensors
+    dq, dk, dv = torch.ops.megatron_sp.flash_attention_bwd(dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg,
+                                                           samples, *ctx.dropout_args)
+    return (dq, dk, dv) + (None,) * 9
+
+
+def _register():
+    from megatron_sp.ops._extension import extension_available
+    if not (extension_available() and hasattr(torch.ops.megatron_sp, "flash_attention_fwd")):
+        return                                # an extension built before this op: the reference runs
+    torch.library.register_fake("megatron_sp::flash_attention_fwd")(_fake_fwd)
+    torch.library.register_fake("megatron_sp::flash_attention_bwd")(_fake_bwd)
+    torch.library.register_autograd("megatron_sp::flash_attention_fwd", _backward, setup_context=_setup_context)
+
+
+_register()

@@ -90,4 +90,45 @@ int emu_zigzag_reorder(const void* src, void* dst, int64_t outer, int64_t p, int
   return msp::cuda::zigzag_reorder(src, dst, outer, p, run_bytes, inverse != 0, nullptr);
 }
 
+// flash_attention: strides are 4 int64 per tensor (b, n, s, d; lse: d ignored) in argument order;
+// sizes = (b, nq, nkv, sq, sk, d).
+static msp::cuda::FlashStrides strides_at(const int64_t* s, int i) {
+  return {s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]};
+}
+
+int64_t emu_flash_bwd_scratch(int64_t b, int64_t nq, int64_t sq) {
+  return msp::cuda::flash_attention_bwd_scratch(b, nq, sq);
+}
+
+int emu_flash_fwd(const void* q, const void* k, const void* v, const int64_t* strides,
+                  const int64_t* q_pos, const int64_t* k_pos, const int64_t* q_seg,
+                  const int64_t* k_seg, const int64_t* samples, void* out, float* lse,
+                  const int64_t* sizes, int dtype, double p, int64_t seed, int64_t layer,
+                  int64_t head_offset) {
+  msp::cuda::FlashAttentionFwd a{q, k, v, strides_at(strides, 0), strides_at(strides, 1),
+                                 strides_at(strides, 2), q_pos, k_pos, q_seg, k_seg, samples,
+                                 out, lse, sizes[0], sizes[1], sizes[2], sizes[3], sizes[4],
+                                 sizes[5], static_cast<DType>(dtype),
+                                 msp::make_dropout_params(p, seed, layer, 1, 0), p > 0.0,
+                                 head_offset};
+  return msp::cuda::flash_attention_fwd(a, nullptr);
+}
+
+int emu_flash_bwd(const void* dout, const void* q, const void* k, const void* v, const void* out,
+                  const float* lse, const int64_t* strides, const int64_t* q_pos,
+                  const int64_t* k_pos, const int64_t* q_seg, const int64_t* k_seg,
+                  const int64_t* samples, void* dq, void* dk, void* dv, float* scratch,
+                  const int64_t* sizes, int dtype, double p, int64_t seed, int64_t layer,
+                  int64_t head_offset) {
+  msp::cuda::FlashAttentionBwd a{dout, q, k, v, out, strides_at(strides, 0),
+                                 strides_at(strides, 1), strides_at(strides, 2),
+                                 strides_at(strides, 3), strides_at(strides, 4), lse,
+                                 strides_at(strides, 5), q_pos, k_pos, q_seg, k_seg, samples, dq,
+                                 dk, dv, scratch, sizes[0], sizes[1], sizes[2], sizes[3],
+                                 sizes[4], sizes[5], static_cast<DType>(dtype),
+                                 msp::make_dropout_params(p, seed, layer, 1, 0), p > 0.0,
+                                 head_offset};
+  return msp::cuda::flash_attention_bwd(a, nullptr);
+}
+
 }  // extern "C"

@@ -64,6 +64,12 @@ struct Block {
 
 void syncthreads() { context.live->barrier->arrive_and_wait(); }
 
+// A barrier of the warp's live lanes (an exited lane has dropped out of it, as on the GPU).
+void syncwarp(unsigned int mask) {
+  if (mask != 0xFFFFFFFFu) fail("__syncwarp: only the full-warp mask is emulated");
+  context.live->warps[context.warp].barrier->arrive_and_wait();
+}
+
 uint32_t shfl_xor(uint32_t bits, unsigned int mask, int lane_mask, int width) {
   Warp& w = context.live->warps[context.warp];
   if (mask != 0xFFFFFFFFu || width != 32 || w.size != 32)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import sys
 import time
 import traceback
@@ -28,6 +29,9 @@ from megatron_sp.ops.layer_norm import layer_norm_reference
 from megatron_sp.ops.rms_norm import rms_norm_reference
 from megatron_sp.ops.testing import assert_close_dtype, random_index
 from megatron_sp.tensor_parallel.random import hidden_keep_mask
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import flash_cases  # noqa: E402  (the blockwise attention cases, in a file of their own)
 
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 DTYPE_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -50,6 +54,7 @@ SIGNATURES = {
     "emu_traffic_watch": (i32, [vp, i64]),
     "emu_traffic_of": (None, [i32, ctypes.POINTER(ctypes.c_uint64)]),
     "emu_traffic_clear": (None, []),
+    **flash_cases.SIGNATURES,
 }
 
 
@@ -264,6 +269,7 @@ def register_binding_fakes():
     rms = importlib.import_module("megatron_sp.ops.rms_norm")
     torch.library.register_fake(ns + "rms_norm_fwd")(rms._fake_fwd)
     torch.library.register_fake(ns + "rms_norm_bwd")(rms._fake_bwd)
+    flash_cases.register_binding_fakes(ns)
     for name, shape in [("ulysses_pack", layout._pack_shape), ("ulysses_unpack", layout._unpack_shape),
                         ("gather_to_last_dim", layout._gather_shape),
                         ("last_dim_to_gather", layout._split_shape),
@@ -466,6 +472,7 @@ def _cases():
     cases["binding-rms-odd-fp16-wfp32"] = (132, binding_rms_case, ((7, 99), fp16, fp32, False))
     for dtype in (torch.float32, torch.bfloat16, torch.uint8):
         cases[f"binding-layout-{str(dtype)[6:]}"] = (1, binding_layout_case, (dtype,))
+    cases.update(flash_cases.cases())
     return cases
 
 

@@ -4,8 +4,8 @@
 // against it with AddressSanitizer and compares them with the references.
 //
 // Model: a launch runs its blocks one after another; the threads of a block are real OS threads,
-// so __syncthreads is a barrier, a warp shuffle is an exchange through the warp's slots between two
-// warp barriers, and __shared__ arrays are static storage (one block is live at a time). Threads
+// so __syncthreads is a barrier (__syncwarp one of the warp's lanes), a warp shuffle is an exchange
+// through the warp's slots between two warp barriers, and __shared__ arrays are static storage (one block is live at a time). Threads
 // that return early leave the barriers (as exited threads do on the GPU). A shuffle over a warp
 // with an exited lane, a partial warp or a mask other than the full warp is reported as an error;
 // an invalid launch configuration, or more threads than the kernel's __launch_bounds__, fails the
@@ -113,6 +113,7 @@ struct ThreadContext {
 extern thread_local ThreadContext context;
 
 void syncthreads();
+void syncwarp(unsigned int mask);
 uint32_t shfl_xor(uint32_t bits, unsigned int mask, int lane_mask, int width);
 // Runs `body` (one kernel call with its arguments bound) as the kernel `grid` x `block` launch.
 void launch(const std::function<void()>& body, dim3 grid, dim3 block, size_t shared_bytes = 0,
@@ -143,6 +144,7 @@ void traffic_clear();
 #define gridDim (::msp_emu::context.grid_dim)
 
 inline void __syncthreads() { msp_emu::syncthreads(); }
+inline void __syncwarp(unsigned int mask = 0xFFFFFFFFu) { msp_emu::syncwarp(mask); }
 
 inline float __shfl_xor_sync(unsigned int mask, float v, int lane_mask, int width = 32) {
   uint32_t bits;
