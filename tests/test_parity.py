@@ -141,13 +141,16 @@ def test_llama_gqa_parity_with_reference(pool, tp, sp, dropout):
     check_parity(pool, tp, sp, dropout, fused=False, family="llama")
 
 
-@pytest.mark.parametrize("family,tp,sp", [("gpt2", 1, False), ("gpt2", 4, True), ("llama", 4, True)])
-def test_parity_with_fused_kernels(pool, family, tp, sp):
-    """The same contract with megatron_sp._C's bias-dropout-add, LayerNorm and RMSNorm in the model."""
+@pytest.mark.parametrize("family,tp,sp,cp,comm", [("gpt2", 1, False, 1, "p2p"), ("gpt2", 4, True, 1, "p2p"),
+                                                  ("llama", 4, True, 1, "p2p"), ("llama", 1, False, 4, "p2p"),
+                                                  ("gpt2", 2, True, 2, "a2a")])
+def test_parity_with_fused_kernels(pool, family, tp, sp, cp, comm):
+    """The same contract with megatron_sp._C's bias-dropout-add, LayerNorm, RMSNorm, blockwise
+    attention (ring partial blocks included) and Ulysses pack/unpack in the model."""
     from megatron_sp.ops import extension_available
     if not extension_available():
         pytest.skip("megatron_sp._C is not built")
-    check_parity(pool, tp, sp, 0.1, fused=True, family=family)
+    check_parity(pool, tp, sp, 0.1, fused=True, family=family, cp=cp, comm=comm)
 
 
 def check_parity(pool, tp, sp, dropout, fused, family="gpt2", cp=1, comm="p2p", extra=None):
