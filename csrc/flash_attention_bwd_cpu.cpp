@@ -37,7 +37,7 @@ namespace flash {
 namespace {
 
 #pragma GCC push_options
-#pragma GCC optimize("fp-contract=fast")
+#pragma GCC optimize("fp-contract=fast", "no-trapping-math")
 
 template <typename T>
 struct BwdIo {

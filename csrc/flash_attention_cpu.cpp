@@ -35,7 +35,7 @@ namespace flash {
 namespace {
 
 #pragma GCC push_options
-#pragma GCC optimize("fp-contract=fast")
+#pragma GCC optimize("fp-contract=fast", "no-trapping-math")
 
 // ---- forward ------------------------------------------------------------------------------------
 

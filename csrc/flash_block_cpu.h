@@ -20,7 +20,7 @@
 #include "cpu_simd.h"
 
 #pragma GCC push_options
-#pragma GCC optimize("fp-contract=fast")
+#pragma GCC optimize("fp-contract=fast", "no-trapping-math")
 
 namespace msp {
 namespace flash {

@@ -16,7 +16,7 @@
 #include "philox_cpu.h"
 
 #pragma GCC push_options
-#pragma GCC optimize("fp-contract=fast")
+#pragma GCC optimize("fp-contract=fast", "no-trapping-math")
 
 namespace msp {
 namespace flash {
