@@ -38,7 +38,8 @@ if REPO_ROOT not in sys.path:                       # runs without installing th
 
 from megatron_sp import ops  # noqa: E402
 from megatron_sp.models.attention import causal_attention  # noqa: E402
-from megatron_sp.ops import flash_attention as fa  # noqa: E402
+from megatron_sp.ops.flash_attention import (  # noqa: E402
+    AttentionDropout, flash_attention_bwd_reference, flash_attention_fwd_reference)
 from megatron_sp.ops import layout  # noqa: E402
 from megatron_sp.ops.testing import assert_close_dtype  # noqa: E402
 from megatron_sp.tensor_parallel.random import DropoutIndex  # noqa: E402
@@ -159,13 +160,13 @@ def _flash_cases(b, n, s, d, p, dtype, dev, with_reference):
     --only other cases do not pay for them)."""
     q, k, v = (torch.randn(b, n, s, d, device=dev, dtype=dtype) for _ in range(3))
     pos, samples = torch.arange(s, device=dev), torch.arange(b, device=dev)
-    index, drop = DropoutIndex(pos, samples), fa.AttentionDropout(p, 1234, 3, 0)
+    index, drop = DropoutIndex(pos, samples), AttentionDropout(p, 1234, 3, 0)
     args = (pos, pos, None, None, samples)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     fused = lambda: MSP.flash_attention_fwd(q, k, v, *args, p, 1234, 3, 0)
     explicit = lambda: causal_attention(*leaves, dropout_p=p, seed=1234, layer=3, index=index,
                                         explicit=True)
-    ref = lambda: fa.flash_attention_fwd_reference(q, k, v, *args, drop)
+    ref = lambda: flash_attention_fwd_reference(q, k, v, *args, drop)
     state = {}
 
     def saved():   # (out, lse) of the fused forward, dout, the explicit graph
@@ -175,7 +176,7 @@ def _flash_cases(b, n, s, d, p, dtype, dev, with_reference):
 
     fused_bwd = lambda: MSP.flash_attention_bwd(saved()["dout"], q, k, v, *saved()["fwd"], *args, p,
                                                 1234, 3, 0)
-    ref_bwd = lambda: fa.flash_attention_bwd_reference(saved()["dout"], q, k, v, *saved()["fwd"],
+    ref_bwd = lambda: flash_attention_bwd_reference(saved()["dout"], q, k, v, *saved()["fwd"],
                                                        *args, drop)
     explicit_bwd = lambda: torch.autograd.grad(saved()["graph"], leaves, saved()["dout"],
                                                retain_graph=True)
