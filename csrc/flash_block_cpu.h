@@ -8,8 +8,10 @@
 // AVX-512 / AVX2 / baseline variants, cpu_simd.h). Packed blocks are zero-padded to 64 rows and to
 // a multiple of 16 columns, so the tiles have no tails. exp is a Cephes-style polynomial (~1 ulp,
 // exact 0 below -87, vectorisable, unlike libm's expf). These functions need no bit-exactness with
-// the reference (the attention tests compare within tolerances), so this header lets the compiler
-// fuse multiply-adds (the rest of the extension is built with -ffp-contract=off).
+// the reference (the attention tests compare within tolerances), so this header (and the kernel
+// files) let the compiler fuse multiply-adds (the rest of the extension is built with
+// -ffp-contract=off) and assume no FP traps: under -ftrapping-math GCC keeps every select that
+// guards an FP operation (the clamps of exp, the masks) as a branch, and the loops stay scalar.
 #pragma once
 
 #include <cmath>
