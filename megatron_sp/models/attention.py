@@ -86,9 +86,10 @@ class CausalAttention(nn.Module):
             return causal_attention(q, k, v, attention_mask=ctx.attention_mask, dropout_p=p, seed=self.cfg.seed,
                                     layer=self.layer, index=index, head_offset=head_offset, explicit=explicit)
         drop = AttentionDropout(p, self.cfg.seed, self.layer, head_offset)
-        positions = index.token_positions
-        return flash_attention(q, k, v, positions, positions, index.sample_ids, drop, ctx.segments, ctx.segments,
-                               fused=self.cfg.use_fused_kernels)
+        positions, segments = index.token_positions, ctx.segments
+        # Queries and keys are the same tokens; torch.compile refuses one tensor passed as two inputs.
+        return flash_attention(q, k, v, positions, positions.clone(), index.sample_ids, drop, segments,
+                               None if segments is None else segments.clone(), fused=self.cfg.use_fused_kernels)
 
 
 class SelfAttention(nn.Module):
