@@ -87,9 +87,11 @@ class CausalAttention(nn.Module):
                                     layer=self.layer, index=index, head_offset=head_offset, explicit=explicit)
         drop = AttentionDropout(p, self.cfg.seed, self.layer, head_offset)
         positions, segments = index.token_positions, ctx.segments
-        # Queries and keys are the same tokens; torch.compile refuses one tensor passed as two inputs.
-        return flash_attention(q, k, v, positions, positions.clone(), index.sample_ids, drop, segments,
-                               None if segments is None else segments.clone(), fused=self.cfg.use_fused_kernels)
+        # Queries and keys are the same tokens; torch.compile refuses one tensor passed as two inputs,
+        # so the keys get a view (no copy).
+        return flash_attention(q, k, v, positions, positions.view(-1), index.sample_ids, drop, segments,
+                               None if segments is None else segments.view(segments.shape),
+                               fused=self.cfg.use_fused_kernels)
 
 
 class SelfAttention(nn.Module):
