@@ -33,30 +33,21 @@ def _heads_to_seq(x, p, group, fused):
     return ops.ulysses_unpack(_exchange(ulysses_heads_to_send(x, p), group), p, fused=fused)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """forward: [s/p, b, n, d] -> [s, b, n/p, d]; backward: the inverse exchange."""
+def _move(x, to_heads: bool, p, group, fused):
+    return _seq_to_heads(x, p, group, fused) if to_heads else _heads_to_seq(x, p, group, fused)
+
+
+class _Exchange(torch.autograd.Function):
+    """forward: [s/p, b, n, d] -> [s, b, n/p, d] (to_heads) or back; backward: the other direction."""
 
     @staticmethod
-    def forward(ctx, x, p, group, fused):
-        ctx.args = (p, group, fused)
-        return _seq_to_heads(x, p, group, fused)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_seq(grad, *ctx.args), None, None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    """forward: [s, b, n/p, d] -> [s/p, b, n, d]; backward: the inverse exchange."""
-
-    @staticmethod
-    def forward(ctx, x, p, group, fused):
-        ctx.args = (p, group, fused)
-        return _heads_to_seq(x, p, group, fused)
+    def forward(ctx, x, to_heads, p, group, fused):
+        ctx.args = (not to_heads, p, group, fused)
+        return _move(x, to_heads, p, group, fused)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_to_heads(grad.contiguous(), *ctx.args), None, None, None
+        return _move(grad.contiguous(), *ctx.args), None, None, None, None
 
 
 class UlyssesAttention(nn.Module):
@@ -76,7 +67,7 @@ class UlyssesAttention(nn.Module):
             k, v = (t.repeat_interleave(nq // k.shape[1], dim=1) for t in (k, v))
 
         def to_heads(t):                                                   # [b, n, s/p, d] -> [b, n/p, s, d]
-            return _SeqToHeads.apply(t.permute(2, 0, 1, 3), p, self.group, self.fused).permute(1, 2, 0, 3)
+            return _Exchange.apply(t.permute(2, 0, 1, 3), True, p, self.group, self.fused).permute(1, 2, 0, 3)
         out = self.core(to_heads(q), to_heads(k), to_heads(v), ctx.cp.whole, head_offset + self.cp_rank * (nq // p))
-        out = _HeadsToSeq.apply(out.permute(2, 0, 1, 3).contiguous(), p, self.group, self.fused)
+        out = _Exchange.apply(out.permute(2, 0, 1, 3).contiguous(), False, p, self.group, self.fused)
         return out.permute(1, 2, 0, 3)                                     # [b, n_q, s/p, d]
