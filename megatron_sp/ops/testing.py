@@ -25,6 +25,20 @@ def assert_close_dtype(actual: torch.Tensor, expected: torch.Tensor, dtype: torc
     torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol * scale)
 
 
+def assert_same_error(call_a, call_b) -> None:
+    """Both calls raise a RuntimeError with the same first line (e.g. the emulated CUDA binding and the
+    CPU op refusing the same bad arguments)."""
+    messages = []
+    for call in (call_a, call_b):
+        try:
+            call()
+        except RuntimeError as e:
+            messages.append(str(e).split("\n")[0])
+        else:
+            messages.append(None)
+    assert messages[0] is not None and messages[0] == messages[1], messages
+
+
 def random_index(s: int, b: int, device="cpu", generator=None) -> DropoutIndex:
     """Global positions with an offset (a sequence shard) and sample ids beyond 2^32."""
     start = int(torch.randint(0, 1000, (1,), generator=generator))

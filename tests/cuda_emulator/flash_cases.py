@@ -12,7 +12,7 @@ import importlib
 import torch
 
 from megatron_sp import ops
-from megatron_sp.ops.testing import assert_close_dtype
+from megatron_sp.ops.testing import assert_close_dtype, assert_same_error
 
 fa = importlib.import_module("megatron_sp.ops.flash_attention")  # ops.flash_attention is the function
 
@@ -103,18 +103,6 @@ def flash_case(lib, shape, dtype, p, positions="causal", segments=False, layout=
         assert_close_dtype(got.permute(1, 2, 0, 3), e, dtype, scale=scale)
 
 
-def _same_error(call_emulated, call_cpu):
-    messages = []
-    for call in (call_emulated, call_cpu):
-        try:
-            call()
-        except RuntimeError as e:
-            messages.append(str(e).split("\n")[0])
-        else:
-            messages.append(None)
-    assert messages[0] is not None and messages[0] == messages[1], messages
-
-
 def binding_flash_case(dtype):
     """The binding (csrc/cuda/ops_cuda.cpp) against the CPU op: strided inputs, GQA, segments,
     dropout; layouts and dtypes of the outputs; opcheck; the same error as the CPU op."""
@@ -140,7 +128,7 @@ def binding_flash_case(dtype):
     utils = ("test_schema", "test_faketensor")
     torch.library.opcheck(E.flash_attention_fwd, (q, k, v, *args), test_utils=utils)
     torch.library.opcheck(E.flash_attention_bwd, (dout, q, k, v, out_cpu, lse_cpu, *args), test_utils=utils)
-    _same_error(lambda: E.flash_attention_fwd(q, k[:, :, 1:], v, *args),
+    assert_same_error(lambda: E.flash_attention_fwd(q, k[:, :, 1:], v, *args),
                 lambda: M.flash_attention_fwd(q, k[:, :, 1:], v, *args))
 
 

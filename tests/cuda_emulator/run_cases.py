@@ -27,7 +27,7 @@ from megatron_sp.ops import layout
 from megatron_sp.ops.bias_dropout_add import bias_dropout_add_reference
 from megatron_sp.ops.layer_norm import layer_norm_reference
 from megatron_sp.ops.rms_norm import rms_norm_reference
-from megatron_sp.ops.testing import assert_close_dtype, random_index
+from megatron_sp.ops.testing import assert_close_dtype, assert_same_error, random_index
 from megatron_sp.tensor_parallel.random import hidden_keep_mask
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -278,18 +278,6 @@ def register_binding_fakes():
             lambda x, *args, shape=shape: x.new_empty(shape(x, *args)))
 
 
-def _same_error(call_emulated, call_cpu):
-    messages = []
-    for call in (call_emulated, call_cpu):
-        try:
-            call()
-        except RuntimeError as e:
-            messages.append(str(e).split("\n")[0])
-        else:
-            messages.append(None)
-    assert messages[0] is not None and messages[0] == messages[1], messages
-
-
 def binding_bda_case(shape, offset, dtype):
     assert ops.extension_available(), "the binding cases compare with megatron_sp._C's CPU ops"
     E, M = _emulated(), torch.ops.megatron_sp
@@ -315,7 +303,7 @@ def binding_bda_case(shape, offset, dtype):
                           test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(E.bias_dropout_add_bwd, (grad, *args, True),
                           test_utils=("test_schema", "test_faketensor"))
-    _same_error(lambda: E.bias_dropout_add_fwd(x, bias[:-1], res, *args),
+    assert_same_error(lambda: E.bias_dropout_add_fwd(x, bias[:-1], res, *args),
                 lambda: M.bias_dropout_add_fwd(x, bias[:-1], res, *args))
 
 
@@ -349,7 +337,7 @@ def binding_ln_case(shape, dtype, wdtype, align=True):
                           test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(E.layer_norm_bwd, (grad, x, w, mean, rstd),
                           test_utils=("test_schema", "test_faketensor"))
-    _same_error(lambda: E.layer_norm_fwd(x, w[:-1], b[:-1], 1e-5),
+    assert_same_error(lambda: E.layer_norm_fwd(x, w[:-1], b[:-1], 1e-5),
                 lambda: M.layer_norm_fwd(x, w[:-1], b[:-1], 1e-5))
 
 
@@ -377,8 +365,8 @@ def binding_rms_case(shape, dtype, wdtype, align=True):
                           test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(E.rms_norm_bwd, (grad, x, w, rstd),
                           test_utils=("test_schema", "test_faketensor"))
-    _same_error(lambda: E.rms_norm_fwd(x, w[:-1], 1e-6), lambda: M.rms_norm_fwd(x, w[:-1], 1e-6))
-    _same_error(lambda: E.rms_norm_bwd(grad, x, w, rstd[:-1]),
+    assert_same_error(lambda: E.rms_norm_fwd(x, w[:-1], 1e-6), lambda: M.rms_norm_fwd(x, w[:-1], 1e-6))
+    assert_same_error(lambda: E.rms_norm_bwd(grad, x, w, rstd[:-1]),
                 lambda: M.rms_norm_bwd(grad, x, w, rstd_cpu[:-1]))
 
 
@@ -399,8 +387,8 @@ def binding_layout_case(dtype):
         assert got.dtype == expected.dtype and torch.equal(got, expected), (name, x.shape, args)
         torch.library.opcheck(getattr(E, name), (x, *args),
                               test_utils=("test_schema", "test_faketensor"))
-    _same_error(lambda: E.ulysses_pack(x4, 3), lambda: M.ulysses_pack(x4, 3))
-    _same_error(lambda: E.zigzag_reorder(x3, 4, 0, False), lambda: M.zigzag_reorder(x3, 4, 0, False))
+    assert_same_error(lambda: E.ulysses_pack(x4, 3), lambda: M.ulysses_pack(x4, 3))
+    assert_same_error(lambda: E.zigzag_reorder(x3, 4, 0, False), lambda: M.zigzag_reorder(x3, 4, 0, False))
 
 
 # ---- the cases ----------------------------------------------------------------------------------
