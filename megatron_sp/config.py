@@ -49,6 +49,12 @@ class GPTConfig:
     position_embedding_type: Optional[str] = None  # learned_absolute | rope | none
     rotary_base: float = 10000.0    # RoPE theta
     rotary_percent: float = 1.0     # fraction of each head's channels that RoPE rotates
+    rotary_seq_len_interpolation_factor: Optional[float] = None  # linear RoPE scaling: theta / factor
+    rope_scaling: bool = False      # Llama 3.1 RoPE frequency scaling (models/rope.py), with:
+    rope_scaling_factor: float = 8.0                     # low frequencies' theta / factor
+    rope_scaling_low_freq_factor: float = 1.0            # wavelengths over original / low: scaled
+    rope_scaling_high_freq_factor: float = 4.0           # wavelengths under original / high: kept
+    rope_scaling_original_max_position_embeddings: int = 8192  # the context the model was trained at
     num_query_groups: Optional[int] = None   # key/value heads (GQA); None: one per query head
     kv_channels: Optional[int] = None        # head dim d; None: hidden_size / num_attention_heads
     untie_embeddings_and_output_weights: Optional[bool] = None  # separate output layer
@@ -171,6 +177,26 @@ class GPTConfig:
                                  f"({self.kv_channels}) must be a positive even number of channels.")
             if not self.rotary_base > 0:
                 raise ValueError(f"GPTConfig.rotary_base must be positive, got {self.rotary_base}.")
+            self._check_rope_scaling()
+        elif self.rope_scaling or self.rotary_seq_len_interpolation_factor is not None:
+            raise ValueError(f"GPTConfig.rope_scaling / rotary_seq_len_interpolation_factor need "
+                             f"position_embedding_type rope, not {self.position_embedding_type}.")
+
+    def _check_rope_scaling(self):
+        f = self.rotary_seq_len_interpolation_factor
+        if f is not None and not f > 0:
+            raise ValueError(f"GPTConfig.rotary_seq_len_interpolation_factor must be positive, got {f}.")
+        if not self.rope_scaling:
+            return
+        if not self.rope_scaling_factor > 0:
+            raise ValueError(f"GPTConfig.rope_scaling_factor must be positive, got {self.rope_scaling_factor}.")
+        low, high = self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor
+        if not 0 < low < high:
+            raise ValueError(f"GPTConfig.rope_scaling_low_freq_factor ({low}) must be positive and smaller than "
+                             f"rope_scaling_high_freq_factor ({high}).")
+        if not self.rope_scaling_original_max_position_embeddings > 0:
+            raise ValueError(f"GPTConfig.rope_scaling_original_max_position_embeddings must be positive, got "
+                             f"{self.rope_scaling_original_max_position_embeddings}.")
 
     def _check_recompute(self):
         g, m = self.recompute_granularity, self.recompute_method

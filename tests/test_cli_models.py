@@ -30,6 +30,11 @@ def test_megatron_llama3_flags_build_a_llama(tmp_path):
         assert getattr(same, field) == getattr(cfg, field), field        # --model llama: the same defaults
     assert pretrain.check_inputs(TINY + ["--train-iters", "2", "--group-query-attention"] + MOCK).cfg \
         .num_query_groups == 1                                           # Megatron: MQA by default
+    llama31 = pretrain.check_inputs(TINY + ["--train-iters", "2"] + LLAMA3 + MOCK + [
+        "--use-rope-scaling", "--rope-scaling-factor", "32", "--rotary-seq-len-interpolation-factor", "2"]).cfg
+    assert (llama31.rope_scaling, llama31.rope_scaling_factor, llama31.rope_scaling_low_freq_factor,
+            llama31.rope_scaling_high_freq_factor, llama31.rope_scaling_original_max_position_embeddings,
+            llama31.rotary_seq_len_interpolation_factor) == (True, 32.0, 1.0, 4.0, 8192, 2.0)
     log = tmp_path / "log.jsonl"
     assert pretrain.main(TINY + ["--train-iters", "2", "--log-jsonl", str(log)] + LLAMA3 + MOCK) == 0
     assert len([r for r in records(log) if "lm_loss" in r]) == 2
@@ -88,6 +93,7 @@ def test_gpt3_example_flags_with_a_sample_based_schedule(tmp_path):
     (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json", "--merge-file", "m.txt"], "v.json"),
     (["--model", "llama", "--group-query-attention", "--num-query-groups", "3"], "num_query_groups"),
     (["--model", "nope"], "unknown model 'nope'"),
+    (["--use-rope-scaling"], "need position_embedding_type rope"),
 ])
 def test_unsupported_model_flags_are_one_sentence(argv, needle, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

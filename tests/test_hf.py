@@ -1,6 +1,7 @@
 """Hugging Face import/export (tools/convert_hf.py): logits of GPT2LMHeadModel / LlamaForCausalLM
 (transformers, randomly initialised from configs, fp32) equal ReferenceGPT's within 1e-4 after import,
-and transformers loads our exports offline with the same logits; what cannot be expressed is refused."""
+and transformers loads our exports offline with the same logits (RoPE scaling: Llama 3.1's and linear
+included); what cannot be expressed is refused; imported models train with the printed flags."""
 import json
 import os
 import sys
@@ -33,7 +34,19 @@ HF_MODELS = {
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
         head_dim=8, vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=True, attention_bias=True,
         mlp_bias=True, bos_token_id=0, eos_token_id=0)),
+    # Llama 3.1's RoPE scaling; a short original context so that SEQ tokens reach all three bands
+    # (head dim 16, theta 1e4: wavelength 6.3 < 32/4 kept, 19.9 smoothed, the rest divided by 8)
+    "llama3-rope-scaling": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=256, bos_token_id=0, eos_token_id=0,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    "llama-linear-rope": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        vocab_size=VOCAB, max_position_embeddings=128, bos_token_id=0, eos_token_id=0,
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})),
 }
+SCALED = {"llama3-rope-scaling": "rope_scaling", "llama-linear-rope": "rotary_seq_len_interpolation_factor"}
 
 
 def _tokens():
@@ -45,10 +58,10 @@ def _hf_logits(model, tokens):
         return model.eval()(tokens).logits
 
 
-def _our_model(save):
+def _our_model(save, **overrides):
     state, meta = read_full_state(checkpoint_path(save))
     model = ReferenceGPT(config_from_dict(meta["config"], hidden_dropout=0.0, attention_dropout=0.0,
-                                          use_fused_kernels=False), initialise=False)
+                                          use_fused_kernels=False, **overrides), initialise=False)
     model.load_state_dict(state)
     return model.eval()
 
@@ -74,6 +87,9 @@ def test_import_matches_transformers_logits(name, tmp_path, capsys):
     ours = _our_model(tmp_path / "ckpt")(tokens)
     want = _hf_logits(hf, tokens)
     assert (ours - want).abs().max().item() < 1e-4, (ours - want).abs().max().item()
+    if name in SCALED:                                   # the scaling is what makes them equal
+        unscaled = _our_model(tmp_path / "ckpt", **{SCALED[name]: None if "factor" in SCALED[name] else False})
+        assert (unscaled(tokens) - want).abs().max().item() > 1e-3   # 10× the tolerance
 
 
 @pytest.mark.parametrize("fields", [
@@ -81,7 +97,10 @@ def test_import_matches_transformers_logits(name, tmp_path, capsys):
     dict(model="gpt2", untie_embeddings_and_output_weights=True),
     dict(model="llama", num_query_groups=2),
     dict(model="llama", num_query_groups=4, untie_embeddings_and_output_weights=False, rotary_base=1e6),
-], ids=["gpt2", "gpt2-untied", "llama-gqa", "llama-tied"])
+    dict(model="llama", num_query_groups=2, rope_scaling=True, rope_scaling_factor=4.0,
+         rope_scaling_high_freq_factor=2.0, rope_scaling_original_max_position_embeddings=24),
+    dict(model="llama", num_query_groups=2, rotary_seq_len_interpolation_factor=2.0),
+], ids=["gpt2", "gpt2-untied", "llama-gqa", "llama-tied", "llama3-rope-scaling", "llama-linear-rope"])
 def test_export_loads_in_transformers_offline(fields, tmp_path, monkeypatch):
     from megatron_sp.config import GPTConfig
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -116,6 +135,7 @@ def test_round_trip_is_exact():
     (dict(num_query_groups=2), "grouped-query"),
     (dict(model="llama", add_qkv_bias=True), "attention_bias"),
     (dict(model="llama", position_embedding_type="rope", rotary_percent=0.5), "rotary-percent"),
+    (dict(model="llama", rope_scaling=True, rotary_seq_len_interpolation_factor=2.0), "scaled one way"),
 ])
 def test_export_refuses_what_hf_cannot_express(fields, needle):
     from megatron_sp.config import GPTConfig
@@ -124,19 +144,44 @@ def test_export_refuses_what_hf_cannot_express(fields, needle):
         to_hf(ReferenceGPT(cfg).state_dict(), cfg)
 
 
-def test_import_refuses_rope_scaling_and_unknown_models(tmp_path, capsys):
+def test_import_refuses_other_rope_scalings_and_unknown_models(tmp_path, capsys):
     hf = HF_MODELS["llama-gqa"]()
     hf.save_pretrained(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     capsys.readouterr()                                          # transformers' own progress output
-    assert convert_hf.main(["import", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / "c")]) == 2
-    err = capsys.readouterr().err
-    assert "rope_type 'llama3'" in err and len(err.strip().splitlines()) == 1
+    for rope, needle in [({"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}, "rope_type 'yarn'"),
+                         ({"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}, "low_freq_factor")]:
+        config["rope_parameters"] = rope
+        (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+        assert convert_hf.main(["import", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / "c")]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1, err
     config["model_type"] = "mistral"
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     assert convert_hf.main(["import", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / "c")]) == 2
     assert "model_type 'mistral'" in capsys.readouterr().err
     assert convert_hf.main(["import", "--input", str(tmp_path / "nope"), "--save", str(tmp_path / "c")]) == 2
     assert "not a Hugging Face model directory" in capsys.readouterr().err
+
+
+def test_imported_scaled_llama_trains_with_the_printed_flags(tmp_path, capsys):
+    """The flags convert_hf prints carry the RoPE scaling; a run without them is refused at start-up
+    (the checkpoint's weights were trained for the scaled positions)."""
+    import shlex
+    from launch_helpers import TINY, records
+    from megatron_sp.training import pretrain
+    HF_MODELS["llama3-rope-scaling"]().save_pretrained(tmp_path / "hf")
+    assert convert_hf.main(["import", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 0
+    printed = shlex.split(next(line for line in capsys.readouterr().out.splitlines() if "--finetune" in line))
+    assert "--use-rope-scaling" in printed
+    i = printed.index("--rope-scaling-original-max-position-embeddings")
+    assert printed[i + 1] == "32"
+    run = TINY + ["--train-iters", "1", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                  str(VOCAB - 1), "--hidden-dropout", "0", "--attention-dropout", "0"]
+    log = tmp_path / "log.jsonl"
+    assert pretrain.main(run + printed + ["--log-jsonl", str(log)]) == 0
+    assert len([r for r in records(log) if "lm_loss" in r]) == 1
+    capsys.readouterr()
+    assert pretrain.main(run + [f for f in printed if f != "--use-rope-scaling"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "rope_scaling=True" in err and len(err.splitlines()) == 1, err

@@ -93,6 +93,10 @@ def test_packed_documents_equal_documents_alone(family):
     (dict(position_embedding_type="alibi"), "position_embedding_type"),
     (dict(model="llama", rotary_percent=0.0), "rotary_percent"),
     (dict(model="llama", kv_channels=15), "rotary_percent"),
+    (dict(rope_scaling=True), "rope_scaling"),
+    (dict(model="llama", rope_scaling=True, rope_scaling_low_freq_factor=4.0), "rope_scaling_low_freq_factor"),
+    (dict(model="llama", rope_scaling=True, rope_scaling_factor=0.0), "rope_scaling_factor"),
+    (dict(model="llama", rotary_seq_len_interpolation_factor=-2.0), "rotary_seq_len_interpolation_factor"),
     (dict(hidden_size=66), "hidden_size"),
     (dict(attention_backend="cudnn"), "attention_backend"),
 ])

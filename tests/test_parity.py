@@ -22,7 +22,10 @@ def pool():
     p.close()
 
 
-FAMILIES = {"gpt2": {}, "llama": {"model": "llama", "num_query_groups": 2}}
+FAMILIES = {"gpt2": {}, "llama": {"model": "llama", "num_query_groups": 2},
+            # Llama 3.1's RoPE scaling, original context < SEQ: every frequency band in use
+            "llama-rope-scaled": {"model": "llama", "num_query_groups": 2, "rope_scaling": True,
+                                  "rope_scaling_original_max_position_embeddings": 16}}
 
 
 def _config(tp=1, sp=False, dropout=0.0, fused=FUSED, family="gpt2", cp=1, comm="p2p", extra=None):
@@ -250,10 +253,12 @@ def test_context_parallel_parity(pool, tp, cp, comm):
     check_parity(pool, tp, tp > 1, 0.1, fused=False, cp=cp, comm=comm)
 
 
-@pytest.mark.parametrize("tp,cp,comm", [(1, 4, "a2a"), (2, 2, "p2p")])
-def test_context_parallel_parity_llama_gqa(pool, tp, cp, comm):
-    """GQA under CP: 2 key/value heads repeated for Ulysses' 4-way split; ring passes the 2 heads."""
-    check_parity(pool, tp, tp > 1, 0.1, fused=False, family="llama", cp=cp, comm=comm)
+@pytest.mark.parametrize("family,tp,cp,comm", [("llama", 1, 4, "a2a"), ("llama", 2, 2, "p2p"),
+                                               ("llama-rope-scaled", 1, 2, "p2p")])
+def test_context_parallel_parity_llama_gqa(pool, family, tp, cp, comm):
+    """GQA under CP: 2 key/value heads repeated for Ulysses' 4-way split; ring passes the 2 heads;
+    scaled RoPE on the zigzag chunks' global positions."""
+    check_parity(pool, tp, tp > 1, 0.1, fused=False, family=family, cp=cp, comm=comm)
 
 
 def _non_document_mask_worker():

@@ -71,7 +71,15 @@ def model_flags(fields: dict) -> str:
              f"--norm-epsilon {fields['layernorm_epsilon']}"]
     if fields["model"] == "llama":
         flags += [f"--group-query-attention --num-query-groups {fields['num_query_groups']}",
-                  f"--kv-channels {fields['kv_channels']}", f"--rotary-base {int(fields['rotary_base'])}"]
+                  f"--kv-channels {fields['kv_channels']}", f"--rotary-base {float(fields['rotary_base'])!r}"]
+        if fields.get("rope_scaling"):
+            flags += ["--use-rope-scaling", f"--rope-scaling-factor {fields['rope_scaling_factor']}",
+                      f"--rope-scaling-low-freq-factor {fields['rope_scaling_low_freq_factor']}",
+                      f"--rope-scaling-high-freq-factor {fields['rope_scaling_high_freq_factor']}",
+                      "--rope-scaling-original-max-position-embeddings "
+                      f"{fields['rope_scaling_original_max_position_embeddings']}"]
+        if fields.get("rotary_seq_len_interpolation_factor") is not None:
+            flags.append(f"--rotary-seq-len-interpolation-factor {fields['rotary_seq_len_interpolation_factor']}")
         if not llama:
             flags += ["--normalization RMSNorm --swiglu --position-embedding-type rope"]
             flags += [] if fields["add_bias_linear"] else ["--disable-bias-linear"]

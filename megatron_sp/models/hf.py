@@ -97,21 +97,52 @@ def _llama_config(cfg) -> dict:
             "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_query_groups,
             "head_dim": cfg.kv_channels, "max_position_embeddings": cfg.max_position_embeddings,
             "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.layernorm_epsilon, "hidden_act": "silu",
-            "rope_theta": float(cfg.rotary_base),
-            "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rotary_base)},
+            "rope_theta": float(cfg.rotary_base), **_rope_config(cfg),
             "attention_bias": bias, "mlp_bias": bias, "attention_dropout": cfg.attention_dropout,
             "initializer_range": cfg.init_method_std,
             "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights}
 
 
-def _rope_theta(c: dict) -> float:
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+_LLAMA3_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_scaling_low_freq_factor",
+                "high_freq_factor": "rope_scaling_high_freq_factor",
+                "original_max_position_embeddings": "rope_scaling_original_max_position_embeddings"}
+
+
+def _rope_config(cfg) -> dict:
+    """rope_parameters (transformers 5) and, for a scaled RoPE, rope_scaling as Llama 3.1's
+    config.json spells it (transformers 4; version 5 reads it too and prefers it)."""
+    theta = float(cfg.rotary_base)
+    if cfg.rope_scaling and cfg.rotary_seq_len_interpolation_factor is not None:
+        raise ConversionError("Hugging Face RoPE is scaled one way (rope_type llama3 or linear); this model "
+                              "has both --use-rope-scaling and --rotary-seq-len-interpolation-factor.")
+    if cfg.rope_scaling:
+        scaling = {"rope_type": "llama3", **{hf: getattr(cfg, ours) for hf, ours in _LLAMA3_KEYS.items()}}
+    elif cfg.rotary_seq_len_interpolation_factor is not None:
+        scaling = {"rope_type": "linear", "factor": float(cfg.rotary_seq_len_interpolation_factor)}
+    else:
+        return {"rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+    return {"rope_parameters": dict(scaling, rope_theta=theta), "rope_scaling": scaling}
+
+
+def _rope_fields(c: dict) -> dict:
+    """GPTConfig's RoPE fields from a Llama config.json (transformers 4 or 5 spelling)."""
+    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}     # transformers' own precedence
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", None):
-        raise ConversionError(f"Llama rope_type {kind!r} (RoPE scaling) is not supported; only the default RoPE.")
     if rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ConversionError("Llama configs with partial_rotary_factor != 1 are not supported.")
-    return float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
+    fields = {"rotary_base": float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))}
+    if kind == "llama3":
+        missing = [k for k in _LLAMA3_KEYS if k not in rope]
+        if missing:
+            raise ConversionError(f"Llama rope_type 'llama3' needs {', '.join(missing)} in its RoPE parameters.")
+        fields.update({ours: rope[hf] for hf, ours in _LLAMA3_KEYS.items()}, rope_scaling=True)
+    elif kind == "linear":
+        if "factor" not in rope:
+            raise ConversionError("Llama rope_type 'linear' needs a factor in its RoPE parameters.")
+        fields["rotary_seq_len_interpolation_factor"] = float(rope["factor"])
+    elif kind not in ("default", None):
+        raise ConversionError(f"Llama rope_type {kind!r} is not supported; default, linear and llama3 are.")
+    return fields
 
 
 def _llama_fields(c: dict) -> dict:
@@ -125,7 +156,7 @@ def _llama_fields(c: dict) -> dict:
                 num_attention_heads=n, num_query_groups=c.get("num_key_value_heads") or n,
                 kv_channels=c.get("head_dim") or c["hidden_size"] // n, ffn_hidden_size=c["intermediate_size"],
                 max_position_embeddings=c["max_position_embeddings"], vocab_size=c["vocab_size"],
-                layernorm_epsilon=c.get("rms_norm_eps", 1e-6), rotary_base=_rope_theta(c),
+                layernorm_epsilon=c.get("rms_norm_eps", 1e-6), **_rope_fields(c),
                 attention_dropout=c.get("attention_dropout", 0.0), hidden_dropout=0.0,
                 add_bias_linear=attention_bias, add_qkv_bias=attention_bias,
                 untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False))

@@ -8,8 +8,19 @@ Megatron-LM and Hugging Face Llama use:
 
 Angles are computed in fp32 from the position ids the batch carries (document-reset positions
 included) and cast to x's dtype, as Hugging Face does.
+
+Two ways of stretching a model to longer sequences change theta (and nothing else):
+- linear interpolation (`rotary_seq_len_interpolation_factor` f; HF rope_type "linear"):
+  theta_j / f, the same as positions / f;
+- Llama 3.1 frequency scaling (`rope_scaling`; HF rope_type "llama3"; factor f, low/high frequency
+  factors l < h, original context L): with wavelength w = 2 pi / theta_j,
+      w < L / h            theta_j                      (high frequencies: unchanged)
+      w > L / l            theta_j / f                  (low frequencies: interpolated)
+      otherwise            (1 - a) theta_j / f + a theta_j,  a = (L / w - l) / (h - l)
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -20,14 +31,29 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def inverse_frequencies(cfg) -> torch.Tensor:
+    """theta [rotary_dim / 2] in fp32 (as Hugging Face computes it), with the config's scaling."""
+    dim = cfg.rotary_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    theta = 1.0 / (float(cfg.rotary_base) ** exponents)
+    if cfg.rope_scaling:
+        f, low, high = cfg.rope_scaling_factor, cfg.rope_scaling_low_freq_factor, cfg.rope_scaling_high_freq_factor
+        context = cfg.rope_scaling_original_max_position_embeddings
+        wavelength = 2 * math.pi / theta
+        share = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)   # 1: w < L/h; 0: w > L/l
+        theta = (1 - share) * theta / f + share * theta
+    if cfg.rotary_seq_len_interpolation_factor is not None:
+        theta = theta / cfg.rotary_seq_len_interpolation_factor
+    return theta
+
+
 class RotaryEmbedding(nn.Module):
     """No parameters; `inv_freq` is a non-persistent buffer (not in the state dict)."""
 
     def __init__(self, cfg):
         super().__init__()
         self.dim = cfg.rotary_dim
-        exponents = torch.arange(0, self.dim, 2, dtype=torch.int64).float() / self.dim
-        self.register_buffer("inv_freq", 1.0 / (float(cfg.rotary_base) ** exponents), persistent=False)
+        self.register_buffer("inv_freq", inverse_frequencies(cfg), persistent=False)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """x [b, n, s, d]; position_ids [b, s] (the global positions of x's s tokens)."""

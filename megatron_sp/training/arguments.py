@@ -39,8 +39,17 @@ def _model_args(p):
                    const="rope", help="same as --position-embedding-type rope")
     g.add_argument("--no-position-embedding", dest="position_embedding_type", action="store_const",
                    const="none", help="same as --position-embedding-type none")
-    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE theta")
     g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=float, default=None,
+                   help="linear RoPE scaling: positions / factor (HF rope_type linear)")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.1 RoPE frequency scaling (HF rope_type llama3)")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling")
+    g.add_argument("--rope-scaling-low-freq-factor", type=float, default=1.0, help="with --use-rope-scaling")
+    g.add_argument("--rope-scaling-high-freq-factor", type=float, default=4.0, help="with --use-rope-scaling")
+    g.add_argument("--rope-scaling-original-max-position-embeddings", type=int, default=8192,
+                   help="with --use-rope-scaling: the context length the model was pretrained at")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default=None)
     g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", dest="activation", action="store_const", const="swiglu",

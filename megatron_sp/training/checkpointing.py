@@ -352,6 +352,10 @@ _MODEL_FIELDS = {"num_layers": None, "hidden_size": None, "num_attention_heads":
                  "position_embedding_type": "learned_absolute", "num_query_groups": None,
                  "kv_channels": None, "untie_embeddings_and_output_weights": False,
                  "add_bias_linear": True, "add_qkv_bias": True}
+# Not shapes, but the function the weights were trained for: compared for rotary models only.
+_ROPE_FIELDS = {"rotary_base": 10000.0, "rotary_percent": 1.0, "rotary_seq_len_interpolation_factor": None,
+                "rope_scaling": False, "rope_scaling_factor": 8.0, "rope_scaling_low_freq_factor": 1.0,
+                "rope_scaling_high_freq_factor": 4.0, "rope_scaling_original_max_position_embeddings": 8192}
 
 
 def _check_compatible(meta, cfg, path):
@@ -359,7 +363,10 @@ def _check_compatible(meta, cfg, path):
     legacy = {"num_query_groups": saved.get("num_attention_heads"),
               "kv_channels": (saved["hidden_size"] // saved["num_attention_heads"]
                               if saved.get("hidden_size") and saved.get("num_attention_heads") else None)}
-    for key, old_default in _MODEL_FIELDS.items():
+    fields = dict(_MODEL_FIELDS, **(_ROPE_FIELDS if cfg.position_embedding_type == "rope" else {}))
+    if not (cfg.rope_scaling or saved.get("rope_scaling")):     # its parameters are unused
+        fields = {k: v for k, v in fields.items() if not k.startswith("rope_scaling_")}
+    for key, old_default in fields.items():
         value = saved.get(key, legacy.get(key, old_default))
         if value != getattr(cfg, key):
             raise CheckpointError(f"checkpoint {path} has {key}={value} but the model has "

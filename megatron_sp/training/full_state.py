@@ -57,7 +57,11 @@ def read_full_state(path: str) -> tuple[dict, dict]:
 
 
 def write_full_checkpoint(state: dict, config: dict, save: str, source: str) -> str:
-    """Writes `state` (ReferenceGPT keys) as iteration 0 of `save`; returns the checkpoint directory."""
+    """Writes `state` (ReferenceGPT keys) as iteration 0 of `save`; returns the checkpoint directory.
+    The metadata holds every GPTConfig field resolved (family defaults filled in), as a training
+    run's checkpoint does, so that a resume compares like with like."""
+    from dataclasses import asdict
+    config = asdict(config_from_dict(config))
     path = checkpointing.checkpoint_dir(save, 0)
     os.makedirs(path, exist_ok=True)
     entries = full_to_canonical({k: v.float() for k, v in state.items()}, model_specs(config))
