@@ -1,5 +1,5 @@
-"""Checkpoints: exact resume (bit for bit), resharding TP=2+SP -> TP=1 and TP=4, atomic save under
-kill -9, --finetune / --no-load-optim, and the safetensors conversion tool."""
+"""Checkpoints: exact resume (bit for bit), resharding TP=2+SP -> TP=1 and TP=4, to and from the
+distributed optimizer, atomic save under kill -9, --finetune / --no-load-optim, and the safetensors conversion tool."""
 import json
 import os
 import subprocess
@@ -44,6 +44,23 @@ def test_resharded_resume_matches(runs, tmp_path, tp):
     assert len(got) == 10
     for a, b in zip(got, want):
         assert abs(a - b) <= 1e-5 * abs(b), (tp, got, want)
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_resumes_either_way(runs, tmp_path):
+    """The AdamW state of a replicated TP=2+SP run, resumed by a DP=2 run that shards it
+    (--use-distributed-optimizer), saved by that run and resumed by TP=2+SP again: the losses stay
+    those of the uninterrupted run (a lost or misplaced moment would change them)."""
+    want = losses(runs / "straight.jsonl")
+    check(torchrun(2, RUN + ["--use-distributed-optimizer", "--load", str(runs / "ckpt"), "--save",
+                             str(tmp_path / "zero"), "--exit-interval", "15", "--log-jsonl", str(tmp_path / "a.jsonl")],
+                   cwd=tmp_path))
+    check(torchrun(2, RUN + TP2_SP + ["--load", str(tmp_path / "zero"), "--log-jsonl", str(tmp_path / "b.jsonl")],
+                   cwd=tmp_path))
+    got = losses(tmp_path / "a.jsonl") + losses(tmp_path / "b.jsonl")
+    assert len(got) == 10
+    for a, b in zip(got, want[10:]):
+        assert abs(a - b) <= 1e-5 * abs(b), (got, want[10:])
 
 
 SMALL = TINY + ["--global-batch-size", "4"]

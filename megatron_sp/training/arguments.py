@@ -88,6 +88,8 @@ def _parallel_args(p):
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl on cuda, gloo on cpu")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard the AdamW moments over the data- (and context-) parallel replicas (ZeRO-1)")
     g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True,
                    help="start the data-parallel gradient all-reduces during the last backward")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,

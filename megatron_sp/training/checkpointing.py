@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from megatron_sp.training import failures, safe_dcp
 from megatron_sp.training.canonical import empty_dcp_target, from_canonical_local, to_dcp_tensor
+from megatron_sp.training.optimizer import local_optimizer, owned_parameters
 from megatron_sp.training.checkpoint_paths import (  # noqa: F401 - re-exported: tools and tests use them
     LATEST, METADATA_JSON, CheckpointError, check_files_present, check_save_dir, checkpoint_dir, locate,
     read_latest, read_metadata_json, same_path)
@@ -82,12 +83,15 @@ def _model_items(trainer):
 
 
 def build_state(trainer, with_optim: bool):
-    """The DCP state dict of this rank: model (and optimizer) tensors in canonical layout."""
+    """The DCP state dict of this rank: model (and optimizer) tensors in canonical layout. With the
+    distributed optimizer a rank writes the AdamW state of the parameters it owns; the entries are
+    the same as the replicated optimizer's, so either kind of run, at any layout, reads them."""
     state = {"model": {}, "optim": {}}
+    owned = owned_parameters(trainer.optimizer) if with_optim else set()
     for name, p, ps in _model_items(trainer):
         state["model"][name] = to_dcp_tensor(p.detach(), p, ps)
-        if with_optim:
-            st = trainer.optimizer.state.get(p, {})
+        if id(p) in owned:
+            st = local_optimizer(trainer.optimizer).state.get(p, {})
             state["optim"][name] = {
                 "exp_avg": to_dcp_tensor(st.get("exp_avg", torch.zeros_like(p)), p, ps),
                 "exp_avg_sq": to_dcp_tensor(st.get("exp_avg_sq", torch.zeros_like(p)), p, ps),
@@ -101,10 +105,11 @@ def _target_state(trainer, with_optim: bool):
     """Empty tensors shaped like this rank's slices, for DCP to fill."""
     state = {"model": {n: empty_dcp_target(p, ps) for n, p, ps in _model_items(trainer)}}
     if with_optim:
+        owned = owned_parameters(trainer.optimizer)
         state["optim"] = {n: {"exp_avg": empty_dcp_target(p, ps),
                                               "exp_avg_sq": empty_dcp_target(p, ps),
                                               "step": torch.zeros((), dtype=torch.float32)}
-                          for n, p, ps in _model_items(trainer)}
+                          for n, p, ps in _model_items(trainer) if id(p) in owned}
     return state
 
 
@@ -381,11 +386,14 @@ def _restore_model(trainer, tensors):
 
 @torch.no_grad()
 def _restore_optim(trainer, tensors):
-    fused = any(g.get("fused") or g.get("capturable") for g in trainer.optimizer.param_groups)
+    optimizer = local_optimizer(trainer.optimizer)
+    fused = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
     for name, p, ps in _model_items(trainer):
+        if name not in tensors:                 # distributed optimizer: another rank's parameter
+            continue
         saved = tensors[name]
         step_device = p.device if fused else "cpu"
-        trainer.optimizer.state[p] = {
+        optimizer.state[p] = {
             "step": saved["step"].to(step_device),
             "exp_avg": from_canonical_local(saved["exp_avg"], p, ps).to(p.dtype),
             "exp_avg_sq": from_canonical_local(saved["exp_avg_sq"], p, ps).to(p.dtype)}

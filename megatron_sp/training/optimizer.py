@@ -4,6 +4,13 @@ AdamW is elementwise, so stepping every shard with its own slice of the gradient
 update. What needs care is the gradient norm: each parameter must count once however it is sharded
 (TP-split: sum the squares over the TP group) or replicated (identical on the TP ranks and on the
 DP replicas: count one copy).
+
+Distributed optimizer (`--use-distributed-optimizer`, ZeRO stage 1): the AdamW moments of the
+parameters a DP×CP group holds in replicas are split among its ranks, whole parameters to each
+(largest first, to the least loaded rank: torch's ZeroRedundancyOptimizer). Each rank steps the
+parameters it owns with the same all-reduced gradients and broadcasts them to the others, one flat
+bucket per owner; the update is bit-identical to the replicated optimizer's, the moments take
+1 / (DP × CP) of the memory.
 """
 from __future__ import annotations
 
@@ -25,10 +32,24 @@ def param_groups(model, weight_decay: float):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model, args, device: str):
-    """AdamW; apex's FusedAdam (decoupled weight decay) when apex is installed and we run on CUDA."""
+def replica_group(ps: ParallelState):
+    """The ranks holding the same shards (DP replicas × CP ranks), or None when there is one."""
+    if ps.dp_size * ps.cp_size == 1:
+        return None
+    return ps.dp_cp_group if ps.cp_size > 1 else ps.dp_group
+
+
+def build_optimizer(model, args, device: str, ps: ParallelState | None = None):
+    """AdamW; apex's FusedAdam (decoupled weight decay) when apex is installed and we run on CUDA.
+    With args.use_distributed_optimizer and replicas (ps), the moments are sharded over them."""
     groups = param_groups(model, args.weight_decay)
     kw = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+    group = replica_group(ps) if ps is not None and getattr(args, "use_distributed_optimizer", False) else None
+    if group is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=group,
+                                       parameters_as_bucket_view=True,
+                                       **kw, **({"fused": True} if device == "cuda" else {"foreach": True}))
     if device == "cuda":
         try:
             from apex.optimizers import FusedAdam  # type: ignore
@@ -36,6 +57,16 @@ def build_optimizer(model, args, device: str):
         except ImportError:
             return torch.optim.AdamW(groups, fused=True, **kw)
     return torch.optim.AdamW(groups, foreach=True, **kw)
+
+
+def local_optimizer(optimizer):
+    """The optimizer that holds this rank's AdamW state (a ZeroRedundancyOptimizer's own one)."""
+    return getattr(optimizer, "optim", optimizer)
+
+
+def owned_parameters(optimizer) -> set:
+    """ids of the parameters whose AdamW state this rank holds (all of them unless distributed)."""
+    return {id(p) for g in local_optimizer(optimizer).param_groups for p in g["params"]}
 
 
 def _sum_of_squares(grads, device) -> torch.Tensor:

@@ -24,7 +24,7 @@ from megatron_sp.training.arguments import ArgumentError, parse_args
 from megatron_sp.training.grad_sync import OverlappedGradSync
 from megatron_sp.training.logger import TrainingLogger
 from megatron_sp.training.loop import GradientUnderflowError, NonFiniteError, evaluate, train_step
-from megatron_sp.training.optimizer import DynamicLossScaler, build_optimizer
+from megatron_sp.training.optimizer import DynamicLossScaler, build_optimizer, local_optimizer
 from megatron_sp.training.schedules import LRSchedule
 from megatron_sp.training.throughput import peak_tflops, throughput
 
@@ -202,7 +202,7 @@ class Trainer:
         self.dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
         from megatron_sp.models.gpt import GPTModel
         self.model = GPTModel(self.cfg, self.ps).to(args.device)
-        self.optimizer = build_optimizer(self.model, args, args.device)
+        self.optimizer = build_optimizer(self.model, args, args.device, self.ps)
         self.scaler = DynamicLossScaler(args.initial_loss_scale) if args.fp16 else None
         self.grad_sync = (OverlappedGradSync(self.model, self.ps)
                           if args.overlap_grad_reduce and self.ps.dp_size * self.ps.cp_size > 1 else None)
@@ -293,6 +293,14 @@ class Trainer:
         self.state.consumed_valid_samples += args.eval_iters * args.global_batch_size
         self.log.evaluation(self.state.iteration, loss, math.exp(min(loss, 20.0)))
 
+    def _optimizer_words(self) -> str:
+        replicas = self.ps.dp_size * self.ps.cp_size
+        if local_optimizer(self.optimizer) is self.optimizer:
+            return "AdamW"
+        mine = sum(p.numel() for g in local_optimizer(self.optimizer).param_groups for p in g["params"])
+        total = sum(p.numel() for p in self.model.parameters())
+        return f"AdamW state sharded over {replicas} replicas (this rank: {mine / total:.0%} of its parameters)"
+
     def _describe(self):
         a, c = self.args, self.cfg
         self.log.info(
@@ -304,7 +312,7 @@ class Trainer:
             f"{c.num_attention_heads} heads / {c.num_query_groups} kv | "
             f"{c.num_parameters() / 1e6:.2f}M parameters | vocab {c.vocab_size} (padded {c.padded_vocab_size}) | "
             f"{a.num_micro_batches} micro-batches of {a.micro_batch_size} per DP rank | "
-            f"MFU peak {f'{self.peak:.3g} TFLOP/s' if self.peak else 'n/a'} ({self.peak_source})")
+            f"{self._optimizer_words()} | MFU peak {f'{self.peak:.3g} TFLOP/s' if self.peak else 'n/a'} ({self.peak_source})")
         if self.state.iteration:
             self.log.info(f" resuming at iteration {self.state.iteration}, "
                           f"{self.state.consumed_train_samples} samples consumed")
