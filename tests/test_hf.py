@@ -185,3 +185,35 @@ def test_imported_scaled_llama_trains_with_the_printed_flags(tmp_path, capsys):
     assert pretrain.main(run + [f for f in printed if f != "--use-rope-scaling"]) == 2
     err = capsys.readouterr().err.strip()
     assert "rope_scaling=True" in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama3-rope-scaling"])
+def test_greedy_generation_matches_transformers(name, tmp_path, capsys):
+    """tools/generate.py on an imported model: greedy decoding picks transformers' tokens (its
+    generate(), no sampling); top-k 1 and a tiny top-p sample the same tokens; it stops at eod."""
+    import generate as gen
+    torch.manual_seed(0)
+    hf = HF_MODELS[name]()
+    _randomise(hf)
+    hf.save_pretrained(tmp_path / "hf")
+    assert convert_hf.main(["import", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 0
+    model, _ = gen.load_model(str(tmp_path / "ckpt"))
+    prompt = _tokens()[:, :5]
+    want = hf.eval().generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
+                              min_new_tokens=12)
+    ours = gen.generate(model, prompt, 12)
+    assert torch.equal(ours, want), (ours, want)
+    for kw in (dict(top_k=1), dict(top_p=1e-6)):
+        sampled = gen.generate(model, prompt, 12, temperature=1.0, generator=torch.Generator().manual_seed(0), **kw)
+        assert torch.equal(sampled, want), kw
+    eod = int(want[0, 8])                                  # a token the first row produces
+    stopped = gen.generate(model, prompt[:1], 12, eod=eod)
+    assert stopped.shape[1] <= 9 and stopped[0, -1].item() == eod
+    capsys.readouterr()
+    assert gen.main(["--load", str(tmp_path / "ckpt"), "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                     str(VOCAB - 1), "--prompt", " ".join(map(str, prompt[0].tolist())), "--max-new-tokens", "12",
+                     "--ignore-eod"]) == 0
+    assert capsys.readouterr().out.split() == [str(t) for t in want[0].tolist()]
+    assert gen.main(["--load", str(tmp_path / "ckpt"), "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                     "500"]) == 2
+    assert "the tokenizer has 501 ids" in capsys.readouterr().err
