@@ -1,14 +1,14 @@
-"""AdamW state per rank and optimizer-step time: replicated vs --use-distributed-optimizer (ZeRO-1).
+"""AdamW state per rank and gradient-sync + step time: replicated vs --use-distributed-optimizer (ZeRO-1).
 
     python bench/optimizer_memory.py                       # world 4: (TP, CP) = (1, 1), (2, 1), (1, 2)
     python bench/optimizer_memory.py --hidden-size 512 --num-layers 8
 
 What is measured, on every rank of a gloo CPU world: the bytes of the AdamW moments (exp_avg,
-exp_avg_sq; the step counters are left out) each rank holds after a step, for the replicated
-optimizer and the distributed one built by `training.optimizer.build_optimizer`; the ideal share is
-replicated / (DP × CP). Step time is the median of the optimizer steps (the distributed one includes
-its parameter broadcasts); the gradients are random and equal on the replicas, as after the
-gradient all-reduce, which is the same for both and not timed.
+exp_avg_sq; the step counters are left out) and of the gradients each rank holds after a step, for
+the replicated optimizer and the distributed one built by `training.optimizer.build_optimizer`; the
+ideal share is replicated / (DP × CP). Time: the median over steps of the gradient synchronisation
+(`finalize_model_grads`, not overlapped: all-reduce, or reduce to the owner) plus the optimizer step
+(the distributed one includes its parameter broadcasts), on random gradients that differ per rank.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ def _measure(tp, cp, hidden, layers, steps):
     from megatron_sp import parallel_state
     from megatron_sp.config import GPTConfig
     from megatron_sp.models.gpt import GPTModel
+    from megatron_sp.training.grad_sync import finalize_model_grads
     from megatron_sp.training.optimizer import build_optimizer, local_optimizer
     torch.set_num_threads(1)
     ps = parallel_state.initialize_model_parallel(tp, cp)
@@ -38,18 +39,21 @@ def _measure(tp, cp, hidden, layers, steps):
         args = SimpleNamespace(weight_decay=0.1, lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
                                use_distributed_optimizer=distributed)
         opt = build_optimizer(model, args, "cpu", ps)
-        g = torch.Generator().manual_seed(ps.tp_rank)
+        partition = getattr(opt, "partition", None)
+        g = torch.Generator().manual_seed(torch.distributed.get_rank())
         times = []
         for _ in range(steps):
             for p in model.parameters():
                 p.grad = torch.randn(p.shape, generator=g)
             torch.distributed.barrier()
             start = time.perf_counter()
+            finalize_model_grads(model, ps, None, partition)
             opt.step()
             times.append(time.perf_counter() - start)
         state = sum(t.numel() * t.element_size() for st in local_optimizer(opt).state.values()
                     for k, t in st.items() if k != "step")
-        out[distributed] = (state, statistics.median(times) * 1e3)
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+        out[distributed] = (state, statistics.median(times) * 1e3, grads)
     out["params"] = sum(p.numel() for p in model.parameters())
     out["replicas"] = ps.dp_size * ps.cp_size
     return out
@@ -71,11 +75,13 @@ def main():
             rows.append([f"TP {tp} CP {cp} DP {4 // (tp * cp)}", n, f"{ranks[0]['params'] / 1e6:.2f}M",
                          f"{plain / 1e6:.2f}", f"{max(shares) / 1e6:.2f}", f"{min(shares) / 1e6:.2f}",
                          f"{max(shares) / (plain / n):.3f}",
+                         f"{ranks[0][False][2] / 1e6:.2f}", f"{max(r[True][2] for r in ranks) / 1e6:.2f}",
                          f"{statistics.median(r[False][1] for r in ranks):.1f}",
                          f"{statistics.median(r[True][1] for r in ranks):.1f}"])
-    print(f"AdamW moments per rank, hidden {args.hidden_size}, {args.num_layers} layers, world 4 (gloo, CPU)")
-    print(_dist.table(["layout", "replicas", "params/rank", "replicated MB", "distributed max MB",
-                       "min MB", "max / ideal", "step ms repl.", "step ms dist."], rows))
+    print(f"AdamW moments and gradients per rank after a step, hidden {args.hidden_size}, {args.num_layers} "
+          f"layers, world 4 (gloo, CPU); time: gradient sync + optimizer step")
+    print(_dist.table(["layout", "replicas", "params/rank", "moments repl. MB", "dist. max MB", "min MB",
+                       "max / ideal", "grads repl. MB", "dist. max MB", "ms repl.", "ms dist."], rows))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,10 @@
    the gradients of earlier layers.
 The sums act on different groups and commute; the DP×CP one goes first because the overlapped
 buckets captured the gradients before either sum.
+
+With the distributed optimizer's `partition` (training/distributed_optimizer.py) a bucket holds
+one owner's parameters and is reduced to that owner instead of all-reduced; the other replicas set
+those gradients to None.
 """
 from __future__ import annotations
 
@@ -24,12 +28,12 @@ from megatron_sp.tensor_parallel.sharding import split_local
 BUCKET_BYTES = 25 * 1024 * 1024
 
 
-def _buckets(tensors, bucket_bytes):
-    """Consecutive groups of same-dtype tensors of about bucket_bytes each."""
-    by_dtype = {}
+def _buckets(tensors, bucket_bytes, owner=None):
+    """Consecutive groups of same-dtype tensors of about bucket_bytes each (and of one owner)."""
+    by_key = {}
     for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for same in by_dtype.values():
+        by_key.setdefault((t.dtype, owner(t) if owner else None), []).append(t)
+    for same in by_key.values():
         bucket, size = [], 0
         for t in same:
             bucket.append(t)
@@ -46,26 +50,38 @@ def _replicas(ps) -> int:
     return ps.dp_size * ps.cp_size
 
 
-def _average_flat(grads, ps, async_op=False):
-    """Sum over DP×CP (divided by the DP size in _scatter_back: CP parts add up, DP replicas average)."""
-    flat = torch.cat([g.reshape(-1) for g in grads])
+def _average_flat(params, ps, async_op=False, partition=None):
+    """Sum over DP×CP (divided by the DP size in _scatter_back: CP parts add up, DP replicas
+    average): all-reduced, or reduced to the parameters' owner with a partition."""
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
     group = ps.dp_cp_group if ps.cp_size > 1 else ps.dp_group
-    handle = dist.all_reduce(flat, group=group, async_op=async_op)
+    if partition is None:
+        handle = dist.all_reduce(flat, group=group, async_op=async_op)
+    else:
+        dst = partition.global_rank(partition.owner(params[0]))
+        handle = dist.reduce(flat, dst=dst, group=group, async_op=async_op)
     return flat, handle
 
 
-def _scatter_back(flat, grads, dp_size):
+def _scatter_back(flat, params, dp_size, partition=None):
+    if partition is not None and not partition.mine(params[0]):
+        for p in params:                   # another replica owns (and steps) these parameters
+            p.grad = None
+        return
     flat.div_(dp_size)
+    grads = [p.grad for p in params]
     torch._foreach_copy_(grads, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
 
-def all_reduce_data_parallel_grads(params, ps: ParallelState, bucket_bytes: int = BUCKET_BYTES):
-    """Averages gradients over DP (and sums over CP) after the backward (one all-reduce per bucket)."""
+def all_reduce_data_parallel_grads(params, ps: ParallelState, bucket_bytes: int = BUCKET_BYTES, partition=None):
+    """Averages gradients over DP (and sums over CP) after the backward (one all-reduce, or one
+    reduce to the owner, per bucket)."""
     if _replicas(ps) == 1:
         return
-    for bucket in _buckets([p.grad for p in params if p.grad is not None], bucket_bytes):
-        flat, _ = _average_flat(bucket, ps)
-        _scatter_back(flat, bucket, ps.dp_size)
+    owner = partition.owner if partition is not None else None
+    for bucket in _buckets([p for p in params if p.grad is not None], bucket_bytes, owner):
+        flat, _ = _average_flat(bucket, ps, partition=partition)
+        _scatter_back(flat, bucket, ps.dp_size, partition)
 
 
 class OverlappedGradSync:
@@ -78,10 +94,10 @@ class OverlappedGradSync:
     waits, averages and writes the results back into `.grad`.
     """
 
-    def __init__(self, model, ps: ParallelState, bucket_bytes: int = BUCKET_BYTES):
-        self.ps, self.armed = ps, False
+    def __init__(self, model, ps: ParallelState, bucket_bytes: int = BUCKET_BYTES, partition=None):
+        self.ps, self.armed, self.partition = ps, False, partition
         params = [p for p in reversed(list(model.parameters())) if p.requires_grad]
-        self.buckets = list(_buckets(params, bucket_bytes))
+        self.buckets = list(_buckets(params, bucket_bytes, partition.owner if partition is not None else None))
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
         self._reset()
@@ -102,18 +118,18 @@ class OverlappedGradSync:
             self._launch(i)
 
     def _launch(self, i):
-        grads = [p.grad for p in self.buckets[i] if p.grad is not None]
-        if grads:
-            self.launched[i] = (grads, *_average_flat(grads, self.ps, async_op=True))
+        params = [p for p in self.buckets[i] if p.grad is not None]
+        if params:
+            self.launched[i] = (params, *_average_flat(params, self.ps, async_op=True, partition=self.partition))
 
     def finish(self):
         if _replicas(self.ps) > 1:
             for i in range(len(self.buckets)):
                 if i not in self.launched:
                     self._launch(i)
-            for grads, flat, handle in self.launched.values():
+            for params, flat, handle in self.launched.values():
                 handle.wait()
-                _scatter_back(flat, grads, self.ps.dp_size)
+                _scatter_back(flat, params, self.ps.dp_size, self.partition)
         self.armed = False
         self._reset()
 
@@ -122,12 +138,13 @@ class OverlappedGradSync:
             h.remove()
 
 
-def finalize_model_grads(model, ps: ParallelState, overlapped: OverlappedGradSync | None = None):
+def finalize_model_grads(model, ps: ParallelState, overlapped: OverlappedGradSync | None = None,
+                         partition=None):
     """Everything between the last backward and the optimizer step, except clipping."""
     if overlapped is not None:    # first: its buffers hold the gradients as backward left them
         overlapped.finish()
     else:
-        all_reduce_data_parallel_grads(list(model.parameters()), ps)
+        all_reduce_data_parallel_grads(list(model.parameters()), ps, partition=partition)
     model._cp_grads_pending = False      # summed over CP with the DP reduction
     reduce_tensor_parallel_grads(model, ps)
 

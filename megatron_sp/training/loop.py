@@ -75,11 +75,12 @@ def train_step(model, optimizer, data_iter, num_micro_batches: int, ps: Parallel
     if not math.isfinite(loss_value):
         raise NonFiniteError(f"the training loss is {loss_value} at iteration {iteration}; lower --lr, "
                              f"check the data, or use --bf16 instead of --fp16.")
-    finalize_model_grads(model, ps, grad_sync)
-    params = [p for p in model.parameters() if p.grad is not None]
+    partition = getattr(optimizer, "partition", None)      # distributed optimizer: reduce to owners
+    finalize_model_grads(model, ps, grad_sync, partition)
+    params = [p for p in model.parameters() if p.grad is not None]   # (then only the owned ones)
     if scaler is not None and not scaler.unscale_and_check(params):
         return StepResult(loss_value, float("nan"), skipped=True)
-    grad_norm = clip_grads(params, clip_grad, ps)
+    grad_norm = clip_grads(params, clip_grad, ps, partition)
     verdict = scaler.update(grad_norm) if scaler is not None and math.isfinite(grad_norm) else "ok"
     if verdict == "no_gradient":                       # the same on every rank: the norm is global
         raise GradientUnderflowError(

@@ -5,12 +5,8 @@ update. What needs care is the gradient norm: each parameter must count once how
 (TP-split: sum the squares over the TP group) or replicated (identical on the TP ranks and on the
 DP replicas: count one copy).
 
-Distributed optimizer (`--use-distributed-optimizer`, ZeRO stage 1): the AdamW moments of the
-parameters a DP×CP group holds in replicas are split among its ranks, whole parameters to each
-(largest first, to the least loaded rank: torch's ZeroRedundancyOptimizer). Each rank steps the
-parameters it owns with the same all-reduced gradients and broadcasts them to the others, one flat
-bucket per owner; the update is bit-identical to the replicated optimizer's, the moments take
-1 / (DP × CP) of the memory.
+Distributed optimizer (`--use-distributed-optimizer`, ZeRO-1): training/distributed_optimizer.py;
+here, the gradient norm then sums the squares each replica owns.
 """
 from __future__ import annotations
 
@@ -20,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp.parallel_state import ParallelState
+from megatron_sp.training.distributed_optimizer import DistributedOptimizer, Partition, replica_group  # noqa: F401
 from megatron_sp.tensor_parallel.sharding import split_local
 
 
@@ -32,24 +29,15 @@ def param_groups(model, weight_decay: float):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def replica_group(ps: ParallelState):
-    """The ranks holding the same shards (DP replicas × CP ranks), or None when there is one."""
-    if ps.dp_size * ps.cp_size == 1:
-        return None
-    return ps.dp_cp_group if ps.cp_size > 1 else ps.dp_group
-
-
 def build_optimizer(model, args, device: str, ps: ParallelState | None = None):
     """AdamW; apex's FusedAdam (decoupled weight decay) when apex is installed and we run on CUDA.
     With args.use_distributed_optimizer and replicas (ps), the moments are sharded over them."""
     groups = param_groups(model, args.weight_decay)
     kw = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
-    group = replica_group(ps) if ps is not None and getattr(args, "use_distributed_optimizer", False) else None
-    if group is not None:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=group,
-                                       parameters_as_bucket_view=True,
-                                       **kw, **({"fused": True} if device == "cuda" else {"foreach": True}))
+    if ps is not None and getattr(args, "use_distributed_optimizer", False) and replica_group(ps) is not None:
+        extra = {"fused": True} if device == "cuda" else {"foreach": True}
+        return DistributedOptimizer(groups, Partition([p for p in model.parameters() if p.requires_grad], ps),
+                                    lambda local: torch.optim.AdamW(local, **kw, **extra))
     if device == "cuda":
         try:
             from apex.optimizers import FusedAdam  # type: ignore
@@ -60,7 +48,7 @@ def build_optimizer(model, args, device: str, ps: ParallelState | None = None):
 
 
 def local_optimizer(optimizer):
-    """The optimizer that holds this rank's AdamW state (a ZeroRedundancyOptimizer's own one)."""
+    """The optimizer that holds this rank's AdamW state (a DistributedOptimizer's own one)."""
     return getattr(optimizer, "optim", optimizer)
 
 
@@ -69,16 +57,25 @@ def owned_parameters(optimizer) -> set:
     return {id(p) for g in local_optimizer(optimizer).param_groups for p in g["params"]}
 
 
+def _collective_device():
+    """Where a rank with no gradients of its own (distributed optimizer) puts its share: NCCL
+    reduces only CUDA tensors."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _sum_of_squares(grads, device) -> torch.Tensor:
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
     return torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()   # one fused kernel per dtype
 
 
-def global_grad_norm(params, ps: ParallelState) -> torch.Tensor:
-    """L2 norm of the full (serial) gradient: each parameter counted once."""
+def global_grad_norm(params, ps: ParallelState, partition: Partition | None = None) -> torch.Tensor:
+    """L2 norm of the full (serial) gradient: each parameter counted once. With a distributed
+    optimizer's `partition`, each replica holds (and passes) only the gradients it owns."""
     grads = [p for p in params if p.grad is not None]
-    device = grads[0].grad.device if grads else "cpu"
+    device = grads[0].grad.device if grads else _collective_device()
     split, replicated = [], []
     for p in grads:
         spec = getattr(p, "shard_spec", None)
@@ -89,16 +86,19 @@ def global_grad_norm(params, ps: ParallelState) -> torch.Tensor:
         else:   # segments held in copies (GQA key/value heads): only the first copy counts
             split += [view for shard, view in split_local(p.grad.detach(), spec, ps.tp_rank, ps.tp_size)
                       if shard.first_copy]
-    sharded = _sum_of_squares(split, device)
-    if ps.tp_size > 1:
+    sharded, whole = _sum_of_squares(split, device), _sum_of_squares(replicated, device)
+    if partition is not None:                           # every shard has one owner in the world,
+        dist.all_reduce(sharded)                        # every whole parameter one per replica group
+        dist.all_reduce(whole, group=partition.group)
+    elif ps.tp_size > 1:
         dist.all_reduce(sharded, group=ps.tp_group)     # TP shards: sum over the group
-    return (sharded + _sum_of_squares(replicated, device)).sqrt()   # replicas: this rank's copy
+    return (sharded + whole).sqrt()                     # replicas: this rank's copy
 
 
-def clip_grads(params, max_norm: float, ps: ParallelState) -> float:
+def clip_grads(params, max_norm: float, ps: ParallelState, partition: Partition | None = None) -> float:
     """Scales gradients so the global norm is at most max_norm (0 disables); returns the norm before."""
     params = [p for p in params if p.grad is not None]
-    norm = global_grad_norm(params, ps)
+    norm = global_grad_norm(params, ps, partition)
     if max_norm > 0:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_([p.grad for p in params], coef)
@@ -131,7 +131,7 @@ class DynamicLossScaler:
         halves the scale here; a finite step is judged by `update` once the gradient norm is known."""
         grads = [p.grad for p in params if p.grad is not None]
         torch._foreach_mul_(grads, 1.0 / self.scale)
-        bad = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+        bad = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else _collective_device())
         for g in grads:
             bad += (~torch.isfinite(g)).any().float()
         if dist.is_initialized():

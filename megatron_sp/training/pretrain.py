@@ -204,7 +204,7 @@ class Trainer:
         self.model = GPTModel(self.cfg, self.ps).to(args.device)
         self.optimizer = build_optimizer(self.model, args, args.device, self.ps)
         self.scaler = DynamicLossScaler(args.initial_loss_scale) if args.fp16 else None
-        self.grad_sync = (OverlappedGradSync(self.model, self.ps)
+        self.grad_sync = (OverlappedGradSync(self.model, self.ps, partition=getattr(self.optimizer, "partition", None))
                           if args.overlap_grad_reduce and self.ps.dp_size * self.ps.cp_size > 1 else None)
         self.schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup, args.lr_decay, args.lr_decay_style)
         self.state = checkpointing.TrainState()
