@@ -99,7 +99,7 @@ def clip_grads(params, max_norm: float, ps: ParallelState, partition: Partition 
     """Scales gradients so the global norm is at most max_norm (0 disables); returns the norm before."""
     params = [p for p in params if p.grad is not None]
     norm = global_grad_norm(params, ps, partition)
-    if max_norm > 0:
+    if max_norm > 0 and params:           # (a distributed optimizer's replica may own none)
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_([p.grad for p in params], coef)
     return norm.item()
@@ -130,7 +130,8 @@ class DynamicLossScaler:
         """Divides gradients by the scale; True when every rank's gradients are finite. An overflow
         halves the scale here; a finite step is judged by `update` once the gradient norm is known."""
         grads = [p.grad for p in params if p.grad is not None]
-        torch._foreach_mul_(grads, 1.0 / self.scale)
+        if grads:
+            torch._foreach_mul_(grads, 1.0 / self.scale)
         bad = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else _collective_device())
         for g in grads:
             bad += (~torch.isfinite(g)).any().float()
