@@ -4,6 +4,7 @@ The C++ (CPU) ops are built always; the CUDA ops are added when torch was built 
 is found (MEGATRON_SP_SKIP_CUDA_BUILD=1 skips them). Install with --no-build-isolation so the
 extension compiles against the torch already in the environment.
 """
+
 import glob
 import os
 
@@ -20,8 +21,9 @@ def _extensions():
 
     # csrc/cuda/*.cu are torch-free kernels (nvcc alone compiles them: tests/test_cuda_compile.py);
     # csrc/cuda/*.cpp are the thin torch bindings that launch them.
-    cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")) +
-                          glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
+    cuda_sources = sorted(
+        glob.glob(os.path.join("csrc", "cuda", "*.cu")) + glob.glob(os.path.join("csrc", "cuda", "*.cpp"))
+    )
     use_cuda = (
         cuda_sources
         and os.environ.get("MEGATRON_SP_SKIP_CUDA_BUILD", "0") != "1"
@@ -36,11 +38,16 @@ def _extensions():
     if use_cuda:
         extra["nvcc"] = ["-O3", "-lineinfo"]
         ext = cpp_extension.CUDAExtension(
-            "megatron_sp._C", sources + cuda_sources, extra_compile_args=extra,
-            extra_link_args=["-fopenmp"], py_limited_api=False)
+            "megatron_sp._C",
+            sources + cuda_sources,
+            extra_compile_args=extra,
+            extra_link_args=["-fopenmp"],
+            py_limited_api=False,
+        )
     else:
         ext = cpp_extension.CppExtension(
-            "megatron_sp._C", sources, extra_compile_args=extra, extra_link_args=["-fopenmp"])
+            "megatron_sp._C", sources, extra_compile_args=extra, extra_link_args=["-fopenmp"]
+        )
     build = cpp_extension.BuildExtension.with_options(use_ninja=True)
     return [ext], {"build_ext": build}
 

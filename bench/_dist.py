@@ -13,6 +13,7 @@ re-raised in the parent with that rank's traceback.
 The scripts import this file as `_dist` (bench/ is on sys.path when a script runs) and put the repo
 root on sys.path so that `megatron_sp` imports without installation.
 """
+
 from __future__ import annotations
 
 import os

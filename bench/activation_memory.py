@@ -34,6 +34,7 @@ Formulas (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large T
 Our layers differ from that accounting; the "adjusted formula" below sums the named terms (see
 `adjusted_terms`), each derived from the code, not fitted to the measurement.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,10 +46,11 @@ import traceback
 from collections import OrderedDict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import World, add_shape_args, table as _table  # noqa: E402  (also puts the repo root on sys.path)
-
+from _dist import World, add_shape_args  # noqa: E402  (also puts the repo root on sys.path)
+from _dist import table as _table
 
 # ---- the measurement machinery (importable; tests/test_bench_memory.py checks it) --------------
+
 
 class SavedTensorCounter:
     """Context manager recording every storage saved for backward while it is active.
@@ -60,6 +62,7 @@ class SavedTensorCounter:
 
     def __init__(self, model=None, exclude=()):
         import torch
+
         self._torch = torch
         self.model = model
         params = list(model.parameters()) if model is not None else []
@@ -76,6 +79,7 @@ class SavedTensorCounter:
     def _push_module(self, name):
         def pre(_mod, _inp):
             self._module_stack.append(name)
+
         return pre
 
     def _pop_module(self, _mod, _inp, _out):
@@ -83,6 +87,7 @@ class SavedTensorCounter:
 
     def _mode(self):
         from torch.overrides import TorchFunctionMode
+
         counter = self
 
         class _OpLabel(TorchFunctionMode):
@@ -94,6 +99,7 @@ class SavedTensorCounter:
                     return func(*args, **(kwargs or {}))
                 finally:
                     counter._op_stack.pop()
+
         return _OpLabel()
 
     # hooks ------------------------------------------------------------------------------------------
@@ -108,8 +114,9 @@ class SavedTensorCounter:
             if isinstance(t, torch.nn.Parameter) or ptr in self._param_ptrs:
                 self.excluded.append((module, op, tuple(t.shape)))
             elif nbytes > 0 and ptr not in self.records:
-                self.records[ptr] = dict(nbytes=nbytes, shape=tuple(t.shape), dtype=str(t.dtype)[6:],
-                                         module=module, op=op)
+                self.records[ptr] = dict(
+                    nbytes=nbytes, shape=tuple(t.shape), dtype=str(t.dtype)[6:], module=module, op=op
+                )
         finally:
             self._in_hook = False
         return t
@@ -135,12 +142,15 @@ class SavedTensorCounter:
         self._handles.clear()
 
     def total(self, module_prefix=None) -> int:
-        return sum(r["nbytes"] for r in self.records.values()
-                   if module_prefix is None or r["module"] == module_prefix
-                   or r["module"].startswith(module_prefix + "."))
+        return sum(
+            r["nbytes"]
+            for r in self.records.values()
+            if module_prefix is None or r["module"] == module_prefix or r["module"].startswith(module_prefix + ".")
+        )
 
 
 # ---- formulas ------------------------------------------------------------------------------------
+
 
 def paper_bytes(s, b, h, a, t, sp):
     """Korthikanti et al. 2022 eqs. (TP) and (TP+SP): bytes per layer, 16-bit activations, 1-byte masks."""
@@ -167,37 +177,50 @@ def adjusted_terms(s, b, h, a, f, t, sp, dropout):
     core = "blockwise attention" if dropout > 0 else "SDPA"
     terms += [
         (f"Q, K, V (one QKV storage, saved by {core})", 3 * 4 * sbh * T, "fp32 x2 (paper 6sbh/t)"),
-        (f"{core} output = proj GEMM input (one storage)", 4 * sbh * T,
-         "fp32 x2 (paper 2sbh/t); the core saves it, proj's view shares it"),
-        (f"{core} logsumexp [b,n,s]", 4 * a * s * b * T,
-         "not in paper; and no s^2 term (paper 5as^2b/t): dropout masks regenerated per block"
-         if dropout > 0 else "not in paper; and no s^2 term (paper 5as^2b/t)"),
+        (
+            f"{core} output = proj GEMM input (one storage)",
+            4 * sbh * T,
+            "fp32 x2 (paper 2sbh/t); the core saves it, proj's view shares it",
+        ),
+        (
+            f"{core} logsumexp [b,n,s]",
+            4 * a * s * b * T,
+            "not in paper; and no s^2 term (paper 5as^2b/t): dropout masks regenerated per block"
+            if dropout > 0
+            else "not in paper; and no s^2 term (paper 5as^2b/t)",
+        ),
     ]
     terms += [
         ("GELU input (FC1 out)", 4 * s * b * f * T, "fp32 x2 (paper 8sbh/t at f=4h)"),
         ("FC2 GEMM input (GELU out)", 4 * s * b * f * T, "fp32 x2 (paper 8sbh/t at f=4h)"),
     ]
     if dropout > 0:
-        terms.append(("2 hidden dropout masks (attn out, MLP out)", 2 * sbh * S,
-                      "bool, 1 byte each (as paper: 2sbh); the fused op regenerates them"))
+        terms.append(
+            (
+                "2 hidden dropout masks (attn out, MLP out)",
+                2 * sbh * S,
+                "bool, 1 byte each (as paper: 2sbh); the fused op regenerates them",
+            )
+        )
     return terms
 
 
 def adjusted_formula_text(h, f, dropout):
     """Closed form of sum(adjusted_terms) (bytes), in the paper's sbh(...) notation."""
-    ct = 12 + 4 + 8 * f / h                      # QKV, attention output, GELU input + FC2 input
-    cs = 16 + (2 if dropout > 0 else 0)          # LN inputs, QKV/FC1 GEMM inputs (+ 2 bool masks)
+    ct = 12 + 4 + 8 * f / h  # QKV, attention output, GELU input + FC2 input
+    cs = 16 + (2 if dropout > 0 else 0)  # LN inputs, QKV/FC1 GEMM inputs (+ 2 bool masks)
     ct_s = f"{ct:g}"
-    return (f"TP: sbh({cs} + 16/h + {ct_s}/t + 4a/(ht))    "
-            f"TP+SP: sbh/t({cs + ct:g} + 16/h + 4a/h)")
+    return f"TP: sbh({cs} + 16/h + {ct_s}/t + 4a/(ht))    TP+SP: sbh/t({cs + ct:g} + 16/h + 4a/h)"
 
 
 # ---- the per-rank work ----------------------------------------------------------------------------
+
 
 def _layer_bytes_worker(args, tp, sp, dropout):
     import warnings
 
     import torch
+
     from megatron_sp import parallel_state
     from megatron_sp.config import GPTConfig
     from megatron_sp.models.gpt import GPTModel
@@ -209,20 +232,30 @@ def _layer_bytes_worker(args, tp, sp, dropout):
     labels = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length), generator=g)
     out = {"tp_rank": ps.tp_rank, "dp_rank": ps.dp_rank}
     for layers in (1, 2):
-        cfg = GPTConfig(num_layers=layers, hidden_size=args.hidden_size,
-                        num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
-                        seq_length=args.seq_length, ffn_hidden_size=args.ffn_hidden_size,
-                        tensor_model_parallel_size=tp, sequence_parallel=sp, hidden_dropout=dropout,
-                        attention_dropout=dropout, use_fused_kernels=args.fused)
+        cfg = GPTConfig(
+            num_layers=layers,
+            hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads,
+            vocab_size=args.vocab_size,
+            seq_length=args.seq_length,
+            ffn_hidden_size=args.ffn_hidden_size,
+            tensor_model_parallel_size=tp,
+            sequence_parallel=sp,
+            hidden_dropout=dropout,
+            attention_dropout=dropout,
+            use_fused_kernels=args.fused,
+        )
         model = GPTModel(cfg).train()
         with SavedTensorCounter(model) as counter:
             loss = model(tokens, labels)
         out[f"total_L{layers}"] = counter.total()
         if layers == 2:
             out["direct"] = counter.total("layers.1")
-            out["records"] = [dict(r, module=r["module"].replace("layers.1.", "").replace("layers.1", "block"))
-                              for r in counter.records.values()
-                              if r["module"] == "layers.1" or r["module"].startswith("layers.1.")]
+            out["records"] = [
+                dict(r, module=r["module"].replace("layers.1.", "").replace("layers.1", "block"))
+                for r in counter.records.values()
+                if r["module"] == "layers.1" or r["module"].startswith("layers.1.")
+            ]
             out["excluded"] = [e for e in counter.excluded if e[0].startswith("layers.1")]
             out["attention_nodes"] = sorted(_node_names(loss.grad_fn, "Attention"))
         del loss, model
@@ -246,8 +279,10 @@ def _node_names(root, needle):
 
 # ---- printing -------------------------------------------------------------------------------------
 
+
 def _breakdown(res_tp, res_sp, t):
     """Rows (module, op, TP shape/bytes, SP shape/bytes), matched by (module, op, occurrence)."""
+
     def keyed(records):
         seen, out = {}, OrderedDict()
         for r in records:
@@ -270,27 +305,60 @@ def _breakdown(res_tp, res_sp, t):
     headers = ["module", "op (outermost torch call)", f"TP t={t}: saved tensor", "bytes"]
     if res_sp:
         headers += [f"TP+SP t={t}: saved tensor", "bytes"]
-    rows.append(["total", "", "", sum(r[3] for r in rows)] +
-                (["", sum(r[5] for r in rows)] if res_sp else []))
+    rows.append(["total", "", "", sum(r[3] for r in rows)] + (["", sum(r[5] for r in rows)] if res_sp else []))
     return _table(headers, rows, ["<", "<", "<", ">", "<", ">"][: len(headers)])
 
 
 def report(args, dropout, results):
-    s, b, h, a, f = (args.seq_length, args.micro_batch_size, args.hidden_size, args.num_attention_heads,
-                     args.ffn_hidden_size)
+    s, b, h, a, f = (
+        args.seq_length,
+        args.micro_batch_size,
+        args.hidden_size,
+        args.num_attention_heads,
+        args.ffn_hidden_size,
+    )
     sbh = s * b * h
-    title = (f"dropout {'on (hidden = attention = %g)' % dropout if dropout else 'off (hidden = attention = 0)'}"
-             f" — s={s} b={b} h={h} a={a} f={f}, fp32, bytes per layer per rank")
+    title = (
+        f"dropout {'on (hidden = attention = %g)' % dropout if dropout else 'off (hidden = attention = 0)'}"
+        f" — s={s} b={b} h={h} a={a} f={f}, fp32, bytes per layer per rank"
+    )
     print("\n" + "=" * len(title) + f"\n{title}\n" + "=" * len(title))
     rows, ok = [], True
     for (t, sp), res in results.items():
         adj = sum(x[1] for x in adjusted_terms(s, b, h, a, f, t, sp, dropout))
         pap = paper_bytes(s, b, h, a, t, sp)
         m = res["per_layer"]
-        rows.append([t, "TP+SP" if sp else "TP", m, res["direct"], f"{m / sbh:.3f}", f"{pap:.0f}",
-                     f"{pap / sbh:.3f}", f"{adj:.0f}", f"{adj / sbh:.3f}", f"{m / adj:.4f}"])
-    print(_table(["t", "mode", "measured L2-L1", "direct layers.1", "meas/sbh", "paper (16-bit)",
-                  "paper/sbh", "adjusted", "adj/sbh", "meas/adj"], rows))
+        rows.append(
+            [
+                t,
+                "TP+SP" if sp else "TP",
+                m,
+                res["direct"],
+                f"{m / sbh:.3f}",
+                f"{pap:.0f}",
+                f"{pap / sbh:.3f}",
+                f"{adj:.0f}",
+                f"{adj / sbh:.3f}",
+                f"{m / adj:.4f}",
+            ]
+        )
+    print(
+        _table(
+            [
+                "t",
+                "mode",
+                "measured L2-L1",
+                "direct layers.1",
+                "meas/sbh",
+                "paper (16-bit)",
+                "paper/sbh",
+                "adjusted",
+                "adj/sbh",
+                "meas/adj",
+            ],
+            rows,
+        )
+    )
     print("paper (16-bit):   TP: sbh(10 + 24/t + 5as/(ht))    TP+SP: sbh/t(34 + 5as/h)    (f = 4h assumed)")
     print(f"adjusted (fp32):  {adjusted_formula_text(h, f, dropout)}")
     nodes = sorted({n for r in results.values() for n in r["attention_nodes"]})
@@ -303,13 +371,23 @@ def report(args, dropout, results):
             continue
         meas = results[(t, True)]["per_layer"] / results[(t, False)]["per_layer"]
         pap = paper_bytes(s, b, h, a, t, True) / paper_bytes(s, b, h, a, t, False)
-        adj = (sum(x[1] for x in adjusted_terms(s, b, h, a, f, t, True, dropout)) /
-               sum(x[1] for x in adjusted_terms(s, b, h, a, f, t, False, dropout)))
+        adj = sum(x[1] for x in adjusted_terms(s, b, h, a, f, t, True, dropout)) / sum(
+            x[1] for x in adjusted_terms(s, b, h, a, f, t, False, dropout)
+        )
         dev = abs(meas / adj - 1)
         passed = dev <= args.tolerance
         ok &= passed
-        rrows.append([t, f"{meas:.4f}", f"{pap:.4f}", f"{adj:.4f}", f"{meas / pap - 1:+.1%}",
-                      f"{dev:.2%}", "PASS" if passed else "FAIL"])
+        rrows.append(
+            [
+                t,
+                f"{meas:.4f}",
+                f"{pap:.4f}",
+                f"{adj:.4f}",
+                f"{meas / pap - 1:+.1%}",
+                f"{dev:.2%}",
+                "PASS" if passed else "FAIL",
+            ]
+        )
     print(_table(["t", "measured", "paper", "adjusted", "meas vs paper", "|meas/adj-1|", "5% check"], rrows))
 
     bt = args.breakdown_tp
@@ -317,52 +395,64 @@ def report(args, dropout, results):
         print(f"\nWhat one layer saves at t={bt} (rank 0; storages counted once, parameters excluded):")
         print(_breakdown(results[(bt, False)], results.get((bt, True)), bt))
         excl = sorted({f"{m}:{op}" for m, op, _ in results[(bt, False)]["excluded"]})
-        print(f"excluded as parameters ({len(results[(bt, False)]['excluded'])} saves at TP): "
-              + ", ".join(excl))
+        print(f"excluded as parameters ({len(results[(bt, False)]['excluded'])} saves at TP): " + ", ".join(excl))
         print(f"\nAdjusted formula terms at t={bt} (bytes per layer per rank):")
         trows = []
         tp_terms = adjusted_terms(s, b, h, a, f, bt, False, dropout)
         sp_terms = adjusted_terms(s, b, h, a, f, bt, True, dropout) if bt > 1 else None
         for i, (name, nbytes, why) in enumerate(tp_terms):
             trows.append([name, f"{nbytes:.0f}"] + ([f"{sp_terms[i][1]:.0f}"] if sp_terms else []) + [why])
-        trows.append(["total", f"{sum(x[1] for x in tp_terms):.0f}"] +
-                     ([f"{sum(x[1] for x in sp_terms):.0f}"] if sp_terms else []) + [""])
-        print(_table(["term", "TP"] + (["TP+SP"] if sp_terms else []) + ["vs paper"], trows,
-                     ["<", ">"] + ([">"] if sp_terms else []) + ["<"]))
+        trows.append(
+            ["total", f"{sum(x[1] for x in tp_terms):.0f}"]
+            + ([f"{sum(x[1] for x in sp_terms):.0f}"] if sp_terms else [])
+            + [""]
+        )
+        print(
+            _table(
+                ["term", "TP"] + (["TP+SP"] if sp_terms else []) + ["vs paper"],
+                trows,
+                ["<", ">"] + ([">"] if sp_terms else []) + ["<"],
+            )
+        )
     return ok
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_shape_args(p)
     p.add_argument("--tp-sizes", type=str, default="1,2,4")
-    p.add_argument("--dropout", type=float, default=0.1,
-                   help="the 'dropout on' table uses this for hidden and attention dropout")
+    p.add_argument(
+        "--dropout", type=float, default=0.1, help="the 'dropout on' table uses this for hidden and attention dropout"
+    )
     p.add_argument("--no-dropout-off", action="store_true", help="skip the dropout-off table")
     p.add_argument("--no-dropout-on", action="store_true", help="skip the dropout-on table")
-    p.add_argument("--breakdown-tp", type=int, default=2, help="print the per-tensor breakdown at this t "
-                   "(0: none)")
+    p.add_argument("--breakdown-tp", type=int, default=2, help="print the per-tensor breakdown at this t (0: none)")
     p.add_argument("--tolerance", type=float, default=0.05)
-    p.add_argument("--fused", action="store_true",
-                   help="use_fused_kernels=True (the adjusted formula describes the reference ops)")
+    p.add_argument(
+        "--fused", action="store_true", help="use_fused_kernels=True (the adjusted formula describes the reference ops)"
+    )
     args = p.parse_args(argv)
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
     tps = sorted({int(x) for x in args.tp_sizes.split(",")})
     dropouts = ([] if args.no_dropout_off else [0.0]) + ([] if args.no_dropout_on else [args.dropout])
 
-    world_size = math.lcm(*tps)                  # every TP size divides the world (dp = world / t)
+    world_size = math.lcm(*tps)  # every TP size divides the world (dp = world / t)
     import torch
+
     start = time.time()
-    print(f"activation memory per layer per rank — torch {torch.__version__}, gloo, "
-          f"{os.cpu_count()} CPU cores, world of {world_size} processes, fused ops: {args.fused}")
+    print(
+        f"activation memory per layer per rank — torch {torch.__version__}, gloo, "
+        f"{os.cpu_count()} CPU cores, world of {world_size} processes, fused ops: {args.fused}"
+    )
     ok = True
     with World(world_size) as world:
         for dropout in dropouts:
             results = OrderedDict()
             for t in tps:
-                for sp in ((False, True) if t > 1 else (False,)):
+                for sp in (False, True) if t > 1 else (False,):
                     per_rank = world.run(_layer_bytes_worker, args, t, sp, dropout)
                     distinct = {r["per_layer"] for r in per_rank}
                     if len(distinct) != 1:

@@ -17,6 +17,7 @@ F.rms_norm in the input dtype); `compiled` is torch.compile of the native (or re
 flash_attention: `explicit` is the s x s softmax of models/attention.causal_attention(explicit=True)
 (its backward: autograd of that graph); the Python reference (block loops) runs up to s = 1024 only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,14 +34,17 @@ import torch
 import torch.nn.functional as F
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:                       # runs without installing the package
+if REPO_ROOT not in sys.path:  # runs without installing the package
     sys.path.insert(0, REPO_ROOT)
 
 from megatron_sp import ops  # noqa: E402
 from megatron_sp.models.attention import causal_attention  # noqa: E402
-from megatron_sp.ops.flash_attention import (  # noqa: E402
-    AttentionDropout, flash_attention_bwd_reference, flash_attention_fwd_reference)
 from megatron_sp.ops import layout  # noqa: E402
+from megatron_sp.ops.flash_attention import (  # noqa: E402
+    AttentionDropout,
+    flash_attention_bwd_reference,
+    flash_attention_fwd_reference,
+)
 from megatron_sp.ops.testing import assert_close_dtype  # noqa: E402
 from megatron_sp.tensor_parallel.random import DropoutIndex  # noqa: E402
 
@@ -50,15 +54,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class Case:
-    name: str                        # op and shape
-    nbytes: int                      # compulsory bytes moved
+    name: str  # op and shape
+    nbytes: int  # compulsory bytes moved
     fused: Callable[[], object]
     baselines: Dict[str, Callable[[], object]]
-    check: Callable[[], None]        # raises when the fused result is wrong
+    check: Callable[[], None]  # raises when the fused result is wrong
     compiled: Dict[str, Callable[[], object]] = field(default_factory=dict)
 
 
 # ---- cases --------------------------------------------------------------------------------------
+
 
 def _bda_cases(s, b, h, dtype, dev, compile_):
     x = torch.randn(s, b, h, device=dev, dtype=dtype)
@@ -72,14 +77,17 @@ def _bda_cases(s, b, h, dtype, dev, compile_):
 
     def check():
         assert_close_dtype(fused(), ref(), dtype)
-        keep = MSP.bias_dropout_add_fwd(torch.ones_like(x), None, torch.zeros_like(x), pos, smp, p,
-                                        1234, 3, 2, 0) != 0
-        ones = ops.bias_dropout_add_reference(torch.ones_like(x), None, torch.zeros_like(x), p, 1234,
-                                              3, 2, index) != 0
+        keep = MSP.bias_dropout_add_fwd(torch.ones_like(x), None, torch.zeros_like(x), pos, smp, p, 1234, 3, 2, 0) != 0
+        ones = ops.bias_dropout_add_reference(torch.ones_like(x), None, torch.zeros_like(x), p, 1234, 3, 2, index) != 0
         assert torch.equal(keep, ones), "dropout mask differs from random.py"
 
-    fwd = Case(f"bias_dropout_add fwd [{s},{b},{h}]", 3 * x.numel() * x.element_size(), fused,
-               {"reference": ref, "native": native}, check)
+    fwd = Case(
+        f"bias_dropout_add fwd [{s},{b},{h}]",
+        3 * x.numel() * x.element_size(),
+        fused,
+        {"reference": ref, "native": native},
+        check,
+    )
     grad = torch.randn_like(x)
     fused_bwd = lambda: MSP.bias_dropout_add_bwd(grad, pos, smp, p, 1234, 3, 2, 0, True)
     xr, br = x.clone().requires_grad_(), bias.clone().requires_grad_()
@@ -92,11 +100,18 @@ def _bda_cases(s, b, h, dtype, dev, compile_):
         assert_close_dtype(gx, rx, dtype)
         assert_close_dtype(gb, rb, dtype, scale=(s * b) ** 0.5)
 
-    bwd = Case(f"bias_dropout_add bwd [{s},{b},{h}]", 2 * x.numel() * x.element_size(), fused_bwd,
-               {"reference": ref_bwd}, check_bwd)
+    bwd = Case(
+        f"bias_dropout_add bwd [{s},{b},{h}]",
+        2 * x.numel() * x.element_size(),
+        fused_bwd,
+        {"reference": ref_bwd},
+        check_bwd,
+    )
     if compile_:
-        fwd.compiled = {"compiled native": torch.compile(lambda: res + F.dropout(x + bias, p)),
-                        "compiled reference": torch.compile(ref)}
+        fwd.compiled = {
+            "compiled native": torch.compile(lambda: res + F.dropout(x + bias, p)),
+            "compiled reference": torch.compile(ref),
+        }
     return [fwd, bwd]
 
 
@@ -106,9 +121,13 @@ def _ln_cases(rows, h, dtype, dev, compile_):
     fused = lambda: MSP.layer_norm_fwd(x, w, b, 1e-5)
     ref = lambda: ops.layer_norm_reference(x, w, b, 1e-5)
     native = lambda: F.layer_norm(x, (h,), w, b, 1e-5)
-    fwd = Case(f"layer_norm fwd [{rows},{h}]", 2 * x.numel() * x.element_size() + rows * 8, fused,
-               {"reference": ref, "native": native},
-               lambda: assert_close_dtype(fused()[0], ref(), dtype))
+    fwd = Case(
+        f"layer_norm fwd [{rows},{h}]",
+        2 * x.numel() * x.element_size() + rows * 8,
+        fused,
+        {"reference": ref, "native": native},
+        lambda: assert_close_dtype(fused()[0], ref(), dtype),
+    )
     _, mean, rstd = fused()
     grad = torch.randn_like(x)
     fused_bwd = lambda: MSP.layer_norm_bwd(grad, x, w, mean, rstd)
@@ -118,10 +137,15 @@ def _ln_cases(rows, h, dtype, dev, compile_):
 
     def check_bwd():
         for i, (a, e) in enumerate(zip(fused_bwd(), ref_bwd())):
-            assert_close_dtype(a, e, dtype, scale=4.0 if i == 0 else 4 * rows ** 0.5)
+            assert_close_dtype(a, e, dtype, scale=4.0 if i == 0 else 4 * rows**0.5)
 
-    bwd = Case(f"layer_norm bwd [{rows},{h}]", 3 * x.numel() * x.element_size() + rows * 8,
-               fused_bwd, {"reference": ref_bwd}, check_bwd)
+    bwd = Case(
+        f"layer_norm bwd [{rows},{h}]",
+        3 * x.numel() * x.element_size() + rows * 8,
+        fused_bwd,
+        {"reference": ref_bwd},
+        check_bwd,
+    )
     if compile_:
         fwd.compiled = {"compiled native": torch.compile(native)}
     return [fwd, bwd]
@@ -133,9 +157,13 @@ def _rms_cases(rows, h, dtype, dev, compile_):
     fused = lambda: MSP.rms_norm_fwd(x, w, 1e-6)
     ref = lambda: ops.rms_norm_reference(x, w, 1e-6)
     native = lambda: F.rms_norm(x, (h,), w, 1e-6)
-    fwd = Case(f"rms_norm fwd [{rows},{h}]", 2 * x.numel() * x.element_size() + rows * 4, fused,
-               {"reference": ref, "native": native},
-               lambda: assert_close_dtype(fused()[0], ref(), dtype))
+    fwd = Case(
+        f"rms_norm fwd [{rows},{h}]",
+        2 * x.numel() * x.element_size() + rows * 4,
+        fused,
+        {"reference": ref, "native": native},
+        lambda: assert_close_dtype(fused()[0], ref(), dtype),
+    )
     _, rstd = fused()
     grad = torch.randn_like(x)
     fused_bwd = lambda: MSP.rms_norm_bwd(grad, x, w, rstd)
@@ -145,10 +173,15 @@ def _rms_cases(rows, h, dtype, dev, compile_):
 
     def check_bwd():
         for i, (a, e) in enumerate(zip(fused_bwd(), ref_bwd())):
-            assert_close_dtype(a, e, dtype, scale=4.0 if i == 0 else 4 * rows ** 0.5)
+            assert_close_dtype(a, e, dtype, scale=4.0 if i == 0 else 4 * rows**0.5)
 
-    bwd = Case(f"rms_norm bwd [{rows},{h}]", 3 * x.numel() * x.element_size() + rows * 4,
-               fused_bwd, {"reference": ref_bwd}, check_bwd)
+    bwd = Case(
+        f"rms_norm bwd [{rows},{h}]",
+        3 * x.numel() * x.element_size() + rows * 4,
+        fused_bwd,
+        {"reference": ref_bwd},
+        check_bwd,
+    )
     if compile_:
         fwd.compiled = {"compiled native": torch.compile(native)}
     return [fwd, bwd]
@@ -164,24 +197,20 @@ def _flash_cases(b, n, s, d, p, dtype, dev, with_reference):
     args = (pos, pos, None, None, samples)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     fused = lambda: MSP.flash_attention_fwd(q, k, v, *args, p, 1234, 3, 0)
-    explicit = lambda: causal_attention(*leaves, dropout_p=p, seed=1234, layer=3, index=index,
-                                        explicit=True)
+    explicit = lambda: causal_attention(*leaves, dropout_p=p, seed=1234, layer=3, index=index, explicit=True)
     ref = lambda: flash_attention_fwd_reference(q, k, v, *args, drop)
     state = {}
 
-    def saved():   # (out, lse) of the fused forward, dout, the explicit graph
+    def saved():  # (out, lse) of the fused forward, dout, the explicit graph
         if not state:
             state.update(fwd=fused(), dout=torch.randn_like(q), graph=explicit())
         return state
 
-    fused_bwd = lambda: MSP.flash_attention_bwd(saved()["dout"], q, k, v, *saved()["fwd"], *args, p,
-                                                1234, 3, 0)
-    ref_bwd = lambda: flash_attention_bwd_reference(saved()["dout"], q, k, v, *saved()["fwd"],
-                                                       *args, drop)
-    explicit_bwd = lambda: torch.autograd.grad(saved()["graph"], leaves, saved()["dout"],
-                                               retain_graph=True)
+    fused_bwd = lambda: MSP.flash_attention_bwd(saved()["dout"], q, k, v, *saved()["fwd"], *args, p, 1234, 3, 0)
+    ref_bwd = lambda: flash_attention_bwd_reference(saved()["dout"], q, k, v, *saved()["fwd"], *args, drop)
+    explicit_bwd = lambda: torch.autograd.grad(saved()["graph"], leaves, saved()["dout"], retain_graph=True)
 
-    def check():   # against the reference where it runs, else the explicit softmax
+    def check():  # against the reference where it runs, else the explicit softmax
         want = ref()[0] if with_reference else saved()["graph"].detach()
         assert_close_dtype(saved()["fwd"][0], want, dtype, scale=2.0)
 
@@ -195,8 +224,10 @@ def _flash_cases(b, n, s, d, p, dtype, dev, with_reference):
     base_fwd, base_bwd = {"explicit": explicit}, {"explicit": explicit_bwd}
     if with_reference:
         base_fwd["reference"], base_bwd["reference"] = ref, ref_bwd
-    return [Case(f"flash_attention fwd {name}", nbytes, fused, base_fwd, check),
-            Case(f"flash_attention bwd {name}", 2 * nbytes, fused_bwd, base_bwd, check_bwd)]
+    return [
+        Case(f"flash_attention fwd {name}", nbytes, fused, base_fwd, check),
+        Case(f"flash_attention bwd {name}", 2 * nbytes, fused_bwd, base_bwd, check_bwd),
+    ]
 
 
 def _layout_case(name, x, k, compile_, args=()):
@@ -206,8 +237,7 @@ def _layout_case(name, x, k, compile_, args=()):
     def check():
         assert torch.equal(fused(), ref()), f"{name} differs from its reference"
 
-    case = Case(f"{name} {list(x.shape)} k={k}", 2 * x.numel() * x.element_size(), fused,
-                {"reference": ref}, check)
+    case = Case(f"{name} {list(x.shape)} k={k}", 2 * x.numel() * x.element_size(), fused, {"reference": ref}, check)
     if compile_:
         case.compiled = {"compiled reference": torch.compile(ref)}
     return case
@@ -215,30 +245,30 @@ def _layout_case(name, x, k, compile_, args=()):
 
 def build_cases(device, dtype, compile_, scale):
     """scale 1: the GPU sizes (a [8192, 8192] bf16 slab); CPU runs smaller shapes."""
-    if device == "cuda":                                      # 128 MiB bf16 slabs
+    if device == "cuda":  # 128 MiB bf16 slabs
         s, b, h, rows, p, n, d = 2048, 4, 8192, 8192, 8, 64, 128
     else:
         s, b, h, rows, p, n, d = 1024 // scale, 4, 1024, 4096 // scale, 4, 16, 64  # 16 MiB slabs
     dev = device
     cases = _bda_cases(s, b, h, dtype, dev, compile_) + _ln_cases(rows, h, dtype, dev, compile_)
     cases += _rms_cases(rows, h, dtype, dev, compile_)
-    t = 4                       # every layout case moves one [s, b, h]-sized slab
+    t = 4  # every layout case moves one [s, b, h]-sized slab
     cases += [
         _layout_case("ulysses_pack", torch.randn(s, b, n, d, device=dev, dtype=dtype), p, compile_),
-        _layout_case("ulysses_unpack", torch.randn(p, s, b, n // p, d, device=dev, dtype=dtype),
-                     p, compile_),
-        _layout_case("gather_to_last_dim", torch.randn(s, b, h, device=dev, dtype=dtype), t,
-                     compile_),
-        _layout_case("last_dim_to_gather", torch.randn(s, b, h, device=dev, dtype=dtype), t,
-                     compile_),
-        _layout_case("zigzag_reorder", torch.randn(s, b, h, device=dev, dtype=dtype), p, compile_,
-                     (0, False)),
+        _layout_case("ulysses_unpack", torch.randn(p, s, b, n // p, d, device=dev, dtype=dtype), p, compile_),
+        _layout_case("gather_to_last_dim", torch.randn(s, b, h, device=dev, dtype=dtype), t, compile_),
+        _layout_case("last_dim_to_gather", torch.randn(s, b, h, device=dev, dtype=dtype), t, compile_),
+        _layout_case("zigzag_reorder", torch.randn(s, b, h, device=dev, dtype=dtype), p, compile_, (0, False)),
     ]
-    if device == "cuda":     # b, heads, s, d, dropout, with the Python reference
+    if device == "cuda":  # b, heads, s, d, dropout, with the Python reference
         attention = [(2, 16, 2048, 128, 0.1, False), (2, 16, 4096, 64, 0.0, False)]
     else:
-        attention = [(1, 8, 256 // scale, 64, 0.0, True), (1, 8, 256 // scale, 64, 0.1, True),
-                     (1, 8, 1024 // scale, 64, 0.0, True), (1, 8, 2048 // scale, 64, 0.0, False)]
+        attention = [
+            (1, 8, 256 // scale, 64, 0.0, True),
+            (1, 8, 256 // scale, 64, 0.1, True),
+            (1, 8, 1024 // scale, 64, 0.0, True),
+            (1, 8, 2048 // scale, 64, 0.0, False),
+        ]
     for shape in attention:
         cases += _flash_cases(*shape[:5], dtype, dev, shape[5])
     return cases
@@ -253,17 +283,22 @@ def saved_bytes_lines(s, b, h, dtype, dev) -> List[str]:
         bias = torch.randn(h, device=dev, dtype=dtype, requires_grad=True)
         sizes = []
         with torch.autograd.graph.saved_tensors_hooks(
-                lambda t: sizes.append(t.numel() * t.element_size()) or t, lambda t: t):
+            lambda t: sizes.append(t.numel() * t.element_size()) or t, lambda t: t
+        ):
             ops.bias_dropout_add(x, bias, torch.randn_like(x), 0.1, 1, 0, 2, index, fused=fused)
         return sum(sizes)
 
     ref, fused = saved(False), saved(True)
-    return [f"saved for backward by one bias_dropout_add [{s},{b},{h}] {str(dtype)[6:]}: "
-            f"reference {ref} B (its bool keep mask: {s * b * h} B at 1 byte), fused {fused} B "
-            f"(positions + sample ids)", ""]
+    return [
+        f"saved for backward by one bias_dropout_add [{s},{b},{h}] {str(dtype)[6:]}: "
+        f"reference {ref} B (its bool keep mask: {s * b * h} B at 1 byte), fused {fused} B "
+        f"(positions + sample ids)",
+        "",
+    ]
 
 
 # ---- timing -------------------------------------------------------------------------------------
+
 
 def time_cpu(fns: Dict[str, Callable], repeats: int) -> Dict[str, float]:
     """Fastest call in seconds; the candidates are interleaved so drift hits all alike."""
@@ -306,11 +341,14 @@ def copy_bandwidth(nbytes: int, repeats: int) -> float:
 
 # ---- report -------------------------------------------------------------------------------------
 
+
 def header(args) -> List[str]:
     cpu = platform.processor() or platform.machine()
-    lines = [f"date {datetime.date.today()} · torch {torch.__version__} · dtype {args.dtype} · "
-             f"device {args.device} · threads {torch.get_num_threads()} · {cpu}",
-             "command: " + " ".join(["python"] + sys.argv)]
+    lines = [
+        f"date {datetime.date.today()} · torch {torch.__version__} · dtype {args.dtype} · "
+        f"device {args.device} · threads {torch.get_num_threads()} · {cpu}",
+        "command: " + " ".join(["python"] + sys.argv),
+    ]
     if args.device == "cuda":
         lines.append(f"gpu {torch.cuda.get_device_name()} · CUDA {torch.version.cuda}")
     return lines
@@ -355,12 +393,12 @@ def format_case(case: Case, times: Dict[str, float], copy_bw) -> List[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--dtype", choices=list(DTYPES), default=None,
-                        help="default: float32 on cpu, bfloat16 on cuda")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per candidate")
     parser.add_argument("--scale", type=int, default=1, help="cpu: divide the sequence by this")
-    parser.add_argument("--no-compile", dest="compile", action="store_false",
-                        help="cuda: skip the torch.compile baselines")
+    parser.add_argument(
+        "--no-compile", dest="compile", action="store_false", help="cuda: skip the torch.compile baselines"
+    )
     parser.add_argument("--markdown", help="also write the report to this file")
     parser.add_argument("--only", help="run only the cases whose name contains this")
     args = parser.parse_args(argv)

@@ -23,6 +23,7 @@ longest sequence that trains within a fixed activation budget, at CP = 1, 2, 4.
 Ranks are gloo processes on this machine; the world has max(cp) ranks (smaller CP sizes leave DP
 replicas). Exit 0 when the measured volumes equal the theory and activations scale as 1/c (5%).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,25 +37,41 @@ from _dist import World, table  # noqa: E402
 
 def _config(a, layers, cp, comm, s, dropout, tp=1):
     from megatron_sp.config import GPTConfig
-    return GPTConfig(num_layers=layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
-                     vocab_size=a.vocab_size, seq_length=s, tensor_model_parallel_size=tp,
-                     sequence_parallel=tp > 1, context_parallel_size=cp, cp_comm_type=comm,
-                     hidden_dropout=dropout, attention_dropout=dropout, use_fused_kernels=not a.no_fused_kernels)
+
+    return GPTConfig(
+        num_layers=layers,
+        hidden_size=a.hidden_size,
+        num_attention_heads=a.num_attention_heads,
+        vocab_size=a.vocab_size,
+        seq_length=s,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1,
+        context_parallel_size=cp,
+        cp_comm_type=comm,
+        hidden_dropout=dropout,
+        attention_dropout=dropout,
+        use_fused_kernels=not a.no_fused_kernels,
+    )
 
 
 def _batch(a, s):
     import torch
+
     g = torch.Generator().manual_seed(0)
-    return (torch.randint(0, a.vocab_size, (a.micro_batch_size, s), generator=g),
-            torch.randint(0, a.vocab_size, (a.micro_batch_size, s), generator=g))
+    return (
+        torch.randint(0, a.vocab_size, (a.micro_batch_size, s), generator=g),
+        torch.randint(0, a.vocab_size, (a.micro_batch_size, s), generator=g),
+    )
 
 
 def comm_worker(a, tp, cp, comm):
     """Per-layer (L2 - L1) bytes sent by this rank, by kind, and the CP gradient sum."""
     from comm_volume import CollectiveCounter
+
     from megatron_sp import parallel_state
     from megatron_sp.models.gpt import GPTModel
     from megatron_sp.training.grad_sync import finalize_model_grads
+
     ps = parallel_state.initialize_model_parallel(tp, cp)
     tokens, labels = _batch(a, a.seq_length)
     sent = {}
@@ -74,6 +91,7 @@ def comm_worker(a, tp, cp, comm):
 
 def _saved(model, tokens, labels):
     from activation_memory import SavedTensorCounter
+
     with SavedTensorCounter(model) as counter:
         loss = model(tokens, labels)
     return counter.total(), loss
@@ -82,19 +100,24 @@ def _saved(model, tokens, labels):
 def activation_worker(a, cp, comm):
     from megatron_sp import parallel_state
     from megatron_sp.models.gpt import GPTModel
+
     ps = parallel_state.initialize_model_parallel(1, cp)
     tokens, labels = _batch(a, a.seq_length)
-    totals = [_saved(GPTModel(_config(a, layers, cp, comm, a.seq_length, 0.1), ps).train(), tokens, labels)[0]
-              for layers in (1, 2)]
+    totals = [
+        _saved(GPTModel(_config(a, layers, cp, comm, a.seq_length, 0.1), ps).train(), tokens, labels)[0]
+        for layers in (1, 2)
+    ]
     return totals[1] - totals[0]
 
 
 def budget_worker(a, cp, comm, s, train):
     """Saved activation bytes of the whole model at length s on this rank; one step when train."""
     import torch
+
     from megatron_sp import parallel_state
     from megatron_sp.models.gpt import GPTModel
     from megatron_sp.training.grad_sync import finalize_model_grads
+
     ps = parallel_state.initialize_model_parallel(1, cp)
     model = GPTModel(_config(a, a.num_layers, cp, comm, s, 0.1), ps).train()
     tokens, labels = _batch(a, s)
@@ -115,7 +138,7 @@ def theory(a, c, comm):
     if comm == "tp+sp":
         return 10 * (c - 1) / c * n
     if comm == "a2a":
-        return 8 * (c - 1) / c ** 2 * n
+        return 8 * (c - 1) / c**2 * n
     return 4 * (c - 1) / c * n + 2 * n
 
 
@@ -126,16 +149,30 @@ def section_comm(a, world, cps):
         if c == 1:
             continue
         for comm in ("tp+sp", "a2a", "p2p"):
-            res = world.run(comm_worker, a, c if comm == "tp+sp" else 1, 1 if comm == "tp+sp" else c,
-                            "p2p" if comm == "tp+sp" else comm)[0]
+            res = world.run(
+                comm_worker,
+                a,
+                c if comm == "tp+sp" else 1,
+                1 if comm == "tp+sp" else c,
+                "p2p" if comm == "tp+sp" else comm,
+            )[0]
             layer = sum(v for k, v in res.items() if k != "grad-sync")
             want = theory(a, c, comm)
             ok &= abs(layer - want) <= 1e-6 * want
             kinds = ", ".join(f"{k} {v:.0f}" for k, v in sorted(res.items()) if k != "grad-sync" and v)
-            rows.append([c, comm, kinds, f"{layer:.0f}", f"{want:.0f}", f"{layer / n:.3f}",
-                         "OK" if abs(layer - want) <= 1e-6 * want else "DIFF", f"{res.get('grad-sync', 0):.0f}"])
-    print(table(["c", "scheme", "sent per kind (B)", "sent/layer", "theory", "/N", "check",
-                 "grad sync/layer"], rows))
+            rows.append(
+                [
+                    c,
+                    comm,
+                    kinds,
+                    f"{layer:.0f}",
+                    f"{want:.0f}",
+                    f"{layer / n:.3f}",
+                    "OK" if abs(layer - want) <= 1e-6 * want else "DIFF",
+                    f"{res.get('grad-sync', 0):.0f}",
+                ]
+            )
+    print(table(["c", "scheme", "sent per kind (B)", "sent/layer", "theory", "/N", "check", "grad sync/layer"], rows))
     return ok
 
 
@@ -154,15 +191,38 @@ def section_activations(a, world, cps):
             close = abs(saved / want - 1) <= 0.05
             ok &= close
             extra = (saved - first[(comm, False)][1] / c) / (sbh / c) if c > 1 else 0.0
-            rows.append([comm, c, saved, f"{first[(comm, False)][1] / c:.0f}", f"{saved * c / first[(comm, False)][1]:.4f}",
-                         f"{extra:+.2f}", f"{want:.0f}", "OK" if close else "DIFF"])
-    print(table(["scheme", "c", "saved B/layer/rank", "(c=1)/c", "ratio to (c=1)/c", "extra /(sbh/c)",
-                 "expected", "5% check"], rows))
+            rows.append(
+                [
+                    comm,
+                    c,
+                    saved,
+                    f"{first[(comm, False)][1] / c:.0f}",
+                    f"{saved * c / first[(comm, False)][1]:.4f}",
+                    f"{extra:+.2f}",
+                    f"{want:.0f}",
+                    "OK" if close else "DIFF",
+                ]
+            )
+    print(
+        table(
+            [
+                "scheme",
+                "c",
+                "saved B/layer/rank",
+                "(c=1)/c",
+                "ratio to (c=1)/c",
+                "extra /(sbh/c)",
+                "expected",
+                "5% check",
+            ],
+            rows,
+        )
+    )
     return ok
 
 
 def section_budget(a, world, cps):
-    budget = int(a.budget_mib * 2 ** 20)
+    budget = int(a.budget_mib * 2**20)
     rows = []
     for c in cps:
         step = 2 * c * 64
@@ -174,7 +234,7 @@ def section_budget(a, world, cps):
             mid = (lo + hi) // 2 // step * step
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         saved, loss, secs = world.run(budget_worker, a, c, "p2p", lo, True)[0]
-        rows.append([c, lo, f"{saved / 2 ** 20:.2f}", f"{loss:.4f}", f"{secs:.1f}"])
+        rows.append([c, lo, f"{saved / 2**20:.2f}", f"{loss:.4f}", f"{secs:.1f}"])
     print(table(["c", f"longest s (budget {a.budget_mib:g} MiB/rank)", "saved MiB/rank", "loss", "step s"], rows))
 
 
@@ -193,17 +253,22 @@ def main(argv=None):
     a = p.parse_args(argv)
     cps = sorted({int(c) for c in a.cp_sizes.split(",")})
     import torch
+
     start = time.time()
-    print(f"long sequences — torch {torch.__version__}, gloo, {os.cpu_count()} CPU cores, world of {max(cps)}; "
-          f"s={a.seq_length} b={a.micro_batch_size} h={a.hidden_size} a={a.num_attention_heads}, fp32")
+    print(
+        f"long sequences — torch {torch.__version__}, gloo, {os.cpu_count()} CPU cores, world of {max(cps)}; "
+        f"s={a.seq_length} b={a.micro_batch_size} h={a.hidden_size} a={a.num_attention_heads}, fp32"
+    )
     with World(max(cps)) as world:
         print("\n1. bytes sent per rank per layer per step (forward + backward), dropout off")
         ok = section_comm(a, world, cps)
         print("\n2. activation bytes saved per layer per rank, dropout 0.1 (TP=1)")
         ok &= section_activations(a, world, cps)
         if not a.skip_budget:
-            print(f"\n3. longest sequence within {a.budget_mib:g} MiB of saved activations per rank "
-                  f"(L={a.num_layers}, ring attention, dropout 0.1)")
+            print(
+                f"\n3. longest sequence within {a.budget_mib:g} MiB of saved activations per rank "
+                f"(L={a.num_layers}, ring attention, dropout 0.1)"
+            )
             section_budget(a, world, cps)
     print(f"\n{'ALL CHECKS PASS' if ok else 'SOME CHECK FAILED'} ({time.time() - start:.1f} s)")
     return 0 if ok else 1

@@ -9,6 +9,7 @@ rank group, and the bytes autograd keeps for the backward (activations saved by 
 parameters excluded: the same counter as bench/activation_memory.py) on rank 0. The
 figures are printed as a table; the script has no pass/fail criterion.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,10 +24,20 @@ from _dist import World, add_shape_args, table  # noqa: E402
 
 def _config(a, tp):
     from megatron_sp.config import GPTConfig
-    kw = dict(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
-              vocab_size=a.vocab_size, seq_length=a.seq_length, ffn_hidden_size=a.ffn_hidden_size,
-              tensor_model_parallel_size=tp, sequence_parallel=tp > 1, hidden_dropout=a.dropout,
-              attention_dropout=a.dropout, use_fused_kernels=not a.no_fused_kernels)
+
+    kw = dict(
+        num_layers=a.num_layers,
+        hidden_size=a.hidden_size,
+        num_attention_heads=a.num_attention_heads,
+        vocab_size=a.vocab_size,
+        seq_length=a.seq_length,
+        ffn_hidden_size=a.ffn_hidden_size,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1,
+        hidden_dropout=a.dropout,
+        attention_dropout=a.dropout,
+        use_fused_kernels=not a.no_fused_kernels,
+    )
     if a.model != "gpt2":
         kw["model"] = a.model
     return GPTConfig(**kw)
@@ -34,6 +45,7 @@ def _config(a, tp):
 
 def _saved_bytes(model, tokens, labels):
     from activation_memory import SavedTensorCounter
+
     with SavedTensorCounter(model) as counter:
         loss = model(tokens, labels)
     del loss
@@ -43,8 +55,10 @@ def _saved_bytes(model, tokens, labels):
 def measure(a, tp):
     """Runs on every rank of a TP group (or in-process for tp=1); returns rank 0's figures."""
     import torch
+
     from megatron_sp import parallel_state
     from megatron_sp.models.gpt import GPTModel
+
     torch.manual_seed(0)
     ps = parallel_state.initialize_model_parallel(tp)
     model = GPTModel(_config(a, tp), ps).to(a.device)
@@ -53,8 +67,9 @@ def measure(a, tp):
     tokens = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.seq_length), generator=g).to(a.device)
     labels = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.seq_length), generator=g).to(a.device)
     dtype = torch.bfloat16 if a.bf16 else None
-    from megatron_sp.training.loop import autocast
     from megatron_sp.training.grad_sync import finalize_model_grads
+    from megatron_sp.training.loop import autocast
+
     times = []
     for step in range(a.warmup + a.steps):
         start = time.perf_counter()
@@ -71,8 +86,13 @@ def measure(a, tp):
     with autocast(a.device, dtype):
         saved = _saved_bytes(model, tokens, labels)
     ms = 1000 * statistics.median(times)
-    return {"tp": tp, "ms": ms, "min_ms": 1000 * min(times),
-            "tokens_per_s": a.micro_batch_size * a.seq_length / (ms / 1000), "saved_bytes": saved}
+    return {
+        "tp": tp,
+        "ms": ms,
+        "min_ms": 1000 * min(times),
+        "tokens_per_s": a.micro_batch_size * a.seq_length / (ms / 1000),
+        "saved_bytes": saved,
+    }
 
 
 def main(argv=None):
@@ -90,6 +110,7 @@ def main(argv=None):
     p.add_argument("--no-fused-kernels", action="store_true")
     a = p.parse_args(argv)
     import torch
+
     torch.set_num_threads(1)
     tps = [int(t) for t in a.tp_sizes.split(",")]
     rows = []
@@ -99,11 +120,20 @@ def main(argv=None):
         else:
             with World(tp) as world:
                 res = world.run(measure, a, tp)[0]
-        rows.append([f"TP={tp}{'+SP' if tp > 1 else ''}", f"{res['ms']:.1f}", f"{res['min_ms']:.1f}",
-                     f"{res['tokens_per_s']:.0f}", f"{res['saved_bytes'] / 2**20:.2f}"])
-    print(f"{a.model}: L={a.num_layers} h={a.hidden_size} n={a.num_attention_heads} s={a.seq_length} "
-          f"b={a.micro_batch_size} V={a.vocab_size} dropout={a.dropout} "
-          f"{'bf16' if a.bf16 else 'fp32'} fused={not a.no_fused_kernels} device={a.device}, 1 thread per rank")
+        rows.append(
+            [
+                f"TP={tp}{'+SP' if tp > 1 else ''}",
+                f"{res['ms']:.1f}",
+                f"{res['min_ms']:.1f}",
+                f"{res['tokens_per_s']:.0f}",
+                f"{res['saved_bytes'] / 2**20:.2f}",
+            ]
+        )
+    print(
+        f"{a.model}: L={a.num_layers} h={a.hidden_size} n={a.num_attention_heads} s={a.seq_length} "
+        f"b={a.micro_batch_size} V={a.vocab_size} dropout={a.dropout} "
+        f"{'bf16' if a.bf16 else 'fp32'} fused={not a.no_fused_kernels} device={a.device}, 1 thread per rank"
+    )
     print(table(["layout", "median ms/step", "min ms", "tokens/s", "saved MiB (rank 0)"], rows))
 
 

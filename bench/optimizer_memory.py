@@ -10,6 +10,7 @@ ideal share is replicated / (DP × CP). Time: the median over steps of the gradi
 (`finalize_model_grads`, not overlapped: all-reduce, or reduce to the owner) plus the optimizer step
 (the distributed one includes its parameter broadcasts), on random gradients that differ per rank.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,15 +30,29 @@ def _measure(tp, cp, hidden, layers, steps):
     from megatron_sp.models.gpt import GPTModel
     from megatron_sp.training.grad_sync import finalize_model_grads
     from megatron_sp.training.optimizer import build_optimizer, local_optimizer
+
     torch.set_num_threads(1)
     ps = parallel_state.initialize_model_parallel(tp, cp)
-    cfg = GPTConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=8, vocab_size=4096,
-                    seq_length=64, hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = GPTConfig(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=8,
+        vocab_size=4096,
+        seq_length=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     out = {}
     for distributed in (False, True):
         model = GPTModel(cfg)
-        args = SimpleNamespace(weight_decay=0.1, lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-                               use_distributed_optimizer=distributed)
+        args = SimpleNamespace(
+            weight_decay=0.1,
+            lr=1e-3,
+            adam_beta1=0.9,
+            adam_beta2=0.95,
+            adam_eps=1e-8,
+            use_distributed_optimizer=distributed,
+        )
         opt = build_optimizer(model, args, "cpu", ps)
         partition = getattr(opt, "partition", None)
         g = torch.Generator().manual_seed(torch.distributed.get_rank())
@@ -50,8 +65,12 @@ def _measure(tp, cp, hidden, layers, steps):
             finalize_model_grads(model, ps, None, partition)
             opt.step()
             times.append(time.perf_counter() - start)
-        state = sum(t.numel() * t.element_size() for st in local_optimizer(opt).state.values()
-                    for k, t in st.items() if k != "step")
+        state = sum(
+            t.numel() * t.element_size()
+            for st in local_optimizer(opt).state.values()
+            for k, t in st.items()
+            if k != "step"
+        )
         grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
         out[distributed] = (state, statistics.median(times) * 1e3, grads)
     out["params"] = sum(p.numel() for p in model.parameters())
@@ -72,16 +91,43 @@ def main():
             plain = ranks[0][False][0]
             shares = [r[True][0] for r in ranks]
             n = ranks[0]["replicas"]
-            rows.append([f"TP {tp} CP {cp} DP {4 // (tp * cp)}", n, f"{ranks[0]['params'] / 1e6:.2f}M",
-                         f"{plain / 1e6:.2f}", f"{max(shares) / 1e6:.2f}", f"{min(shares) / 1e6:.2f}",
-                         f"{max(shares) / (plain / n):.3f}",
-                         f"{ranks[0][False][2] / 1e6:.2f}", f"{max(r[True][2] for r in ranks) / 1e6:.2f}",
-                         f"{statistics.median(r[False][1] for r in ranks):.1f}",
-                         f"{statistics.median(r[True][1] for r in ranks):.1f}"])
-    print(f"AdamW moments and gradients per rank after a step, hidden {args.hidden_size}, {args.num_layers} "
-          f"layers, world 4 (gloo, CPU); time: gradient sync + optimizer step")
-    print(_dist.table(["layout", "replicas", "params/rank", "moments repl. MB", "dist. max MB", "min MB",
-                       "max / ideal", "grads repl. MB", "dist. max MB", "ms repl.", "ms dist."], rows))
+            rows.append(
+                [
+                    f"TP {tp} CP {cp} DP {4 // (tp * cp)}",
+                    n,
+                    f"{ranks[0]['params'] / 1e6:.2f}M",
+                    f"{plain / 1e6:.2f}",
+                    f"{max(shares) / 1e6:.2f}",
+                    f"{min(shares) / 1e6:.2f}",
+                    f"{max(shares) / (plain / n):.3f}",
+                    f"{ranks[0][False][2] / 1e6:.2f}",
+                    f"{max(r[True][2] for r in ranks) / 1e6:.2f}",
+                    f"{statistics.median(r[False][1] for r in ranks):.1f}",
+                    f"{statistics.median(r[True][1] for r in ranks):.1f}",
+                ]
+            )
+    print(
+        f"AdamW moments and gradients per rank after a step, hidden {args.hidden_size}, {args.num_layers} "
+        f"layers, world 4 (gloo, CPU); time: gradient sync + optimizer step"
+    )
+    print(
+        _dist.table(
+            [
+                "layout",
+                "replicas",
+                "params/rank",
+                "moments repl. MB",
+                "dist. max MB",
+                "min MB",
+                "max / ideal",
+                "grads repl. MB",
+                "dist. max MB",
+                "ms repl.",
+                "ms dist.",
+            ],
+            rows,
+        )
+    )
 
 
 if __name__ == "__main__":

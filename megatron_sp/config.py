@@ -1,4 +1,5 @@
 """GPTConfig: the model's shape, family, regularisation and parallel layout, validated on construction."""
+
 from __future__ import annotations
 
 import math
@@ -7,15 +8,19 @@ from dataclasses import dataclass
 from typing import Optional
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-ACTIVATIONS = ("gelu", "openai_gelu", "swiglu")        # gelu: erf; openai_gelu: tanh approximation (GPT-2)
+ACTIVATIONS = ("gelu", "openai_gelu", "swiglu")  # gelu: erf; openai_gelu: tanh approximation (GPT-2)
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 CP_COMM_TYPES = ("p2p", "a2a")
 
 # What a field left at None becomes when the model family (registry spec) does not say: GPT-2.
-FAMILY_FIELDS = {"normalization": "LayerNorm", "activation": "gelu",
-                 "position_embedding_type": "learned_absolute",
-                 "untie_embeddings_and_output_weights": False, "add_bias_linear": True}
+FAMILY_FIELDS = {
+    "normalization": "LayerNorm",
+    "activation": "gelu",
+    "position_embedding_type": "learned_absolute",
+    "untie_embeddings_and_output_weights": False,
+    "add_bias_linear": True,
+}
 
 
 @dataclass
@@ -23,58 +28,60 @@ class GPTConfig:
     """A decoder-only transformer. Defaults follow Megatron-LM where it has one; fields left at None
     take the model family's value (`model`, see models/registry.py), then GPT-2's."""
 
-    num_layers: int                 # transformer layers
-    hidden_size: int                # model width h
-    num_attention_heads: int        # query heads n
-    vocab_size: int                 # tokenizer's vocabulary; padded internally (see padded_vocab_size)
-    seq_length: int                 # tokens per sample s
-    ffn_hidden_size: Optional[int] = None      # MLP width; 4*h (SwiGLU: Megatron's 8h/3 rounded to 64)
+    num_layers: int  # transformer layers
+    hidden_size: int  # model width h
+    num_attention_heads: int  # query heads n
+    vocab_size: int  # tokenizer's vocabulary; padded internally (see padded_vocab_size)
+    seq_length: int  # tokens per sample s
+    ffn_hidden_size: Optional[int] = None  # MLP width; 4*h (SwiGLU: Megatron's 8h/3 rounded to 64)
     max_position_embeddings: Optional[int] = None  # longest sequence; learned positions; seq_length when None
-    hidden_dropout: float = 0.1     # dropout after embeddings, attention projection and MLP
+    hidden_dropout: float = 0.1  # dropout after embeddings, attention projection and MLP
     attention_dropout: float = 0.1  # dropout on the attention probabilities
-    init_method_std: float = 0.02   # std of the normal init; output projections use std/sqrt(2L)
+    init_method_std: float = 0.02  # std of the normal init; output projections use std/sqrt(2L)
     layernorm_epsilon: float = 1e-5  # epsilon of LayerNorm / RMSNorm (Megatron's --norm-epsilon)
-    seed: int = 1234                # weights and dropout masks are pure functions of this seed
+    seed: int = 1234  # weights and dropout masks are pure functions of this seed
     tensor_model_parallel_size: Optional[int] = None  # TP size t (heads, MLP, vocab split t ways);
     #                                                   None: the current parallel_state's TP size
     context_parallel_size: Optional[int] = None  # CP size c: each sample's sequence split over c ranks;
     #                                              None: the current parallel_state's CP size
-    cp_comm_type: str = "p2p"       # context parallel attention: p2p (ring) or a2a (Ulysses all-to-all)
+    cp_comm_type: str = "p2p"  # context parallel attention: p2p (ring) or a2a (Ulysses all-to-all)
     sequence_parallel: bool = False  # shard LayerNorm/dropout/residual along the sequence (needs t > 1)
     make_vocab_size_divisible_by: int = 128  # vocab padded to a multiple of this times t (Megatron)
     use_fused_kernels: bool = True  # use megatron_sp._C ops when built; references otherwise
-    model: str = "gpt2"             # family: a models/registry.py name or "package.module:SPEC"
-    normalization: Optional[str] = None      # LayerNorm | RMSNorm
-    activation: Optional[str] = None         # gelu | openai_gelu | swiglu (fused gate/up projection)
+    model: str = "gpt2"  # family: a models/registry.py name or "package.module:SPEC"
+    normalization: Optional[str] = None  # LayerNorm | RMSNorm
+    activation: Optional[str] = None  # gelu | openai_gelu | swiglu (fused gate/up projection)
     position_embedding_type: Optional[str] = None  # learned_absolute | rope | none
-    rotary_base: float = 10000.0    # RoPE theta
-    rotary_percent: float = 1.0     # fraction of each head's channels that RoPE rotates
+    rotary_base: float = 10000.0  # RoPE theta
+    rotary_percent: float = 1.0  # fraction of each head's channels that RoPE rotates
     rotary_seq_len_interpolation_factor: Optional[float] = None  # linear RoPE scaling: theta / factor
-    rope_scaling: bool = False      # Llama 3.1 RoPE frequency scaling (models/rope.py), with:
-    rope_scaling_factor: float = 8.0                     # low frequencies' theta / factor
-    rope_scaling_low_freq_factor: float = 1.0            # wavelengths over original / low: scaled
-    rope_scaling_high_freq_factor: float = 4.0           # wavelengths under original / high: kept
+    rope_scaling: bool = False  # Llama 3.1 RoPE frequency scaling (models/rope.py), with:
+    rope_scaling_factor: float = 8.0  # low frequencies' theta / factor
+    rope_scaling_low_freq_factor: float = 1.0  # wavelengths over original / low: scaled
+    rope_scaling_high_freq_factor: float = 4.0  # wavelengths under original / high: kept
     rope_scaling_original_max_position_embeddings: int = 8192  # the context the model was trained at
-    num_query_groups: Optional[int] = None   # key/value heads (GQA); None: one per query head
-    kv_channels: Optional[int] = None        # head dim d; None: hidden_size / num_attention_heads
+    num_query_groups: Optional[int] = None  # key/value heads (GQA); None: one per query head
+    kv_channels: Optional[int] = None  # head dim d; None: hidden_size / num_attention_heads
     untie_embeddings_and_output_weights: Optional[bool] = None  # separate output layer
-    add_bias_linear: Optional[bool] = None   # biases in the linear layers
-    add_qkv_bias: Optional[bool] = None      # bias of the QKV projection; None: add_bias_linear
+    add_bias_linear: Optional[bool] = None  # biases in the linear layers
+    add_qkv_bias: Optional[bool] = None  # bias of the QKV projection; None: add_bias_linear
     attention_backend: str = "auto"  # unfused/local: explicit softmax; else SDPA when dropout allows
     recompute_granularity: Optional[str] = None  # full (whole layers) | selective (attention core) | None
-    recompute_method: Optional[str] = None   # full: uniform (chunks of recompute_num_layers) | block (first N)
+    recompute_method: Optional[str] = None  # full: uniform (chunks of recompute_num_layers) | block (first N)
     recompute_num_layers: Optional[int] = None  # full: layers per chunk (uniform, default 1) or N (block)
 
     def __post_init__(self):
         if self.tensor_model_parallel_size is None or self.context_parallel_size is None:
             from megatron_sp import parallel_state
+
             ps = parallel_state.get()
             self.tensor_model_parallel_size = self.tensor_model_parallel_size or ps.tp_size
             self.context_parallel_size = self.context_parallel_size or ps.cp_size
         self._fill_family_defaults()
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = (int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.activation == "swiglu"
-                                    else 4 * self.hidden_size)
+            self.ffn_hidden_size = (
+                int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.activation == "swiglu" else 4 * self.hidden_size
+            )
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         self._check_choices()
@@ -87,12 +94,15 @@ class GPTConfig:
         self._check_ranges()
         self._check_recompute()
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            warnings.warn("GPTConfig.sequence_parallel has no effect with tensor_model_parallel_size=1; "
-                          "turning it off.", stacklevel=3)
+            warnings.warn(
+                "GPTConfig.sequence_parallel has no effect with tensor_model_parallel_size=1; turning it off.",
+                stacklevel=3,
+            )
             self.sequence_parallel = False
 
     def _fill_family_defaults(self):
         from megatron_sp.models.registry import get_spec
+
         try:
             spec = get_spec(self.model)
         except ValueError as err:
@@ -104,18 +114,31 @@ class GPTConfig:
             self.add_qkv_bias = self.add_bias_linear
 
     def _check_choices(self):
-        for name, choices in (("normalization", NORMALIZATIONS), ("activation", ACTIVATIONS),
-                              ("position_embedding_type", POSITION_EMBEDDINGS),
-                              ("attention_backend", ATTENTION_BACKENDS), ("cp_comm_type", CP_COMM_TYPES)):
+        for name, choices in (
+            ("normalization", NORMALIZATIONS),
+            ("activation", ACTIVATIONS),
+            ("position_embedding_type", POSITION_EMBEDDINGS),
+            ("attention_backend", ATTENTION_BACKENDS),
+            ("cp_comm_type", CP_COMM_TYPES),
+        ):
             if getattr(self, name) not in choices:
-                raise ValueError(f"GPTConfig.{name} must be one of {', '.join(choices)}, "
-                                 f"got {getattr(self, name)!r}.")
+                raise ValueError(f"GPTConfig.{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}.")
 
     def _check_positive(self):
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
-                     "ffn_hidden_size", "max_position_embeddings", "tensor_model_parallel_size",
-                     "context_parallel_size", "make_vocab_size_divisible_by", "num_query_groups",
-                     "kv_channels"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "vocab_size",
+            "seq_length",
+            "ffn_hidden_size",
+            "max_position_embeddings",
+            "tensor_model_parallel_size",
+            "context_parallel_size",
+            "make_vocab_size_divisible_by",
+            "num_query_groups",
+            "kv_channels",
+        ):
             value = getattr(self, name)
             if value is None and name in ("num_query_groups", "kv_channels"):
                 continue
@@ -128,37 +151,52 @@ class GPTConfig:
         h, n, t = self.hidden_size, self.num_attention_heads, self.tensor_model_parallel_size
         g = self.num_query_groups
         if self.kv_channels is None:
-            raise ValueError(f"GPTConfig.hidden_size ({h}) must be divisible by num_attention_heads ({n}), "
-                             f"or give kv_channels.")
+            raise ValueError(
+                f"GPTConfig.hidden_size ({h}) must be divisible by num_attention_heads ({n}), or give kv_channels."
+            )
         if n % t != 0:
-            raise ValueError(f"GPTConfig.num_attention_heads ({n}) must be divisible by "
-                             f"tensor_model_parallel_size ({t}).")
+            raise ValueError(
+                f"GPTConfig.num_attention_heads ({n}) must be divisible by tensor_model_parallel_size ({t})."
+            )
         if n % g != 0:
             raise ValueError(f"GPTConfig.num_query_groups ({g}) must divide num_attention_heads ({n}).")
         if g % t != 0 and t % g != 0:
-            raise ValueError(f"GPTConfig.num_query_groups ({g}) must be divisible by tensor_model_parallel_size "
-                             f"({t}), or divide it (then each key/value head is replicated on {t} // {g} ranks).")
+            raise ValueError(
+                f"GPTConfig.num_query_groups ({g}) must be divisible by tensor_model_parallel_size "
+                f"({t}), or divide it (then each key/value head is replicated on {t} // {g} ranks)."
+            )
         if self.ffn_hidden_size % t != 0:
-            raise ValueError(f"GPTConfig.ffn_hidden_size ({self.ffn_hidden_size}) must be divisible by "
-                             f"tensor_model_parallel_size ({t}).")
+            raise ValueError(
+                f"GPTConfig.ffn_hidden_size ({self.ffn_hidden_size}) must be divisible by "
+                f"tensor_model_parallel_size ({t})."
+            )
         c = self.context_parallel_size
         if self.sequence_parallel and self.seq_length % (t * c) != 0:
-            raise ValueError(f"GPTConfig.seq_length ({self.seq_length}) must be divisible by "
-                             f"tensor_model_parallel_size ({t}){f' × context_parallel_size ({c})' if c > 1 else ''} "
-                             f"with sequence_parallel on.")
+            raise ValueError(
+                f"GPTConfig.seq_length ({self.seq_length}) must be divisible by "
+                f"tensor_model_parallel_size ({t}){f' × context_parallel_size ({c})' if c > 1 else ''} "
+                f"with sequence_parallel on."
+            )
         if c > 1:
             self._check_context_parallel(t, c)
 
     def _check_context_parallel(self, t, c):
         parts = 2 * c if self.cp_comm_type == "p2p" else c
         if self.seq_length % parts != 0:
-            raise ValueError(f"GPTConfig.seq_length ({self.seq_length}) must be divisible by {parts} "
-                             + ("(2 × context_parallel_size: ring attention's zigzag chunks)."
-                                if self.cp_comm_type == "p2p" else "(context_parallel_size)."))
+            raise ValueError(
+                f"GPTConfig.seq_length ({self.seq_length}) must be divisible by {parts} "
+                + (
+                    "(2 × context_parallel_size: ring attention's zigzag chunks)."
+                    if self.cp_comm_type == "p2p"
+                    else "(context_parallel_size)."
+                )
+            )
         heads = self.num_attention_heads // t
         if self.cp_comm_type == "a2a" and heads % c != 0:
-            raise ValueError(f"GPTConfig.num_attention_heads per TP rank ({heads}) must be divisible by "
-                             f"context_parallel_size ({c}) for cp_comm_type a2a (Ulysses); use p2p.")
+            raise ValueError(
+                f"GPTConfig.num_attention_heads per TP rank ({heads}) must be divisible by "
+                f"context_parallel_size ({c}) for cp_comm_type a2a (Ulysses); use p2p."
+            )
 
     def _check_ranges(self):
         for name in ("hidden_dropout", "attention_dropout"):
@@ -168,19 +206,24 @@ class GPTConfig:
         if self.max_position_embeddings < self.seq_length:
             raise ValueError(
                 f"GPTConfig.max_position_embeddings ({self.max_position_embeddings}) is smaller than "
-                f"seq_length ({self.seq_length}); raise it or shorten the sequence.")
+                f"seq_length ({self.seq_length}); raise it or shorten the sequence."
+            )
         if self.position_embedding_type == "rope":
             if not 0.0 < self.rotary_percent <= 1.0:
                 raise ValueError(f"GPTConfig.rotary_percent must be in (0, 1], got {self.rotary_percent}.")
             if self.rotary_dim % 2 != 0 or self.rotary_dim == 0:
-                raise ValueError(f"GPTConfig.rotary_percent ({self.rotary_percent}) × kv_channels "
-                                 f"({self.kv_channels}) must be a positive even number of channels.")
+                raise ValueError(
+                    f"GPTConfig.rotary_percent ({self.rotary_percent}) × kv_channels "
+                    f"({self.kv_channels}) must be a positive even number of channels."
+                )
             if not self.rotary_base > 0:
                 raise ValueError(f"GPTConfig.rotary_base must be positive, got {self.rotary_base}.")
             self._check_rope_scaling()
         elif self.rope_scaling or self.rotary_seq_len_interpolation_factor is not None:
-            raise ValueError(f"GPTConfig.rope_scaling / rotary_seq_len_interpolation_factor need "
-                             f"position_embedding_type rope, not {self.position_embedding_type}.")
+            raise ValueError(
+                f"GPTConfig.rope_scaling / rotary_seq_len_interpolation_factor need "
+                f"position_embedding_type rope, not {self.position_embedding_type}."
+            )
 
     def _check_rope_scaling(self):
         f = self.rotary_seq_len_interpolation_factor
@@ -192,11 +235,15 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.rope_scaling_factor must be positive, got {self.rope_scaling_factor}.")
         low, high = self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor
         if not 0 < low < high:
-            raise ValueError(f"GPTConfig.rope_scaling_low_freq_factor ({low}) must be positive and smaller than "
-                             f"rope_scaling_high_freq_factor ({high}).")
+            raise ValueError(
+                f"GPTConfig.rope_scaling_low_freq_factor ({low}) must be positive and smaller than "
+                f"rope_scaling_high_freq_factor ({high})."
+            )
         if not self.rope_scaling_original_max_position_embeddings > 0:
-            raise ValueError(f"GPTConfig.rope_scaling_original_max_position_embeddings must be positive, got "
-                             f"{self.rope_scaling_original_max_position_embeddings}.")
+            raise ValueError(
+                f"GPTConfig.rope_scaling_original_max_position_embeddings must be positive, got "
+                f"{self.rope_scaling_original_max_position_embeddings}."
+            )
 
     def _check_recompute(self):
         g, m = self.recompute_granularity, self.recompute_method
@@ -256,4 +303,4 @@ class GPTConfig:
         weights, _ = self._layer_matmul_params()
         matmul_params = L * weights + self.vocab_size * self.hidden_size
         attention = L * 2 * s * self.num_attention_heads * self.kv_channels  # QK^T and PV, causal half
-        return 3 * 2 * (matmul_params + attention)                           # not discounted (Megatron)
+        return 3 * 2 * (matmul_params + attention)  # not discounted (Megatron)

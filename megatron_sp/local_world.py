@@ -9,6 +9,7 @@ call the ranks forget their model-parallel groups, so the next call may choose a
     with LocalWorld(4) as world:
         per_rank = world.run(fn, tp_size)
 """
+
 from __future__ import annotations
 
 import os
@@ -36,6 +37,7 @@ def _worker(rank, world_size, init_file, tasks, results):
                 results.put((rank, False, traceback.format_exc()))
             finally:
                 from megatron_sp import parallel_state
+
                 parallel_state.destroy_model_parallel()
     finally:
         dist.destroy_process_group()
@@ -53,9 +55,10 @@ class LocalWorld:
         init_file = os.path.join(self._dir.name, "init")
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
-        self._procs = [ctx.Process(target=_worker, daemon=True,
-                                   args=(r, world_size, init_file, self._tasks[r], self._results))
-                       for r in range(world_size)]
+        self._procs = [
+            ctx.Process(target=_worker, daemon=True, args=(r, world_size, init_file, self._tasks[r], self._results))
+            for r in range(world_size)
+        ]
         for p in self._procs:
             p.start()
 

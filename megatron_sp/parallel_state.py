@@ -14,6 +14,7 @@ set-up at all.
     ps = parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     ps.tp_group, ps.tp_rank, ps.dp_size ...
 """
+
 from __future__ import annotations
 
 import warnings
@@ -34,9 +35,9 @@ class ParallelState:
     tp_rank: int = 0
     cp_rank: int = 0
     dp_rank: int = 0
-    tp_group: Optional[object] = None   # ranks that share one layer's weight shards
-    cp_group: Optional[object] = None   # ranks that share one sequence (context parallel)
-    dp_group: Optional[object] = None   # ranks holding the same shards, different data
+    tp_group: Optional[object] = None  # ranks that share one layer's weight shards
+    cp_group: Optional[object] = None  # ranks that share one sequence (context parallel)
+    dp_group: Optional[object] = None  # ranks holding the same shards, different data
     dp_cp_group: Optional[object] = None  # gradient reduction group: data and context parallel ranks
 
     def __post_init__(self):
@@ -58,6 +59,7 @@ _STATE: Optional[ParallelState] = None
 
 def grid_ranks(tp_size: int, cp_size: int, dp_size: int):
     """Lists of global ranks forming each TP, CP, DP and DP×CP group (TP fastest)."""
+
     def rank(tp, cp, dp):
         return tp + tp_size * (cp + cp_size * dp)
 
@@ -70,12 +72,12 @@ def grid_ranks(tp_size: int, cp_size: int, dp_size: int):
 
 def _check_factors(world_size: int, tp: int, cp: int) -> int:
     if tp < 1 or cp < 1:
-        raise ValueError(
-            f"tensor_model_parallel_size ({tp}) and context_parallel_size ({cp}) must be >= 1.")
+        raise ValueError(f"tensor_model_parallel_size ({tp}) and context_parallel_size ({cp}) must be >= 1.")
     if world_size % (tp * cp) != 0:
         raise ValueError(
             f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) × "
-            f"context_parallel_size ({cp}); choose sizes whose product divides the number of ranks.")
+            f"context_parallel_size ({cp}); choose sizes whose product divides the number of ranks."
+        )
     return world_size // (tp * cp)
 
 
@@ -87,12 +89,13 @@ def world_timeout() -> Optional[timedelta]:
     for that long whatever --distributed-timeout-minutes says.
     """
     import torch
+
     try:
         group = dist.distributed_c10d._get_default_group()
         for device in ("cpu", "cuda"):
             if torch.device(device) in group._device_types:
                 return group._get_backend(torch.device(device)).options._timeout
-    except (AttributeError, RuntimeError, ValueError):   # private API: degrade to torch's default
+    except (AttributeError, RuntimeError, ValueError):  # private API: degrade to torch's default
         return None
     return None
 
@@ -107,8 +110,9 @@ def _new_groups(rank_lists, my_rank, timeout):
     return mine
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int = 1, context_parallel_size: int = 1,
-                              timeout: Optional[timedelta] = None) -> ParallelState:
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1, context_parallel_size: int = 1, timeout: Optional[timedelta] = None
+) -> ParallelState:
     """Builds the TP/CP/DP groups (collective over the whole world) and makes them current.
 
     timeout: every group's collective timeout; default: the world's (init_process_group's), so a
@@ -125,13 +129,23 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, context_paral
     tp_lists, cp_lists, dp_lists, dp_cp_lists = grid_ranks(tp, cp, dp)
     timeout = timeout if timeout is not None else world_timeout()
     if timeout is None:
-        warnings.warn("cannot read the world's collective timeout (torch internals changed?): the TP/CP/DP "
-                      "groups get torch's default (30 min on gloo); pass timeout= explicitly", stacklevel=2)
+        warnings.warn(
+            "cannot read the world's collective timeout (torch internals changed?): the TP/CP/DP "
+            "groups get torch's default (30 min on gloo); pass timeout= explicitly",
+            stacklevel=2,
+        )
     _STATE = ParallelState(
-        tp_size=tp, cp_size=cp, dp_size=dp,
-        tp_rank=me % tp, cp_rank=(me // tp) % cp, dp_rank=me // (tp * cp),
-        tp_group=_new_groups(tp_lists, me, timeout), cp_group=_new_groups(cp_lists, me, timeout),
-        dp_group=_new_groups(dp_lists, me, timeout), dp_cp_group=_new_groups(dp_cp_lists, me, timeout))
+        tp_size=tp,
+        cp_size=cp,
+        dp_size=dp,
+        tp_rank=me % tp,
+        cp_rank=(me // tp) % cp,
+        dp_rank=me // (tp * cp),
+        tp_group=_new_groups(tp_lists, me, timeout),
+        cp_group=_new_groups(cp_lists, me, timeout),
+        dp_group=_new_groups(dp_lists, me, timeout),
+        dp_cp_group=_new_groups(dp_cp_lists, me, timeout),
+    )
     return _STATE
 
 

@@ -1,4 +1,5 @@
 """Shared pytest configuration: markers and the persistent multi-process gloo pools."""
+
 import os
 import sys
 
@@ -26,6 +27,7 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     try:
         import torch
+
         has_cuda = torch.cuda.is_available()
     except Exception:  # pragma: no cover
         has_cuda = False

@@ -8,6 +8,7 @@ megatron_sp/models/registry.py's MODELS), or pass `--model example_parallel_resi
 The serial oracle and the TP+SP model both come from this definition, so the parity harness
 checks it with no extra code (tests/test_parity.py::test_user_block_gets_parity_for_free).
 """
+
 from torch import nn
 
 from megatron_sp.models.spec import BlockSpec, ModelSpec
@@ -23,11 +24,13 @@ class ParallelResidualBlock(nn.Module):
         self.bda = spec.bias_dropout_add(cfg, layer)
 
     def forward(self, x, ctx):
-        h = self.ln1(x)                                        # [s_sp, b, h]
+        h = self.ln1(x)  # [s_sp, b, h]
         x = self.bda(self.attn(h, ctx), self.attn.output_bias, x, tp_random.SITE_ATTENTION_OUT, ctx)
         return self.bda(self.mlp(h), self.mlp.output_bias, x, tp_random.SITE_MLP_OUT, ctx)
 
 
-SPEC = ModelSpec(name="parallel-residual", block=BlockSpec(layout=ParallelResidualBlock),
-                 defaults=dict(normalization="LayerNorm", activation="openai_gelu",
-                               position_embedding_type="rope"))
+SPEC = ModelSpec(
+    name="parallel-residual",
+    block=BlockSpec(layout=ParallelResidualBlock),
+    defaults=dict(normalization="LayerNorm", activation="openai_gelu", position_embedding_type="rope"),
+)

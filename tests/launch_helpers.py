@@ -1,4 +1,5 @@
 """Running pretrain_gpt_sp.py from tests: through torchrun (real processes, gloo) or in-process."""
+
 from __future__ import annotations
 
 import json
@@ -10,9 +11,31 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGRAM = os.path.join(REPO, "pretrain_gpt_sp.py")
 
-TINY = ["--device", "cpu", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "1",
-        "--eval-interval", "1000", "--eval-iters", "1", "--lr-warmup-iters", "2", "--no-progress-bar"]
+TINY = [
+    "--device",
+    "cpu",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--log-interval",
+    "1",
+    "--eval-interval",
+    "1000",
+    "--eval-iters",
+    "1",
+    "--lr-warmup-iters",
+    "2",
+    "--no-progress-bar",
+]
 
 
 def free_port() -> int:
@@ -22,8 +45,19 @@ def free_port() -> int:
 
 
 def torchrun(nproc: int, args, cwd, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), PROGRAM, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        PROGRAM,
+        *args,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 

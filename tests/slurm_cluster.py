@@ -19,6 +19,7 @@ Non-obvious constraints, each learnt the hard way:
 - `sbatch --wait` polls every 10 s; `wait()` polls `scontrol show job` instead.
 - Every Slurm command needs SLURM_CONF: use `cluster.env` / `cluster.cmd()`.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,17 @@ import pytest
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 BINARIES = ("slurmctld", "slurmd", "munged", "sbatch", "scontrol", "srun")
-TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                   "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+TERMINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
 
 
 class SlurmUnavailable(RuntimeError):
@@ -49,8 +59,9 @@ def ensure_slurm_installed() -> None:
     if all(shutil.which(b) or os.path.exists(f"/usr/sbin/{b}") for b in BINARIES):
         return
     if os.geteuid() != 0 or not shutil.which("apt-get"):
-        raise SlurmUnavailable("Slurm is not installed and we are not root with apt-get: "
-                               f"install {' '.join(PACKAGES)} to run these tests")
+        raise SlurmUnavailable(
+            f"Slurm is not installed and we are not root with apt-get: install {' '.join(PACKAGES)} to run these tests"
+        )
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES]
     proc = subprocess.run(install, env=env, capture_output=True, text=True)
@@ -98,8 +109,7 @@ class SlurmCluster:
         self.host = socket.gethostname()
         self.conf = self.root / "slurm.conf"
         self.munge_socket = self.root / "munge" / "run" / "munge.socket.2"
-        self._pid_files = [self.root / "slurmd.pid", self.root / "slurmctld.pid",
-                           self.root / "munge" / "munged.pid"]
+        self._pid_files = [self.root / "slurmd.pid", self.root / "slurmctld.pid", self.root / "munge" / "munged.pid"]
 
     # ---- life cycle -------------------------------------------------------------------------
     def __enter__(self) -> "SlurmCluster":
@@ -155,9 +165,15 @@ class SlurmCluster:
         key.chmod(0o400)
         os.chmod(munge / "etc", 0o700)
         os.chmod(self.munge_socket.parent, 0o755)
-        cmd = [_daemon_binary("munged"), "--force", f"--socket={self.munge_socket}",
-               f"--key-file={key}", f"--pid-file={munge / 'munged.pid'}",
-               f"--log-file={munge / 'munged.log'}", f"--seed-file={munge / 'munged.seed'}"]
+        cmd = [
+            _daemon_binary("munged"),
+            "--force",
+            f"--socket={self.munge_socket}",
+            f"--key-file={key}",
+            f"--pid-file={munge / 'munged.pid'}",
+            f"--log-file={munge / 'munged.log'}",
+            f"--seed-file={munge / 'munged.seed'}",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SlurmUnavailable(f"munged did not start: {proc.stderr.strip()}")
@@ -201,11 +217,11 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
 """)
 
     def _run_daemon(self, name: str, *args: str) -> None:
-        proc = subprocess.run([_daemon_binary(name), "-f", str(self.conf), *args],
-                              env=self.env, capture_output=True, text=True)
+        proc = subprocess.run(
+            [_daemon_binary(name), "-f", str(self.conf), *args], env=self.env, capture_output=True, text=True
+        )
         if proc.returncode != 0:
-            raise SlurmUnavailable(f"{name} did not start: {proc.stderr.strip()}; "
-                                   f"see {self.root}/{name}.log")
+            raise SlurmUnavailable(f"{name} did not start: {proc.stderr.strip()}; see {self.root}/{name}.log")
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -216,20 +232,19 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
             if proc.returncode == 0 and state.rstrip("*") in ("idle", "mixed", "allocated"):
                 return
             time.sleep(0.2)
-        raise SlurmUnavailable(f"node not ready after {timeout:.0f} s (state {state!r}); "
-                               f"see {self.root}/slurmctld.log and slurmd.log")
+        raise SlurmUnavailable(
+            f"node not ready after {timeout:.0f} s (state {state!r}); see {self.root}/slurmctld.log and slurmd.log"
+        )
 
     # ---- jobs -------------------------------------------------------------------------------
     def cmd(self, *argv: str, check: bool = True, env: dict | None = None):
         """Runs a Slurm client command with this cluster's SLURM_CONF; returns CompletedProcess."""
-        proc = subprocess.run(list(argv), env=dict(self.env, **(env or {})),
-                              capture_output=True, text=True)
+        proc = subprocess.run(list(argv), env=dict(self.env, **(env or {})), capture_output=True, text=True)
         if check and proc.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
         return proc
 
-    def submit(self, script: str | os.PathLike, args=(), env: dict | None = None,
-               sbatch_args=()) -> int:
+    def submit(self, script: str | os.PathLike, args=(), env: dict | None = None, sbatch_args=()) -> int:
         """sbatch `script args...` with `env` added to the submitting environment; returns the job id."""
         out = self.cmd("sbatch", "--parsable", *sbatch_args, str(script), *map(str, args), env=env)
         return int(out.stdout.strip().split(";")[0])
@@ -249,8 +264,7 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
     def state(self, job_id: int) -> str:
         return self.job(job_id).get("JobState", "UNKNOWN")
 
-    def wait(self, job_id: int, timeout: float = 120, states=TERMINAL_STATES,
-             poll_s: float = 0.2) -> str:
+    def wait(self, job_id: int, timeout: float = 120, states=TERMINAL_STATES, poll_s: float = 0.2) -> str:
         """Polls until the job reaches one of `states` and returns it; TimeoutError after `timeout`."""
         deadline = time.monotonic() + timeout
         state = "UNKNOWN"

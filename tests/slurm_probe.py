@@ -8,6 +8,7 @@ one-number "checkpoint" (--save/--load) so that preemption and requeue can be te
 The "loss" of iteration i is a pure function of i and the world size, computed with an all-reduce,
 so a run that is interrupted and resumed logs exactly the numbers of an uninterrupted one.
 """
+
 import argparse
 import json
 import os
@@ -33,9 +34,13 @@ def parse_args(argv=None):
     p.add_argument("--save-interval", type=int, default=0)
     p.add_argument("--iter-sleep", type=float, default=0.0, help="seconds per iteration")
     p.add_argument("--distributed-timeout-s", type=float, default=600)
-    p.add_argument("--slow-restart-s", type=float, default=0.0,
-                   help="after a torchrun restart, rank 1 joins this much later (the others find "
-                        "the previous attempt's keys in a reused store first, if it is reused)")
+    p.add_argument(
+        "--slow-restart-s",
+        type=float,
+        default=0.0,
+        help="after a torchrun restart, rank 1 joins this much later (the others find "
+        "the previous attempt's keys in a reused store first, if it is reused)",
+    )
     args, _unknown = p.parse_known_args(argv)  # training flags we do not model are ignored
     return args
 
@@ -70,9 +75,13 @@ def save_iteration(save_dir, iteration: int, rank: int) -> None:
 
 def write_env(args, env) -> None:
     """All ranks' view of the launch (rank, local rank, pid, ...) to <log-jsonl>.env.json."""
-    mine = {**env.__dict__, "pid": os.getpid(), "host": os.uname().nodename,
-            "restart": int(os.environ.get("SLURM_RESTART_COUNT", 0)),
-            "torchrun_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))}
+    mine = {
+        **env.__dict__,
+        "pid": os.getpid(),
+        "host": os.uname().nodename,
+        "restart": int(os.environ.get("SLURM_RESTART_COUNT", 0)),
+        "torchrun_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+    }
     views = [None] * env.world_size
     if dist.is_initialized():
         dist.all_gather_object(views, mine)
@@ -96,14 +105,22 @@ def main(argv=None) -> int:
         loss = probe_loss(iteration, args.device)
         if env.rank == 0:
             with open(args.log_jsonl, "a") as f:
-                f.write(json.dumps({"iteration": iteration, "lm_loss": loss,
-                                    "world_size": env.world_size, "launcher": env.launcher}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "iteration": iteration,
+                            "lm_loss": loss,
+                            "world_size": env.world_size,
+                            "launcher": env.launcher,
+                        }
+                    )
+                    + "\n"
+                )
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             save_iteration(args.save, iteration, env.rank)
         if handler.should_exit():
             got = getattr(handler.received_signal, "name", "nothing")
-            print(f"rank {env.rank}: exit signal at iteration {iteration} (this rank got "
-                  f"{got}), saving", flush=True)
+            print(f"rank {env.rank}: exit signal at iteration {iteration} (this rank got {got}), saving", flush=True)
             if args.save:
                 save_iteration(args.save, iteration, env.rank)
             break

@@ -2,6 +2,7 @@
 (storages once, parameters and their views excluded, masks at their dtype's size, custom Functions'
 save_for_backward included) and bench/comm_volume.py's collective counter (ring costs, no double count
 of the deprecated aliases that forward to the *_single collectives)."""
+
 import os
 import sys
 
@@ -17,9 +18,9 @@ from activation_memory import SavedTensorCounter  # noqa: E402
 def test_views_of_one_storage_count_once():
     x = torch.randn(6, 4, requires_grad=True)
     with SavedTensorCounter() as c:
-        y = x * 2.0                      # scalar multiply saves no tensor
+        y = x * 2.0  # scalar multiply saves no tensor
         q, k = y.chunk(2)
-        (q * k).sum()                    # saves q and k: two views of y's storage
+        (q * k).sum()  # saves q and k: two views of y's storage
     assert c.total() == 6 * 4 * 4
     assert len(c.records) == 1
 
@@ -28,7 +29,7 @@ def test_parameters_and_their_views_are_excluded():
     lin = nn.Linear(4, 3, bias=False)
     x = torch.randn(5, 4, requires_grad=True)
     with SavedTensorCounter(lin) as c:
-        out = x @ lin.weight.t()         # saves x and weight.t() (a view of the parameter)
+        out = x @ lin.weight.t()  # saves x and weight.t() (a view of the parameter)
         out.sum()
     assert c.total() == 5 * 4 * 4
     assert len(c.excluded) == 1
@@ -38,8 +39,8 @@ def test_masks_count_at_their_dtype_size_and_labels():
     x = torch.randn(8, 8, requires_grad=True)
     mask = torch.rand(8, 8) > 0.5
     with SavedTensorCounter() as c:
-        y = x.masked_fill(mask, 0.0)     # saves the bool mask: 64 bytes
-        z = torch.relu(y)                # saves its fp32 result: 256 bytes
+        y = x.masked_fill(mask, 0.0)  # saves the bool mask: 64 bytes
+        z = torch.relu(y)  # saves its fp32 result: 256 bytes
         z.sum()
     assert sorted(r["nbytes"] for r in c.records.values()) == [64, 256]
     assert {r["op"] for r in c.records.values()} == {"masked_fill", "relu"}
@@ -74,9 +75,16 @@ def test_layer_difference_equals_direct_count_serial(dropout):
     tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
     totals, direct = {}, None
     for layers in (1, 2):
-        cfg = GPTConfig(num_layers=layers, hidden_size=32, num_attention_heads=4, vocab_size=97,
-                        seq_length=16, hidden_dropout=dropout, attention_dropout=dropout,
-                        use_fused_kernels=False)
+        cfg = GPTConfig(
+            num_layers=layers,
+            hidden_size=32,
+            num_attention_heads=4,
+            vocab_size=97,
+            seq_length=16,
+            hidden_dropout=dropout,
+            attention_dropout=dropout,
+            use_fused_kernels=False,
+        )
         model = GPTModel(cfg).train()
         with SavedTensorCounter(model) as c:
             loss = model(tokens, tokens)
@@ -92,11 +100,11 @@ def _comm_worker():
     from comm_volume import CollectiveCounter
 
     t = dist.get_world_size()
-    x = torch.ones(8, 4)                                   # 128 bytes
+    x = torch.ones(8, 4)  # 128 bytes
     with CollectiveCounter() as c:
         dist.all_reduce(x.clone())
         out = torch.empty(8 * t, 4)
-        dist.all_gather_into_tensor(out, x)                # deprecated alias of all_gather_single
+        dist.all_gather_into_tensor(out, x)  # deprecated alias of all_gather_single
         rs = torch.empty(8 // t, 4)
         dist.reduce_scatter_tensor(rs, x.clone())
     return [(k["kind"], k["raw"], k["sent"]) for k in c.calls]
@@ -108,5 +116,4 @@ def test_collective_counter_ring_costs():
     with World(2) as world:
         calls = world.run(_comm_worker)
     for per_rank in calls:
-        assert per_rank == [("all_reduce", 128, 128.0), ("all_gather", 256, 128.0),
-                            ("reduce_scatter", 128, 64.0)]
+        assert per_rank == [("all_reduce", 128, 128.0), ("all_gather", 256, 128.0), ("reduce_scatter", 128, 64.0)]

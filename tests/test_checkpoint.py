@@ -1,5 +1,6 @@
 """Checkpoints: exact resume (bit for bit), resharding TP=2+SP -> TP=1 and TP=4, to and from the
 distributed optimizer, atomic save under kill -9, --finetune / --no-load-optim, and the safetensors conversion tool."""
+
 import json
 import os
 import subprocess
@@ -7,8 +8,8 @@ import sys
 
 import pytest
 import torch
-
 from launch_helpers import REPO, TINY, check, losses, torchrun
+
 from megatron_sp.training import checkpointing, pretrain
 
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
@@ -20,8 +21,15 @@ def runs(tmp_path_factory):
     """An uninterrupted TP=2+SP run of 20 iterations, and one stopped after 10 with a checkpoint."""
     root = tmp_path_factory.mktemp("ckpt")
     check(torchrun(2, RUN + TP2_SP + ["--log-jsonl", str(root / "straight.jsonl")], cwd=root))
-    check(torchrun(2, RUN + TP2_SP + ["--save", str(root / "ckpt"), "--exit-interval", "10",
-                                      "--log-jsonl", str(root / "first.jsonl")], cwd=root))
+    check(
+        torchrun(
+            2,
+            RUN
+            + TP2_SP
+            + ["--save", str(root / "ckpt"), "--exit-interval", "10", "--log-jsonl", str(root / "first.jsonl")],
+            cwd=root,
+        )
+    )
     return root
 
 
@@ -29,9 +37,14 @@ def runs(tmp_path_factory):
 def test_exact_resume_is_bit_identical(runs, tmp_path):
     straight = losses(runs / "straight.jsonl")
     assert losses(runs / "first.jsonl") == straight[:10]
-    check(torchrun(2, RUN + TP2_SP + ["--load", str(runs / "ckpt"), "--log-jsonl", str(tmp_path / "resumed.jsonl")],
-                   cwd=tmp_path))
-    assert losses(tmp_path / "resumed.jsonl") == straight[10:]       # bit for bit
+    check(
+        torchrun(
+            2,
+            RUN + TP2_SP + ["--load", str(runs / "ckpt"), "--log-jsonl", str(tmp_path / "resumed.jsonl")],
+            cwd=tmp_path,
+        )
+    )
+    assert losses(tmp_path / "resumed.jsonl") == straight[10:]  # bit for bit
 
 
 @pytest.mark.slow
@@ -41,15 +54,28 @@ def test_resharded_resume_matches(runs, tmp_path, tp):
     replicated run sharded over the replicas), whose own checkpoint of iteration 15 then resumes at
     TP=2+SP with the replicated optimizer: every loss on the uninterrupted run's curve (a lost or
     misplaced moment would move it)."""
-    flags = ["--tensor-model-parallel-size", "4", "--sequence-parallel"] if tp == 4 else \
-        ["--use-distributed-optimizer", "--save", str(tmp_path / "zero"), "--save-interval", "5"]
-    check(torchrun(tp if tp == 4 else 2, RUN + flags + ["--load", str(runs / "ckpt"),
-                                                        "--log-jsonl", str(tmp_path / "r.jsonl")], cwd=tmp_path))
+    flags = (
+        ["--tensor-model-parallel-size", "4", "--sequence-parallel"]
+        if tp == 4
+        else ["--use-distributed-optimizer", "--save", str(tmp_path / "zero"), "--save-interval", "5"]
+    )
+    check(
+        torchrun(
+            tp if tp == 4 else 2,
+            RUN + flags + ["--load", str(runs / "ckpt"), "--log-jsonl", str(tmp_path / "r.jsonl")],
+            cwd=tmp_path,
+        )
+    )
     got, want = losses(tmp_path / "r.jsonl"), losses(runs / "straight.jsonl")[10:]
     if tp == 1:
-        (tmp_path / "zero" / checkpointing.LATEST).write_text("15\n")   # resume from iteration 15
-        check(torchrun(2, RUN + TP2_SP + ["--load", str(tmp_path / "zero"), "--log-jsonl", str(tmp_path / "b.jsonl")],
-                       cwd=tmp_path))
+        (tmp_path / "zero" / checkpointing.LATEST).write_text("15\n")  # resume from iteration 15
+        check(
+            torchrun(
+                2,
+                RUN + TP2_SP + ["--load", str(tmp_path / "zero"), "--log-jsonl", str(tmp_path / "b.jsonl")],
+                cwd=tmp_path,
+            )
+        )
         got += losses(tmp_path / "b.jsonl")
         want += want[5:]
     assert len(got) == len(want)
@@ -81,42 +107,78 @@ def test_save_killed_midway_keeps_previous_checkpoint(tmp_path, capsys):
     save = tmp_path / "ckpt"
     driver = tmp_path / "driver.py"
     driver.write_text(KILLER.format(repo=REPO))
-    proc = subprocess.run([sys.executable, str(driver), *SMALL, *EVERY2, "--train-iters", "6", "--save", str(save)],
-                          cwd=tmp_path, capture_output=True, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    proc = subprocess.run(
+        [sys.executable, str(driver), *SMALL, *EVERY2, "--train-iters", "6", "--save", str(save)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )
     assert proc.returncode == -9, proc.stderr[-2000:]
-    assert checkpointing.read_latest(str(save)) == 2                 # marker still on the last good one
+    assert checkpointing.read_latest(str(save)) == 2  # marker still on the last good one
     assert (save / "iter_0000004.tmp").is_dir() and not (save / "iter_0000004").exists()
-    code = pretrain.main(SMALL + EVERY2 + ["--train-iters", "6", "--load", str(save), "--save", str(save),
-                                  "--log-jsonl", str(tmp_path / "resumed.jsonl")])
+    code = pretrain.main(
+        SMALL
+        + EVERY2
+        + [
+            "--train-iters",
+            "6",
+            "--load",
+            str(save),
+            "--save",
+            str(save),
+            "--log-jsonl",
+            str(tmp_path / "resumed.jsonl"),
+        ]
+    )
     assert code == 0 and "loaded checkpoint" in capsys.readouterr().out
     assert [r["iteration"] for r in map(json.loads, open(tmp_path / "resumed.jsonl"))] == [3, 4, 5, 6]
     assert checkpointing.read_latest(str(save)) == 6
-    assert not (save / "iter_0000004.tmp").exists()                  # leftovers cleaned by the next save
+    assert not (save / "iter_0000004.tmp").exists()  # leftovers cleaned by the next save
 
 
 def test_finetune_and_no_load_optim(tmp_path):
-    save = tmp_path / "ckpt"                            # --load of a directory not made yet: from scratch
-    assert pretrain.main(SMALL + ["--train-iters", "4", "--save", str(save), "--load", str(save),
-                                  "--log-jsonl", str(tmp_path / "a.jsonl")]) == 0
-    assert pretrain.main(SMALL + ["--train-iters", "6", "--load", str(save),
-                                  "--log-jsonl", str(tmp_path / "b.jsonl")]) == 0
-    assert pretrain.main(SMALL + ["--train-iters", "6", "--load", str(save), "--no-load-optim",
-                                  "--log-jsonl", str(tmp_path / "c.jsonl")]) == 0
-    assert pretrain.main(SMALL + ["--train-iters", "2", "--load", str(save), "--finetune",
-                                  "--log-jsonl", str(tmp_path / "d.jsonl")]) == 0
+    save = tmp_path / "ckpt"  # --load of a directory not made yet: from scratch
+    assert (
+        pretrain.main(
+            SMALL
+            + ["--train-iters", "4", "--save", str(save), "--load", str(save), "--log-jsonl", str(tmp_path / "a.jsonl")]
+        )
+        == 0
+    )
+    assert (
+        pretrain.main(SMALL + ["--train-iters", "6", "--load", str(save), "--log-jsonl", str(tmp_path / "b.jsonl")])
+        == 0
+    )
+    assert (
+        pretrain.main(
+            SMALL
+            + ["--train-iters", "6", "--load", str(save), "--no-load-optim", "--log-jsonl", str(tmp_path / "c.jsonl")]
+        )
+        == 0
+    )
+    assert (
+        pretrain.main(
+            SMALL + ["--train-iters", "2", "--load", str(save), "--finetune", "--log-jsonl", str(tmp_path / "d.jsonl")]
+        )
+        == 0
+    )
     first = losses(tmp_path / "a.jsonl")
     resumed, fresh_optim, finetuned = (losses(tmp_path / f"{n}.jsonl") for n in "bcd")
-    assert len(resumed) == len(fresh_optim) == 2 and len(finetuned) == 2   # iterations 5-6, and 1-2
-    assert resumed[0] == fresh_optim[0]                # same weights at iteration 5...
-    assert resumed[1] != fresh_optim[1]                # ...but fresh Adam moments change the step
-    assert finetuned[0] < first[0] - 0.05              # trained weights, data from the start
+    assert len(resumed) == len(fresh_optim) == 2 and len(finetuned) == 2  # iterations 5-6, and 1-2
+    assert resumed[0] == fresh_optim[0]  # same weights at iteration 5...
+    assert resumed[1] != fresh_optim[1]  # ...but fresh Adam moments change the step
+    assert finetuned[0] < first[0] - 0.05  # trained weights, data from the start
 
 
 def test_safetensors_round_trip(tmp_path):
     from safetensors.torch import load_file
+
     sys.path.insert(0, os.path.join(REPO, "tools"))
     import convert_checkpoint
+
     from megatron_sp.models.reference import ReferenceGPT
+
     save = tmp_path / "ckpt"
     assert pretrain.main(SMALL + ["--train-iters", "2", "--save", str(save)]) == 0
     convert_checkpoint.main(["to-safetensors", "--load", str(save), "--output", str(tmp_path / "m.safetensors")])
@@ -124,9 +186,10 @@ def test_safetensors_round_trip(tmp_path):
     meta = json.load(open(save / "iter_0000002" / "metadata.json"))
     cfg_fields = {k: v for k, v in meta["config"].items()}
     ref = ReferenceGPT(pretrain.GPTConfig(**cfg_fields))
-    ref.load_state_dict(full)                           # ReferenceGPT's keys and shapes exactly
-    convert_checkpoint.main(["from-safetensors", "--input", str(tmp_path / "m.safetensors"),
-                             "--save", str(tmp_path / "back")])
+    ref.load_state_dict(full)  # ReferenceGPT's keys and shapes exactly
+    convert_checkpoint.main(
+        ["from-safetensors", "--input", str(tmp_path / "m.safetensors"), "--save", str(tmp_path / "back")]
+    )
     again, _ = convert_checkpoint.read_full_state(checkpointing.checkpoint_dir(str(tmp_path / "back"), 0))
     assert again.keys() == full.keys() and all(torch.equal(again[k], full[k]) for k in full)
     assert pretrain.main(SMALL + ["--train-iters", "1", "--load", str(tmp_path / "back"), "--finetune"]) == 0

@@ -1,21 +1,23 @@
 """Bad input to pretrain_gpt_sp.py: one clear sentence on stderr, exit code 2, no traceback, before any
 heavy work (these run in-process: main() returns before starting a process group)."""
+
 import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-
 from launch_helpers import PROGRAM, TINY
+
 from megatron_sp.data import write_documents
 from megatron_sp.training import pretrain
 
 
 def _run(capsys, argv, monkeypatch=None, world=None):
-    if world is not None:                                  # as torchrun would start rank 0
-        for key, value in dict(WORLD_SIZE=world, RANK=0, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1",
-                               MASTER_PORT=29500).items():
+    if world is not None:  # as torchrun would start rank 0
+        for key, value in dict(
+            WORLD_SIZE=world, RANK=0, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=29500
+        ).items():
             monkeypatch.setenv(key, str(value))
     code = pretrain.main(TINY + ["--train-iters", "2"] + argv)
     err = capsys.readouterr().err.strip()
@@ -37,23 +39,56 @@ def data(tmp_path):
 
 CASES = {
     "missing files": (lambda d, t: ["--data-path", str(t / "nope")], None, "nope"),
-    "truncated idx": (lambda d, t: _truncate(d + ".idx") or ["--data-path", d, "--tokenizer-type", "NullTokenizer",
-                                                               "--vocab-size", "300"], None, ".idx"),
-    "truncated bin": (lambda d, t: _truncate(d + ".bin") or ["--data-path", d, "--tokenizer-type", "NullTokenizer",
-                                                               "--vocab-size", "300"], None, ".bin"),
+    "truncated idx": (
+        lambda d, t: (
+            _truncate(d + ".idx") or ["--data-path", d, "--tokenizer-type", "NullTokenizer", "--vocab-size", "300"]
+        ),
+        None,
+        ".idx",
+    ),
+    "truncated bin": (
+        lambda d, t: (
+            _truncate(d + ".bin") or ["--data-path", d, "--tokenizer-type", "NullTokenizer", "--vocab-size", "300"]
+        ),
+        None,
+        ".bin",
+    ),
     "foreign idx": (lambda d, t: _clobber(d + ".idx") or ["--data-path", d], None, ".idx"),
-    "data vocab larger": (lambda d, t: ["--data-path", d, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"],
-                          None, "vocab"),
-    "tokenizer missing": (lambda d, t: ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
-                                        str(t / "tok.json")], None, "tok.json"),
-    "batch not divisible": (lambda d, t: ["--tensor-model-parallel-size", "2", "--micro-batch-size", "3",
-                                          "--global-batch-size", "8"], 4, "global-batch-size"),
+    "data vocab larger": (
+        lambda d, t: ["--data-path", d, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"],
+        None,
+        "vocab",
+    ),
+    "tokenizer missing": (
+        lambda d, t: ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(t / "tok.json")],
+        None,
+        "tok.json",
+    ),
+    "batch not divisible": (
+        lambda d, t: ["--tensor-model-parallel-size", "2", "--micro-batch-size", "3", "--global-batch-size", "8"],
+        4,
+        "global-batch-size",
+    ),
     "world not divisible": (lambda d, t: ["--tensor-model-parallel-size", "2"], 3, "tensor-model-parallel-size"),
     "heads vs hidden": (lambda d, t: ["--hidden-size", "66"], None, "hidden_size"),
-    "heads vs tp": (lambda d, t: ["--tensor-model-parallel-size", "8", "--global-batch-size", "2"], 8,
-                    "num_attention_heads"),
-    "seq vs tp under sp": (lambda d, t: ["--tensor-model-parallel-size", "4", "--sequence-parallel",
-                                         "--seq-length", "34", "--global-batch-size", "2"], 4, "seq_length"),
+    "heads vs tp": (
+        lambda d, t: ["--tensor-model-parallel-size", "8", "--global-batch-size", "2"],
+        8,
+        "num_attention_heads",
+    ),
+    "seq vs tp under sp": (
+        lambda d, t: [
+            "--tensor-model-parallel-size",
+            "4",
+            "--sequence-parallel",
+            "--seq-length",
+            "34",
+            "--global-batch-size",
+            "2",
+        ],
+        4,
+        "seq_length",
+    ),
     "dropout range": (lambda d, t: ["--hidden-dropout", "1.5"], None, "hidden_dropout"),
     "unknown flag": (lambda d, t: ["--no-such-flag"], None, "--no-such-flag"),
 }
@@ -81,21 +116,27 @@ def test_bad_input_is_one_sentence(case, data, tmp_path, capsys, monkeypatch):
 
 
 def test_cli_exit_code_without_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, PROGRAM, "--hidden-size", "66"], capture_output=True, text=True,
-                          cwd=tmp_path, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    proc = subprocess.run(
+        [sys.executable, PROGRAM, "--hidden-size", "66"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "hidden_size" in proc.stderr
 
 
 def test_non_finite_loss_stops_naming_iteration(capsys, monkeypatch, tmp_path):
     from megatron_sp.training import loop
+
     real = loop.forward_loss
     calls = {"n": 0}
 
     def poisoned(model, batch):
         calls["n"] += 1
         loss = real(model, batch)
-        return loss * float("nan") if calls["n"] > 8 else loss   # 4 micro-batches per step
+        return loss * float("nan") if calls["n"] > 8 else loss  # 4 micro-batches per step
 
     monkeypatch.setattr(loop, "forward_loss", poisoned)
     code = pretrain.main(TINY + ["--train-iters", "5", "--log-jsonl", str(tmp_path / "log.jsonl")])
@@ -109,18 +150,24 @@ ABSENT = ("numpy", "megatron", "matplotlib", "tensorboard", "tqdm")
 
 
 def _run_bare(tmp_path, argv):
-    code = (f"import sys; sys.modules.update(dict.fromkeys({ABSENT!r})); "
-            "from megatron_sp.training import pretrain; sys.exit(pretrain.main(sys.argv[1:]))")
-    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
-                          cwd=tmp_path, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    code = (
+        f"import sys; sys.modules.update(dict.fromkeys({ABSENT!r})); "
+        "from megatron_sp.training import pretrain; sys.exit(pretrain.main(sys.argv[1:]))"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )
 
 
 def test_mock_data_runs_with_torch_alone(tmp_path):
     """--mock-data (speed runs, bench/gpu_check.sh) trains with nothing but torch installed: no
     numpy, megatron-core, matplotlib, tensorboard or tqdm; the implicit loss-curve PNG is skipped
     with a notice, and flags that need a missing package are refused at start-up."""
-    argv = TINY + ["--train-iters", "2", "--mock-data", "--tokenizer-type", "NullTokenizer",
-                   "--vocab-size", "500"]
+    argv = TINY + ["--train-iters", "2", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "500"]
     proc = _run_bare(tmp_path, argv + ["--log-jsonl", str(tmp_path / "log.jsonl")])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "iteration        2/       2" in proc.stdout

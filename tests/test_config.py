@@ -1,4 +1,5 @@
 """GPTConfig validation, parallel_state's rank grid, and the Philox generator's known answers."""
+
 import pytest
 import torch
 
@@ -9,18 +10,23 @@ from megatron_sp.tensor_parallel import random as tp_random
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=97, seq_length=32)
 
 
-@pytest.mark.parametrize("override,field", [
-    (dict(hidden_size=66), "hidden_size"),
-    (dict(tensor_model_parallel_size=8), "num_attention_heads"),
-    (dict(tensor_model_parallel_size=2, ffn_hidden_size=255), "ffn_hidden_size"),
-    (dict(tensor_model_parallel_size=4, sequence_parallel=True, seq_length=34, max_position_embeddings=64),
-     "seq_length"),
-    (dict(num_layers=0), "num_layers"),
-    (dict(vocab_size=-3), "vocab_size"),
-    (dict(hidden_dropout=1.0), "hidden_dropout"),
-    (dict(attention_dropout=-0.1), "attention_dropout"),
-    (dict(max_position_embeddings=16), "max_position_embeddings"),
-])
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        (dict(hidden_size=66), "hidden_size"),
+        (dict(tensor_model_parallel_size=8), "num_attention_heads"),
+        (dict(tensor_model_parallel_size=2, ffn_hidden_size=255), "ffn_hidden_size"),
+        (
+            dict(tensor_model_parallel_size=4, sequence_parallel=True, seq_length=34, max_position_embeddings=64),
+            "seq_length",
+        ),
+        (dict(num_layers=0), "num_layers"),
+        (dict(vocab_size=-3), "vocab_size"),
+        (dict(hidden_dropout=1.0), "hidden_dropout"),
+        (dict(attention_dropout=-0.1), "attention_dropout"),
+        (dict(max_position_embeddings=16), "max_position_embeddings"),
+    ],
+)
 def test_config_rejects_with_the_field_named(override, field):
     with pytest.raises(ValueError, match=f"GPTConfig.{field}"):
         GPTConfig(**{**BASE, **override})
@@ -36,7 +42,7 @@ def test_defaults_follow_megatron():
     cfg = GPTConfig(**BASE)
     assert (cfg.hidden_dropout, cfg.attention_dropout, cfg.seed, cfg.sequence_parallel) == (0.1, 0.1, 1234, False)
     assert cfg.ffn_hidden_size == 4 * cfg.hidden_size
-    assert GPTConfig(**BASE, tensor_model_parallel_size=4).padded_vocab_size == 512   # multiple of 128 × t
+    assert GPTConfig(**BASE, tensor_model_parallel_size=4).padded_vocab_size == 512  # multiple of 128 × t
 
 
 def test_rank_grid_is_tp_fastest_and_partitions_the_world():
@@ -66,6 +72,6 @@ def test_dropout_rate_and_shard_invariance():
     index = tp_random.default_index(64, 4)
     keep = tp_random.hidden_keep_mask((64, 4, 96), 0.25, 1234, 3, tp_random.SITE_MLP_OUT, index)
     assert abs(1 - keep.float().mean().item() - 0.25) < 0.02
-    shard = tp_random.DropoutIndex(torch.arange(16, 32), torch.arange(4))     # rows 16..31, features 48..95
+    shard = tp_random.DropoutIndex(torch.arange(16, 32), torch.arange(4))  # rows 16..31, features 48..95
     part = tp_random.hidden_keep_mask((16, 4, 48), 0.25, 1234, 3, tp_random.SITE_MLP_OUT, shard, feature_offset=48)
     assert torch.equal(part, keep[16:32, :, 48:])

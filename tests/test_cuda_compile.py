@@ -2,6 +2,7 @@
 cannot land: the torch-free kernels (csrc/cuda/*.cu) with nvcc and the flags torch's build adds,
 and the torch binding (csrc/cuda/*.cpp) with a syntax-only host compile against torch's headers.
 Skipped where nvcc (or the CUDA headers) are absent. One architecture (sm_90) keeps it fast."""
+
 import glob
 import os
 import shutil
@@ -14,9 +15,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
 NVCC = shutil.which("nvcc")
 # What torch.utils.cpp_extension passes to nvcc for every .cu (COMMON_NVCC_FLAGS).
-TORCH_NVCC_FLAGS = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
-                    "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
-                    "--expt-relaxed-constexpr"]
+TORCH_NVCC_FLAGS = [
+    "-D__CUDA_NO_HALF_OPERATORS__",
+    "-D__CUDA_NO_HALF_CONVERSIONS__",
+    "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-D__CUDA_NO_HALF2_OPERATORS__",
+    "--expt-relaxed-constexpr",
+]
 
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 
@@ -30,22 +35,36 @@ def _cuda_include():
 
 def _run_all(commands):
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        procs = list(pool.map(lambda c: subprocess.run(c, capture_output=True, text=True,
-                                                       timeout=300), commands))
+        procs = list(pool.map(lambda c: subprocess.run(c, capture_output=True, text=True, timeout=300), commands))
     return [f"$ {' '.join(c)}\n{p.stderr}" for c, p in zip(commands, procs) if p.returncode != 0]
 
 
 def test_kernels_compile_with_nvcc(tmp_path):
     sources = sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
     assert sources, "no CUDA sources found"
-    commands = [[NVCC, "-c", "-std=c++17", "-O3", "-arch=sm_90", *TORCH_NVCC_FLAGS, "-I", CSRC, src,
-                 "-o", str(tmp_path / (os.path.basename(src) + ".o"))] for src in sources]
+    commands = [
+        [
+            NVCC,
+            "-c",
+            "-std=c++17",
+            "-O3",
+            "-arch=sm_90",
+            *TORCH_NVCC_FLAGS,
+            "-I",
+            CSRC,
+            src,
+            "-o",
+            str(tmp_path / (os.path.basename(src) + ".o")),
+        ]
+        for src in sources
+    ]
     failures = _run_all(commands)
     assert not failures, "\n".join(failures)
 
 
 def test_binding_compiles_against_torch_headers(tmp_path):
     from torch.utils import cpp_extension
+
     cuda_include, cxx = _cuda_include(), shutil.which("g++") or shutil.which("c++")
     if cuda_include is None or cxx is None:
         pytest.skip("CUDA headers or a host C++ compiler not found")
@@ -55,8 +74,9 @@ def test_binding_compiles_against_torch_headers(tmp_path):
     stub.mkdir(parents=True)
     (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    commands = [[cxx, "-std=c++20", "-fsyntax-only", *includes, f"-I{tmp_path / 'stub'}",
-                 f"-I{cuda_include}", f"-I{CSRC}", src]
-                for src in sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cpp")))]
+    commands = [
+        [cxx, "-std=c++20", "-fsyntax-only", *includes, f"-I{tmp_path / 'stub'}", f"-I{cuda_include}", f"-I{CSRC}", src]
+        for src in sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cpp")))
+    ]
     failures = _run_all(commands)
     assert not failures, "\n".join(failures)

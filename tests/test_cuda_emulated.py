@@ -17,6 +17,7 @@ block reductions and launch sizing are checked on machines without a GPU:
 The emulator does not model GPU timing, memory ordering between blocks (blocks run one after
 another), fused multiply-adds or the CUDA caching allocator and streams; tests/test_cuda_ops.py
 checks the real thing on a GPU."""
+
 import json
 import os
 import shutil
@@ -24,17 +25,22 @@ import subprocess
 import sys
 
 import pytest
-
 from cuda_emulator import build as emulator_build
 from cuda_emulator.run_cases import CASES
 
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emulator", "run_cases.py")
 # One case per kernel (and barrier structure) for the slower ThreadSanitizer run; the long-row
 # LayerNorm variants have the same barriers as the short ones and take ~30 s there.
-RACE_CASES = ["bda-64x4x256-off0-bf16-sm1", "bda-5x3x7-off3-fp32-sm1", "ln-40x1024-fp32-wfp32-sm1",
-              "ln-7x999-fp16-wfp16-sm1", "rms-40x1024-fp32-wfp32-sm1",
-              "ulysses_pack-5x3x6x7-uint8", "zigzag-2x24x3-p3-dim1-inv",
-              "flash-20-segments-bf16"]   # all four flash_attention kernels (GQA, dropout)
+RACE_CASES = [
+    "bda-64x4x256-off0-bf16-sm1",
+    "bda-5x3x7-off3-fp32-sm1",
+    "ln-40x1024-fp32-wfp32-sm1",
+    "ln-7x999-fp16-wfp16-sm1",
+    "rms-40x1024-fp32-wfp32-sm1",
+    "ulysses_pack-5x3x6x7-uint8",
+    "zigzag-2x24x3-p3-dim1-inv",
+    "flash-20-segments-bf16",
+]  # all four flash_attention kernels (GQA, dropout)
 
 
 def _require(sanitizer):
@@ -46,9 +52,10 @@ def _require(sanitizer):
 
 def _run(library, sanitizer, out_json, cases=()):
     env = emulator_build.sanitizer_env(sanitizer)
-    env["OMP_NUM_THREADS"] = "1"      # torch's OpenMP threads are not ThreadSanitizer-aware
-    proc = subprocess.run([sys.executable, RUNNER, library, str(out_json), *cases], env=env,
-                          capture_output=True, text=True, timeout=1200)
+    env["OMP_NUM_THREADS"] = "1"  # torch's OpenMP threads are not ThreadSanitizer-aware
+    proc = subprocess.run(
+        [sys.executable, RUNNER, library, str(out_json), *cases], env=env, capture_output=True, text=True, timeout=1200
+    )
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -65,8 +72,7 @@ def object_cache(tmp_path_factory):
 def asan_run(tmp_path_factory, object_cache):
     _require("asan")
     out = tmp_path_factory.mktemp("emulator-asan")
-    library = emulator_build.build(str(out / "build"), "asan", cache_dir=object_cache,
-                                   binding=True)
+    library = emulator_build.build(str(out / "build"), "asan", cache_dir=object_cache, binding=True)
     rc, log = _run(library, "asan", out / "results.json")
     return rc, log, _results(out / "results.json")
 
@@ -96,33 +102,49 @@ def _planted(tmp_path, object_cache, sanitizer, filename, old, new, case):
     text = path.read_text()
     assert old in text, f"the planted bug no longer applies to {filename}: update this test"
     path.write_text(text.replace(old, new, 1))
-    library = emulator_build.build(str(tmp_path / "build"), sanitizer, csrc=str(csrc),
-                                   cache_dir=object_cache)
+    library = emulator_build.build(str(tmp_path / "build"), sanitizer, csrc=str(csrc), cache_dir=object_cache)
     return _run(library, sanitizer, tmp_path / "results.json", [case])
 
 
 def test_planted_out_of_bounds_read_is_caught(tmp_path, object_cache):
     _require("asan")
-    rc, log = _planted(tmp_path, object_cache, "asan", "layout.cu",
-                       "vals[u] = src[map(o) * run.d + v];",
-                       "vals[u] = src[map(o) * run.d + v + 1];", "ulysses_pack-16x2x8x64-float32")
+    rc, log = _planted(
+        tmp_path,
+        object_cache,
+        "asan",
+        "layout.cu",
+        "vals[u] = src[map(o) * run.d + v];",
+        "vals[u] = src[map(o) * run.d + v + 1];",
+        "ulysses_pack-16x2x8x64-float32",
+    )
     assert rc != 0 and "heap-buffer-overflow" in log, log[-3000:]
 
 
 def test_planted_missing_barrier_is_caught(tmp_path, object_cache):
     _require("tsan")
-    rc, log = _planted(tmp_path, object_cache, "tsan", "column_sum.cu",
-                       "  __syncthreads();\n  if (threadIdx.y == 0", "  if (threadIdx.y == 0",
-                       "bda-5x3x7-off3-fp32-sm1")
+    rc, log = _planted(
+        tmp_path,
+        object_cache,
+        "tsan",
+        "column_sum.cu",
+        "  __syncthreads();\n  if (threadIdx.y == 0",
+        "  if (threadIdx.y == 0",
+        "bda-5x3x7-off3-fp32-sm1",
+    )
     assert rc != 0 and "ThreadSanitizer: data race" in log, log[-3000:]
 
 
 def test_planted_launch_over_launch_bounds_is_caught(tmp_path, object_cache):
     _require("asan")
-    rc, log = _planted(tmp_path, object_cache, "asan", "bias_dropout_add.cu",
-                       "__launch_bounds__(kThreads)\n    bda_fwd_kernel",
-                       "__launch_bounds__(kThreads / 2)\n    bda_fwd_kernel",
-                       "bda-33x3x256-off512-fp32-sm132")
+    rc, log = _planted(
+        tmp_path,
+        object_cache,
+        "asan",
+        "bias_dropout_add.cu",
+        "__launch_bounds__(kThreads)\n    bda_fwd_kernel",
+        "__launch_bounds__(kThreads / 2)\n    bda_fwd_kernel",
+        "bda-33x3x256-off512-fp32-sm132",
+    )
     results = _results(tmp_path / "results.json")
     assert rc == 0 and not results["bda-33x3x256-off512-fp32-sm132"]["ok"], log[-3000:]
     assert "cudaError 701" in results["bda-33x3x256-off512-fp32-sm132"]["detail"]
@@ -139,26 +161,29 @@ def test_kernel_traffic(tmp_path, object_cache):
     lib = load(emulator_build.build(str(tmp_path / "build"), "traffic", cache_dir=object_cache))
     lib.emu_set_sm_count(8)
     s, b, h = 512, 2, 1024
-    results = {op: (compulsory, counts) for op, compulsory, counts in
-               run_ops(lib, torch.bfloat16, s, b, h, 8, 128, 0.1)}
-    full = s * b * h * 2                     # bytes of one [s, b, h] bf16 activation
-    once = {"bias_dropout_add fwd": (("x", "residual"), ("out",)),
-            "bias_dropout_add bwd": (("grad",), ("grad_x",)),
-            "layer_norm fwd": (("x",), ("y",)),
-            "layer_norm bwd": ((), ("grad_x",)),
-            "rms_norm fwd": (("x",), ("y",)),
-            "rms_norm bwd": ((), ("grad_x",))}
+    results = {
+        op: (compulsory, counts) for op, compulsory, counts in run_ops(lib, torch.bfloat16, s, b, h, 8, 128, 0.1)
+    }
+    full = s * b * h * 2  # bytes of one [s, b, h] bf16 activation
+    once = {
+        "bias_dropout_add fwd": (("x", "residual"), ("out",)),
+        "bias_dropout_add bwd": (("grad",), ("grad_x",)),
+        "layer_norm fwd": (("x",), ("y",)),
+        "layer_norm bwd": ((), ("grad_x",)),
+        "rms_norm fwd": (("x",), ("y",)),
+        "rms_norm bwd": ((), ("grad_x",)),
+    }
     for op, (compulsory, counts) in results.items():
         inputs, outputs = once.get(op, (("in",), ("out",)))
-        for name in inputs:                  # (loaded, stored, distinct loaded, distinct stored)
+        for name in inputs:  # (loaded, stored, distinct loaded, distinct stored)
             assert counts[name] == (full, 0, full, 0), (op, name, counts[name])
         for name in outputs:
             assert counts[name] == (0, full, 0, full), (op, name, counts[name])
     for op in ("bias_dropout_add bwd", "layer_norm bwd", "rms_norm bwd"):
         compulsory, counts = results[op]
         scratch = counts["scratch (partial sums)"]
-        assert scratch[2] == scratch[3] > 0      # each partial written once and read once
+        assert scratch[2] == scratch[3] > 0  # each partial written once and read once
         assert scratch[3] <= compulsory / 16, (op, scratch, compulsory)
-    for name in ("grad", "x"):                  # the norm backwards read their rows twice
+    for name in ("grad", "x"):  # the norm backwards read their rows twice
         assert results["layer_norm bwd"][1][name][2] == full
         assert results["rms_norm bwd"][1][name][2] == full

@@ -1,5 +1,6 @@
 """CUDA kernels of megatron_sp._C against the references (and against the CPU kernels, bit for
 bit where the math allows). Marked `cuda`: skipped without a GPU (tests/conftest.py)."""
+
 import os
 
 import pytest
@@ -24,7 +25,8 @@ def _cuda_kernels_built():
     if os.environ.get("MEGATRON_SP_SKIP_CUDA_BUILD") == "1":
         pytest.skip("CUDA build skipped by MEGATRON_SP_SKIP_CUDA_BUILD=1")
     assert ops.extension_available() and "cuda" in BUILT_DEVICES, (
-        "megatron_sp._C has no CUDA kernels on a GPU machine: rebuild with a CUDA torch and nvcc")
+        "megatron_sp._C has no CUDA kernels on a GPU machine: rebuild with a CUDA torch and nvcc"
+    )
 
 
 def _index(s, b, device):
@@ -41,8 +43,14 @@ def _misaligned(shape, dtype, device="cuda"):
 
 
 # [s, b, h], feature offset: vector path (h % 8 == 0, offset % 4 == 0) and scalar fallbacks.
-BDA_CASES = [((64, 4, 1024), 0), ((33, 3, 256), 512), ((5, 3, 7), 3), ((17, 2, 40), 2),
-             ((1, 1, 1), 0), ((300, 2, 4096), 4096)]
+BDA_CASES = [
+    ((64, 4, 1024), 0),
+    ((33, 3, 256), 512),
+    ((5, 3, 7), 3),
+    ((17, 2, 40), 2),
+    ((1, 1, 1), 0),
+    ((300, 2, 4096), 4096),
+]
 
 
 @pytest.mark.parametrize("shape,offset", BDA_CASES)
@@ -50,8 +58,9 @@ BDA_CASES = [((64, 4, 1024), 0), ((33, 3, 256), 512), ((5, 3, 7), 3), ((17, 2, 4
 def test_bda_mask_bit_identical(shape, offset, dtype):
     index = _index(shape[0], shape[1], "cuda")
     ones = torch.ones(shape, device="cuda", dtype=dtype)
-    out = MSP.bias_dropout_add_fwd(ones, None, torch.zeros_like(ones), index.token_positions,
-                                   index.sample_ids, 0.3, 1234, 7, 3, offset)
+    out = MSP.bias_dropout_add_fwd(
+        ones, None, torch.zeros_like(ones), index.token_positions, index.sample_ids, 0.3, 1234, 7, 3, offset
+    )
     cpu_index = DropoutIndex(index.token_positions.cpu(), index.sample_ids.cpu())
     expected = hidden_keep_mask(shape, 0.3, 1234, 7, 3, cpu_index, offset)
     assert torch.equal((out != 0).cpu(), expected)
@@ -61,18 +70,21 @@ def test_bda_mask_bit_identical(shape, offset, dtype):
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_bda_cuda_equals_cpu_kernel_bitwise(shape, offset, dtype):
     s, b, h = shape
-    x, res, bias, grad = (torch.randn(shape).to(dtype), torch.randn(shape).to(dtype),
-                          torch.randn(h).to(dtype), torch.randn(shape).to(dtype))
+    x, res, bias, grad = (
+        torch.randn(shape).to(dtype),
+        torch.randn(shape).to(dtype),
+        torch.randn(h).to(dtype),
+        torch.randn(shape).to(dtype),
+    )
     index = random_index(s, b)
     args = (0.2, 99, 3, 2, offset)
     cpu = MSP.bias_dropout_add_fwd(x, bias, res, index.token_positions, index.sample_ids, *args)
-    gpu = MSP.bias_dropout_add_fwd(x.cuda(), bias.cuda(), res.cuda(), index.token_positions.cuda(),
-                                   index.sample_ids.cuda(), *args)
+    gpu = MSP.bias_dropout_add_fwd(
+        x.cuda(), bias.cuda(), res.cuda(), index.token_positions.cuda(), index.sample_ids.cuda(), *args
+    )
     assert torch.equal(gpu.cpu(), cpu)
-    gx_cpu, gb_cpu = MSP.bias_dropout_add_bwd(grad, index.token_positions, index.sample_ids, *args,
-                                              True)
-    gx, gb = MSP.bias_dropout_add_bwd(grad.cuda(), index.token_positions.cuda(),
-                                      index.sample_ids.cuda(), *args, True)
+    gx_cpu, gb_cpu = MSP.bias_dropout_add_bwd(grad, index.token_positions, index.sample_ids, *args, True)
+    gx, gb = MSP.bias_dropout_add_bwd(grad.cuda(), index.token_positions.cuda(), index.sample_ids.cuda(), *args, True)
     assert torch.equal(gx.cpu(), gx_cpu)
     torch.testing.assert_close(gb.cpu(), gb_cpu, rtol=1e-5, atol=1e-4 * (s * b) ** 0.5)
 
@@ -81,8 +93,7 @@ def test_bda_cuda_equals_cpu_kernel_bitwise(shape, offset, dtype):
 def test_bda_autograd_matches_reference(dtype):
     s, b, h = 48, 2, 264
     index = _index(s, b, "cuda")
-    leaves = [torch.randn(shape, device="cuda").to(dtype).requires_grad_()
-              for shape in ((s, b, h), (h,), (s, b, h))]
+    leaves = [torch.randn(shape, device="cuda").to(dtype).requires_grad_() for shape in ((s, b, h), (h,), (s, b, h))]
     twins = [t.detach().clone().requires_grad_() for t in leaves]
     grad = torch.randn(s, b, h, device="cuda").to(dtype)
     bias_dropout_add(*leaves, 0.1, 5, 1, 2, index, 8).backward(grad)
@@ -124,23 +135,22 @@ def test_layer_norm_matches_reference(shape, dtype, wdtype):
     assert_close_dtype(x.grad, twins[0].grad, dtype, scale=4.0)
     for a, e in zip((w.grad, b.grad), twins[1:]):
         assert a.dtype == wdtype
-        assert_close_dtype(a, e.grad, dtype, scale=4 * rows ** 0.5)
+        assert_close_dtype(a, e.grad, dtype, scale=4 * rows**0.5)
 
 
 def test_layer_norm_close_to_native_bf16():
     x = torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16)
-    w, b = torch.randn(2048, device="cuda", dtype=torch.bfloat16), torch.randn(2048, device="cuda",
-                                                                               dtype=torch.bfloat16)
-    assert_close_dtype(layer_norm(x, w, b, 1e-5), F.layer_norm(x, (2048,), w, b, 1e-5),
-                       torch.bfloat16)
+    w, b = (
+        torch.randn(2048, device="cuda", dtype=torch.bfloat16),
+        torch.randn(2048, device="cuda", dtype=torch.bfloat16),
+    )
+    assert_close_dtype(layer_norm(x, w, b, 1e-5), F.layer_norm(x, (2048,), w, b, 1e-5), torch.bfloat16)
 
 
 def test_layer_norm_misaligned():
     x = _misaligned((5, 64), torch.bfloat16)
-    w, b = torch.randn(64, device="cuda", dtype=torch.bfloat16), torch.zeros(64, device="cuda",
-                                                                              dtype=torch.bfloat16)
-    assert_close_dtype(layer_norm(x, w, b, 1e-5), layer_norm_reference(x, w, b, 1e-5),
-                       torch.bfloat16)
+    w, b = torch.randn(64, device="cuda", dtype=torch.bfloat16), torch.zeros(64, device="cuda", dtype=torch.bfloat16)
+    assert_close_dtype(layer_norm(x, w, b, 1e-5), layer_norm_reference(x, w, b, 1e-5), torch.bfloat16)
 
 
 @pytest.mark.parametrize("shape", LN_SHAPES)
@@ -165,8 +175,7 @@ def test_rms_norm_matches_reference(shape, dtype, wdtype):
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_rms_norm_cuda_close_to_cpu_kernel(dtype):
-    x, w, grad = (torch.randn(33, 1000).to(dtype), torch.randn(1000).to(dtype),
-                  torch.randn(33, 1000).to(dtype))
+    x, w, grad = (torch.randn(33, 1000).to(dtype), torch.randn(1000).to(dtype), torch.randn(33, 1000).to(dtype))
     y_cpu, rstd_cpu = MSP.rms_norm_fwd(x, w, 1e-6)
     y, rstd = MSP.rms_norm_fwd(x.cuda(), w.cuda(), 1e-6)
     assert_close_dtype(y.cpu(), y_cpu, dtype)
@@ -174,7 +183,7 @@ def test_rms_norm_cuda_close_to_cpu_kernel(dtype):
     dx_cpu, dw_cpu = MSP.rms_norm_bwd(grad, x, w, rstd_cpu)
     dx, dw = MSP.rms_norm_bwd(grad.cuda(), x.cuda(), w.cuda(), rstd)
     assert_close_dtype(dx.cpu(), dx_cpu, dtype, scale=4.0)
-    assert_close_dtype(dw.cpu(), dw_cpu, dtype, scale=4 * 33 ** 0.5)
+    assert_close_dtype(dw.cpu(), dw_cpu, dtype, scale=4 * 33**0.5)
 
 
 def test_rms_norm_misaligned_and_noncontiguous():
@@ -193,10 +202,14 @@ def test_rms_norm_close_to_native_bf16():
 
 
 LAYOUT_CASES = [
-    ("ulysses_pack", (64, 2, 32, 128), 4), ("ulysses_pack", (5, 3, 6, 7), 3),
-    ("ulysses_unpack", (4, 64, 2, 8, 128), 4), ("ulysses_unpack", (3, 5, 2, 2, 7), 3),
-    ("gather_to_last_dim", (512, 3, 256), 4), ("gather_to_last_dim", (6, 5, 9), 2),
-    ("last_dim_to_gather", (128, 3, 1024), 4), ("last_dim_to_gather", (3, 5, 10), 5),
+    ("ulysses_pack", (64, 2, 32, 128), 4),
+    ("ulysses_pack", (5, 3, 6, 7), 3),
+    ("ulysses_unpack", (4, 64, 2, 8, 128), 4),
+    ("ulysses_unpack", (3, 5, 2, 2, 7), 3),
+    ("gather_to_last_dim", (512, 3, 256), 4),
+    ("gather_to_last_dim", (6, 5, 9), 2),
+    ("last_dim_to_gather", (128, 3, 1024), 4),
+    ("last_dim_to_gather", (3, 5, 10), 5),
 ]
 
 
@@ -208,8 +221,7 @@ def test_layout_matches_reference(name, shape, k, dtype):
     assert torch.equal(got, getattr(layout, name + "_reference")(x, k))
 
 
-@pytest.mark.parametrize("shape,p,dim", [((4096, 2, 64), 4, 0), ((2, 24, 3), 3, 1),
-                                         ((3, 2, 10), 5, 2), ((8, 1), 2, 0)])
+@pytest.mark.parametrize("shape,p,dim", [((4096, 2, 64), 4, 0), ((2, 24, 3), 3, 1), ((3, 2, 10), 5, 2), ((8, 1), 2, 0)])
 @pytest.mark.parametrize("inverse", [False, True])
 def test_zigzag_matches_reference(shape, p, dim, inverse):
     x = torch.randn(shape, device="cuda").to(torch.bfloat16)
@@ -221,12 +233,11 @@ def test_opcheck_cuda():
     s, b, h = 6, 3, 16
     index = _index(s, b, "cuda")
     x = torch.randn(s, b, h, device="cuda", requires_grad=True)
-    res, bias = torch.randn_like(x, requires_grad=True), torch.randn(h, device="cuda",
-                                                                      requires_grad=True)
-    torch.library.opcheck(MSP.bias_dropout_add_fwd,
-                          (x, bias, res, index.token_positions, index.sample_ids, 0.2, 3, 1, 2, 4))
-    w, bb = torch.randn(h, device="cuda", requires_grad=True), torch.randn(h, device="cuda",
-                                                                           requires_grad=True)
+    res, bias = torch.randn_like(x, requires_grad=True), torch.randn(h, device="cuda", requires_grad=True)
+    torch.library.opcheck(
+        MSP.bias_dropout_add_fwd, (x, bias, res, index.token_positions, index.sample_ids, 0.2, 3, 1, 2, 4)
+    )
+    w, bb = torch.randn(h, device="cuda", requires_grad=True), torch.randn(h, device="cuda", requires_grad=True)
     torch.library.opcheck(MSP.layer_norm_fwd, (x, w, bb, 1e-5))
     torch.library.opcheck(MSP.rms_norm_fwd, (x, w, 1e-6))
     torch.library.opcheck(MSP.ulysses_pack, (torch.randn(2, 3, 4, 8, device="cuda"), 2))
@@ -238,8 +249,7 @@ def test_torch_compile_inductor_block():
     s, b, h = 32, 2, 256
     index = _index(s, b, "cuda")
     x = torch.randn(s, b, h, device="cuda", requires_grad=True)
-    w, bias = torch.ones(h, device="cuda", requires_grad=True), torch.zeros(h, device="cuda",
-                                                                             requires_grad=True)
+    w, bias = torch.ones(h, device="cuda", requires_grad=True), torch.zeros(h, device="cuda", requires_grad=True)
 
     def block(x, w, bias):
         return bias_dropout_add(layer_norm(x, w, bias, 1e-5), bias, x, 0.1, 1, 0, 2, index)
@@ -267,20 +277,26 @@ def test_torch_compile_inductor_rms_norm():
 
 # ---- flash_attention (csrc/cuda/flash_attention.cu) ------------------------------------------------
 
+
 def _flash_inputs(b, nq, nkv, s, d, dtype, strided):
     """q, k, v on the GPU; strided: views of one fused [s, b, (nq + 2 nkv) d] slab (the model's)."""
     if strided:
         qkv = torch.randn(s, b, (nq + 2 * nkv) * d, device="cuda").to(dtype)
-        return tuple(t.view(s, b, -1, d).permute(1, 2, 0, 3)
-                     for t in qkv.split([nq * d, nkv * d, nkv * d], dim=-1))
-    return (torch.randn(b, nq, s, d, device="cuda").to(dtype),
-            torch.randn(b, nkv, s, d, device="cuda").to(dtype),
-            torch.randn(b, nkv, s, d, device="cuda").to(dtype))
+        return tuple(t.view(s, b, -1, d).permute(1, 2, 0, 3) for t in qkv.split([nq * d, nkv * d, nkv * d], dim=-1))
+    return (
+        torch.randn(b, nq, s, d, device="cuda").to(dtype),
+        torch.randn(b, nkv, s, d, device="cuda").to(dtype),
+        torch.randn(b, nkv, s, d, device="cuda").to(dtype),
+    )
 
 
 # b, nq, nkv, s, d, segments, strided, p: partial tiles, GQA, d = 128 (4 columns per lane), odd d.
-FLASH_CASES = [(2, 4, 4, 300, 64, False, True, 0.1), (1, 8, 2, 129, 128, True, True, 0.2),
-               (2, 2, 1, 77, 40, True, False, 0.0), (1, 1, 1, 1, 7, False, False, 0.5)]
+FLASH_CASES = [
+    (2, 4, 4, 300, 64, False, True, 0.1),
+    (1, 8, 2, 129, 128, True, True, 0.2),
+    (2, 2, 1, 77, 40, True, False, 0.0),
+    (1, 1, 1, 1, 7, False, False, 0.5),
+]
 
 
 @pytest.mark.parametrize("case", FLASH_CASES)
@@ -296,16 +312,14 @@ def test_flash_attention_cuda_equals_cpu_kernel(case, dtype):
     args = (pos, pos, seg, seg, samples, p, 77, 3, 2)
     cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
     out, lse = MSP.flash_attention_fwd(q, k, v, *args)
-    out_cpu, lse_cpu = MSP.flash_attention_fwd(*(cpu(t) for t in (q, k, v)), *(cpu(a) for a in args[:5]),
-                                               *args[5:])
+    out_cpu, lse_cpu = MSP.flash_attention_fwd(*(cpu(t) for t in (q, k, v)), *(cpu(a) for a in args[:5]), *args[5:])
     assert out.permute(2, 0, 1, 3).is_contiguous() and lse.dtype == torch.float32
     assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(lse_cpu))
     torch.testing.assert_close(lse.cpu(), lse_cpu, rtol=1e-5, atol=1e-5)
     assert_close_dtype(out.cpu(), out_cpu, dtype)
     dout = torch.randn(q.shape, device="cuda").to(dtype)
     got = MSP.flash_attention_bwd(dout, q, k, v, out, lse, *args)
-    want = MSP.flash_attention_bwd(*(cpu(t) for t in (dout, q, k, v, out, lse)),
-                                   *(cpu(a) for a in args[:5]), *args[5:])
+    want = MSP.flash_attention_bwd(*(cpu(t) for t in (dout, q, k, v, out, lse)), *(cpu(a) for a in args[:5]), *args[5:])
     for a, e in zip(got, want):
         assert a.dtype == dtype and a.shape == e.shape
         assert_close_dtype(a.cpu(), e, dtype, scale=2 * (1 + e.float().abs().max().item()))
@@ -315,6 +329,7 @@ def test_flash_attention_cuda_ring_blocks_and_autograd():
     """Disjoint key ranges (queries that see nothing: out 0, lse -inf) and FlashAttention's
     autograd on the GPU against the reference's backward."""
     from megatron_sp.ops.flash_attention import AttentionDropout, FlashAttention
+
     q, k, v = (t.requires_grad_() for t in _flash_inputs(1, 2, 1, 70, 32, torch.float32, False))
     q_pos, k_pos = torch.arange(100, 170, device="cuda"), torch.arange(130, 200, device="cuda")
     samples, drop = torch.tensor([3], device="cuda"), AttentionDropout(0.2, 5, 1, 0)
@@ -322,8 +337,12 @@ def test_flash_attention_cuda_ring_blocks_and_autograd():
     blind = q_pos < 130
     assert torch.isinf(lse[:, :, blind]).all() and (out[:, :, blind] == 0).all()
     dout = torch.randn(q.shape, device="cuda")
-    grads = [torch.autograd.grad(FlashAttention.apply(q, k, v, q_pos, k_pos, None, None, samples, drop,
-                                                      fused), (q, k, v), dout) for fused in (True, False)]
+    grads = [
+        torch.autograd.grad(
+            FlashAttention.apply(q, k, v, q_pos, k_pos, None, None, samples, drop, fused), (q, k, v), dout
+        )
+        for fused in (True, False)
+    ]
     for a, e in zip(*grads):
         torch.testing.assert_close(a, e, rtol=2e-5, atol=2e-5)
 

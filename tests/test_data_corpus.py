@@ -1,12 +1,18 @@
 """The embedded default corpus: deterministic, cached, large enough, usable by build_gpt_datasets."""
+
 import os
 import time
 
 import numpy as np
 import pytest
 
-from megatron_sp.data import (DataError, build_gpt_datasets, build_tokenizer, default_corpus_prefix,
-                              validate_indexed_prefix)
+from megatron_sp.data import (
+    DataError,
+    build_gpt_datasets,
+    build_tokenizer,
+    default_corpus_prefix,
+    validate_indexed_prefix,
+)
 from megatron_sp.data.corpus import corpus_texts
 
 pytest.importorskip("megatron.core")
@@ -51,8 +57,7 @@ def test_corpus_needs_a_text_tokenizer(cache_dir):
 
 
 def test_gpt_datasets_default_to_the_corpus(corpus, cache_dir):
-    train, valid, _ = build_gpt_datasets(None, "95,5,0", 64, 1234, build_tokenizer(), 500, 50, 0,
-                                         cache_dir=cache_dir)
+    train, valid, _ = build_gpt_datasets(None, "95,5,0", 64, 1234, build_tokenizer(), 500, 50, 0, cache_dir=cache_dir)
     assert len(train) >= 500 and len(valid) >= 50
     text = build_tokenizer().detokenize(train[0]["tokens"])
     assert len(text) > 10

@@ -1,4 +1,5 @@
 """build_gpt_datasets: packing with EOD, Megatron's reset/eod masks, blending, seeds, errors."""
+
 import os
 import warnings
 
@@ -6,8 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_sp.data import (DataError, build_data_iterator, build_gpt_datasets, build_tokenizer,
-                              write_documents)
+from megatron_sp.data import DataError, build_data_iterator, build_gpt_datasets, build_tokenizer, write_documents
 
 pytest.importorskip("megatron.core")
 
@@ -34,8 +34,9 @@ def tiny(tmp_path):
 
 
 def _build(prefix, tmp_path, samples, **flags):
-    train, valid, test = build_gpt_datasets([prefix], "1,0,0", SEQ, 1234, _tok(), samples, 0, 0,
-                                            cache_dir=str(tmp_path / "cache"), **flags)
+    train, valid, test = build_gpt_datasets(
+        [prefix], "1,0,0", SEQ, 1234, _tok(), samples, 0, 0, cache_dir=str(tmp_path / "cache"), **flags
+    )
     assert valid is None and test is None
     return train
 
@@ -89,8 +90,7 @@ def _expected_masked(tokens):
 
 def test_reset_flags_and_eod_mask_follow_megatron(tiny, tmp_path):
     prefix, lengths = tiny
-    train = _build(prefix, tmp_path, samples=6, reset_position_ids=True,
-                   reset_attention_mask=True, eod_mask_loss=True)
+    train = _build(prefix, tmp_path, samples=6, reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
     batch = next(build_data_iterator(train, 0, micro_batch_size=6, dp_rank=0, dp_size=1))
     assert batch["attention_mask"].shape == (6, 1, SEQ, SEQ)
     assert bool((batch["tokens"] == EOD).any())  # the check below is not vacuous
@@ -107,8 +107,7 @@ def _two_sources(tmp_path):
     rng = np.random.default_rng(0)
     prefixes = []
     for name, low in (("a", 0), ("b", 50)):
-        docs = [rng.integers(low, low + 50, size=int(rng.integers(5, 30))).tolist() + [EOD]
-                for _ in range(150)]
+        docs = [rng.integers(low, low + 50, size=int(rng.integers(5, 30))).tolist() + [EOD] for _ in range(150)]
         prefixes.append(str(tmp_path / name))
         write_documents(prefixes[-1], docs, VOCAB + 1)
     return prefixes
@@ -120,8 +119,9 @@ def _first_tokens(datasets, n=40):
 
 def test_blending_respects_weights_and_sources(tmp_path):
     a, b = _two_sources(tmp_path)
-    train, valid, _ = build_gpt_datasets(["0.3", a, "0.7", b], "90,10,0", SEQ, 7, _tok(), 1000,
-                                         100, 0, cache_dir=str(tmp_path / "cache"))
+    train, valid, _ = build_gpt_datasets(
+        ["0.3", a, "0.7", b], "90,10,0", SEQ, 7, _tok(), 1000, 100, 0, cache_dir=str(tmp_path / "cache")
+    )
     assert len(train) == 1000 and len(valid) == 100
     ids = np.array([int(train[i]["dataset_id"]) for i in range(1000)])
     assert abs((ids == 0).mean() - 0.3) < 0.02
@@ -132,8 +132,9 @@ def test_blending_respects_weights_and_sources(tmp_path):
 
 def test_unweighted_blend_still_gives_the_requested_samples(tmp_path):
     # megatron-core alone caps an unweighted blend at one epoch of each source (~470 here).
-    train, _, _ = build_gpt_datasets(_two_sources(tmp_path), "1,0,0", SEQ, 7, _tok(), 2000, 0, 0,
-                                     cache_dir=str(tmp_path / "cache"))
+    train, _, _ = build_gpt_datasets(
+        _two_sources(tmp_path), "1,0,0", SEQ, 7, _tok(), 2000, 0, 0, cache_dir=str(tmp_path / "cache")
+    )
     assert len(train) >= 2000
 
 
@@ -141,8 +142,7 @@ def test_same_seed_same_samples_other_seed_other_order(tmp_path):
     a, b = _two_sources(tmp_path)
 
     def build(seed, cache):
-        return build_gpt_datasets([a, b], "1,0,0", SEQ, seed, _tok(), 200, 0, 0,
-                                  cache_dir=str(tmp_path / cache))
+        return build_gpt_datasets([a, b], "1,0,0", SEQ, seed, _tok(), 200, 0, 0, cache_dir=str(tmp_path / cache))
 
     first = _first_tokens(build(1, "c1"))
     assert torch.equal(first, _first_tokens(build(1, "c2")))  # rebuilt from scratch
@@ -154,44 +154,57 @@ def test_empty_valid_test_splits_become_none_and_empty_train_fails(tiny, tmp_pat
     prefix, _ = tiny
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        train, valid, test = build_gpt_datasets([prefix], "969,30,1", SEQ, 1, _tok(), 10, 5, 5,
-                                                cache_dir=str(tmp_path / "c"))
+        train, valid, test = build_gpt_datasets(
+            [prefix], "969,30,1", SEQ, 1, _tok(), 10, 5, 5, cache_dir=str(tmp_path / "c")
+        )
     assert len(train) >= 10 and valid is None and test is None
     assert sum("split" in str(w.message) for w in caught) == 2
     with pytest.raises(DataError, match="train split"):
-        build_gpt_datasets([prefix], "1,100,0", SEQ, 1, _tok(), 10, 5, 0,
-                           cache_dir=str(tmp_path / "c"))
+        build_gpt_datasets([prefix], "1,100,0", SEQ, 1, _tok(), 10, 5, 0, cache_dir=str(tmp_path / "c"))
 
 
-@pytest.mark.parametrize("data_path, split, needle", [
-    (["0.3", "{p}", "{p}"], "1,0,0", "mixes weights"),
-    (["0", "{p}"], "1,0,0", "positive"),
-    (["{p}_missing"], "1,0,0", "tiny_missing.bin does not exist"),
-    (["{p}"], "a,b", "--split"),
-    (["{p}"], "1,1,1,1", "--split"),
-])
+@pytest.mark.parametrize(
+    "data_path, split, needle",
+    [
+        (["0.3", "{p}", "{p}"], "1,0,0", "mixes weights"),
+        (["0", "{p}"], "1,0,0", "positive"),
+        (["{p}_missing"], "1,0,0", "tiny_missing.bin does not exist"),
+        (["{p}"], "a,b", "--split"),
+        (["{p}"], "1,1,1,1", "--split"),
+    ],
+)
 def test_bad_arguments_raise_data_error(tiny, tmp_path, data_path, split, needle):
     prefix, _ = tiny
     with pytest.raises(DataError, match=needle.replace("-", r"\-")):
-        build_gpt_datasets([p.format(p=prefix) for p in data_path], split, SEQ, 1, _tok(), 10,
-                           0, 0, cache_dir=str(tmp_path / "c"))
+        build_gpt_datasets(
+            [p.format(p=prefix) for p in data_path], split, SEQ, 1, _tok(), 10, 0, 0, cache_dir=str(tmp_path / "c")
+        )
 
 
 def test_tokens_beyond_the_tokenizer_vocabulary_fail_early(tiny, tmp_path):
     prefix, _ = tiny
     with pytest.raises(DataError, match=r"tiny\.bin holds token id 100"):
-        build_gpt_datasets([prefix], "1,0,0", SEQ, 1, build_tokenizer("NullTokenizer",
-                           vocab_size=50), 10, 0, 0, cache_dir=str(tmp_path / "c"))
+        build_gpt_datasets(
+            [prefix],
+            "1,0,0",
+            SEQ,
+            1,
+            build_tokenizer("NullTokenizer", vocab_size=50),
+            10,
+            0,
+            0,
+            cache_dir=str(tmp_path / "c"),
+        )
 
 
 def _distributed_build(rank, world, init_file, prefixes, cache_dir, out_dir):
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        datasets = build_gpt_datasets(["0.5", prefixes[0], "0.5", prefixes[1]], "1,0,0", SEQ, 3,
-                                      _tok(), 100, 0, 0, cache_dir=cache_dir)
+        datasets = build_gpt_datasets(
+            ["0.5", prefixes[0], "0.5", prefixes[1]], "1,0,0", SEQ, 3, _tok(), 100, 0, 0, cache_dir=cache_dir
+        )
         torch.save(_first_tokens(datasets, 20), os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -200,10 +213,21 @@ def _distributed_build(rank, world, init_file, prefixes, cache_dir, out_dir):
 def test_distributed_build_matches_single_process(tmp_path):
     prefixes = _two_sources(tmp_path)
     torch.multiprocessing.spawn(
-        _distributed_build, nprocs=2,
-        args=(2, str(tmp_path / "init"), prefixes, str(tmp_path / "dist"), str(tmp_path)))
-    single = _first_tokens(build_gpt_datasets(["0.5", prefixes[0], "0.5", prefixes[1]], "1,0,0",
-                                              SEQ, 3, _tok(), 100, 0, 0,
-                                              cache_dir=str(tmp_path / "single")), 20)
+        _distributed_build, nprocs=2, args=(2, str(tmp_path / "init"), prefixes, str(tmp_path / "dist"), str(tmp_path))
+    )
+    single = _first_tokens(
+        build_gpt_datasets(
+            ["0.5", prefixes[0], "0.5", prefixes[1]],
+            "1,0,0",
+            SEQ,
+            3,
+            _tok(),
+            100,
+            0,
+            0,
+            cache_dir=str(tmp_path / "single"),
+        ),
+        20,
+    )
     for rank in range(2):
         assert torch.equal(torch.load(str(tmp_path / f"{rank}.pt")), single)

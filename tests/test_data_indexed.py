@@ -1,4 +1,5 @@
 """Indexed datasets: byte compatibility with megatron-core in both directions, and validation."""
+
 import struct
 
 import numpy as np
@@ -16,6 +17,7 @@ def _docs(seed=0, n=12, high=250):
 
 def _mcore_indexed():
     from megatron_sp.data._mcore import mcore
+
     return mcore("datasets.indexed_dataset")
 
 
@@ -43,8 +45,10 @@ def test_our_data_reads_back_through_megatron_core(tmp_path, vocab_size, dtype):
     dataset = indexed.IndexedDataset(prefix)
     assert dataset.index.dtype == dtype
     bounds = dataset.document_indices
-    got = [np.concatenate([dataset[int(i)] for i in range(a, b)] or [np.zeros(0, dtype)]).tolist()
-           for a, b in zip(bounds[:-1], bounds[1:])]
+    got = [
+        np.concatenate([dataset[int(i)] for i in range(a, b)] or [np.zeros(0, dtype)]).tolist()
+        for a, b in zip(bounds[:-1], bounds[1:])
+    ]
     assert got == docs
     # And the bytes are what megatron-core's own builder writes for the same documents.
     ref = str(tmp_path / "ref")
@@ -84,8 +88,7 @@ BAD_INPUTS = {
     "idx arrays cut": (lambda p: _truncate(p + ".idx", 50), ".idx", "truncated"),
     "bin cut": (lambda p: _truncate(p + ".bin", 10), ".bin", "truncated"),
     "bin too long": (lambda p: open(p + ".bin", "ab").write(b"\0\0"), ".bin", "different runs"),
-    "corrupt lengths": (lambda p: _patch(p + ".idx", 34, struct.pack("<i", 2)), ".idx",
-                        "inconsistent"),
+    "corrupt lengths": (lambda p: _patch(p + ".idx", 34, struct.pack("<i", 2)), ".idx", "inconsistent"),
 }
 
 

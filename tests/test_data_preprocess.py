@@ -1,4 +1,5 @@
 """tools/preprocess_data.py: Megatron's output format, read back by megatron-core, any --workers."""
+
 import json
 import os
 import runpy
@@ -16,8 +17,7 @@ RECORDS = [
     {"text": "First document. Ünïcode ✓", "meta": "a"},
     {"text": "", "meta": "empty documents stay (as zero-length documents)"},
     {"text": ["Pre-split sentence one.", " And two."], "meta": "c"},
-    *({"text": f"Document number {i}: " + "lorem ipsum " * (i % 7), "meta": str(i)}
-      for i in range(40)),
+    *({"text": f"Document number {i}: " + "lorem ipsum " * (i % 7), "meta": str(i)} for i in range(40)),
 ]
 
 
@@ -43,8 +43,7 @@ def _read_with_megatron_core(prefix):
 
     dataset = mcore("datasets.indexed_dataset").IndexedDataset(prefix)
     bounds = dataset.document_indices
-    return [[int(t) for i in range(a, b) for t in dataset[int(i)]]
-            for a, b in zip(bounds[:-1], bounds[1:])]
+    return [[int(t) for i in range(a, b) for t in dataset[int(i)]] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def test_preprocess_writes_megatron_format_identically_for_any_workers(tmp_path, jsonl):
@@ -53,8 +52,9 @@ def test_preprocess_writes_megatron_format_identically_for_any_workers(tmp_path,
     outputs = {}
     for workers in (1, 2):
         prefix = str(tmp_path / f"w{workers}" / "corpus")
-        written = preprocess_data.main(["--input", jsonl, "--output-prefix", prefix,
-                                        "--append-eod", "--workers", str(workers)])
+        written = preprocess_data.main(
+            ["--input", jsonl, "--output-prefix", prefix, "--append-eod", "--workers", str(workers)]
+        )
         assert written == [prefix + "_text_document"]
         outputs[workers] = written[0]
     for ext in (".bin", ".idx"):
@@ -63,6 +63,7 @@ def test_preprocess_writes_megatron_format_identically_for_any_workers(tmp_path,
     assert _read_with_megatron_core(outputs[1]) == _expected_documents(build_tokenizer())
     # Pre-split text keeps one sequence per part, as Megatron-LM stores it.
     from megatron_sp.data._mcore import mcore
+
     dataset = mcore("datasets.indexed_dataset").IndexedDataset(outputs[1])
     assert list(np.diff(dataset.document_indices[:4])) == [1, 0, 2]
 
@@ -74,10 +75,25 @@ def test_preprocess_script_with_null_tokenizer_and_two_keys(tmp_path, monkeypatc
     prefix = str(tmp_path / "ids")
     # Script mode (`python tools/preprocess_data.py ...`), run in-process to skip a new
     # interpreter's seconds of torch + megatron-core imports.
-    monkeypatch.setattr(sys, "argv", [
-        "preprocess_data.py", "--input", str(path), "--output-prefix", prefix, "--json-keys",
-        "text", "other", "--tokenizer-type", "NullTokenizer", "--vocab-size", "10",
-        "--append-eod"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "preprocess_data.py",
+            "--input",
+            str(path),
+            "--output-prefix",
+            prefix,
+            "--json-keys",
+            "text",
+            "other",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "10",
+            "--append-eod",
+        ],
+    )
     runpy.run_path(os.path.join(ROOT, "tools", "preprocess_data.py"), run_name="__main__")
     assert f"wrote {prefix}_other_document.bin" in capsys.readouterr().out
     assert _read_with_megatron_core(prefix + "_text_document") == [[1, 2, 3, 10], [4, 5, 10]]
@@ -85,8 +101,9 @@ def test_preprocess_script_with_null_tokenizer_and_two_keys(tmp_path, monkeypatc
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
 
 
-@pytest.mark.parametrize("line, needle", [("{not json", "line 2 is not valid JSON"),
-                                          ('{"body": "x"}', "line 2 has no 'text' field")])
+@pytest.mark.parametrize(
+    "line, needle", [("{not json", "line 2 is not valid JSON"), ('{"body": "x"}', "line 2 has no 'text' field")]
+)
 def test_preprocess_bad_lines_name_file_and_line(tmp_path, line, needle):
     from tools import preprocess_data
 
@@ -105,8 +122,20 @@ def test_preprocess_with_a_trained_hf_tokenizer(tmp_path, jsonl):
     model = str(tmp_path / "tokenizer.json")
     train_tokenizer.main(["--input", jsonl, "--output", model, "--vocab-size", "320"])
     prefix = str(tmp_path / "hf")
-    written = preprocess_data.main(["--input", jsonl, "--output-prefix", prefix, "--append-eod",
-                                    "--tokenizer-type", "HuggingFaceTokenizer",
-                                    "--tokenizer-model", model, "--workers", "2"])
+    written = preprocess_data.main(
+        [
+            "--input",
+            jsonl,
+            "--output-prefix",
+            prefix,
+            "--append-eod",
+            "--tokenizer-type",
+            "HuggingFaceTokenizer",
+            "--tokenizer-model",
+            model,
+            "--workers",
+            "2",
+        ]
+    )
     tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=model)
     assert _read_with_megatron_core(written[0]) == _expected_documents(tokenizer)

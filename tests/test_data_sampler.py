@@ -1,4 +1,5 @@
 """PretrainingSampler and build_data_iterator: DP slicing, global-step invariance, resume."""
+
 import warnings
 
 import pytest
@@ -27,8 +28,7 @@ def _global_steps(dp, global_batch=16, consumed=0):
     micro_steps = global_batch // (MICRO * dp)
     steps = []
     for start in range(0, len(per_rank[0]), micro_steps):
-        steps.append({i for batches in per_rank for b in batches[start:start + micro_steps]
-                      for i in b})
+        steps.append({i for batches in per_rank for b in batches[start : start + micro_steps] for i in b})
     return steps
 
 
@@ -61,9 +61,14 @@ def test_drop_last_and_length():
     assert len(PretrainingSampler(11, 0, 2, 0, 2, drop_last=False)) == 3
 
 
-@pytest.mark.parametrize("args, needle", [((10, 10, 2, 0, 1), "consumed_samples"),
-                                          ((10, 0, 0, 0, 1), "micro_batch_size"),
-                                          ((10, 0, 2, 2, 2), "data_parallel_rank")])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        ((10, 10, 2, 0, 1), "consumed_samples"),
+        ((10, 0, 0, 0, 1), "micro_batch_size"),
+        ((10, 0, 2, 2, 2), "data_parallel_rank"),
+    ],
+)
 def test_bad_sampler_arguments(args, needle):
     with pytest.raises(ValueError, match=needle):
         PretrainingSampler(*args)
@@ -80,8 +85,12 @@ class _FakeGPTDataset:
 
     def __getitem__(self, i):
         tokens = torch.full((self.s,), int(i))
-        return {"tokens": tokens, "labels": tokens + 1, "loss_mask": torch.ones(self.s),
-                "position_ids": torch.arange(self.s)}
+        return {
+            "tokens": tokens,
+            "labels": tokens + 1,
+            "loss_mask": torch.ones(self.s),
+            "position_ids": torch.arange(self.s),
+        }
 
 
 def test_iterator_batches_sample_ids_and_resume():
@@ -93,8 +102,7 @@ def test_iterator_batches_sample_ids_and_resume():
     assert first["attention_mask"] is None and first["loss_mask"].dtype == torch.float32
     assert first["sample_ids"].tolist() == [2, 3]
     assert all(torch.equal(b["tokens"][:, 0], b["sample_ids"]) for b in batches)
-    resumed = build_data_iterator(dataset, consumed_samples=3 * 4, micro_batch_size=2,
-                                  dp_rank=1, dp_size=2)
+    resumed = build_data_iterator(dataset, consumed_samples=3 * 4, micro_batch_size=2, dp_rank=1, dp_size=2)
     assert torch.equal(next(resumed)["tokens"], batches[3]["tokens"])
 
 
@@ -114,15 +122,19 @@ def test_iterator_with_dataloader_workers_matches_in_process():
     workers = build_data_iterator(dataset, 4, 2, 0, 2, num_workers=1)
     for _ in range(3):
         a, b = next(plain), next(workers)
-        assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["sample_ids"],
-                                                                      b["sample_ids"])
+        assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["sample_ids"], b["sample_ids"])
 
 
 def test_collate_keeps_attention_mask_and_dataset_id():
     s = 3
-    sample = {"tokens": torch.arange(s), "labels": torch.arange(s), "loss_mask": torch.ones(s),
-              "position_ids": torch.arange(s), "dataset_id": 1,
-              "attention_mask": torch.ones(1, s, s, dtype=torch.bool)}
+    sample = {
+        "tokens": torch.arange(s),
+        "labels": torch.arange(s),
+        "loss_mask": torch.ones(s),
+        "position_ids": torch.arange(s),
+        "dataset_id": 1,
+        "attention_mask": torch.ones(1, s, s, dtype=torch.bool),
+    }
     batch = collate([sample, sample], [5, 9])
     assert batch["attention_mask"].shape == (2, 1, s, s)
     assert batch["dataset_id"].tolist() == [1, 1] and batch["sample_ids"].tolist() == [5, 9]

@@ -1,4 +1,5 @@
 """Tokenizers: round trips, Megatron's NullTokenizer semantics, errors, train_tokenizer output."""
+
 import json
 
 import pytest
@@ -26,13 +27,15 @@ def test_null_tokenizer_follows_megatron_core():
     assert (tok.vocab_size, tok.eod) == (reference.vocab_size, reference.eod) == (101, 100)
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    (dict(tokenizer_type="GPT2BPETokenizer"), "GPT2BPETokenizer"),
-    (dict(tokenizer_type="NullTokenizer"), "--vocab-size"),
-    (dict(tokenizer_type="HuggingFaceTokenizer"), "--tokenizer-model"),
-    (dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="/nope/tokenizer.json"),
-     "/nope/tokenizer.json"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(tokenizer_type="GPT2BPETokenizer"), "GPT2BPETokenizer"),
+        (dict(tokenizer_type="NullTokenizer"), "--vocab-size"),
+        (dict(tokenizer_type="HuggingFaceTokenizer"), "--tokenizer-model"),
+        (dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="/nope/tokenizer.json"), "/nope/tokenizer.json"),
+    ],
+)
 def test_tokenizer_errors_are_one_clear_sentence(kwargs, needle):
     with pytest.raises(DataError, match=needle.replace("-", r"\-")):
         build_tokenizer(**kwargs)
@@ -60,8 +63,7 @@ def test_train_tokenizer_output_loads_as_hf_tokenizer(tmp_path):
     from tools import train_tokenizer
 
     out = str(tmp_path / "tok" / "tokenizer.json")
-    assert train_tokenizer.main(["--input", *_write_corpus(tmp_path), "--output", out,
-                                 "--vocab-size", "300"]) == out
+    assert train_tokenizer.main(["--input", *_write_corpus(tmp_path), "--output", out, "--vocab-size", "300"]) == out
     tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "tok"))
     assert tok.vocab_size <= 300 and tok.eod == tok._tok.token_to_id("<|endoftext|>")
     for text in (TEXT, "The quick brown fox 7 jumps"):

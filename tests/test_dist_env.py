@@ -1,4 +1,5 @@
 """Launcher detection (torchrun, Slurm, single) and Slurm host lists; init_distributed's checks."""
+
 import os
 import shutil
 import subprocess
@@ -8,16 +9,23 @@ import pytest
 from megatron_sp.training import dist_env
 from megatron_sp.training.dist_env import DistEnv, detect_env, expand_nodelist, first_host
 
-TORCHRUN = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "head",
-            "MASTER_PORT": "29400"}
-SLURM_STEP = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "8",
-              "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "123456",
-              "SLURM_JOB_NODELIST": "node[01-04],gpu7", "SLURM_STEP_NODELIST": "node[01-04],gpu7"}
+TORCHRUN = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "head", "MASTER_PORT": "29400"}
+SLURM_STEP = {
+    "SLURM_PROCID": "5",
+    "SLURM_NTASKS": "8",
+    "SLURM_STEP_NUM_TASKS": "8",
+    "SLURM_LOCALID": "1",
+    "SLURM_STEP_ID": "0",
+    "SLURM_JOB_ID": "123456",
+    "SLURM_JOB_NODELIST": "node[01-04],gpu7",
+    "SLURM_STEP_NODELIST": "node[01-04],gpu7",
+}
 
 
 def test_torchrun_environment():
-    assert detect_env(TORCHRUN) == DistEnv(rank=3, world_size=8, local_rank=1, master_addr="head",
-                                           master_port=29400, launcher="torchrun")
+    assert detect_env(TORCHRUN) == DistEnv(
+        rank=3, world_size=8, local_rank=1, master_addr="head", master_port=29400, launcher="torchrun"
+    )
 
 
 def test_torchrun_wins_over_slurm():
@@ -35,8 +43,9 @@ def test_incomplete_torchrun_environment_names_what_is_missing():
 
 def test_slurm_step_environment():
     env = detect_env(SLURM_STEP)
-    assert env == DistEnv(rank=5, world_size=8, local_rank=1, master_addr="node01",
-                          master_port=10000 + 123456 % 20000, launcher="slurm")
+    assert env == DistEnv(
+        rank=5, world_size=8, local_rank=1, master_addr="node01", master_port=10000 + 123456 % 20000, launcher="slurm"
+    )
 
 
 def test_slurm_master_is_first_node_of_the_step():
@@ -63,8 +72,7 @@ def test_slurm_without_job_id_needs_master_port():
 
 def test_batch_shell_of_multi_task_job_is_an_error():
     """The batch script has SLURM_PROCID=0 and the job's SLURM_NTASKS but no step: not a rank."""
-    batch = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "7",
-             "SLURM_JOB_NODELIST": "vm"}
+    batch = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "vm"}
     with pytest.raises(ValueError, match="srun"):
         detect_env(batch)
     assert detect_env({**batch, "SLURM_NTASKS": "1"}).launcher == "single"
@@ -80,17 +88,20 @@ def test_bad_integer_is_named():
         detect_env({**TORCHRUN, "WORLD_SIZE": "two"})
 
 
-@pytest.mark.parametrize("nodelist, hosts", [
-    ("vm", ["vm"]),
-    ("node[01-04],gpu7", ["node01", "node02", "node03", "node04", "gpu7"]),
-    ("node[1,3-5]", ["node1", "node3", "node4", "node5"]),
-    ("gpu-[9-11]", ["gpu-9", "gpu-10", "gpu-11"]),
-    ("n[008-010]", ["n008", "n009", "n010"]),
-    ("a,b[2-3],c", ["a", "b2", "b3", "c"]),
-    ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
-    ("dgx[7]-ib", ["dgx7-ib"]),
-    ("10.0.0.1", ["10.0.0.1"]),
-])
+@pytest.mark.parametrize(
+    "nodelist, hosts",
+    [
+        ("vm", ["vm"]),
+        ("node[01-04],gpu7", ["node01", "node02", "node03", "node04", "gpu7"]),
+        ("node[1,3-5]", ["node1", "node3", "node4", "node5"]),
+        ("gpu-[9-11]", ["gpu-9", "gpu-10", "gpu-11"]),
+        ("n[008-010]", ["n008", "n009", "n010"]),
+        ("a,b[2-3],c", ["a", "b2", "b3", "c"]),
+        ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+        ("dgx[7]-ib", ["dgx7-ib"]),
+        ("10.0.0.1", ["10.0.0.1"]),
+    ],
+)
 def test_expand_nodelist(nodelist, hosts):
     assert expand_nodelist(nodelist) == hosts
 
@@ -106,8 +117,12 @@ def test_expand_nodelist_rejects_malformed(bad):
 def test_expand_nodelist_agrees_with_scontrol(nodelist, tmp_path):
     conf = tmp_path / "slurm.conf"  # scontrol reads a configuration even to expand host lists
     conf.write_text("ClusterName=x\nSlurmctldHost=localhost\n")
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                         text=True, env=dict(os.environ, SLURM_CONF=str(conf)))
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, SLURM_CONF=str(conf)),
+    )
     if out.returncode != 0:
         pytest.skip(f"scontrol show hostnames fails here: {out.stderr.strip()}")
     assert expand_nodelist(nodelist) == out.stdout.split()
@@ -144,11 +159,14 @@ def test_init_distributed_single_process_has_no_process_group(clean_launch_env):
     assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ
 
 
-@pytest.mark.parametrize("backend, device, match", [
-    ("mpi", "cpu", "gloo or nccl"),
-    ("gloo", "tpu", "cpu or cuda"),
-    ("nccl", "cpu", "needs --device cuda"),
-])
+@pytest.mark.parametrize(
+    "backend, device, match",
+    [
+        ("mpi", "cpu", "gloo or nccl"),
+        ("gloo", "tpu", "cpu or cuda"),
+        ("nccl", "cpu", "needs --device cuda"),
+    ],
+)
 def test_init_distributed_rejects_bad_settings(clean_launch_env, backend, device, match):
     with pytest.raises(ValueError, match=match):
         dist_env.init_distributed(backend, device)
@@ -163,8 +181,13 @@ def test_init_distributed_cuda_without_gpu_is_clear(clean_launch_env, monkeypatc
 
 
 def test_warns_about_torchrun_restarts_with_shared_store(clean_launch_env, monkeypatch):
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                       "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+    for key, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "3",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }.items():
         monkeypatch.setenv(key, value)
     with pytest.warns(UserWarning, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
         dist_env.init_distributed("gloo", "cpu")

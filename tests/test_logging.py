@@ -1,16 +1,33 @@
 """What a run reports: Megatron-style lines, TensorBoard event files, the JSON-lines log, the PNG, and
 evaluation on the validation split."""
+
 import json
 
 from launch_helpers import TINY
+
 from megatron_sp.training import pretrain
 
 
 def test_logs_tensorboard_jsonl_and_loss_curve(tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     tb, log, png = tmp_path / "tb", tmp_path / "log.jsonl", tmp_path / "curve.png"
-    argv = TINY + ["--train-iters", "6", "--log-interval", "3", "--eval-interval", "3", "--eval-iters", "2",
-                   "--tensorboard-dir", str(tb), "--log-jsonl", str(log), "--loss-curve", str(png)]
+    argv = TINY + [
+        "--train-iters",
+        "6",
+        "--log-interval",
+        "3",
+        "--eval-interval",
+        "3",
+        "--eval-iters",
+        "2",
+        "--tensorboard-dir",
+        str(tb),
+        "--log-jsonl",
+        str(log),
+        "--loss-curve",
+        str(png),
+    ]
     assert pretrain.main(argv) == 0
     out = capsys.readouterr().out
     assert "iteration        3/       6" in out and "lm loss:" in out and "MFU:" in out

@@ -1,6 +1,7 @@
 """Model specs and the registry: families fill GPTConfig's defaults, untagged parameters are refused,
 documents packed with reset positions compute what each document computes alone (learned positions
 and RoPE), and the config refuses bad architecture fields naming them."""
+
 import pytest
 import torch
 from torch import nn
@@ -10,20 +11,31 @@ from megatron_sp.models import registry
 from megatron_sp.models.reference import ReferenceGPT
 from megatron_sp.models.spec import BlockSpec, ModelSpec
 
-BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=97, seq_length=32,
-            hidden_dropout=0.0, attention_dropout=0.0, use_fused_kernels=False)
+BASE = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    vocab_size=97,
+    seq_length=32,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    use_fused_kernels=False,
+)
 
 
 def test_families_set_defaults_and_flags_override():
     gpt2, llama = GPTConfig(**BASE), GPTConfig(**BASE, model="llama")
-    assert (gpt2.normalization, gpt2.activation, gpt2.position_embedding_type) == ("LayerNorm", "gelu",
-                                                                                   "learned_absolute")
+    assert (gpt2.normalization, gpt2.activation, gpt2.position_embedding_type) == (
+        "LayerNorm",
+        "gelu",
+        "learned_absolute",
+    )
     assert (llama.normalization, llama.activation, llama.position_embedding_type) == ("RMSNorm", "swiglu", "rope")
     assert llama.untie_embeddings_and_output_weights and not llama.add_bias_linear and not llama.add_qkv_bias
-    assert llama.ffn_hidden_size == 128 and llama.num_query_groups == 4           # Megatron's 8h/3 rule, MHA
+    assert llama.ffn_hidden_size == 128 and llama.num_query_groups == 4  # Megatron's 8h/3 rule, MHA
     tied = GPTConfig(**BASE, model="llama", untie_embeddings_and_output_weights=False, add_bias_linear=True)
     assert not tied.untie_embeddings_and_output_weights and tied.add_qkv_bias
-    for cfg in (gpt2, llama, tied):                                                # the formula counts the model
+    for cfg in (gpt2, llama, tied):  # the formula counts the model
         assert cfg.num_parameters() == sum(p.numel() for p in ReferenceGPT(cfg).parameters())
 
 
@@ -47,7 +59,7 @@ class _UntaggedMLP(nn.Module):
     def __init__(self, cfg, layer, b):
         super().__init__()
         self.fc1 = b.column(cfg.hidden_size, cfg.ffn_hidden_size, init="normal", bias=True)
-        self.scale = nn.Parameter(torch.ones(cfg.ffn_hidden_size))           # no init tag
+        self.scale = nn.Parameter(torch.ones(cfg.ffn_hidden_size))  # no init tag
         self.fc2 = b.row(cfg.ffn_hidden_size, cfg.hidden_size, init="scaled_normal", bias=True)
         self.output_bias = self.fc2.bias
 
@@ -74,32 +86,39 @@ def test_packed_documents_equal_documents_alone(family):
     with torch.no_grad():
         packed = model(tokens, position_ids=positions, attention_mask=mask)
         alone = model(tokens[:, split:])
-        shifted = model(tokens, attention_mask=mask)                        # mask without position reset
+        shifted = model(tokens, attention_mask=mask)  # mask without position reset
         scrambled = model(tokens, position_ids=positions.flip(-1), attention_mask=mask)
     torch.testing.assert_close(packed[:, split:], alone, rtol=1e-5, atol=1e-5)
-    assert (scrambled[:, split:] - alone).abs().max() > 1e-3                # positions reach the model
-    if family == "llama":   # RoPE is relative: a constant shift of the positions changes nothing
+    assert (scrambled[:, split:] - alone).abs().max() > 1e-3  # positions reach the model
+    if family == "llama":  # RoPE is relative: a constant shift of the positions changes nothing
         torch.testing.assert_close(shifted[:, split:], alone, rtol=1e-5, atol=1e-5)
-    else:                   # learned absolute positions: it does
+    else:  # learned absolute positions: it does
         assert (shifted[:, split:] - alone).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("override,field", [
-    (dict(model="llama", num_query_groups=3), "num_query_groups"),
-    (dict(model="llama", num_query_groups=3, num_attention_heads=6, tensor_model_parallel_size=2,
-          hidden_size=96), "num_query_groups"),
-    (dict(normalization="BatchNorm"), "normalization"),
-    (dict(activation="relu"), "activation"),
-    (dict(position_embedding_type="alibi"), "position_embedding_type"),
-    (dict(model="llama", rotary_percent=0.0), "rotary_percent"),
-    (dict(model="llama", kv_channels=15), "rotary_percent"),
-    (dict(rope_scaling=True), "rope_scaling"),
-    (dict(model="llama", rope_scaling=True, rope_scaling_low_freq_factor=4.0), "rope_scaling_low_freq_factor"),
-    (dict(model="llama", rope_scaling=True, rope_scaling_factor=0.0), "rope_scaling_factor"),
-    (dict(model="llama", rotary_seq_len_interpolation_factor=-2.0), "rotary_seq_len_interpolation_factor"),
-    (dict(hidden_size=66), "hidden_size"),
-    (dict(attention_backend="cudnn"), "attention_backend"),
-])
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        (dict(model="llama", num_query_groups=3), "num_query_groups"),
+        (
+            dict(
+                model="llama", num_query_groups=3, num_attention_heads=6, tensor_model_parallel_size=2, hidden_size=96
+            ),
+            "num_query_groups",
+        ),
+        (dict(normalization="BatchNorm"), "normalization"),
+        (dict(activation="relu"), "activation"),
+        (dict(position_embedding_type="alibi"), "position_embedding_type"),
+        (dict(model="llama", rotary_percent=0.0), "rotary_percent"),
+        (dict(model="llama", kv_channels=15), "rotary_percent"),
+        (dict(rope_scaling=True), "rope_scaling"),
+        (dict(model="llama", rope_scaling=True, rope_scaling_low_freq_factor=4.0), "rope_scaling_low_freq_factor"),
+        (dict(model="llama", rope_scaling=True, rope_scaling_factor=0.0), "rope_scaling_factor"),
+        (dict(model="llama", rotary_seq_len_interpolation_factor=-2.0), "rotary_seq_len_interpolation_factor"),
+        (dict(hidden_size=66), "hidden_size"),
+        (dict(attention_backend="cudnn"), "attention_backend"),
+    ],
+)
 def test_architecture_fields_are_checked(override, field):
     with pytest.raises(ValueError, match=f"GPTConfig.{field}"):
         GPTConfig(**{**BASE, **override})
@@ -108,7 +127,7 @@ def test_architecture_fields_are_checked(override, field):
 def test_gqa_shapes_and_kv_channels():
     cfg = GPTConfig(**{**BASE, "hidden_size": 48}, model="llama", num_query_groups=1, kv_channels=16)
     sd = ReferenceGPT(cfg).state_dict()
-    assert sd["layers.0.attn.qkv.weight"].shape == (16 * (4 + 2), 48)           # MQA, d independent of h/n
+    assert sd["layers.0.attn.qkv.weight"].shape == (16 * (4 + 2), 48)  # MQA, d independent of h/n
     assert sd["layers.0.attn.proj.weight"].shape == (48, 64)
     assert sd["layers.0.mlp.fc1.weight"].shape == (2 * cfg.ffn_hidden_size, 48)  # fused gate and up
 
@@ -116,8 +135,10 @@ def test_gqa_shapes_and_kv_channels():
 def _saved_bytes(cfg):
     import os
     import sys
+
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     from activation_memory import SavedTensorCounter
+
     model = ReferenceGPT(cfg).train()
     tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(0))
     with SavedTensorCounter(model) as counter:
@@ -131,18 +152,24 @@ def test_recompute_saves_fewer_activations():
     plain = _saved_bytes(GPTConfig(**{**BASE, **dropout}))
     selective = _saved_bytes(GPTConfig(**{**BASE, **dropout}, recompute_granularity="selective"))
     full = _saved_bytes(GPTConfig(**{**BASE, **dropout}, recompute_granularity="full"))
-    assert full < selective < plain             # selective drops the s×s softmax of the unfused core
-    assert plain - selective >= 2 * 4 * 4 * 32 * 32 * 2      # at least softmax + dropped probs, fp32, 2 layers
+    assert full < selective < plain  # selective drops the s×s softmax of the unfused core
+    assert plain - selective >= 2 * 4 * 4 * 32 * 32 * 2  # at least softmax + dropped probs, fp32, 2 layers
 
 
-@pytest.mark.parametrize("override,field", [
-    (dict(recompute_granularity="some"), "recompute_granularity"),
-    (dict(recompute_method="block"), "recompute_method"),
-    (dict(recompute_granularity="full", recompute_num_layers=3), "recompute_num_layers"),
-    (dict(context_parallel_size=2, seq_length=30), "seq_length"),
-    (dict(context_parallel_size=4, cp_comm_type="a2a", num_attention_heads=2, hidden_size=64), "num_attention_heads"),
-    (dict(context_parallel_size=2, cp_comm_type="ring"), "cp_comm_type"),
-])
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        (dict(recompute_granularity="some"), "recompute_granularity"),
+        (dict(recompute_method="block"), "recompute_method"),
+        (dict(recompute_granularity="full", recompute_num_layers=3), "recompute_num_layers"),
+        (dict(context_parallel_size=2, seq_length=30), "seq_length"),
+        (
+            dict(context_parallel_size=4, cp_comm_type="a2a", num_attention_heads=2, hidden_size=64),
+            "num_attention_heads",
+        ),
+        (dict(context_parallel_size=2, cp_comm_type="ring"), "cp_comm_type"),
+    ],
+)
 def test_recompute_and_context_parallel_fields_are_checked(override, field):
     with pytest.raises(ValueError, match=f"GPTConfig.{field}"):
         GPTConfig(**{**BASE, **override})

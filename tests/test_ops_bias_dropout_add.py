@@ -1,4 +1,5 @@
 """Fused bias_dropout_add (C++ CPU op) against the reference: masks bit-identical, fwd and bwd."""
+
 import os
 import subprocess
 import sys
@@ -13,15 +14,16 @@ from megatron_sp.tensor_parallel.random import dropout, hidden_keep_mask
 
 pytestmark = pytest.mark.skipif(not ops.extension_available(), reason="megatron_sp._C not built")
 
-SHAPES = [(1, 1, 1), (5, 3, 7), (16, 2, 64), (9, 4, 130)]   # [s, b, h], odd sizes included
-OFFSETS = [0, 3, 128]                                        # global index of local feature 0
+SHAPES = [(1, 1, 1), (5, 3, 7), (16, 2, 64), (9, 4, 130)]  # [s, b, h], odd sizes included
+OFFSETS = [0, 3, 128]  # global index of local feature 0
 
 
 def _fused_keep(shape, p, seed, layer, site, index, offset):
     """The fused op's mask: x = 1, no bias, residual = 0 gives exactly keep * scale."""
     ones, zeros = torch.ones(shape), torch.zeros(shape)
     out = torch.ops.megatron_sp.bias_dropout_add_fwd(
-        ones, None, zeros, index.token_positions, index.sample_ids, p, seed, layer, site, offset)
+        ones, None, zeros, index.token_positions, index.sample_ids, p, seed, layer, site, offset
+    )
     return out != 0
 
 
@@ -31,7 +33,7 @@ def _fused_keep(shape, p, seed, layer, site, index, offset):
 def test_mask_bit_identical_to_random_py(shape, offset, p):
     g = torch.Generator().manual_seed(hash((shape, offset, p)) % 2**31)
     index = random_index(shape[0], shape[1], generator=g)
-    seed, layer, site = -7 + 2**33, 5, 3                   # seed wraps mod 2^32 in both
+    seed, layer, site = -7 + 2**33, 5, 3  # seed wraps mod 2^32 in both
     expected = hidden_keep_mask(shape, p, seed, layer, site, index, offset)
     assert torch.equal(_fused_keep(shape, p, seed, layer, site, index, offset), expected)
 
@@ -68,11 +70,9 @@ def test_forward_backward_match_reference(dtype, bias_dtype, shape):
     leaves_f = _leaves(shape, dtype, bias_dtype)
     leaves_r = tuple(None if t is None else t.detach().clone().requires_grad_() for t in leaves_f)
     torch.manual_seed(1)
-    got = _grads(lambda: bias_dropout_add(leaves_f[0], leaves_f[1], leaves_f[2], *args, index, 6),
-                 *leaves_f)
+    got = _grads(lambda: bias_dropout_add(leaves_f[0], leaves_f[1], leaves_f[2], *args, index, 6), *leaves_f)
     torch.manual_seed(1)
-    want = _grads(lambda: bias_dropout_add_reference(leaves_r[0], leaves_r[1], leaves_r[2], *args,
-                                                     index, 6), *leaves_r)
+    want = _grads(lambda: bias_dropout_add_reference(leaves_r[0], leaves_r[1], leaves_r[2], *args, index, 6), *leaves_r)
     for i, (a, e) in enumerate(zip(got, want)):
         if e is None:
             assert a is None
@@ -129,16 +129,19 @@ def test_opcheck():
         x = torch.randn(s, b, h, dtype=dtype, requires_grad=True)
         res = torch.randn(s, b, h, dtype=dtype, requires_grad=True)
         bias = None if bias is None else bias.requires_grad_()
-        torch.library.opcheck(torch.ops.megatron_sp.bias_dropout_add_fwd,
-                              (x, bias, res, index.token_positions, index.sample_ids, 0.2, 3, 1, 2, 4))
+        torch.library.opcheck(
+            torch.ops.megatron_sp.bias_dropout_add_fwd,
+            (x, bias, res, index.token_positions, index.sample_ids, 0.2, 3, 1, 2, 4),
+        )
 
 
 def test_torch_compile_fullgraph():
     s, b, h = 4, 2, 16
     index = random_index(s, b)
     x, res, bias = torch.randn(s, b, h), torch.randn(s, b, h), torch.randn(h)
-    fn = torch.compile(lambda x, bias, res: bias_dropout_add(x, bias, res, 0.3, 9, 1, 3, index),
-                       backend="aot_eager", fullgraph=True)
+    fn = torch.compile(
+        lambda x, bias, res: bias_dropout_add(x, bias, res, 0.3, 9, 1, 3, index), backend="aot_eager", fullgraph=True
+    )
     assert torch.equal(fn(x, bias, res), bias_dropout_add_reference(x, bias, res, 0.3, 9, 1, 3, index))
 
 
@@ -146,11 +149,11 @@ def test_bad_arguments_raise_clear_errors():
     x = torch.randn(4, 2, 8)
     index = random_index(4, 2)
     with pytest.raises(RuntimeError, match="dropout probability"):
-        torch.ops.megatron_sp.bias_dropout_add_fwd(x, None, x, index.token_positions,
-                                                   index.sample_ids, 1.5, 0, 0, 0, 0)
+        torch.ops.megatron_sp.bias_dropout_add_fwd(x, None, x, index.token_positions, index.sample_ids, 1.5, 0, 0, 0, 0)
     with pytest.raises(RuntimeError, match="token_positions"):
-        torch.ops.megatron_sp.bias_dropout_add_fwd(x, None, x, index.token_positions[:3],
-                                                   index.sample_ids, 0.1, 0, 0, 0, 0)
+        torch.ops.megatron_sp.bias_dropout_add_fwd(
+            x, None, x, index.token_positions[:3], index.sample_ids, 0.1, 0, 0, 0, 0
+        )
 
 
 VARIANT_SCRIPT = r"""
@@ -173,6 +176,5 @@ print("OK")
 def test_every_cpu_simd_variant_is_bit_identical(capability):
     """The AVX-512 variant runs above where the CPU has it; the AVX2 and baseline ones here."""
     env = dict(os.environ, MEGATRON_SP_CPU_CAPABILITY=capability)
-    proc = subprocess.run([sys.executable, "-c", VARIANT_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", VARIANT_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr

@@ -1,4 +1,5 @@
 """The ops package without the compiled extension: import works, references run, one notice."""
+
 import subprocess
 import sys
 
@@ -22,8 +23,7 @@ print("OK")
 
 
 def test_import_and_ops_work_without_extension():
-    proc = subprocess.run([sys.executable, "-c", NO_EXTENSION], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-c", NO_EXTENSION], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "OK"
     notices = [line for line in proc.stderr.splitlines() if "megatron_sp._C is not available" in line]
@@ -34,5 +34,6 @@ def test_extension_builds_cpu_kernels():
     # scripts/env.sh builds the extension; when it is present its CPU kernels must be registered.
     if ops.extension_available():
         from megatron_sp.ops._extension import BUILT_DEVICES
+
         assert "cpu" in BUILT_DEVICES
         assert hasattr(torch.ops.megatron_sp, "bias_dropout_add_fwd")

@@ -3,33 +3,43 @@
 document segments, ring-style offset and disjoint key ranges (rows that see nothing), strided
 inputs, the key-block split of the backward, merge_partials, opcheck, torch.compile; and the
 reference against the explicit softmax of models/attention.py."""
+
 import pytest
 import torch
 
 from megatron_sp import ops
 from megatron_sp.models.attention import causal_attention
-from megatron_sp.ops.flash_attention import (AttentionDropout, FlashAttention, flash_attention_bwd,
-                                             flash_attention_bwd_reference, flash_attention_fwd,
-                                             flash_attention_fwd_reference, merge_partials)
+from megatron_sp.ops.flash_attention import (
+    AttentionDropout,
+    FlashAttention,
+    flash_attention_bwd,
+    flash_attention_bwd_reference,
+    flash_attention_fwd,
+    flash_attention_fwd_reference,
+    merge_partials,
+)
 from megatron_sp.ops.testing import FLOAT_DTYPES, assert_close_dtype
 from megatron_sp.tensor_parallel.random import DropoutIndex
 
 MSP = torch.ops.megatron_sp
-needs_op = pytest.mark.skipif(not (ops.extension_available() and hasattr(MSP, "flash_attention_fwd")),
-                              reason="megatron_sp._C without flash_attention")
+needs_op = pytest.mark.skipif(
+    not (ops.extension_available() and hasattr(MSP, "flash_attention_fwd")),
+    reason="megatron_sp._C without flash_attention",
+)
 
 
 def _qkv(b, nq, nkv, sq, sk, d, dtype, gen, strided=False):
     """q [b, nq, sq, d], k, v [b, nkv, sk, d]; strided: views of fused [s, b, heads * d] slabs, as
     the model's QKV projection gives them (no dimension of stride 1 but d)."""
     if not strided:
-        return tuple(torch.randn(shape, generator=gen).to(dtype)
-                     for shape in ((b, nq, sq, d), (b, nkv, sk, d), (b, nkv, sk, d)))
+        return tuple(
+            torch.randn(shape, generator=gen).to(dtype) for shape in ((b, nq, sq, d), (b, nkv, sk, d), (b, nkv, sk, d))
+        )
     slab_q = torch.randn(sq, b, (nq + 1) * d, generator=gen).to(dtype)
     slab_kv = torch.randn(sk, b, 2 * nkv * d + 3, generator=gen).to(dtype)
     q = slab_q[..., d:].view(sq, b, nq, d).permute(1, 2, 0, 3)
-    k = slab_kv[..., 3:3 + nkv * d].view(sk, b, nkv, d).permute(1, 2, 0, 3)
-    v = slab_kv[..., 3 + nkv * d:].view(sk, b, nkv, d).permute(1, 2, 0, 3)
+    k = slab_kv[..., 3 : 3 + nkv * d].view(sk, b, nkv, d).permute(1, 2, 0, 3)
+    v = slab_kv[..., 3 + nkv * d :].view(sk, b, nkv, d).permute(1, 2, 0, 3)
     return q, k, v
 
 
@@ -49,8 +59,7 @@ def _compare(q, k, v, q_pos, k_pos, q_seg, k_seg, samples, drop, gen):
     _close(out, ref_out, dtype, sums=False)
     dout = torch.randn(q.shape, generator=gen).to(dtype)
     got = flash_attention_bwd(dout, q, k, v, ref_out, ref_lse, q_pos, k_pos, q_seg, k_seg, samples, drop)
-    want = flash_attention_bwd_reference(dout, q, k, v, ref_out, ref_lse, q_pos, k_pos, q_seg, k_seg,
-                                         samples, drop)
+    want = flash_attention_bwd_reference(dout, q, k, v, ref_out, ref_lse, q_pos, k_pos, q_seg, k_seg, samples, drop)
     for name, a, e, like in zip(("dq", "dk", "dv"), got, want, (q, k, v)):
         assert a.dtype == like.dtype and a.shape == like.shape, name
         _close(a, e, dtype)
@@ -93,8 +102,7 @@ def test_dtypes_strided_segments_dropout(dtype):
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
     seg = _segments(b, s, gen)
     pos = torch.arange(s)
-    _compare(q, k, v, pos, pos, seg, seg, torch.tensor([3, 1 << 33]), AttentionDropout(0.2, 11, 1, 6),
-             gen)
+    _compare(q, k, v, pos, pos, seg, seg, torch.tensor([3, 1 << 33]), AttentionDropout(0.2, 11, 1, 6), gen)
 
 
 @needs_op
@@ -105,9 +113,8 @@ def test_ring_blocks_offset_and_disjoint_keys(k_start, sk):
     gen = torch.Generator().manual_seed(k_start)
     q, k, v = _qkv(1, 2, 1, 100, sk, 16, torch.float32, gen)
     q_pos, k_pos = torch.arange(96, 196), torch.arange(k_start, k_start + sk)
-    out, lse = _compare(q, k, v, q_pos, k_pos, None, None, torch.tensor([5]),
-                        AttentionDropout(0.1, 3, 2, 0), gen)
-    blind = k_pos.min() > q_pos                      # queries before every key
+    out, lse = _compare(q, k, v, q_pos, k_pos, None, None, torch.tensor([5]), AttentionDropout(0.1, 3, 2, 0), gen)
+    blind = k_pos.min() > q_pos  # queries before every key
     assert torch.isinf(lse[:, :, blind]).all() and (out[:, :, blind] == 0).all()
 
 
@@ -120,8 +127,7 @@ def test_zigzag_positions_and_unseen_segments():
     pos = torch.cat([torch.arange(0, 24), torch.arange(72, 96)])
     q_seg = torch.tensor([[0] * 10 + [1] * 38, [2] * 48])
     k_seg = torch.tensor([[1] * 48, [2] * 20 + [3] * 28])
-    out, lse = _compare(q, k, v, pos, pos, q_seg, k_seg, torch.tensor([1, 2]),
-                        AttentionDropout(0.25, 9, 4, 1), gen)
+    out, lse = _compare(q, k, v, pos, pos, q_seg, k_seg, torch.tensor([1, 2]), AttentionDropout(0.25, 9, 4, 1), gen)
     assert torch.isinf(lse[0, :, :10]).all() and (out[0, :, :10] == 0).all()
 
 
@@ -141,8 +147,10 @@ def test_merge_partials_of_two_key_halves_equals_the_whole():
     q, k, v = _qkv(2, 2, 2, 80, 80, 16, torch.float32, gen)
     pos, samples, drop = torch.arange(80), torch.tensor([4, 9]), AttentionDropout(0.2, 5, 1, 0)
     whole, whole_lse = flash_attention_fwd(q, k, v, pos, pos, None, None, samples, drop)
-    halves = [flash_attention_fwd(q, k[:, :, ks], v[:, :, ks], pos, pos[ks], None, None, samples, drop)
-              for ks in (slice(0, 50), slice(50, None))]
+    halves = [
+        flash_attention_fwd(q, k[:, :, ks], v[:, :, ks], pos, pos[ks], None, None, samples, drop)
+        for ks in (slice(0, 50), slice(50, None))
+    ]
     merged, merged_lse = merge_partials(*halves[0], *halves[1])
     torch.testing.assert_close(merged, whole, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(merged_lse, whole_lse, rtol=1e-5, atol=1e-6)
@@ -176,15 +184,17 @@ def test_opcheck():
         torch.library.opcheck(MSP.flash_attention_fwd, (q, k, v, pos, pos, *segs, samples, p, 3, 1, 2))
     out, lse = MSP.flash_attention_fwd(q, k, v, pos, pos, None, None, samples, 0.2, 3, 1, 2)
     dout = torch.randn(q.shape, generator=gen)
-    torch.library.opcheck(MSP.flash_attention_bwd, (dout, q.detach(), k.detach(), v.detach(), out.detach(),
-                                                    lse, pos, pos, None, None, samples, 0.2, 3, 1, 2))
+    torch.library.opcheck(
+        MSP.flash_attention_bwd,
+        (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, pos, pos, None, None, samples, 0.2, 3, 1, 2),
+    )
 
 
 @needs_op
 def test_compile_fullgraph():
     gen = torch.Generator().manual_seed(4)
     q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 2, 24, 24, 8, torch.float32, gen))
-    q_pos, k_pos = torch.arange(24), torch.arange(24)   # distinct tensors: Dynamo refuses aliases
+    q_pos, k_pos = torch.arange(24), torch.arange(24)  # distinct tensors: Dynamo refuses aliases
     samples, drop = torch.tensor([3]), AttentionDropout(0.2, 1, 0, 0)
     fn = lambda q, k, v: FlashAttention.apply(q, k, v, q_pos, k_pos, None, None, samples, drop, True)
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
@@ -215,12 +225,14 @@ def test_reference_matches_explicit_softmax(gqa):
     q, k, v = (t.requires_grad_() for t in _qkv(b, nq, 2 if gqa else nq, s, s, d, torch.float32, gen))
     seg = _segments(b, s, gen)
     index = DropoutIndex(torch.arange(s) + 5, torch.tensor([2, 1 << 34]))
-    mask = (seg[:, None, :, None] != seg[:, None, None, :])         # True = masked out
+    mask = seg[:, None, :, None] != seg[:, None, None, :]  # True = masked out
     drop = AttentionDropout(0.2, 8, 3, 4)
-    ref = FlashAttention.apply(q, k, v, index.token_positions, index.token_positions, seg, seg,
-                               index.sample_ids, drop, False)
-    explicit = causal_attention(q, k, v, attention_mask=mask, dropout_p=0.2, seed=8, layer=3, index=index,
-                                head_offset=4, explicit=True)
+    ref = FlashAttention.apply(
+        q, k, v, index.token_positions, index.token_positions, seg, seg, index.sample_ids, drop, False
+    )
+    explicit = causal_attention(
+        q, k, v, attention_mask=mask, dropout_p=0.2, seed=8, layer=3, index=index, head_offset=4, explicit=True
+    )
     torch.testing.assert_close(ref, explicit, rtol=1e-5, atol=1e-5)
     dout = torch.randn(ref.shape, generator=gen)
     for a, e in zip(torch.autograd.grad(ref, (q, k, v), dout), torch.autograd.grad(explicit, (q, k, v), dout)):

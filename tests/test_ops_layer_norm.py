@@ -1,4 +1,5 @@
 """Fused layer_norm (C++ CPU op) against the fp32 reference: output, dx, weight and bias grads."""
+
 import pytest
 import torch
 
@@ -39,8 +40,8 @@ def test_forward_backward_match_reference(shape, dtype, wdtype):
     for i, (a, e) in enumerate(zip(got, want)):
         assert a.dtype == e.dtype and a.shape == e.shape
         # weight/bias grads sum over rows; dx involves two row sums: widen atol accordingly.
-        scale = rows ** 0.5 * 4 if i >= 2 else (4.0 if i == 1 else 1.0)
-        assert_close_dtype(a, e, dtype, scale=scale)      # inputs' precision bounds every grad
+        scale = rows**0.5 * 4 if i >= 2 else (4.0 if i == 1 else 1.0)
+        assert_close_dtype(a, e, dtype, scale=scale)  # inputs' precision bounds every grad
 
 
 def test_statistics_are_fp32_and_match():
@@ -63,8 +64,7 @@ def test_opcheck():
 
 def test_torch_compile_fullgraph():
     x, w, b = torch.randn(3, 4, 32), torch.randn(32), torch.randn(32)
-    fn = torch.compile(lambda x, w, b: layer_norm(x, w, b, 1e-5), backend="aot_eager",
-                       fullgraph=True)
+    fn = torch.compile(lambda x, w, b: layer_norm(x, w, b, 1e-5), backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(fn(x, w, b), layer_norm_reference(x, w, b, 1e-5))
 
 

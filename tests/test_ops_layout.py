@@ -1,5 +1,6 @@
 """Layout kernels (C++ CPU ops) against their references, and the collectives they serve simulated
 on one process with p virtual ranks."""
+
 import pytest
 import torch
 
@@ -26,13 +27,13 @@ def all_to_all_single(sends):
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
 @pytest.mark.parametrize("fused", [True, False])
 def test_ulysses_round_trip_with_simulated_all_to_all(p, fused):
-    s, b, n, d = 6 * p, 2, 2 * p, 5                       # odd head dim
+    s, b, n, d = 6 * p, 2, 2 * p, 5  # odd head dim
     x_full = torch.randn(s, b, n, d)
-    x_seq = list(torch.chunk(x_full, p, dim=0))           # rank i: sequence shard i, all heads
+    x_seq = list(torch.chunk(x_full, p, dim=0))  # rank i: sequence shard i, all heads
     recv = all_to_all_single([layout.ulysses_pack(x, p, fused=fused) for x in x_seq])
     x_head = [layout.ulysses_recv_to_heads(r, p) for r in recv]
-    for j in range(p):                                    # rank j: full sequence, heads of rank j
-        assert torch.equal(x_head[j], x_full[:, :, j * n // p:(j + 1) * n // p])
+    for j in range(p):  # rank j: full sequence, heads of rank j
+        assert torch.equal(x_head[j], x_full[:, :, j * n // p : (j + 1) * n // p])
     back = all_to_all_single([layout.ulysses_heads_to_send(x, p) for x in x_head])
     for i in range(p):
         assert torch.equal(layout.ulysses_unpack(back[i], p, fused=fused), x_seq[i])
@@ -41,8 +42,8 @@ def test_ulysses_round_trip_with_simulated_all_to_all(p, fused):
 @pytest.mark.parametrize("t", [1, 2, 3])
 @pytest.mark.parametrize("shape", [(4, 7), (3, 2, 5), (2, 3, 2, 9)])
 def test_gather_to_last_dim_is_concat_of_rank_outputs(t, shape):
-    outs = [torch.randn(shape) for _ in range(t)]       # rank r's output [s, ..., l]
-    gathered = torch.cat(outs, dim=0)                    # dim-0 all-gather
+    outs = [torch.randn(shape) for _ in range(t)]  # rank r's output [s, ..., l]
+    gathered = torch.cat(outs, dim=0)  # dim-0 all-gather
     got = layout.gather_to_last_dim(gathered, t)
     assert torch.equal(got, torch.cat(outs, dim=-1))
     assert torch.equal(layout.last_dim_to_gather(got, t), gathered)
@@ -85,7 +86,7 @@ def test_zigzag_fused_matches_reference(dtype, inverse, shape, p, dim):
 
 
 def test_non_contiguous_input():
-    x = torch.randn(6, 4, 8, 3).transpose(0, 1)         # [4, 6, 8, 3], strided
+    x = torch.randn(6, 4, 8, 3).transpose(0, 1)  # [4, 6, 8, 3], strided
     assert torch.equal(layout.ulysses_pack(x, 2), layout.ulysses_pack_reference(x, 2))
 
 
@@ -100,8 +101,7 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.megatron_sp.ulysses_unpack, (torch.randn(2, 3, 1, 2, 5), 2))
     torch.library.opcheck(torch.ops.megatron_sp.gather_to_last_dim, (torch.randn(4, 3, 5), 2))
     torch.library.opcheck(torch.ops.megatron_sp.last_dim_to_gather, (torch.randn(4, 3, 6), 3))
-    torch.library.opcheck(torch.ops.megatron_sp.zigzag_reorder,
-                          (torch.randn(3, 8, 2, requires_grad=True), 2, 1, False))
+    torch.library.opcheck(torch.ops.megatron_sp.zigzag_reorder, (torch.randn(3, 8, 2, requires_grad=True), 2, 1, False))
 
 
 def test_user_errors_are_value_errors():
@@ -115,11 +115,12 @@ def test_user_errors_are_value_errors():
 
 def test_long_runs_and_streaming_outputs():
     """Runs of >= 16 KiB take the run copy (not ATen's strided copy); outputs >= 8 MiB stream."""
-    cases = [("gather_to_last_dim", torch.randn(4, 3, 4096), 2),           # 16 KiB runs
-             ("last_dim_to_gather", torch.randn(2, 3, 8192), 2),
-             ("gather_to_last_dim", torch.randn(8, 64, 4096), 2)]          # 8 MiB: streaming
+    cases = [
+        ("gather_to_last_dim", torch.randn(4, 3, 4096), 2),  # 16 KiB runs
+        ("last_dim_to_gather", torch.randn(2, 3, 8192), 2),
+        ("gather_to_last_dim", torch.randn(8, 64, 4096), 2),
+    ]  # 8 MiB: streaming
     for name, x, k in cases:
-        assert torch.equal(getattr(torch.ops.megatron_sp, name)(x, k),
-                           getattr(layout, name + "_reference")(x, k))
-    z = torch.randn(64, 8, 4096)                                           # 8 MiB zigzag
+        assert torch.equal(getattr(torch.ops.megatron_sp, name)(x, k), getattr(layout, name + "_reference")(x, k))
+    z = torch.randn(64, 8, 4096)  # 8 MiB zigzag
     assert torch.equal(layout.zigzag_reorder(z, 2), layout.zigzag_reorder_reference(z, 2))

@@ -1,5 +1,6 @@
 """Fused rms_norm (C++ CPU op) against the fp32 reference: output, dx and the weight grad; the
 reference against a float64 formula; opcheck, torch.compile and the path without the extension."""
+
 import os
 import subprocess
 import sys
@@ -11,8 +12,7 @@ from megatron_sp import ops
 from megatron_sp.ops.rms_norm import rms_norm, rms_norm_reference
 from megatron_sp.ops.testing import FLOAT_DTYPES, assert_close_dtype, randn
 
-needs_extension = pytest.mark.skipif(not ops.extension_available(),
-                                     reason="megatron_sp._C not built")
+needs_extension = pytest.mark.skipif(not ops.extension_available(), reason="megatron_sp._C not built")
 MSP = torch.ops.megatron_sp
 
 # Odd widths (scalar tails of every SIMD variant), h = 1, one row, and a wider row.
@@ -41,7 +41,7 @@ def _compare(x, w, grad, dtype):
     for i, (a, e) in enumerate(zip(got, want)):
         assert a.dtype == e.dtype and a.shape == e.shape
         # dw sums over rows; dx involves a row sum: widen atol accordingly.
-        scale = rows ** 0.5 * 4 if i == 2 else (4.0 if i == 1 else 1.0)
+        scale = rows**0.5 * 4 if i == 2 else (4.0 if i == 1 else 1.0)
         assert_close_dtype(a, e, dtype, scale=scale)
 
 
@@ -59,9 +59,9 @@ def test_forward_backward_match_reference(shape, dtype, wdtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_non_contiguous_inputs(dtype):
     base = (torch.randn(6, 4, 40) * 2).to(dtype)
-    x = base.transpose(0, 1)[..., 3:36].detach().requires_grad_()    # [4, 6, 33], strided
-    w = torch.randn(66).to(dtype)[::2].detach().requires_grad_()     # stride 2
-    grad = torch.randn(6, 4, 33).to(dtype).transpose(0, 1)           # not contiguous either
+    x = base.transpose(0, 1)[..., 3:36].detach().requires_grad_()  # [4, 6, 33], strided
+    w = torch.randn(66).to(dtype)[::2].detach().requires_grad_()  # stride 2
+    grad = torch.randn(6, 4, 33).to(dtype).transpose(0, 1)  # not contiguous either
     assert not (x.is_contiguous() or w.is_contiguous() or grad.is_contiguous())
     _compare(x, w, grad, dtype)
 
@@ -78,7 +78,7 @@ def test_reference_matches_float64_formula():
     x, w = torch.randn(5, 3, 48, dtype=torch.float64) * 3, torch.randn(48, dtype=torch.float64)
     for dtype in FLOAT_DTYPES:
         xd, wd = x.to(dtype), w.to(dtype)
-        x64, w64 = xd.double(), wd.double()    # the same (rounded) inputs, exact arithmetic
+        x64, w64 = xd.double(), wd.double()  # the same (rounded) inputs, exact arithmetic
         expected = x64 / torch.sqrt((x64 * x64).sum(-1, keepdim=True) / 48 + 1e-5) * w64
         got = rms_norm_reference(xd, wd, 1e-5)
         assert got.dtype == dtype
@@ -105,8 +105,11 @@ def test_opcheck():
         w = torch.randn(24, dtype=wdtype, requires_grad=True)
         torch.library.opcheck(MSP.rms_norm_fwd, (x, w, 1e-6))
         _, rstd = MSP.rms_norm_fwd(x, w, 1e-6)
-        torch.library.opcheck(MSP.rms_norm_bwd, (torch.randn_like(x), x.detach(), w.detach(), rstd),
-                              test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(
+            MSP.rms_norm_bwd,
+            (torch.randn_like(x), x.detach(), w.detach(), rstd),
+            test_utils=("test_schema", "test_faketensor"),
+        )
 
 
 @needs_extension
@@ -133,8 +136,7 @@ def test_bad_arguments_raise():
     with pytest.raises(RuntimeError, match="rms_norm weight must have shape"):
         MSP.rms_norm_fwd(torch.randn(2, 8), torch.ones(7), 1e-6)
     with pytest.raises(RuntimeError, match="fp32 or the activation dtype"):
-        MSP.rms_norm_fwd(torch.randn(2, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.half),
-                         1e-6)
+        MSP.rms_norm_fwd(torch.randn(2, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.half), 1e-6)
     with pytest.raises(RuntimeError, match="rstd must be fp32 with one value per row"):
         MSP.rms_norm_bwd(torch.randn(2, 8), torch.randn(2, 8), torch.ones(8), torch.ones(3))
 
@@ -150,8 +152,7 @@ print("OK")
 
 
 def test_runs_the_reference_without_extension():
-    proc = subprocess.run([sys.executable, "-c", NO_EXTENSION], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-c", NO_EXTENSION], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr
 
 
@@ -177,6 +178,5 @@ _NARROWER = ["default"] + (["avx2"] if torch.backends.cpu.get_cpu_capability() =
 @pytest.mark.parametrize("capability", _NARROWER)
 def test_every_cpu_simd_variant(capability):
     env = dict(os.environ, MEGATRON_SP_CPU_CAPABILITY=capability)
-    proc = subprocess.run([sys.executable, "-c", VARIANT_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", VARIANT_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr

@@ -6,13 +6,13 @@ Families: GPT-2 (LayerNorm, GELU, learned positions, tied) and Llama with groupe
 (RMSNorm, SwiGLU, RoPE, untied, no biases; 4 query heads, 2 key/value heads: split over 2 ranks, held
 in copies by pairs of ranks at TP=4), both built from their spec; the same harness checks any spec
 (tests/test_model_spec.py uses it for a user-defined block)."""
+
 import pytest
 import torch
-
 from dist_pool import WorkerPool
 
-VOCAB, SEQ, BATCH, STEPS = 97, 32, 2, 3          # 97: not divisible by any TP size
-FUSED = False                                     # the reference ops (test_fused_parity covers megatron_sp._C)
+VOCAB, SEQ, BATCH, STEPS = 97, 32, 2, 3  # 97: not divisible by any TP size
+FUSED = False  # the reference ops (test_fused_parity covers megatron_sp._C)
 
 
 @pytest.fixture(scope="module")
@@ -22,18 +22,38 @@ def pool():
     p.close()
 
 
-FAMILIES = {"gpt2": {}, "llama": {"model": "llama", "num_query_groups": 2},
-            # Llama 3.1's RoPE scaling, original context < SEQ: every frequency band in use
-            "llama-rope-scaled": {"model": "llama", "num_query_groups": 2, "rope_scaling": True,
-                                  "rope_scaling_original_max_position_embeddings": 16}}
+FAMILIES = {
+    "gpt2": {},
+    "llama": {"model": "llama", "num_query_groups": 2},
+    # Llama 3.1's RoPE scaling, original context < SEQ: every frequency band in use
+    "llama-rope-scaled": {
+        "model": "llama",
+        "num_query_groups": 2,
+        "rope_scaling": True,
+        "rope_scaling_original_max_position_embeddings": 16,
+    },
+}
 
 
 def _config(tp=1, sp=False, dropout=0.0, fused=FUSED, family="gpt2", cp=1, comm="p2p", extra=None):
     from megatron_sp.config import GPTConfig
-    return GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=VOCAB, seq_length=SEQ,
-                     tensor_model_parallel_size=tp, sequence_parallel=sp, hidden_dropout=dropout,
-                     attention_dropout=dropout, use_fused_kernels=fused, context_parallel_size=cp,
-                     cp_comm_type=comm, **FAMILIES.get(family, family_fields(family)), **(extra or {}))
+
+    return GPTConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        vocab_size=VOCAB,
+        seq_length=SEQ,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=sp,
+        hidden_dropout=dropout,
+        attention_dropout=dropout,
+        use_fused_kernels=fused,
+        context_parallel_size=cp,
+        cp_comm_type=comm,
+        **FAMILIES.get(family, family_fields(family)),
+        **(extra or {}),
+    )
 
 
 def family_fields(family):
@@ -45,7 +65,7 @@ def _batch(step):
     g = torch.Generator().manual_seed(100 + step)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    return tokens, labels, torch.arange(BATCH) + step * BATCH   # sample ids change every step
+    return tokens, labels, torch.arange(BATCH) + step * BATCH  # sample ids change every step
 
 
 def _train(model, step_fn, grad_fn):
@@ -68,6 +88,7 @@ def _train(model, step_fn, grad_fn):
 def _copies(model, ps):
     """Local pieces of segments held in copies (GQA key/value heads), by (name, segment, part)."""
     from megatron_sp.tensor_parallel.sharding import split_local
+
     out = {}
     for name, p in model.named_parameters():
         if p.shard_spec.segments:
@@ -82,23 +103,34 @@ def _parity_worker(tp, sp, dropout, fused=FUSED, family="gpt2", cp=1, comm="p2p"
     from megatron_sp.models.gpt import GPTModel
     from megatron_sp.training.grad_sync import reduce_tensor_parallel_grads
     from megatron_sp.training.optimizer import global_grad_norm
+
     ps = parallel_state.initialize_model_parallel(tp, cp)
     model = GPTModel(_config(tp, sp, dropout, fused, family, cp, comm, extra))
     init = model.full_state_dict()
 
     def grads_and_norm():
         return model.full_grad_dict(), global_grad_norm(list(model.parameters()), ps).item()
+
     losses, (grads0, norm0) = _train(model, lambda: reduce_tensor_parallel_grads(model, ps), grads_and_norm)
     replicated = {n: p.detach().clone() for n, p in model.named_parameters() if p.shard_spec.dim is None}
     final = model.full_state_dict()
-    if ps.dp_rank != 0 or ps.cp_rank != 0:                     # DP replicas, CP ranks: same weights
+    if ps.dp_rank != 0 or ps.cp_rank != 0:  # DP replicas, CP ranks: same weights
         return None
-    return {"tp_rank": ps.tp_rank, "init": init, "losses": losses, "grads0": grads0, "norm0": norm0,
-            "final": final, "replicated": replicated, "copies": _copies(model, ps)}
+    return {
+        "tp_rank": ps.tp_rank,
+        "init": init,
+        "losses": losses,
+        "grads0": grads0,
+        "norm0": norm0,
+        "final": final,
+        "replicated": replicated,
+        "copies": _copies(model, ps),
+    }
 
 
 def _reference(dropout, family="gpt2"):
     from megatron_sp.models.reference import ReferenceGPT
+
     model = ReferenceGPT(_config(dropout=dropout, family=family))
     init = {k: v.clone() for k, v in model.state_dict().items()}
     grads = lambda: {n: p.grad.clone() for n, p in model.named_parameters()}  # noqa: E731
@@ -118,6 +150,7 @@ def _without_key_bias(name, value):
 
 def test_key_bias_gets_no_gradient():
     from megatron_sp.models.reference import ReferenceGPT
+
     model = ReferenceGPT(_config()).double()
     tokens, labels, ids = _batch(0)
     model(tokens, labels, sample_ids=ids).backward()
@@ -144,13 +177,21 @@ def test_llama_gqa_parity_with_reference(pool, tp, sp, dropout):
     check_parity(pool, tp, sp, dropout, fused=False, family="llama")
 
 
-@pytest.mark.parametrize("family,tp,sp,cp,comm", [("gpt2", 1, False, 1, "p2p"), ("gpt2", 4, True, 1, "p2p"),
-                                                  ("llama", 4, True, 1, "p2p"), ("llama", 1, False, 4, "p2p"),
-                                                  ("gpt2", 2, True, 2, "a2a")])
+@pytest.mark.parametrize(
+    "family,tp,sp,cp,comm",
+    [
+        ("gpt2", 1, False, 1, "p2p"),
+        ("gpt2", 4, True, 1, "p2p"),
+        ("llama", 4, True, 1, "p2p"),
+        ("llama", 1, False, 4, "p2p"),
+        ("gpt2", 2, True, 2, "a2a"),
+    ],
+)
 def test_parity_with_fused_kernels(pool, family, tp, sp, cp, comm):
     """The same contract with megatron_sp._C's bias-dropout-add, LayerNorm, RMSNorm, blockwise
     attention (ring partial blocks included) and Ulysses pack/unpack in the model."""
     from megatron_sp.ops import extension_available
+
     if not extension_available():
         pytest.skip("megatron_sp._C is not built")
     check_parity(pool, tp, sp, 0.1, fused=True, family=family, cp=cp, comm=comm)
@@ -159,28 +200,27 @@ def test_parity_with_fused_kernels(pool, family, tp, sp, cp, comm):
 def check_parity(pool, tp, sp, dropout, fused, family="gpt2", cp=1, comm="p2p", extra=None):
     """The parallel model (extra: more GPTConfig fields, e.g. recomputation) against the plain reference."""
     init, ref_losses, ref_grads, ref_final = _reference(dropout, family)
-    results = [r for r in pool.run(_parity_worker, tp, sp, dropout, fused, family, cp, comm, extra)
-               if r is not None]
+    results = [r for r in pool.run(_parity_worker, tp, sp, dropout, fused, family, cp, comm, extra) if r is not None]
     assert len(results) == tp
     for res in results:
         assert res["init"].keys() == init.keys()
-        for k in init:                                         # init on the full tensor, then sliced
+        for k in init:  # init on the full tensor, then sliced
             assert torch.equal(res["init"][k], init[k]), k
         for got, want in zip(res["losses"], ref_losses):
             assert abs(got - want) <= 1e-5 * abs(want), (res["losses"], ref_losses)
         ref_norm = torch.stack([g.norm() for g in ref_grads.values()]).norm().item()
-        assert abs(res["norm0"] - ref_norm) <= 1e-5 * ref_norm     # each parameter counted once
+        assert abs(res["norm0"] - ref_norm) <= 1e-5 * ref_norm  # each parameter counted once
         assert res["grads0"].keys() == ref_grads.keys()
         for k in ref_grads:
             assert _rel(res["grads0"][k], ref_grads[k]) < 1e-5, (k, _rel(res["grads0"][k], ref_grads[k]))
         for k in ref_final:
             got, want = _without_key_bias(k, res["final"][k]), _without_key_bias(k, ref_final[k])
             assert _rel(got, want) < 1e-5, (k, _rel(got, want))
-    for k, value in results[0]["replicated"].items():          # bit-identical across the TP group
+    for k, value in results[0]["replicated"].items():  # bit-identical across the TP group
         for res in results[1:]:
             assert torch.equal(res["replicated"][k], value), k
     copies = {}
-    for res in results:                                        # copies of a key/value head: identical
+    for res in results:  # copies of a key/value head: identical
         for key, value in res["copies"].items():
             assert torch.equal(copies.setdefault(key, value), value), key
     if family == "llama" and tp == 4:
@@ -190,6 +230,7 @@ def check_parity(pool, tp, sp, dropout, fused, family="gpt2", cp=1, comm="p2p", 
 def test_dropout_is_active_and_changes_loss():
     """Guards the test above against a dropout that silently does nothing."""
     from megatron_sp.models.reference import ReferenceGPT
+
     tokens, labels, ids = _batch(0)
     plain = ReferenceGPT(_config(dropout=0.0))(tokens, labels, sample_ids=ids)
     dropped = ReferenceGPT(_config(dropout=0.1))(tokens, labels, sample_ids=ids)
@@ -217,6 +258,7 @@ def _documents():
 def _document_worker(tp, sp, family, cp=1, comm="p2p"):
     from megatron_sp import parallel_state
     from megatron_sp.models.gpt import GPTModel
+
     parallel_state.initialize_model_parallel(tp, cp)
     model = GPTModel(_config(tp, sp, 0.1, False, family, cp, comm))
     tokens, labels, ids, positions, mask = _documents()
@@ -225,18 +267,20 @@ def _document_worker(tp, sp, family, cp=1, comm="p2p"):
     return loss.item(), model.full_grad_dict()
 
 
-@pytest.mark.parametrize("family,tp,cp,comm", [("gpt2", 4, 1, "p2p"), ("llama", 4, 1, "p2p"),
-                                               ("llama", 1, 4, "p2p"), ("gpt2", 2, 2, "a2a")])
+@pytest.mark.parametrize(
+    "family,tp,cp,comm", [("gpt2", 4, 1, "p2p"), ("llama", 4, 1, "p2p"), ("llama", 1, 4, "p2p"), ("gpt2", 2, 2, "a2a")]
+)
 def test_document_positions_and_masks_parity(pool, family, tp, cp, comm):
     """Reset position ids (learned positions and RoPE) and document masks at TP=4+SP, and under
     context parallelism (the mask becomes document ids; ring and Ulysses), dropout on."""
     from megatron_sp.models.reference import ReferenceGPT
+
     ref = ReferenceGPT(_config(dropout=0.1, family=family))
     tokens, labels, ids, positions, mask = _documents()
     loss = ref(tokens, labels, sample_ids=ids, position_ids=positions, attention_mask=mask)
     loss.backward()
     plain = ref(tokens, labels, sample_ids=ids).item()
-    assert abs(loss.item() - plain) > 1e-4                     # positions and masks do change the function
+    assert abs(loss.item() - plain) > 1e-4  # positions and masks do change the function
     for got_loss, grads in pool.run(_document_worker, tp, tp > 1, family, cp, comm):
         assert abs(got_loss - loss.item()) <= 1e-5 * loss.item()
         for name, p in ref.named_parameters():
@@ -253,8 +297,9 @@ def test_context_parallel_parity(pool, tp, cp, comm):
     check_parity(pool, tp, tp > 1, 0.1, fused=False, cp=cp, comm=comm)
 
 
-@pytest.mark.parametrize("family,tp,cp,comm", [("llama", 1, 4, "a2a"), ("llama", 2, 2, "p2p"),
-                                               ("llama-rope-scaled", 1, 2, "p2p")])
+@pytest.mark.parametrize(
+    "family,tp,cp,comm", [("llama", 1, 4, "a2a"), ("llama", 2, 2, "p2p"), ("llama-rope-scaled", 1, 2, "p2p")]
+)
 def test_context_parallel_parity_llama_gqa(pool, family, tp, cp, comm):
     """GQA under CP: 2 key/value heads repeated for Ulysses' 4-way split; ring passes the 2 heads;
     scaled RoPE on the zigzag chunks' global positions."""
@@ -264,6 +309,7 @@ def test_context_parallel_parity_llama_gqa(pool, family, tp, cp, comm):
 def _non_document_mask_worker():
     from megatron_sp import parallel_state
     from megatron_sp.models.gpt import GPTModel
+
     parallel_state.initialize_model_parallel(1, 2)
     model = GPTModel(_config(cp=2))
     tokens, labels, ids = _batch(0)
@@ -279,13 +325,16 @@ def test_context_parallel_refuses_non_document_masks(pool):
         assert "document mask" in message
 
 
-RECOMPUTE = {"full-uniform": dict(recompute_granularity="full"),
-             "full-block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
-             "selective": dict(recompute_granularity="selective")}
+RECOMPUTE = {
+    "full-uniform": dict(recompute_granularity="full"),
+    "full-block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+    "selective": dict(recompute_granularity="selective"),
+}
 
 
-@pytest.mark.parametrize("mode,tp,cp", [("full-uniform", 2, 1), ("full-block", 1, 2), ("selective", 2, 1),
-                                        ("selective", 1, 2)])
+@pytest.mark.parametrize(
+    "mode,tp,cp", [("full-uniform", 2, 1), ("full-block", 1, 2), ("selective", 2, 1), ("selective", 1, 2)]
+)
 def test_recompute_parity(pool, mode, tp, cp):
     """Activation recomputation (Megatron's full uniform/block and selective) changes nothing: the
     rerun draws the same dropout bits and reruns the SP/CP collectives in step on every rank."""
@@ -295,6 +344,7 @@ def test_recompute_parity(pool, mode, tp, cp):
 def _cp_logits_worker(cp, comm):
     from megatron_sp import parallel_state
     from megatron_sp.models.gpt import GPTModel
+
     parallel_state.initialize_model_parallel(1, cp)
     model = GPTModel(_config(cp=cp, comm=comm, fused=True)).eval()
     tokens, _, ids = _batch(0)
@@ -307,6 +357,7 @@ def test_context_parallel_logits_in_natural_order(pool, comm):
     """labels=None under CP: every rank returns the whole [b, s, V] logits in sequence order (the
     zigzag chunks undone by the fused zigzag_reorder)."""
     from megatron_sp.models.reference import ReferenceGPT
+
     with torch.no_grad():
         want = ReferenceGPT(_config(fused=True)).eval()(_batch(0)[0])
     for got in pool.run(_cp_logits_worker, 4, comm):
@@ -325,14 +376,24 @@ def _distributed_optimizer_worker(tp, cp, overlap, embedding_heavy=False):
     from megatron_sp.models.gpt import GPTModel
     from megatron_sp.training.grad_sync import OverlappedGradSync, finalize_model_grads
     from megatron_sp.training.optimizer import build_optimizer, clip_grads, local_optimizer
+
     ps = parallel_state.initialize_model_parallel(tp, cp)
     hyper = dict(weight_decay=0.1, lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
     models, opts, syncs = [], [], []
     cfg = _config(tp, tp > 1, cp=cp, family="gpt2" if embedding_heavy else "llama")
-    if embedding_heavy:                      # 90% of the parameters in the tied embedding: a replica owns none
+    if embedding_heavy:  # 90% of the parameters in the tied embedding: a replica owns none
         from dataclasses import replace
-        cfg = replace(cfg, vocab_size=4000, hidden_size=16, num_attention_heads=2, num_query_groups=2,
-                      kv_channels=None, ffn_hidden_size=32, num_layers=1)
+
+        cfg = replace(
+            cfg,
+            vocab_size=4000,
+            hidden_size=16,
+            num_attention_heads=2,
+            num_query_groups=2,
+            kv_channels=None,
+            ffn_hidden_size=32,
+            num_layers=1,
+        )
     for distributed in (False, True):
         model = GPTModel(cfg)
         opt = build_optimizer(model, SimpleNamespace(**hyper, use_distributed_optimizer=distributed), "cpu", ps)
@@ -342,7 +403,7 @@ def _distributed_optimizer_worker(tp, cp, overlap, embedding_heavy=False):
     replicas = ps.dp_size * ps.cp_size
     out = {"same": [], "norms": [], "replicas": replicas}
     for step in range(3):
-        tokens, labels, ids = _batch(step + 10 * (ps.dp_rank + 1))        # each DP rank its own batch
+        tokens, labels, ids = _batch(step + 10 * (ps.dp_rank + 1))  # each DP rank its own batch
         norms = []
         for model, opt, sync in zip(models, opts, syncs):
             opt.zero_grad(set_to_none=True)
@@ -356,16 +417,28 @@ def _distributed_optimizer_worker(tp, cp, overlap, embedding_heavy=False):
                 out["grads_held"] = sum(p.grad.numel() for p in params)
             opt.step()
         out["norms"].append(norms)
-        out["same"].append(max(_rel(_without_key_bias(n, b), _without_key_bias(n, a))
-                               for (n, a), (_, b) in zip(*(m.named_parameters() for m in models))))
-    state_bytes = lambda opt: sum(t.numel() * t.element_size() for st in local_optimizer(opt).state.values()  # noqa: E731
-                                  for k, t in st.items() if k != "step")
+        out["same"].append(
+            max(
+                _rel(_without_key_bias(n, b), _without_key_bias(n, a))
+                for (n, a), (_, b) in zip(*(m.named_parameters() for m in models))
+            )
+        )
+    state_bytes = lambda opt: sum(
+        t.numel() * t.element_size()
+        for st in local_optimizer(opt).state.values()  # noqa: E731
+        for k, t in st.items()
+        if k != "step"
+    )
     total = torch.tensor([float(state_bytes(opts[1]))])
     dist.all_reduce(total, group=opts[1].partition.group)
-    out.update(plain=state_bytes(opts[0]), mine=state_bytes(opts[1]), sum=int(total.item()),
-               owns_nothing=not local_optimizer(opts[1]).param_groups,
-               params=sum(p.numel() for p in models[0].parameters()),
-               largest_pair=2 * max(p.numel() * p.element_size() for p in models[0].parameters()))
+    out.update(
+        plain=state_bytes(opts[0]),
+        mine=state_bytes(opts[1]),
+        sum=int(total.item()),
+        owns_nothing=not local_optimizer(opts[1]).param_groups,
+        params=sum(p.numel() for p in models[0].parameters()),
+        largest_pair=2 * max(p.numel() * p.element_size() for p in models[0].parameters()),
+    )
     return out
 
 
@@ -379,7 +452,7 @@ def test_distributed_optimizer_trains_like_the_replicated_one(pool, tp, cp, over
     for r in pool.run(_distributed_optimizer_worker, tp, cp, overlap):
         for plain, sharded in r["norms"]:
             assert abs(plain - sharded) <= 1e-6 * plain, r["norms"]
-        assert max(r["same"]) < 1e-5, r["same"]            # the sums' order differs, nothing else
+        assert max(r["same"]) < 1e-5, r["same"]  # the sums' order differs, nothing else
         assert r["sum"] == r["plain"]
         assert r["mine"] <= r["plain"] / r["replicas"] + r["largest_pair"], r
         assert r["mine"] < r["plain"] and r["grads_held"] < r["params"]

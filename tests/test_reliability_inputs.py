@@ -2,6 +2,7 @@
 damaged or malicious checkpoint files are refused without running anything from them, a --save that
 is read-only, too small or fills up mid-run is reported (2 at start-up, 1 while running), fp16 loss
 scale underflow is caught, MFU needs a known peak, preprocess_data rejects non-text fields."""
+
 import json
 import math
 import os
@@ -12,13 +13,34 @@ import sys
 
 import pytest
 import torch
-
 from launch_helpers import REPO
+
 from megatron_sp.training import checkpointing, pretrain
 
-TINY = ["--device", "cpu", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--micro-batch-size", "2", "--log-interval", "1", "--eval-interval", "1000",
-        "--eval-iters", "1", "--lr-warmup-iters", "1", "--no-progress-bar", "--mock-data"]
+TINY = [
+    "--device",
+    "cpu",
+    "--num-layers",
+    "1",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--log-interval",
+    "1",
+    "--eval-interval",
+    "1000",
+    "--eval-iters",
+    "1",
+    "--lr-warmup-iters",
+    "1",
+    "--no-progress-bar",
+    "--mock-data",
+]
 
 
 def run(capsys, argv):
@@ -62,6 +84,7 @@ def test_bad_flag_is_one_sentence(case, capsys):
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     from megatron_sp.data import write_documents
+
     prefix = str(tmp_path_factory.mktemp("data") / "d")
     write_documents(prefix, [list(range(i, i + 40)) for i in range(10)], vocab_size=257)
     return prefix
@@ -69,8 +92,10 @@ def dataset(tmp_path_factory):
 
 def _no_model(monkeypatch):
     """Fail loudly if a check came too late: building the model means the input was not checked first."""
+
     def refuse(*a, **k):
         raise AssertionError("the model was built before the input was checked")
+
     monkeypatch.setattr(pretrain.Trainer, "__init__", refuse)
 
 
@@ -96,10 +121,20 @@ def test_bad_data_input_before_model_build(case, dataset, capsys, monkeypatch):
 def test_index_cache_pickle_is_refused_not_run(dataset, tmp_path):
     """megatron-core loads its index cache with allow_pickle=True; a pickle planted there must not run."""
     from megatron_sp.data import DataError, build_gpt_datasets, build_tokenizer
+
     tok, cache = build_tokenizer("ByteLevelTokenizer"), tmp_path / "cache"
-    build = dict(data_path=[dataset], split="1,0,0", seq_length=16, seed=1, tokenizer=tok, train_samples=8,
-                 valid_samples=0, test_samples=0, cache_dir=str(cache))
-    build_gpt_datasets(**build)                                       # fills the cache
+    build = dict(
+        data_path=[dataset],
+        split="1,0,0",
+        seq_length=16,
+        seed=1,
+        tokenizer=tok,
+        train_samples=8,
+        valid_samples=0,
+        test_samples=0,
+        cache_dir=str(cache),
+    )
+    build_gpt_datasets(**build)  # fills the cache
     planted = sorted(cache.rglob("*document_index.npy"))[0]
     marker = tmp_path / "pwned"
     planted.write_bytes(pickle.dumps(_Payload(str(marker))))
@@ -124,8 +159,12 @@ def saved(tmp_path_factory):
     """A real checkpoint directory (iterations 2 and 4) and the JSON log of the run that wrote it."""
     root = tmp_path_factory.mktemp("saved")
     log = root / "log.jsonl"
-    assert pretrain.main(TINY + ["--train-iters", "4", "--save-interval", "2", "--save", str(root / "ckpt"),
-                                 "--log-jsonl", str(log)]) == 0
+    assert (
+        pretrain.main(
+            TINY + ["--train-iters", "4", "--save-interval", "2", "--save", str(root / "ckpt"), "--log-jsonl", str(log)]
+        )
+        == 0
+    )
     return root
 
 
@@ -139,7 +178,7 @@ def _rewrite_record(ckpt, name):
 
 def _truncate(path, keep=0.5):
     data = path.read_bytes()
-    path.write_bytes(data[:int(len(data) * keep)])
+    path.write_bytes(data[: int(len(data) * keep)])
 
 
 def _flip(path):
@@ -171,27 +210,58 @@ CHECKPOINT_CASES = {
     "load is a file": (lambda c, m: None, ["--load", "{ckpt}/latest_checkpointed_iteration.txt"], "is a file", 2),
     "load is one iteration": (lambda c, m: None, ["--load", "{ckpt}/" + I4], "is one checkpoint", 2),
     "load does not exist": (lambda c, m: shutil.rmtree(c), ["--load", "{ckpt}"], "does not exist", 2),
-    "load has no marker": (lambda c, m: os.remove(c / "latest_checkpointed_iteration.txt"), ["--load", "{ckpt}"],
-                           "write the iteration of iter_0000004", 2),
-    "marker not utf-8": (lambda c, m: (c / "latest_checkpointed_iteration.txt").write_bytes(b"\xff\xfe4"),
-                         ["--load", "{ckpt}"], "does not hold an iteration number", 2),
-    "marker names a missing iteration": (lambda c, m: (c / "latest_checkpointed_iteration.txt").write_text("6"),
-                                         ["--load", "{ckpt}"], "missing or incomplete", 2),
-    "metadata.json truncated": (lambda c, m: _truncate(c / I4 / "metadata.json"), ["--load", "{ckpt}"],
-                                "not valid JSON", 2),
-    "metadata.json not ours": (lambda c, m: _edit_meta(c, train_state="x"), ["--load", "{ckpt}"],
-                               "lacks iteration/train_state", 2),
+    "load has no marker": (
+        lambda c, m: os.remove(c / "latest_checkpointed_iteration.txt"),
+        ["--load", "{ckpt}"],
+        "write the iteration of iter_0000004",
+        2,
+    ),
+    "marker not utf-8": (
+        lambda c, m: (c / "latest_checkpointed_iteration.txt").write_bytes(b"\xff\xfe4"),
+        ["--load", "{ckpt}"],
+        "does not hold an iteration number",
+        2,
+    ),
+    "marker names a missing iteration": (
+        lambda c, m: (c / "latest_checkpointed_iteration.txt").write_text("6"),
+        ["--load", "{ckpt}"],
+        "missing or incomplete",
+        2,
+    ),
+    "metadata.json truncated": (
+        lambda c, m: _truncate(c / I4 / "metadata.json"),
+        ["--load", "{ckpt}"],
+        "not valid JSON",
+        2,
+    ),
+    "metadata.json not ours": (
+        lambda c, m: _edit_meta(c, train_state="x"),
+        ["--load", "{ckpt}"],
+        "lacks iteration/train_state",
+        2,
+    ),
     "distcp truncated": (lambda c, m: _truncate(c / I4 / "__0_0.distcp"), ["--load", "{ckpt}"], "truncated", 2),
     ".metadata truncated": (lambda c, m: _truncate(c / I4 / ".metadata"), ["--load", "{ckpt}"], "truncated", 2),
     "rng truncated": (lambda c, m: _truncate(c / I4 / "rng_rank0.pt"), ["--load", "{ckpt}"], "truncated", 2),
-    "distcp corrupted in place": (lambda c, m: _flip(c / I4 / "__0_0.distcp"), ["--load", "{ckpt}"],
-                                  "does not match the sha256", 2),
+    "distcp corrupted in place": (
+        lambda c, m: _flip(c / I4 / "__0_0.distcp"),
+        ["--load", "{ckpt}"],
+        "does not match the sha256",
+        2,
+    ),
     # without the record (older checkpoints) a flipped byte loads silently; a truncated file still fails
-    "distcp truncated, no record": (lambda c, m: (_truncate(c / I4 / "__0_0.distcp"), _edit_meta(c, files=None)),
-                                    ["--load", "{ckpt}"], "cannot be read", 2),
-    ".metadata garbage, no record": (lambda c, m: ((c / I4 / ".metadata").write_bytes(b"\x80\x05garbage"),
-                                                   _edit_meta(c, files=None)), ["--load", "{ckpt}"],
-                                     "not a readable DCP index", 2),
+    "distcp truncated, no record": (
+        lambda c, m: (_truncate(c / I4 / "__0_0.distcp"), _edit_meta(c, files=None)),
+        ["--load", "{ckpt}"],
+        "cannot be read",
+        2,
+    ),
+    ".metadata garbage, no record": (
+        lambda c, m: ((c / I4 / ".metadata").write_bytes(b"\x80\x05garbage"), _edit_meta(c, files=None)),
+        ["--load", "{ckpt}"],
+        "not a readable DCP index",
+        2,
+    ),
     ".metadata runs code": (lambda c, m: _plant_metadata(c, m), ["--load", "{ckpt}"], "refusing to unpickle", 2),
     "rng runs code": (lambda c, m: _plant_rng(c, m), ["--load", "{ckpt}"], "not a readable RNG state", 2),
     "other model flags": (lambda c, m: None, ["--load", "{ckpt}", "--hidden-size", "64"], "hidden_size", 2),
@@ -225,6 +295,7 @@ def test_mfu_only_against_a_known_peak(saved):
     rows = [json.loads(line) for line in open(saved / "log.jsonl")]
     assert rows and all(r["mfu"] is None and r["peak_tflops"] is None and r["tflops"] > 0 for r in rows)
     from megatron_sp.training.logger import _megatron_line
+
     assert "MFU: n/a (no known peak; set --peak-tflops)" in _megatron_line(rows[0], 4)
 
 
@@ -269,47 +340,74 @@ def test_disk_full_during_save_stops_with_previous_checkpoint_intact(tmpfs, caps
     assert "the previous checkpoint and latest_checkpointed_iteration.txt are intact" in err
     assert checkpointing.read_latest(str(save)) == 1
     assert sorted(os.listdir(save)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]  # .tmp removed
-    code, err, out = run(capsys, ["--train-iters", "1", "--load", str(save)])   # and it still loads
+    code, err, out = run(capsys, ["--train-iters", "1", "--load", str(save)])  # and it still loads
     assert code == 0 and "training already finished" in out, err
 
 
 # ---- fp16 underflow -------------------------------------------------------------------------------
 def test_fp16_underflow_grows_the_scale_instead_of_training_on_zeros(tmp_path, capsys):
     log = tmp_path / "log.jsonl"
-    code, err, out = run(capsys, ["--train-iters", "12", "--fp16", "--initial-loss-scale", "1e-20",
-                                  "--peak-tflops", "2", "--log-jsonl", str(log)])
+    code, err, out = run(
+        capsys,
+        [
+            "--train-iters",
+            "12",
+            "--fp16",
+            "--initial-loss-scale",
+            "1e-20",
+            "--peak-tflops",
+            "2",
+            "--log-jsonl",
+            str(log),
+        ],
+    )
     assert code == 0, err
     rows = [json.loads(line) for line in open(log)]
     skipped = [r for r in rows if r["skipped"]]
     assert skipped and all(r["grad_norm"] == 0.0 for r in skipped)
     assert "fp16 gradients underflowed to zero" in out
-    assert rows[0]["loss_scale"] == pytest.approx(1e-20 * 256)         # x256 per step below 1 ...
-    assert rows[-1]["loss_scale"] == 1.0                               # ... up to 1 (Megatron's minimum)
-    assert not rows[-1]["skipped"] and rows[-1]["grad_norm"] > 0      # and then it trains
-    assert rows[-1]["mfu"] == pytest.approx(rows[-1]["tflops"] / 2)   # MFU against the stated peak
+    assert rows[0]["loss_scale"] == pytest.approx(1e-20 * 256)  # x256 per step below 1 ...
+    assert rows[-1]["loss_scale"] == 1.0  # ... up to 1 (Megatron's minimum)
+    assert not rows[-1]["skipped"] and rows[-1]["grad_norm"] > 0  # and then it trains
+    assert rows[-1]["mfu"] == pytest.approx(rows[-1]["tflops"] / 2)  # MFU against the stated peak
 
 
 def test_fp16_underflow_at_the_largest_scale_stops():
     from megatron_sp.training.optimizer import DynamicLossScaler
+
     scaler = DynamicLossScaler(1e-20)
     verdicts = []
     while not verdicts or verdicts[-1] == "underflow":
         verdicts.append(scaler.update(grad_norm=0.0))
-    assert verdicts[-1] == "no_gradient" and scaler.scale == scaler.max_scale == 2.0 ** 24
-    assert len(verdicts) - 1 == math.ceil((24 - math.log2(1e-20)) / 8)   # x256 per zero-gradient step
+    assert verdicts[-1] == "no_gradient" and scaler.scale == scaler.max_scale == 2.0**24
+    assert len(verdicts) - 1 == math.ceil((24 - math.log2(1e-20)) / 8)  # x256 per zero-gradient step
     with pytest.raises(ValueError, match="initial loss scale"):
         DynamicLossScaler(0.0)
 
 
 # ---- preprocess_data ------------------------------------------------------------------------------
 def test_preprocess_non_string_text_is_one_sentence(tmp_path):
-    src, workers = tmp_path / "in.jsonl", "2"      # the error crosses the worker pool
+    src, workers = tmp_path / "in.jsonl", "2"  # the error crosses the worker pool
     src.write_text('{"text": "fine"}\n{"text": 12}\n')
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", str(src),
-                           "--output-prefix", str(tmp_path / "out"), "--workers", workers],
-                          capture_output=True, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "tools", "preprocess_data.py"),
+            "--input",
+            str(src),
+            "--output-prefix",
+            str(tmp_path / "out"),
+            "--workers",
+            workers,
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )
     assert proc.returncode == 2, proc.stderr
     error = [line for line in proc.stderr.splitlines() if "error:" in line]
-    assert error == [f"preprocess_data.py: error: {src} line 2: field 'text' is of type int, not text (a string "
-                     "or a list of strings); fix that line or pass the right --json-keys."], proc.stderr
+    assert error == [
+        f"preprocess_data.py: error: {src} line 2: field 'text' is of type int, not text (a string "
+        "or a list of strings); fix that line or pass the right --json-keys."
+    ], proc.stderr
     assert "Traceback" not in proc.stderr and not list(tmp_path.glob("out*"))

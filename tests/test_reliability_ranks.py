@@ -11,6 +11,7 @@ the checkpoint or fail alone, and the Slurm launcher's requeue decision.
 Ranks are started as torchrun starts them (RANK, WORLD_SIZE, ... in the environment), one Popen each,
 so that each rank's exit code and stderr can be checked; the SIGINT test goes through torchrun itself.
 """
+
 import os
 import signal
 import subprocess
@@ -19,15 +20,44 @@ import time
 from pathlib import Path
 
 import pytest
-
 from launch_helpers import PROGRAM, REPO, free_port
+
 from megatron_sp.training import checkpointing, pretrain
 
-TINY = ["--device", "cpu", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--micro-batch-size", "2", "--log-interval", "1", "--eval-interval", "100000",
-        "--eval-iters", "1", "--lr-warmup-iters", "1", "--no-progress-bar", "--mock-data"]
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-               "TORCHELASTIC_RESTART_COUNT", "MEGATRON_SP_EXIT_STATUS_FILE")
+TINY = [
+    "--device",
+    "cpu",
+    "--num-layers",
+    "1",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--log-interval",
+    "1",
+    "--eval-interval",
+    "100000",
+    "--eval-iters",
+    "1",
+    "--lr-warmup-iters",
+    "1",
+    "--no-progress-bar",
+    "--mock-data",
+]
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "TORCHELASTIC_RESTART_COUNT",
+    "MEGATRON_SP_EXIT_STATUS_FILE",
+)
 
 
 def start_ranks(tmp_path, program_argv, world=2):
@@ -35,11 +65,26 @@ def start_ranks(tmp_path, program_argv, world=2):
     base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
     port, procs = free_port(), []
     for rank in range(world):
-        env = dict(base, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        procs.append(subprocess.Popen([sys.executable, *program_argv], cwd=tmp_path, env=env, text=True,
-                                      stdout=open(tmp_path / f"rank{rank}.out", "w"),
-                                      stderr=open(tmp_path / f"rank{rank}.err", "w")))
+        env = dict(
+            base,
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            PYTHONWARNINGS="ignore",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *program_argv],
+                cwd=tmp_path,
+                env=env,
+                text=True,
+                stdout=open(tmp_path / f"rank{rank}.out", "w"),
+                stderr=open(tmp_path / f"rank{rank}.err", "w"),
+            )
+        )
     return procs
 
 
@@ -71,12 +116,25 @@ def error_lines(path: Path):
 def test_sigstopped_rank_fails_its_tp_peer_after_the_timeout(tmp_path):
     """Before the fix the TP group had torch's 30 min default: the peer waited for minutes."""
     log = tmp_path / "log.jsonl"
-    procs = start_ranks(tmp_path, [PROGRAM, *TINY, "--train-iters", "100000", "--tensor-model-parallel-size", "2",
-                                   "--distributed-timeout-minutes", "0.05", "--log-jsonl", str(log)])
+    procs = start_ranks(
+        tmp_path,
+        [
+            PROGRAM,
+            *TINY,
+            "--train-iters",
+            "100000",
+            "--tensor-model-parallel-size",
+            "2",
+            "--distributed-timeout-minutes",
+            "0.05",
+            "--log-jsonl",
+            str(log),
+        ],
+    )
     try:
         wait_for(lambda: logged_iterations(log) >= 3 or procs[0].poll() is not None, 120, "three iterations")
         assert procs[0].poll() is None, (tmp_path / "rank0.err").read_text()
-        procs[1].send_signal(signal.SIGSTOP)                    # alive, never joins the next collective
+        procs[1].send_signal(signal.SIGSTOP)  # alive, never joins the next collective
         start = time.monotonic()
         procs[0].wait(timeout=60)
         seconds = time.monotonic() - start
@@ -86,23 +144,44 @@ def test_sigstopped_rank_fails_its_tp_peer_after_the_timeout(tmp_path):
     print(f"\nrank 1 SIGSTOPped: rank 0 exited {procs[0].returncode} after {seconds:.2f} s (timeout 3 s)")
     assert procs[0].returncode == 1, err
     assert 2.5 <= seconds <= 15, err
-    assert error_lines(tmp_path / "rank0.err") == [err.strip()], err        # one line, no traceback
+    assert error_lines(tmp_path / "rank0.err") == [err.strip()], err  # one line, no traceback
     assert "rank 0: a collective failed (Timed out waiting 3000ms" in err and "Traceback" not in err
 
 
 # ---- signals --------------------------------------------------------------------------------------
 def test_sigint_to_torchrun_saves_and_exits_like_sigterm(tmp_path):
     log, save = tmp_path / "log.jsonl", tmp_path / "ckpt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), PROGRAM, *TINY, "--train-iters", "100000", "--save", str(save),
-           "--log-jsonl", str(log)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        PROGRAM,
+        *TINY,
+        "--train-iters",
+        "100000",
+        "--save",
+        str(save),
+        "--log-jsonl",
+        str(log),
+    ]
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     with open(tmp_path / "out.txt", "w") as out:
-        agent = subprocess.Popen(cmd, cwd=tmp_path, env=dict(env, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
-                                 stdout=out, stderr=subprocess.STDOUT)
+        agent = subprocess.Popen(
+            cmd,
+            cwd=tmp_path,
+            env=dict(env, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         wait_for(lambda: logged_iterations(log) >= 2 or agent.poll() is not None, 120, "two iterations")
-        agent.send_signal(signal.SIGINT)                        # Ctrl-C; torchrun forwards it to the ranks
+        agent.send_signal(signal.SIGINT)  # Ctrl-C; torchrun forwards it to the ranks
         start = time.monotonic()
         agent.wait(timeout=60)
         seconds = time.monotonic() - start
@@ -114,19 +193,24 @@ def test_sigint_to_torchrun_saves_and_exits_like_sigterm(tmp_path):
     print(f"\nSIGINT to torchrun: saved iteration {saved}, torchrun gone after {seconds:.2f} s")
     assert saved is not None and saved >= 2, out
     assert f"exit signal received: saving at iteration {saved}" in out, out
-    assert "KeyboardInterrupt" not in out and seconds < 25, out   # the ranks left by themselves (no 30 s kill)
+    assert "KeyboardInterrupt" not in out and seconds < 25, out  # the ranks left by themselves (no 30 s kill)
 
 
 def test_usr1_during_startup_does_not_kill_the_real_program(tmp_path):
     """pretrain_gpt_sp.py installs its handler before importing torch: a SIGUSR1 (Slurm's time-limit
     warning) while torch loads or the model is built stops the run at its first boundary, exit 0."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    proc = subprocess.Popen([sys.executable, PROGRAM, *TINY, "--train-iters", "5"], cwd=tmp_path, text=True,
-                            env=dict(env, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, PROGRAM, *TINY, "--train-iters", "5"],
+        cwd=tmp_path,
+        text=True,
+        env=dict(env, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     maps = Path(f"/proc/{proc.pid}/maps")
     wait_for(lambda: proc.poll() is not None or "libtorch" in maps.read_text(), 60, "torch to load")
-    proc.send_signal(signal.SIGUSR1)                            # torch is loading: long before the loop
+    proc.send_signal(signal.SIGUSR1)  # torch is loading: long before the loop
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "exit signal (SIGUSR1) received before training: exiting at iteration 0" in out, out
@@ -174,8 +258,19 @@ def _driver(tmp_path, mode):
 
 
 def test_ranks_resume_the_iteration_rank0_reads_and_early_usr1_is_not_fatal(checkpoint, tmp_path):
-    procs = start_ranks(tmp_path, [_driver(tmp_path, "stale marker"), *TINY, "--train-iters", "8",
-                                   "--tensor-model-parallel-size", "2", "--load", str(checkpoint)])
+    procs = start_ranks(
+        tmp_path,
+        [
+            _driver(tmp_path, "stale marker"),
+            *TINY,
+            "--train-iters",
+            "8",
+            "--tensor-model-parallel-size",
+            "2",
+            "--load",
+            str(checkpoint),
+        ],
+    )
     try:
         codes = [p.wait(timeout=120) for p in procs]
     finally:
@@ -183,15 +278,16 @@ def test_ranks_resume_the_iteration_rank0_reads_and_early_usr1_is_not_fatal(chec
     outs = [(tmp_path / f"rank{r}.out").read_text() for r in range(2)]
     errs = [(tmp_path / f"rank{r}.err").read_text() for r in range(2)]
     assert codes == [0, 0], errs
-    assert "rank 1 resumes at iteration 4" in outs[1], outs           # rank 0's choice, not its own 2
+    assert "rank 1 resumes at iteration 4" in outs[1], outs  # rank 0's choice, not its own 2
     assert "exit signal (on another rank) received before training: exiting at iteration 4" in outs[0], outs
     assert checkpointing.read_latest(str(checkpoint)) == 4 and "Traceback" not in errs[0] + errs[1]
 
 
 def test_input_error_on_one_rank_is_printed_by_that_rank(checkpoint, tmp_path):
     start = time.monotonic()
-    procs = start_ranks(tmp_path, [_driver(tmp_path, "input error here only"), *TINY, "--train-iters", "8",
-                                   "--load", str(checkpoint)])
+    procs = start_ranks(
+        tmp_path, [_driver(tmp_path, "input error here only"), *TINY, "--train-iters", "8", "--load", str(checkpoint)]
+    )
     try:
         codes = [p.wait(timeout=120) for p in procs]
     finally:
@@ -202,7 +298,7 @@ def test_input_error_on_one_rank_is_printed_by_that_rank(checkpoint, tmp_path):
     assert error_lines(tmp_path / "rank0.err") == [] and "Traceback" not in errs[0], errs
     assert error_lines(tmp_path / "rank1.err") == [errs[1].strip()], errs
     assert errs[1].startswith("pretrain_gpt_sp.py: error: rank 1: --load ") and "does not exist" in errs[1]
-    assert seconds < 60, seconds                                      # nobody waits for a timeout
+    assert seconds < 60, seconds  # nobody waits for a timeout
 
 
 def _disagree_then_report():
@@ -211,7 +307,9 @@ def _disagree_then_report():
     import io
 
     import torch.distributed as dist
+
     from megatron_sp.training import failures
+
     try:
         checkpointing._check_same_everywhere("ckpt/iter_0000004", {"iteration": 4, "seen_by": min(dist.get_rank(), 1)})
         message = None
@@ -225,11 +323,12 @@ def _disagree_then_report():
 
 def test_ranks_that_see_different_checkpoints_stop_and_report_once():
     from dist_pool import WorkerPool
+
     with WorkerPool(2) as world:
         results = world.run(_disagree_then_report)
     messages, codes, printed = zip(*results)
     assert messages[0] == messages[1] and "ranks [1] see a different metadata.json" in messages[0]
-    assert codes == (2, 2) and sorted(bool(p) for p in printed) == [False, True]   # one rank prints
+    assert codes == (2, 2) and sorted(bool(p) for p in printed) == [False, True]  # one rank prints
     assert "".join(printed) == f"pretrain_gpt_sp.py: error: {messages[0]}\n"
 
 
@@ -256,12 +355,19 @@ echo "rc=$?"
 @pytest.mark.parametrize("status, requeued", [("finished 16", False), ("stopped 5", True)])
 def test_usr1_requeues_only_unfinished_training(tmp_path, status, requeued):
     calls, ready = tmp_path / "calls", tmp_path / "ready"
-    env = dict(os.environ, CALLS=str(calls), STEP_READY=str(ready), STATUS=status, SLURM_JOB_ID="77",
-               MEGATRON_SP_EXIT_STATUS_FILE=str(tmp_path / "exit_status"))
-    shell = subprocess.Popen(["bash", "-c", REQUEUE_SCRIPT], cwd=REPO, env=env, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    env = dict(
+        os.environ,
+        CALLS=str(calls),
+        STEP_READY=str(ready),
+        STATUS=status,
+        SLURM_JOB_ID="77",
+        MEGATRON_SP_EXIT_STATUS_FILE=str(tmp_path / "exit_status"),
+    )
+    shell = subprocess.Popen(
+        ["bash", "-c", REQUEUE_SCRIPT], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     wait_for(ready.exists, 30, "the step to start")
-    shell.send_signal(signal.SIGUSR1)                           # what --signal=B:USR1@120 does
+    shell.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@120 does
     out, _ = shell.communicate(timeout=30)
     assert "rc=0" in out, out
     assert calls.exists() == requeued, out

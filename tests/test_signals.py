@@ -1,11 +1,12 @@
 """ExitSignalHandler: a signal on one rank makes every rank stop at the same iteration boundary."""
+
 import os
 import signal
 
 import pytest
 import torch.distributed as dist
-
 from dist_pool import WorkerPool
+
 from megatron_sp.training.signals import ExitSignalHandler
 
 

@@ -7,6 +7,7 @@ Two programs run through the templates:
   flags (launch/local.sh).
 The whole module skips, with the reason, where a Slurm cluster cannot be brought up.
 """
+
 import os
 import shutil
 import subprocess
@@ -15,7 +16,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 from slurm_cluster import read_losses, slurm_cluster, tail, wait_until  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,16 +23,42 @@ PROBE = "tests/slurm_probe.py"
 PROGRAM = "pretrain_gpt_sp.py"
 RANKS = 2
 JOB_TIMEOUT_S = 180
-TINY = ["--device", "cpu", "--distributed-backend", "gloo", "--tensor-model-parallel-size", "2",
-        "--sequence-parallel", "--num-layers", "2", "--hidden-size", "32",
-        "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
-        "--global-batch-size", "4", "--train-iters", "16", "--log-interval", "1"]
+TINY = [
+    "--device",
+    "cpu",
+    "--distributed-backend",
+    "gloo",
+    "--tensor-model-parallel-size",
+    "2",
+    "--sequence-parallel",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--train-iters",
+    "16",
+    "--log-interval",
+    "1",
+]
 
 
 # ---- submitting the templates --------------------------------------------------------------------
 def launch_env(program: str) -> dict:
-    return {"PYTHON": sys.executable, "PROGRAM": program, "MEGATRON_SP_DIR": str(REPO),
-            "OMP_NUM_THREADS": "1", "GPUS_PER_NODE": str(RANKS)}
+    return {
+        "PYTHON": sys.executable,
+        "PROGRAM": program,
+        "MEGATRON_SP_DIR": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "GPUS_PER_NODE": str(RANKS),
+    }
 
 
 def submit_template(cluster, template: str, out_dir: Path, program: str, args) -> tuple[int, Path]:
@@ -41,10 +67,15 @@ def submit_template(cluster, template: str, out_dir: Path, program: str, args) -
         shape = [f"--ntasks-per-node={RANKS}", "--cpus-per-task=1"]
     else:  # one torchrun agent starting RANKS ranks
         shape = ["--ntasks-per-node=1", f"--cpus-per-task={RANKS}"]
-    sbatch = ["--nodes=1", "--gpus-per-node=0", "--time=10", f"--job-name={template}",
-              f"--output={out_dir}/{template}-%j.out", *shape]
-    job = cluster.submit(REPO / "launch" / f"{template}.sbatch", args, env=launch_env(program),
-                         sbatch_args=sbatch)
+    sbatch = [
+        "--nodes=1",
+        "--gpus-per-node=0",
+        "--time=10",
+        f"--job-name={template}",
+        f"--output={out_dir}/{template}-%j.out",
+        *shape,
+    ]
+    job = cluster.submit(REPO / "launch" / f"{template}.sbatch", args, env=launch_env(program), sbatch_args=sbatch)
     return job, out_dir / f"{template}-{job}.out"
 
 
@@ -60,13 +91,16 @@ def wait_completed(cluster, job: int, output: Path, timeout: float = JOB_TIMEOUT
 
 def wait_for_iterations(cluster, job: int, log: Path, output: Path, n: int) -> None:
     """Until the job has logged n iterations; fails at once if the job ends first."""
+
     def logged_or_ended():
         if len(read_losses(log)) >= n:
             return True
         state = cluster.state(job)
-        assert state in ("PENDING", "CONFIGURING", "RUNNING"), \
+        assert state in ("PENDING", "CONFIGURING", "RUNNING"), (
             f"job {job} ended {state} before iteration {n}; output:\n{tail(output)}"
+        )
         return False
+
     wait_until(logged_or_ended, JOB_TIMEOUT_S, f"job {job} logging iteration {n}", poll_s=0.1)
 
 
@@ -78,6 +112,7 @@ def probe_losses(iters: int, world: int = RANKS) -> list[tuple[int, float]]:
 
 def read_env(log: Path) -> list[dict]:
     import json
+
     return json.loads(Path(str(log) + ".env.json").read_text())
 
 
@@ -88,8 +123,22 @@ def test_usr1_saves_requeues_and_resumes_probe(slurm_cluster, tmp_path, template
     --signal=B:USR1@120 does) -> every rank saves at the same iteration, exits, the job requeues
     itself and resumes from --load."""
     log, ckpt = tmp_path / "probe.jsonl", tmp_path / "ckpt"
-    args = ["--device", "cpu", "--distributed-backend", "gloo", "--train-iters", "10",
-            "--iter-sleep", "0.3", "--log-jsonl", log, "--save", ckpt, "--load", ckpt]
+    args = [
+        "--device",
+        "cpu",
+        "--distributed-backend",
+        "gloo",
+        "--train-iters",
+        "10",
+        "--iter-sleep",
+        "0.3",
+        "--log-jsonl",
+        log,
+        "--save",
+        ckpt,
+        "--load",
+        ckpt,
+    ]
     job, out = submit_template(slurm_cluster, template, tmp_path, PROBE, args)
     wait_for_iterations(slurm_cluster, job, log, out, 2)
     slurm_cluster.signal(job, "USR1", batch=True)
@@ -99,8 +148,10 @@ def test_usr1_saves_requeues_and_resumes_probe(slurm_cluster, tmp_path, template
     assert read_losses(log) == probe_losses(10)  # each iteration once: saved where it stopped
     ranks = read_env(log)  # as the resumed run saw it
     launcher = "slurm" if template == "srun" else "torchrun"
-    assert [(r["rank"], r["local_rank"], r["world_size"], r["launcher"], r["restart"])
-            for r in ranks] == [(0, 0, 2, launcher, 1), (1, 1, 2, launcher, 1)]
+    assert [(r["rank"], r["local_rank"], r["world_size"], r["launcher"], r["restart"]) for r in ranks] == [
+        (0, 0, 2, launcher, 1),
+        (1, 1, 2, launcher, 1),
+    ]
     if template == "srun":  # master from the node list, port from the job id (as srun.sbatch sets)
         assert ranks[0]["master_addr"] == slurm_cluster.host
         assert ranks[0]["master_port"] == 10000 + job % 20000
@@ -120,8 +171,13 @@ def program_missing(*flags: str) -> str | None:
 def run_local_torchrun(args, out: Path, env_extra=None) -> subprocess.Popen:
     env = dict(os.environ, **launch_env(PROGRAM), **(env_extra or {}))
     with open(out, "w") as f:
-        return subprocess.Popen(["bash", "launch/local.sh", str(RANKS), *map(str, args)],
-                                cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            ["bash", "launch/local.sh", str(RANKS), *map(str, args)],
+            cwd=REPO,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
 
 
 _REFERENCE = {}
@@ -160,8 +216,7 @@ def assert_same_losses(got, want):
 @pytest.mark.parametrize("template", ["srun", "torchrun"])
 def test_template_matches_local_torchrun(slurm_cluster, reference_losses, tmp_path, template):
     log = tmp_path / "log.jsonl"
-    job, out = submit_template(slurm_cluster, template, tmp_path, PROGRAM,
-                               [*TINY, "--log-jsonl", log])
+    job, out = submit_template(slurm_cluster, template, tmp_path, PROGRAM, [*TINY, "--log-jsonl", log])
     wait_completed(slurm_cluster, job, out)
     assert_same_losses(read_losses(log), reference_losses)
 

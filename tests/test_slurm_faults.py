@@ -6,6 +6,7 @@
   last checkpoint; the losses after the restart equal those of an uninterrupted run.
 Each test prints how long the survivors took to exit (`pytest -s` shows it).
 """
+
 import json
 import os
 import signal
@@ -16,13 +17,19 @@ import time
 from pathlib import Path
 
 import pytest
-
 from slurm_cluster import read_losses, tail, wait_until
-from test_slurm import PROBE, PROGRAM, TINY, program_missing, program_reference_losses, probe_losses
+from test_slurm import PROBE, PROGRAM, TINY, probe_losses, program_missing, program_reference_losses
 
 REPO = Path(__file__).resolve().parents[1]
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-               "TORCHELASTIC_RESTART_COUNT")
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "TORCHELASTIC_RESTART_COUNT",
+)
 
 
 def _free_port() -> int:
@@ -37,14 +44,38 @@ def start_probe_ranks(tmp_path, extra_args, world=2):
     port, log = _free_port(), tmp_path / "probe.jsonl"
     procs = []
     for rank in range(world):
-        env = dict(base, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS=str(world),
-                   SLURM_STEP_NUM_TASKS=str(world), SLURM_STEP_ID="0", SLURM_JOB_ID="1",
-                   SLURM_JOB_NODELIST="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        env = dict(
+            base,
+            SLURM_PROCID=str(rank),
+            SLURM_LOCALID=str(rank),
+            SLURM_NTASKS=str(world),
+            SLURM_STEP_NUM_TASKS=str(world),
+            SLURM_STEP_ID="0",
+            SLURM_JOB_ID="1",
+            SLURM_JOB_NODELIST="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+        )
         with open(tmp_path / f"rank{rank}.out", "w") as out:
-            procs.append(subprocess.Popen(
-                [sys.executable, PROBE, "--device", "cpu", "--distributed-backend", "gloo",
-                 "--log-jsonl", str(log), *map(str, extra_args)],
-                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        PROBE,
+                        "--device",
+                        "cpu",
+                        "--distributed-backend",
+                        "gloo",
+                        "--log-jsonl",
+                        str(log),
+                        *map(str, extra_args),
+                    ],
+                    cwd=REPO,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     return procs, log
 
 
@@ -62,8 +93,9 @@ def _seconds_until_exit(proc, timeout: float) -> float:
 
 
 def test_dead_rank_fails_the_survivor_at_once(tmp_path):
-    procs, log = start_probe_ranks(tmp_path, ["--train-iters", "1000", "--iter-sleep", "0.1",
-                                              "--distributed-timeout-s", "60"])
+    procs, log = start_probe_ranks(
+        tmp_path, ["--train-iters", "1000", "--iter-sleep", "0.1", "--distributed-timeout-s", "60"]
+    )
     try:
         wait_until(lambda: len(read_losses(log)) >= 2, 60, "two probe iterations")
         procs[1].send_signal(signal.SIGKILL)
@@ -79,8 +111,9 @@ def test_dead_rank_fails_the_survivor_at_once(tmp_path):
 
 def test_hung_rank_times_out_the_survivor(tmp_path):
     timeout_s = 3
-    procs, log = start_probe_ranks(tmp_path, ["--train-iters", "1000", "--iter-sleep", "0.1",
-                                              "--distributed-timeout-s", timeout_s])
+    procs, log = start_probe_ranks(
+        tmp_path, ["--train-iters", "1000", "--iter-sleep", "0.1", "--distributed-timeout-s", timeout_s]
+    )
     try:
         wait_until(lambda: len(read_losses(log)) >= 2, 60, "two probe iterations")
         procs[1].send_signal(signal.SIGSTOP)
@@ -88,8 +121,9 @@ def test_hung_rank_times_out_the_survivor(tmp_path):
     finally:
         _stop_all(procs)
     out = tail(tmp_path / "rank0.out")
-    print(f"\nrank 1 stopped (SIGSTOP): rank 0 exited {procs[0].returncode} after {seconds:.2f} s "
-          f"(timeout {timeout_s} s)")
+    print(
+        f"\nrank 1 stopped (SIGSTOP): rank 0 exited {procs[0].returncode} after {seconds:.2f} s (timeout {timeout_s} s)"
+    )
     assert procs[0].returncode != 0
     assert timeout_s - 0.5 <= seconds <= timeout_s + 10, out
     assert "timed out" in out.lower() or "timeout" in out.lower(), out
@@ -134,11 +168,13 @@ def _alive(pid: int) -> bool:
 
 def kill_rank_and_time_survivor(agent, log: Path, after_iterations: int) -> float:
     """SIGKILL local rank 1 once `after_iterations` are logged; seconds until rank 0 is gone."""
-    wait_until(lambda: len(read_losses(log)) >= after_iterations or agent.poll() is not None,
-               120, f"{after_iterations} logged iterations")
+    wait_until(
+        lambda: len(read_losses(log)) >= after_iterations or agent.poll() is not None,
+        120,
+        f"{after_iterations} logged iterations",
+    )
     assert agent.poll() is None, "the run ended before the fault could be injected"
-    workers = wait_until(lambda: (w := _worker_pids(agent.pid)) and len(w) == 2 and w, 30,
-                         "torchrun's two workers")
+    workers = wait_until(lambda: (w := _worker_pids(agent.pid)) and len(w) == 2 and w, 30, "torchrun's two workers")
     os.kill(workers[1], signal.SIGKILL)
     start = time.monotonic()
     wait_until(lambda: not _alive(workers[0]), 60, "rank 0 exiting after rank 1 died")
@@ -147,11 +183,11 @@ def kill_rank_and_time_survivor(agent, log: Path, after_iterations: int) -> floa
 
 def run_local_torchrun(program, args, out: Path, max_restarts: int) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env.update(PYTHON=sys.executable, PROGRAM=program, MAX_RESTARTS=str(max_restarts),
-               OMP_NUM_THREADS="1")
+    env.update(PYTHON=sys.executable, PROGRAM=program, MAX_RESTARTS=str(max_restarts), OMP_NUM_THREADS="1")
     with open(out, "w") as f:
-        return subprocess.Popen(["bash", "launch/local.sh", "2", *map(str, args)], cwd=REPO,
-                                env=env, stdout=f, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            ["bash", "launch/local.sh", "2", *map(str, args)], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT
+        )
 
 
 def assert_restarted_and_equal(losses, reference: dict, iters: int):
@@ -164,10 +200,26 @@ def assert_restarted_and_equal(losses, reference: dict, iters: int):
 
 def test_torchrun_restarts_group_and_probe_resumes(tmp_path):
     log, ckpt, out = tmp_path / "probe.jsonl", tmp_path / "ckpt", tmp_path / "out.txt"
-    args = ["--device", "cpu", "--distributed-backend", "gloo", "--train-iters", "10",
-            "--iter-sleep", "0.2", "--log-jsonl", log, "--save", ckpt, "--load", ckpt,
-            "--save-interval", "3",
-            "--slow-restart-s", "2"]  # rank 1 rejoins late: the stale-store race of launch/local.sh
+    args = [
+        "--device",
+        "cpu",
+        "--distributed-backend",
+        "gloo",
+        "--train-iters",
+        "10",
+        "--iter-sleep",
+        "0.2",
+        "--log-jsonl",
+        log,
+        "--save",
+        ckpt,
+        "--load",
+        ckpt,
+        "--save-interval",
+        "3",
+        "--slow-restart-s",
+        "2",
+    ]  # rank 1 rejoins late: the stale-store race of launch/local.sh
     agent = run_local_torchrun(PROBE, args, out, max_restarts=1)
     try:
         seconds = kill_rank_and_time_survivor(agent, log, after_iterations=5)

@@ -1,9 +1,9 @@
 """Mappings, layers and vocab-parallel cross entropy at TP 1, 2 and 4 (gloo, 4 processes), forward and
 backward, against the plain math on the full tensor."""
+
 import pytest
 import torch
 import torch.nn.functional as F
-
 from dist_pool import WorkerPool
 
 S, B, H = 8, 2, 12
@@ -34,32 +34,54 @@ def _case(name, t, r):
     cases = {
         "copy_to_tensor_parallel_region": (X, Gs[r], X, sum(Gs)),
         "reduce_from_tensor_parallel_region": (Xs[r], G, sum(Xs), G),
-        "scatter_to_tensor_parallel_region":
-            (X, c(Gs[r], t, r, -1), c(X, t, r, -1), torch.cat([c(Gs[i], t, i, -1) for i in range(t)], -1)),
+        "scatter_to_tensor_parallel_region": (
+            X,
+            c(Gs[r], t, r, -1),
+            c(X, t, r, -1),
+            torch.cat([c(Gs[i], t, i, -1) for i in range(t)], -1),
+        ),
         "gather_from_tensor_parallel_region": (c(X, t, r, -1), G, X, c(G, t, r, -1)),
-        "scatter_to_sequence_parallel_region":
-            (X, c(Gs[r], t, r, 0), c(X, t, r, 0), torch.cat([c(Gs[i], t, i, 0) for i in range(t)], 0)),
+        "scatter_to_sequence_parallel_region": (
+            X,
+            c(Gs[r], t, r, 0),
+            c(X, t, r, 0),
+            torch.cat([c(Gs[i], t, i, 0) for i in range(t)], 0),
+        ),
         "gather_from_sequence_parallel_region": (c(X, t, r, 0), Gs[r], X, c(sum(Gs), t, r, 0)),
-        "reduce_scatter_to_sequence_parallel_region":
-            (Xs[r], c(Gs[r], t, r, 0), c(sum(Xs), t, r, 0), torch.cat([c(Gs[i], t, i, 0) for i in range(t)], 0)),
+        "reduce_scatter_to_sequence_parallel_region": (
+            Xs[r],
+            c(Gs[r], t, r, 0),
+            c(sum(Xs), t, r, 0),
+            torch.cat([c(Gs[i], t, i, 0) for i in range(t)], 0),
+        ),
         "all_gather_last_dim_from_tensor_parallel_region": (c(X, t, r, -1), Gs[r], X, c(sum(Gs), t, r, -1)),
-        "reduce_scatter_last_dim_to_tensor_parallel_region":
-            (Xs[r], c(Gs[r], t, r, -1), c(sum(Xs), t, r, -1), torch.cat([c(Gs[i], t, i, -1) for i in range(t)], -1)),
+        "reduce_scatter_last_dim_to_tensor_parallel_region": (
+            Xs[r],
+            c(Gs[r], t, r, -1),
+            c(sum(Xs), t, r, -1),
+            torch.cat([c(Gs[i], t, i, -1) for i in range(t)], -1),
+        ),
     }
     return cases[name]
 
 
-MAPPINGS = ["copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
-            "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
-            "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
-            "reduce_scatter_to_sequence_parallel_region",
-            "all_gather_last_dim_from_tensor_parallel_region",
-            "reduce_scatter_last_dim_to_tensor_parallel_region"]
+MAPPINGS = [
+    "copy_to_tensor_parallel_region",
+    "reduce_from_tensor_parallel_region",
+    "scatter_to_tensor_parallel_region",
+    "gather_from_tensor_parallel_region",
+    "scatter_to_sequence_parallel_region",
+    "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "all_gather_last_dim_from_tensor_parallel_region",
+    "reduce_scatter_last_dim_to_tensor_parallel_region",
+]
 
 
 def _mapping_worker(tp, name):
     from megatron_sp import parallel_state
     from megatron_sp.tensor_parallel import mappings
+
     ps = parallel_state.initialize_model_parallel(tp)
     x, upstream, want_out, want_grad = _case(name, tp, ps.tp_rank)
     x = x.clone().requires_grad_()
@@ -78,10 +100,11 @@ def test_mappings_forward_backward(pool, tp):
 def _all_to_all_worker(tp):
     from megatron_sp import parallel_state
     from megatron_sp.tensor_parallel import mappings
+
     ps = parallel_state.initialize_model_parallel(tp)
     r = ps.tp_rank
-    X, G = _full(3, S, B, 4, 3), _full(4, S, B, 4, 3)            # [s, b, n, d]
-    x = _chunk(X, tp, r, 0).clone().requires_grad_()             # sequence-sharded
+    X, G = _full(3, S, B, 4, 3), _full(4, S, B, 4, 3)  # [s, b, n, d]
+    x = _chunk(X, tp, r, 0).clone().requires_grad_()  # sequence-sharded
     out = mappings.all_to_all(x, ps.tp_group, scatter_dim=2, gather_dim=0)  # head-sharded
     out.backward(_chunk(G, tp, r, 2))
     return ((out - _chunk(X, tp, r, 2)).abs().max().item(), (x.grad - _chunk(G, tp, r, 0)).abs().max().item())
@@ -96,12 +119,18 @@ def test_all_to_all(pool, tp):
 def _linear_worker(tp, sp):
     """Column then row parallel linear (an MLP without activation) against nn.Linear on the full tensor."""
     from megatron_sp import parallel_state
-    from megatron_sp.tensor_parallel.sharding import gather_full, shard_full
     from megatron_sp.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron_sp.tensor_parallel.sharding import gather_full, shard_full
+
     ps = parallel_state.initialize_model_parallel(tp)
     t, r, g = ps.tp_size, ps.tp_rank, ps.tp_group
     X, G = _full(5, S, B, H).float(), _full(6, S, B, H).float()
-    W1, b1, W2, b2 = _full(7, 2 * H, H).float(), _full(8, 2 * H).float(), _full(9, H, 2 * H).float(), _full(11, H).float()
+    W1, b1, W2, b2 = (
+        _full(7, 2 * H, H).float(),
+        _full(8, 2 * H).float(),
+        _full(9, H, 2 * H).float(),
+        _full(11, H).float(),
+    )
     col = ColumnParallelLinear(H, 2 * H, init="normal", group=g, sequence_parallel=sp)
     row = RowParallelLinear(2 * H, H, init="normal", group=g, sequence_parallel=sp)
     with torch.no_grad():
@@ -112,7 +141,7 @@ def _linear_worker(tp, sp):
     out.backward(_chunk(G, t, r, 0) if sp else G)
     bias_grad = row.bias.grad.clone()
     if sp:
-        torch.distributed.all_reduce(bias_grad, group=g)       # SP-region parameter: sum over TP
+        torch.distributed.all_reduce(bias_grad, group=g)  # SP-region parameter: sum over TP
     grads = [gather_full(p.grad, p.shard_spec, g) for p in (col.weight, col.bias, row.weight)]
     return out.detach(), x.grad, grads + [bias_grad]
 
@@ -120,13 +149,15 @@ def _linear_worker(tp, sp):
 @pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True), (4, False), (4, True)])
 def test_column_row_parallel_linear(pool, tp, sp):
     X, G = _full(5, S, B, H).float(), _full(6, S, B, H).float()
-    W1, b1, W2, b2 = [_full(s, *shape).float().requires_grad_()
-                      for s, shape in ((7, (2 * H, H)), (8, (2 * H,)), (9, (H, 2 * H)), (11, (H,)))]
+    W1, b1, W2, b2 = [
+        _full(s, *shape).float().requires_grad_()
+        for s, shape in ((7, (2 * H, H)), (8, (2 * H,)), (9, (H, 2 * H)), (11, (H,)))
+    ]
     x = X.clone().requires_grad_()
     ref = F.linear(F.linear(x, W1, b1), W2, b2)
     ref.backward(G)
     for rank, (out, x_grad, grads) in enumerate(pool.run(_linear_worker, tp, sp)):
-        r = rank % tp                                          # TP rank (ranks are TP-fastest)
+        r = rank % tp  # TP rank (ranks are TP-fastest)
         want_out, want_xg = (_chunk(ref, tp, r, 0), _chunk(x.grad, tp, r, 0)) if sp else (ref, x.grad)
         torch.testing.assert_close(out, want_out.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(x_grad, want_xg, rtol=1e-5, atol=1e-5)
@@ -137,16 +168,17 @@ def test_column_row_parallel_linear(pool, tp, sp):
 def _embedding_ce_worker(tp, sp, vocab, padded):
     """VocabParallelEmbedding forward/backward and vocab-parallel cross entropy on padded vocab."""
     from megatron_sp import parallel_state
-    from megatron_sp.tensor_parallel.sharding import gather_full, shard_full
     from megatron_sp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
     from megatron_sp.tensor_parallel.layers import VocabParallelEmbedding
+    from megatron_sp.tensor_parallel.sharding import gather_full, shard_full
+
     ps = parallel_state.initialize_model_parallel(tp)
     t, r, g = ps.tp_size, ps.tp_rank, ps.tp_group
     ids = torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(1))
     emb = VocabParallelEmbedding(vocab, padded, H, group=g, sequence_parallel=sp)
     with torch.no_grad():
         emb.weight.copy_(shard_full(_full(12, vocab, H).float(), emb.weight.shard_spec, tuple(emb.weight.shape), r, t))
-    out = emb(ids)                                             # [s(/t), b, h]
+    out = emb(ids)  # [s(/t), b, h]
     out.backward(_chunk(_full(13, S, B, H).float(), t, r, 0) if sp else _full(13, S, B, H).float())
     logits = _full(14, S, B, padded).float()
     logits_shard = _chunk(logits, t, r, -1).clone().requires_grad_()
@@ -158,7 +190,7 @@ def _embedding_ce_worker(tp, sp, vocab, padded):
 
 @pytest.mark.parametrize("tp,sp", [(1, False), (2, True), (4, False), (4, True)])
 def test_vocab_parallel_embedding_and_cross_entropy(pool, tp, sp):
-    vocab, padded = 13, 16                                     # 13 is divisible by no TP size
+    vocab, padded = 13, 16  # 13 is divisible by no TP size
     ids = torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(1))
     W = _full(12, vocab, H).float().requires_grad_()
     ref = F.embedding(ids.t(), W)
@@ -172,7 +204,7 @@ def test_vocab_parallel_embedding_and_cross_entropy(pool, tp, sp):
         torch.testing.assert_close(w_grad, W.grad)
         torch.testing.assert_close(loss, ref_loss.detach())
         torch.testing.assert_close(logits_grad, logits.grad)
-        assert logits_grad[..., vocab:].abs().max() == 0           # padded logits never count
+        assert logits_grad[..., vocab:].abs().max() == 0  # padded logits never count
 
 
 def _grad_sync_worker(overlap):
@@ -181,12 +213,21 @@ def _grad_sync_worker(overlap):
     from megatron_sp.config import GPTConfig
     from megatron_sp.models.gpt import GPTModel
     from megatron_sp.training.grad_sync import OverlappedGradSync, finalize_model_grads
+
     ps = parallel_state.initialize_model_parallel(2)
-    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=50, seq_length=16,
-                    tensor_model_parallel_size=2, sequence_parallel=True, hidden_dropout=0.0,
-                    attention_dropout=0.0)
+    cfg = GPTConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=50,
+        seq_length=16,
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     model = GPTModel(cfg)
-    sync = OverlappedGradSync(model, ps, bucket_bytes=4096) if overlap else None   # several buckets
+    sync = OverlappedGradSync(model, ps, bucket_bytes=4096) if overlap else None  # several buckets
     gen = torch.Generator().manual_seed(ps.dp_rank)
     for micro in range(2):
         if sync is not None and micro == 1:
@@ -202,7 +243,7 @@ def test_overlapped_data_parallel_grad_sync_matches_plain(pool):
     for rank in range(4):
         for k in plain[rank]:
             torch.testing.assert_close(overlapped[rank][k], plain[rank][k], rtol=1e-6, atol=1e-9)
-            torch.testing.assert_close(plain[rank][k], plain[0][k], rtol=0, atol=0)   # replicas agree
+            torch.testing.assert_close(plain[rank][k], plain[0][k], rtol=0, atol=0)  # replicas agree
     assert any(not torch.equal(plain[0][k], torch.zeros_like(plain[0][k])) for k in plain[0])
 
 
@@ -212,9 +253,18 @@ def _design_example_worker():
     from megatron_sp.config import GPTConfig
     from megatron_sp.models.gpt import GPTModel
     from megatron_sp.models.reference import ReferenceGPT
+
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=1)
-    cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=97, seq_length=32,
-                    sequence_parallel=True, hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = GPTConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        vocab_size=97,
+        seq_length=32,
+        sequence_parallel=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     model = GPTModel(cfg)
     model.load_full_state_dict(ReferenceGPT(cfg).state_dict())
     tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(0))

@@ -9,6 +9,7 @@
 
 Runs in one process, no torch.distributed needed. Optimizer state is not converted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,32 +19,45 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_sp.training.full_state import (checkpoint_path, read_full_state,  # noqa: E402
-                                             write_full_checkpoint)
+from megatron_sp.training.full_state import (
+    checkpoint_path,
+    read_full_state,  # noqa: E402
+    write_full_checkpoint,
+)
 
 
 def to_safetensors(load: str, iteration, output: str) -> None:
     from safetensors.torch import save_file
+
     path = checkpoint_path(load, iteration)
     state, meta = read_full_state(path)
     tensors = {k: v.contiguous() for k, v in state.items()}
-    save_file(tensors, output, metadata={"megatron_sp_config": json.dumps(meta["config"]),
-                                         "iteration": str(meta["iteration"])})
+    save_file(
+        tensors,
+        output,
+        metadata={"megatron_sp_config": json.dumps(meta["config"]), "iteration": str(meta["iteration"])},
+    )
     print(f"wrote {len(tensors)} tensors of iteration {meta['iteration']} to {output}")
 
 
 def _infer_config(tensors: dict, heads: int) -> dict:
     word = tensors["embedding.word_embeddings.weight"]
     layers = {int(k.split(".")[1]) for k in tensors if k.startswith("layers.")}
-    return {"num_layers": len(layers), "hidden_size": word.shape[1], "num_attention_heads": heads,
-            "vocab_size": word.shape[0], "ffn_hidden_size": tensors["layers.0.mlp.fc1.weight"].shape[0],
-            "max_position_embeddings": tensors["embedding.position_embeddings.weight"].shape[0],
-            "seq_length": tensors["embedding.position_embeddings.weight"].shape[0]}
+    return {
+        "num_layers": len(layers),
+        "hidden_size": word.shape[1],
+        "num_attention_heads": heads,
+        "vocab_size": word.shape[0],
+        "ffn_hidden_size": tensors["layers.0.mlp.fc1.weight"].shape[0],
+        "max_position_embeddings": tensors["embedding.position_embeddings.weight"].shape[0],
+        "seq_length": tensors["embedding.position_embeddings.weight"].shape[0],
+    }
 
 
 def from_safetensors(input_path: str, save: str, heads) -> None:
     from safetensors import safe_open
     from safetensors.torch import load_file
+
     tensors = load_file(input_path)
     with safe_open(input_path, "pt") as f:
         stored = (f.metadata() or {}).get("megatron_sp_config")
@@ -73,7 +87,7 @@ def main(argv=None) -> int:
             to_safetensors(args.load, args.iteration, args.output)
         else:
             from_safetensors(args.input, args.save, args.num_attention_heads)
-    except ValueError as err:           # CheckpointError, GPTConfig's ValueError
+    except ValueError as err:  # CheckpointError, GPTConfig's ValueError
         print(f"convert_checkpoint.py: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -11,6 +11,7 @@ LlamaForCausalLM: model.safetensors + config.json, loadable offline by transform
 Runs in one process, no torch.distributed needed; transformers is not needed either. Optimizer state
 is not converted. Sharded HF checkpoints (model-0000x-of-0000y.safetensors + index) are read too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_sp.models.hf import from_hf, to_hf  # noqa: E402
-from megatron_sp.training.full_state import (checkpoint_path, config_from_dict,  # noqa: E402
-                                             read_full_state, write_full_checkpoint)
+from megatron_sp.training.full_state import (
+    checkpoint_path,
+    config_from_dict,  # noqa: E402
+    read_full_state,
+    write_full_checkpoint,
+)
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -31,12 +36,14 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 def export(load: str, iteration, output: str, dtype: str, eos_token_id=None) -> None:
     import torch
     from safetensors.torch import save_file
+
     state, meta = read_full_state(checkpoint_path(load, iteration))
     cfg = config_from_dict(meta["config"])
     tensors, config = to_hf(state, cfg)
     tensors = {k: v.to(getattr(torch, DTYPES[dtype])) for k, v in tensors.items()}
-    config.update(torch_dtype=DTYPES[dtype], dtype=DTYPES[dtype], bos_token_id=eos_token_id,
-                  eos_token_id=eos_token_id)     # the tokenizer's EOD; not known to the checkpoint
+    config.update(
+        torch_dtype=DTYPES[dtype], dtype=DTYPES[dtype], bos_token_id=eos_token_id, eos_token_id=eos_token_id
+    )  # the tokenizer's EOD; not known to the checkpoint
     os.makedirs(output, exist_ok=True)
     save_file(tensors, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(output, "config.json"), "w") as f:
@@ -46,11 +53,14 @@ def export(load: str, iteration, output: str, dtype: str, eos_token_id=None) -> 
 
 def read_hf(directory: str) -> tuple[dict, dict]:
     from safetensors.torch import load_file
+
     config_path = os.path.join(directory, "config.json")
     files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
     if not os.path.isfile(config_path) or not files:
-        raise ValueError(f"{directory} is not a Hugging Face model directory (config.json and *.safetensors "
-                         f"expected; .bin weights are not read: they are pickles).")
+        raise ValueError(
+            f"{directory} is not a Hugging Face model directory (config.json and *.safetensors "
+            f"expected; .bin weights are not read: they are pickles)."
+        )
     with open(config_path) as f:
         config = json.load(f)
     tensors = {}
@@ -62,22 +72,33 @@ def read_hf(directory: str) -> tuple[dict, dict]:
 def model_flags(fields: dict) -> str:
     """The pretrain_gpt_sp.py flags that build this model: --model llama when its defaults fit
     (untied, no biases), else GPT-2's defaults with the architecture flags spelled out."""
-    llama = fields["model"] == "llama" and fields["untie_embeddings_and_output_weights"] \
-        and not fields["add_bias_linear"]
-    flags = [f"--model {'llama' if llama else 'gpt2'}", f"--num-layers {fields['num_layers']}",
-             f"--hidden-size {fields['hidden_size']}", f"--num-attention-heads {fields['num_attention_heads']}",
-             f"--ffn-hidden-size {fields['ffn_hidden_size']}",
-             f"--max-position-embeddings {fields['max_position_embeddings']}",
-             f"--norm-epsilon {fields['layernorm_epsilon']}"]
+    llama = (
+        fields["model"] == "llama" and fields["untie_embeddings_and_output_weights"] and not fields["add_bias_linear"]
+    )
+    flags = [
+        f"--model {'llama' if llama else 'gpt2'}",
+        f"--num-layers {fields['num_layers']}",
+        f"--hidden-size {fields['hidden_size']}",
+        f"--num-attention-heads {fields['num_attention_heads']}",
+        f"--ffn-hidden-size {fields['ffn_hidden_size']}",
+        f"--max-position-embeddings {fields['max_position_embeddings']}",
+        f"--norm-epsilon {fields['layernorm_epsilon']}",
+    ]
     if fields["model"] == "llama":
-        flags += [f"--group-query-attention --num-query-groups {fields['num_query_groups']}",
-                  f"--kv-channels {fields['kv_channels']}", f"--rotary-base {float(fields['rotary_base'])!r}"]
+        flags += [
+            f"--group-query-attention --num-query-groups {fields['num_query_groups']}",
+            f"--kv-channels {fields['kv_channels']}",
+            f"--rotary-base {float(fields['rotary_base'])!r}",
+        ]
         if fields.get("rope_scaling"):
-            flags += ["--use-rope-scaling", f"--rope-scaling-factor {fields['rope_scaling_factor']}",
-                      f"--rope-scaling-low-freq-factor {fields['rope_scaling_low_freq_factor']}",
-                      f"--rope-scaling-high-freq-factor {fields['rope_scaling_high_freq_factor']}",
-                      "--rope-scaling-original-max-position-embeddings "
-                      f"{fields['rope_scaling_original_max_position_embeddings']}"]
+            flags += [
+                "--use-rope-scaling",
+                f"--rope-scaling-factor {fields['rope_scaling_factor']}",
+                f"--rope-scaling-low-freq-factor {fields['rope_scaling_low_freq_factor']}",
+                f"--rope-scaling-high-freq-factor {fields['rope_scaling_high_freq_factor']}",
+                "--rope-scaling-original-max-position-embeddings "
+                f"{fields['rope_scaling_original_max_position_embeddings']}",
+            ]
         if fields.get("rotary_seq_len_interpolation_factor") is not None:
             flags.append(f"--rotary-seq-len-interpolation-factor {fields['rotary_seq_len_interpolation_factor']}")
         if not llama:
@@ -95,10 +116,12 @@ def import_(input_dir: str, save: str) -> None:
     state, fields = from_hf(tensors, hf_config)
     config = dict(fields, seq_length=fields["max_position_embeddings"])
     path = write_full_checkpoint(state, config, save, input_dir)
-    print(f"wrote checkpoint {path} ({len(state)} tensors, no optimizer state); train it with\n"
-          f"  {model_flags(fields)} --load {save} --finetune\n"
-          f"and a tokenizer of {fields['vocab_size']} ids (e.g. --tokenizer-type HuggingFaceTokenizer "
-          f"--tokenizer-model {os.path.join(input_dir, 'tokenizer.json')}).")
+    print(
+        f"wrote checkpoint {path} ({len(state)} tensors, no optimizer state); train it with\n"
+        f"  {model_flags(fields)} --load {save} --finetune\n"
+        f"and a tokenizer of {fields['vocab_size']} ids (e.g. --tokenizer-type HuggingFaceTokenizer "
+        f"--tokenizer-model {os.path.join(input_dir, 'tokenizer.json')})."
+    )
 
 
 def main(argv=None) -> int:
@@ -109,8 +132,12 @@ def main(argv=None) -> int:
     a.add_argument("--iteration", type=int, default=None, help="default: the latest")
     a.add_argument("--output", required=True)
     a.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    a.add_argument("--eos-token-id", type=int, default=None,
-                   help="the tokenizer's end-of-document id, written as bos/eos_token_id (default: none)")
+    a.add_argument(
+        "--eos-token-id",
+        type=int,
+        default=None,
+        help="the tokenizer's end-of-document id, written as bos/eos_token_id (default: none)",
+    )
     b = sub.add_parser("import")
     b.add_argument("--input", required=True)
     b.add_argument("--save", required=True)
@@ -120,7 +147,7 @@ def main(argv=None) -> int:
             export(args.load, args.iteration, args.output, args.dtype, args.eos_token_id)
         else:
             import_(args.input, args.save)
-    except ValueError as err:             # ConversionError, CheckpointError, GPTConfig's ValueError
+    except ValueError as err:  # ConversionError, CheckpointError, GPTConfig's ValueError
         print(f"convert_hf.py: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -12,6 +12,7 @@ the whole window again (no key/value cache: simple, and fast enough for a check)
 the last max_position_embeddings tokens. --temperature 0 is greedy decoding; generation stops at
 the tokenizer's end-of-document id unless --ignore-eod.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,9 +30,11 @@ def load_model(load: str, iteration=None, device: str = "cpu", dtype=None):
     """(ReferenceGPT in eval mode, its GPTConfig) from a checkpoint directory."""
     from megatron_sp.models.reference import ReferenceGPT
     from megatron_sp.training.full_state import checkpoint_path, config_from_dict, read_full_state
+
     state, meta = read_full_state(checkpoint_path(load, iteration))
-    cfg = config_from_dict(meta["config"], hidden_dropout=0.0, attention_dropout=0.0,
-                           use_fused_kernels=device == "cuda")
+    cfg = config_from_dict(
+        meta["config"], hidden_dropout=0.0, attention_dropout=0.0, use_fused_kernels=device == "cuda"
+    )
     model = ReferenceGPT(cfg, initialise=False)
     model.load_state_dict(state)
     return model.to(device=device, dtype=dtype).eval(), cfg
@@ -45,14 +48,23 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
-        drop = probs.cumsum(dim=-1) - probs >= top_p            # the tokens after the set is complete
+        drop = probs.cumsum(dim=-1) - probs >= top_p  # the tokens after the set is complete
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
     return logits
 
 
 @torch.no_grad()
-def generate(model, ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, eod=None, generator=None) -> torch.Tensor:
+def generate(
+    model,
+    ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eod=None,
+    generator=None,
+) -> torch.Tensor:
     """ids [b, s] -> [b, s + n] with n <= max_new_tokens new tokens (fewer when every row reached eod;
     a row that has stops changing: it is padded with eod)."""
     window = model.cfg.max_position_embeddings
@@ -93,28 +105,41 @@ def main(argv=None) -> int:
     p.add_argument("--bf16", action="store_true")
     args = p.parse_args(argv)
     try:
-        for flag, value, ok in (("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 0),
-                                ("--temperature", args.temperature, args.temperature >= 0),
-                                ("--top-k", args.top_k, args.top_k >= 0),
-                                ("--top-p", args.top_p, 0 < args.top_p <= 1)):
+        for flag, value, ok in (
+            ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 0),
+            ("--temperature", args.temperature, args.temperature >= 0),
+            ("--top-k", args.top_k, args.top_k >= 0),
+            ("--top-p", args.top_p, 0 < args.top_p <= 1),
+        ):
             if not ok:
                 raise ValueError(f"{flag} {value} is out of range.")
         from megatron_sp.data import build_tokenizer
-        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size, args.vocab_file,
-                                    args.merge_file)
+
+        tokenizer = build_tokenizer(
+            args.tokenizer_type, args.tokenizer_model, args.vocab_size, args.vocab_file, args.merge_file
+        )
         model, cfg = load_model(args.load, args.iteration, args.device, torch.bfloat16 if args.bf16 else None)
         if tokenizer.vocab_size > cfg.vocab_size:
-            raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the checkpoint's model "
-                             f"{cfg.vocab_size}: use the tokenizer it was trained with.")
-    except (ValueError, OSError) as err:       # DataError, CheckpointError, GPTConfig's ValueError
+            raise ValueError(
+                f"the tokenizer has {tokenizer.vocab_size} ids but the checkpoint's model "
+                f"{cfg.vocab_size}: use the tokenizer it was trained with."
+            )
+    except (ValueError, OSError) as err:  # DataError, CheckpointError, GPTConfig's ValueError
         print(f"generate.py: error: {err}", file=sys.stderr)
         return 2
     prompt = tokenizer.tokenize(args.prompt) if args.prompt else [tokenizer.eod]
     ids = torch.tensor([prompt], device=args.device)
-    out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, eod=None if args.ignore_eod else tokenizer.eod,
-                   generator=torch.Generator(args.device).manual_seed(args.seed))
-    new = [t for t in out[0, len(prompt):].tolist() if args.ignore_eod or t != tokenizer.eod]
+    out = generate(
+        model,
+        ids,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        eod=None if args.ignore_eod else tokenizer.eod,
+        generator=torch.Generator(args.device).manual_seed(args.seed),
+    )
+    new = [t for t in out[0, len(prompt) :].tolist() if args.ignore_eod or t != tokenizer.eod]
     print(tokenizer.detokenize((prompt if args.prompt else []) + new))
     return 0
 

@@ -12,6 +12,7 @@ what Megatron-LM writes for the same token ids and interchangeable with it.
 Each line is a JSON object; each --json-keys field is one document (a string, or a list of
 strings stored as one sequence each, as Megatron does). Output is identical for any --workers.
 """
+
 import argparse
 import json
 import multiprocessing
@@ -37,8 +38,7 @@ def get_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     group = parser.add_argument_group("input data")
     group.add_argument("--input", required=True, help="JSON-lines file")
-    group.add_argument("--json-keys", nargs="+", default=["text"],
-                       help="fields to extract, one output dataset each")
+    group.add_argument("--json-keys", nargs="+", default=["text"], help="fields to extract, one output dataset each")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", default="ByteLevelTokenizer", choices=TOKENIZER_TYPES)
     group.add_argument("--tokenizer-model", default=None, help="tokenizer.json (HuggingFace)")
@@ -54,8 +54,9 @@ def get_args(argv=None) -> argparse.Namespace:
 
 
 def _init_worker(args: argparse.Namespace) -> None:
-    _worker["tokenizer"] = build_tokenizer(args.tokenizer_type, args.tokenizer_model,
-                                           args.vocab_size, args.vocab_file, args.merge_file)
+    _worker["tokenizer"] = build_tokenizer(
+        args.tokenizer_type, args.tokenizer_model, args.vocab_size, args.vocab_file, args.merge_file
+    )
     _worker["args"] = args
 
 
@@ -68,18 +69,20 @@ def encode_line(numbered_line: tuple[int, bytes]):
     try:
         record = json.loads(line)
     except ValueError:
-        raise DataError(f"{args.input} line {lineno} is not valid JSON; the input must be JSON "
-                        "lines (one object per line).") from None
+        raise DataError(
+            f"{args.input} line {lineno} is not valid JSON; the input must be JSON lines (one object per line)."
+        ) from None
     encoded = {}
     for key in args.json_keys:
         if not isinstance(record, dict) or key not in record:
-            raise DataError(f"{args.input} line {lineno} has no {key!r} field; pass the right "
-                            "--json-keys.")
+            raise DataError(f"{args.input} line {lineno} has no {key!r} field; pass the right --json-keys.")
         try:
             encoded[key] = _encode_document(record[key], tokenizer, args.append_eod)
         except _NotText as err:
-            raise DataError(f"{args.input} line {lineno}: field {key!r} is of type {err}, not text (a string or "
-                            "a list of strings); fix that line or pass the right --json-keys.") from None
+            raise DataError(
+                f"{args.input} line {lineno}: field {key!r} is of type {err}, not text (a string or "
+                "a list of strings); fix that line or pass the right --json-keys."
+            ) from None
     return encoded, len(line)
 
 
@@ -122,25 +125,27 @@ def main(argv=None) -> list[str]:
 
     args = get_args(argv)
     if not os.path.isfile(args.input):
-        raise DataError(f"Input file {args.input} does not exist; pass --input PATH to a JSON-lines "
-                        "file.")
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size, args.vocab_file,
-                                args.merge_file)
+        raise DataError(f"Input file {args.input} does not exist; pass --input PATH to a JSON-lines file.")
+    tokenizer = build_tokenizer(
+        args.tokenizer_type, args.tokenizer_model, args.vocab_size, args.vocab_file, args.merge_file
+    )
     indexed = mcore("datasets.indexed_dataset")
     prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
-    builders = {key: indexed.IndexedDatasetBuilder(prefix + ".bin.tmp",
-                                                   dtype=token_dtype(tokenizer.vocab_size))
-                for key, prefix in prefixes.items()}
+    builders = {
+        key: indexed.IndexedDatasetBuilder(prefix + ".bin.tmp", dtype=token_dtype(tokenizer.vocab_size))
+        for key, prefix in prefixes.items()
+    }
     try:
-        with tqdm(total=os.path.getsize(args.input), unit="B", unit_scale=True,
-                  desc=os.path.basename(args.input)) as progress:
+        with tqdm(
+            total=os.path.getsize(args.input), unit="B", unit_scale=True, desc=os.path.basename(args.input)
+        ) as progress:
             for encoded, nbytes in _encoded_stream(args):
                 progress.update(nbytes)
                 for key, (ids, lengths) in (encoded or {}).items():
                     builders[key].add_document(ids, lengths)
     except DataError:
-        for prefix in prefixes.values():      # no half-written .bin.tmp left behind
+        for prefix in prefixes.values():  # no half-written .bin.tmp left behind
             if os.path.exists(prefix + ".bin.tmp"):
                 os.remove(prefix + ".bin.tmp")
         raise
@@ -157,6 +162,6 @@ if __name__ == "__main__":
     try:
         for written in main():
             print(f"wrote {written}.bin and {written}.idx")
-    except DataError as error:   # bad input: one sentence, exit 2 (as pretrain_gpt_sp.py)
+    except DataError as error:  # bad input: one sentence, exit 2 (as pretrain_gpt_sp.py)
         print(f"preprocess_data.py: error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -7,6 +7,7 @@ Inputs ending in .json/.jsonl are JSON lines (the --json-key field of each objec
 any other file is plain text, one text per file. The result always contains <|endoftext|> (the
 EOD of HuggingFaceTokenizer) and can encode any byte string (the 256 byte symbols are seeded).
 """
+
 import argparse
 import json
 import os
@@ -24,10 +25,8 @@ def get_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--input", nargs="+", required=True, help="text or JSON-lines files")
     parser.add_argument("--output", required=True, help="path of the tokenizer.json to write")
-    parser.add_argument("--vocab-size", type=int, default=8192,
-                        help="final vocabulary size, special tokens included")
-    parser.add_argument("--min-frequency", type=int, default=2,
-                        help="merge pairs seen fewer times are not learnt")
+    parser.add_argument("--vocab-size", type=int, default=8192, help="final vocabulary size, special tokens included")
+    parser.add_argument("--min-frequency", type=int, default=2, help="merge pairs seen fewer times are not learnt")
     parser.add_argument("--json-key", default="text", help="field holding the text in JSON lines")
     return parser.parse_args(argv)
 
@@ -52,8 +51,10 @@ def _json_texts(path: str, json_key: str):
             try:
                 yield json.loads(line)[json_key]
             except (ValueError, KeyError, TypeError):
-                raise DataError(f"{path} line {lineno} is not a JSON object with a {json_key!r} "
-                                "field; fix the line or pass --json-key.") from None
+                raise DataError(
+                    f"{path} line {lineno} is not a JSON object with a {json_key!r} "
+                    "field; fix the line or pass --json-key."
+                ) from None
 
 
 def train_tokenizer(texts, vocab_size: int, min_frequency: int = 2):
@@ -61,16 +62,21 @@ def train_tokenizer(texts, vocab_size: int, min_frequency: int = 2):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     if vocab_size <= 257:
-        raise DataError(f"--vocab-size {vocab_size} is too small: byte-level BPE needs 256 byte "
-                        "symbols plus <|endoftext|>, so use at least 258.")
+        raise DataError(
+            f"--vocab-size {vocab_size} is too small: byte-level BPE needs 256 byte "
+            "symbols plus <|endoftext|>, so use at least 258."
+        )
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                  special_tokens=[EOD_TOKEN],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[EOD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return tokenizer
 
@@ -78,8 +84,7 @@ def train_tokenizer(texts, vocab_size: int, min_frequency: int = 2):
 def main(argv=None) -> str:
     """Train and save; returns the output path."""
     args = get_args(argv)
-    tokenizer = train_tokenizer(iter_texts(args.input, args.json_key), args.vocab_size,
-                                args.min_frequency)
+    tokenizer = train_tokenizer(iter_texts(args.input, args.json_key), args.vocab_size, args.min_frequency)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     tokenizer.save(args.output)
     return args.output

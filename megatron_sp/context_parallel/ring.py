@@ -15,6 +15,7 @@ its query's contribution to the travelling block's dK, dV, which arrive at their
 (the incoming partial sums overlap the compute of the next contribution). Dropout masks are keyed by
 global (sample, head, query, key) positions, so every rank draws the serial model's bits.
 """
+
 from __future__ import annotations
 
 import torch
@@ -63,7 +64,7 @@ class _RingAttention(torch.autograd.Function):
         c = q.shape[2] // 2
         q_pos = layout.positions(r, q.device)
         q_seg = layout.segments(r)
-        b, n, s, d = q.shape                       # out laid out [s, b, n, d]: proj's input is a view of it
+        b, n, s, d = q.shape  # out laid out [s, b, n, d]: proj's input is a view of it
         out = torch.zeros(s, b, n, d, dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kv = (k, v)
@@ -73,9 +74,17 @@ class _RingAttention(torch.autograd.Function):
             qs, ks = _halves(j, r, c)
             k_pos, k_seg = layout.positions(j, q.device), layout.segments(j)
             part, part_lse = flash_attention_fwd(
-                q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], q_pos[qs], k_pos[ks],
-                None if q_seg is None else q_seg[:, qs], None if k_seg is None else k_seg[:, ks],
-                sample_ids, drop, fused)
+                q[:, :, qs],
+                kv[0][:, :, ks],
+                kv[1][:, :, ks],
+                q_pos[qs],
+                k_pos[ks],
+                None if q_seg is None else q_seg[:, qs],
+                None if k_seg is None else k_seg[:, ks],
+                sample_ids,
+                drop,
+                fused,
+            )
             out[:, :, qs], lse[:, :, qs] = merge_partials(out[:, :, qs], lse[:, :, qs], part, part_lse.float())
             _wait(handles)
             kv = incoming
@@ -99,16 +108,27 @@ class _RingAttention(torch.autograd.Function):
             qs, ks = _halves(j, r, c)
             k_pos, k_seg = layout.positions(j, q.device), layout.segments(j)
             dq_part, dk_part, dv_part = flash_attention_bwd(
-                dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs], lse[:, :, qs],
-                q_pos[qs], k_pos[ks], None if q_seg is None else q_seg[:, qs],
-                None if k_seg is None else k_seg[:, ks], sample_ids, ctx.drop, ctx.fused)
+                dout[:, :, qs],
+                q[:, :, qs],
+                kv[0][:, :, ks],
+                kv[1][:, :, ks],
+                out[:, :, qs],
+                lse[:, :, qs],
+                q_pos[qs],
+                k_pos[ks],
+                None if q_seg is None else q_seg[:, qs],
+                None if k_seg is None else k_seg[:, ks],
+                sample_ids,
+                ctx.drop,
+                ctx.fused,
+            )
             dq[:, :, qs] += dq_part.float()
-            dkv = torch.zeros(2, *kv[0].shape, dtype=torch.float32, device=q.device)   # this block's dK, dV
+            dkv = torch.zeros(2, *kv[0].shape, dtype=torch.float32, device=q.device)  # this block's dK, dV
             dkv[0][:, :, ks], dkv[1][:, :, ks] = dk_part.float(), dv_part.float()
-            if pending is not None:                     # the partial sums of the ranks before us
+            if pending is not None:  # the partial sums of the ranks before us
                 _wait(pending[0])
                 dkv += pending[1][0]
-            pending = ring.shift([dkv], tag=2)          # towards the block's next holder, then home
+            pending = ring.shift([dkv], tag=2)  # towards the block's next holder, then home
             _wait(handles)
             kv = incoming
         _wait(pending[0])
@@ -127,5 +147,13 @@ class RingAttention(nn.Module):
     def forward(self, q, k, v, ctx, head_offset: int):
         p = self.cfg.attention_dropout if ctx.training else 0.0
         drop = AttentionDropout(p, self.cfg.seed, self.layer, head_offset)
-        return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ctx.cp, ctx.full_index.sample_ids,
-                                    drop, self.cfg.use_fused_kernels, self.ring)
+        return _RingAttention.apply(
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            ctx.cp,
+            ctx.full_index.sample_ids,
+            drop,
+            self.cfg.use_fused_kernels,
+            self.ring,
+        )

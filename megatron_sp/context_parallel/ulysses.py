@@ -9,6 +9,7 @@ n is the heads this TP rank holds; n/p of them per CP rank, so n must be divisib
 heads fewer than p (GQA) are repeated to the query heads before the exchange. The pack/unpack copies
 are the fused layout ops (megatron_sp._C) when built.
 """
+
 from __future__ import annotations
 
 import torch
@@ -61,13 +62,16 @@ class UlyssesAttention(nn.Module):
         """q [b, n_q, s/p, d], k/v [b, n_kv, s/p, d] (this rank's tokens) -> [b, n_q, s/p, d]."""
         p, nq = self.p, q.shape[1]
         if nq % p != 0:
-            raise ValueError(f"Ulysses needs the query heads per TP rank ({nq}) divisible by "
-                             f"context_parallel_size ({p}); use --cp-comm-type p2p.")
-        if k.shape[1] % p != 0:                       # too few key/value heads to split: repeat them
+            raise ValueError(
+                f"Ulysses needs the query heads per TP rank ({nq}) divisible by "
+                f"context_parallel_size ({p}); use --cp-comm-type p2p."
+            )
+        if k.shape[1] % p != 0:  # too few key/value heads to split: repeat them
             k, v = (t.repeat_interleave(nq // k.shape[1], dim=1) for t in (k, v))
 
-        def to_heads(t):                                                   # [b, n, s/p, d] -> [b, n/p, s, d]
+        def to_heads(t):  # [b, n, s/p, d] -> [b, n/p, s, d]
             return _Exchange.apply(t.permute(2, 0, 1, 3), True, p, self.group, self.fused).permute(1, 2, 0, 3)
+
         out = self.core(to_heads(q), to_heads(k), to_heads(v), ctx.cp.whole, head_offset + self.cp_rank * (nq // p))
         out = _Exchange.apply(out.permute(2, 0, 1, 3).contiguous(), False, p, self.group, self.fused)
-        return out.permute(1, 2, 0, 3)                                     # [b, n_q, s/p, d]
+        return out.permute(1, 2, 0, 3)  # [b, n_q, s/p, d]

@@ -4,6 +4,7 @@ megatron-core is imported only when data is actually built, so `import megatron_
 (importing megatron.core takes seconds). Its import warns that Apex / Transformer Engine are
 missing; those warnings are irrelevant to the dataset code we use, so they are silenced here.
 """
+
 import importlib
 import warnings
 from types import ModuleType

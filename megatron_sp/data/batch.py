@@ -12,6 +12,7 @@ A batch is a dict of tensors (b = micro batch size, s = seq_length):
                                               keys its dropout masks on them
     dataset_id      LongTensor  [b]           source index in a blend (only when blending)
 """
+
 import warnings
 from collections.abc import Iterator
 
@@ -24,8 +25,9 @@ from megatron_sp.data.sampler import PretrainingSampler
 def collate(samples: list[dict], sample_ids) -> dict:
     """Stack dataset items (GPTDataset dicts) into one micro-batch; see the module docstring."""
     if not samples or len(samples) != len(sample_ids):
-        raise ValueError(f"collate needs one sample id per sample, got {len(samples)} samples "
-                         f"and {len(sample_ids)} ids.")
+        raise ValueError(
+            f"collate needs one sample id per sample, got {len(samples)} samples and {len(sample_ids)} ids."
+        )
     batch = {
         "tokens": torch.stack([s["tokens"] for s in samples]).long(),  # [b, s]
         "labels": torch.stack([s["labels"] for s in samples]).long(),  # [b, s]
@@ -56,9 +58,11 @@ class _PositionedDataset(torch.utils.data.Dataset):
     def __getitem__(self, position: int):
         if position >= self.size and not self.warned:
             self.warned = True
-            warnings.warn(f"Sample position {position} is past the dataset's {self.size} samples; "
-                          "replaying it from the start (raise --train-samples to avoid this).",
-                          stacklevel=2)
+            warnings.warn(
+                f"Sample position {position} is past the dataset's {self.size} samples; "
+                "replaying it from the start (raise --train-samples to avoid this).",
+                stacklevel=2,
+            )
         return position, self.dataset[position % self.size]
 
 
@@ -67,8 +71,9 @@ def _collate_positioned(items) -> dict:
     return collate(list(samples), positions)
 
 
-def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int,
-                        dp_size: int, num_workers: int = 0) -> Iterator[dict]:
+def build_data_iterator(
+    dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int, num_workers: int = 0
+) -> Iterator[dict]:
     """Infinite iterator of this DP rank's micro-batches, starting at global consumed_samples.
 
     Each next() covers the next micro_batch_size * dp_size global positions (PretrainingSampler)
@@ -77,13 +82,14 @@ def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, d
     num_workers > 0 reads samples in torch DataLoader worker processes (order is unchanged).
     """
     if dataset is None or len(dataset) == 0:
-        raise DataError("build_data_iterator got an empty dataset (is that split's weight 0 in "
-                        "--split, or too little data?).")
+        raise DataError(
+            "build_data_iterator got an empty dataset (is that split's weight 0 in --split, or too little data?)."
+        )
     sampler = PretrainingSampler(None, consumed_samples, micro_batch_size, dp_rank, dp_size)
     positioned = _PositionedDataset(dataset)
     if num_workers > 0:
-        loader = torch.utils.data.DataLoader(positioned, batch_sampler=sampler,
-                                             collate_fn=_collate_positioned,
-                                             num_workers=num_workers)
+        loader = torch.utils.data.DataLoader(
+            positioned, batch_sampler=sampler, collate_fn=_collate_positioned, num_workers=num_workers
+        )
         return iter(loader)
     return (_collate_positioned([positioned[p] for p in positions]) for positions in sampler)

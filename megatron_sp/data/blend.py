@@ -4,6 +4,7 @@ Kept apart from gpt.py so that the command line can be checked before anything h
 or built: a malformed blend, a NaN weight or a split that leaves training nothing is one sentence
 at start-up.
 """
+
 import math
 import re
 
@@ -17,12 +18,16 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None
     if not any(numeric):
         return items, None
     if len(items) % 2 or not all(numeric[0::2]) or any(numeric[1::2]):
-        raise DataError(f"--data-path {' '.join(items)} mixes weights and prefixes; give either "
-                        "prefixes only or alternating 'weight prefix' pairs.")
+        raise DataError(
+            f"--data-path {' '.join(items)} mixes weights and prefixes; give either "
+            "prefixes only or alternating 'weight prefix' pairs."
+        )
     weights = [float(w) for w in items[0::2]]
     if any(not math.isfinite(w) or w <= 0 for w in weights):
-        raise DataError(f"--data-path weights {weights} must all be positive finite numbers; drop a "
-                        "source instead of giving it weight 0.")
+        raise DataError(
+            f"--data-path weights {weights} must all be positive finite numbers; drop a "
+            "source instead of giving it weight 0."
+        )
     return items[1::2], weights
 
 
@@ -41,10 +46,11 @@ def parse_split(split: str) -> list[float]:
         values = [float(p) for p in parts]
     except ValueError:
         values = []
-    if (not 1 <= len(values) <= 3 or any(not math.isfinite(v) or v < 0 for v in values)
-            or sum(values) <= 0):
-        raise DataError(f"--split {split!r} must be 1 to 3 comma-separated non-negative numbers "
-                        "with a positive sum, e.g. '969,30,1'.")
+    if not 1 <= len(values) <= 3 or any(not math.isfinite(v) or v < 0 for v in values) or sum(values) <= 0:
+        raise DataError(
+            f"--split {split!r} must be 1 to 3 comma-separated non-negative numbers "
+            "with a positive sum, e.g. '969,30,1'."
+        )
     values += [0.0] * (3 - len(values))
     return [v / sum(values) for v in values]
 
@@ -52,5 +58,6 @@ def parse_split(split: str) -> list[float]:
 def check_train_share(split: str) -> None:
     """The train split must get a share: with 0 there is nothing to train on."""
     if parse_split(split)[0] == 0:
-        raise DataError(f"--split {split} gives the train split no share; put the train weight first, "
-                        "e.g. --split 969,30,1.")
+        raise DataError(
+            f"--split {split} gives the train split no share; put the train weight first, e.g. --split 969,30,1."
+        )

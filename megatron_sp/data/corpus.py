@@ -7,6 +7,7 @@ modules and packages (located with importlib's finders, read from disk, never im
 distribution strips are skipped, and the cache key hashes the text itself, so a different Python
 yields a different (still deterministic) corpus file instead of a stale one.
 """
+
 import contextlib
 import hashlib
 import importlib.util
@@ -22,16 +23,91 @@ CORPUS_VERSION = 1
 # Top-level names only: find_spec on these imports nothing. Packages contribute all their .py
 # files (test directories excluded). Chosen for size (~6 MB together) and prose-like docstrings.
 STDLIB_SOURCES = (
-    "abc", "argparse", "ast", "asyncio", "base64", "bisect", "calendar", "cmd", "codecs",
-    "collections", "concurrent", "configparser", "contextlib", "copy", "csv", "dataclasses",
-    "datetime", "decimal", "difflib", "dis", "doctest", "email", "enum", "fractions", "ftplib",
-    "functools", "getopt", "gettext", "glob", "gzip", "heapq", "hmac", "html", "http", "imaplib",
-    "importlib", "inspect", "ipaddress", "json", "locale", "logging", "mailbox", "multiprocessing",
-    "numbers", "operator", "optparse", "pathlib", "pdb", "pickle", "pickletools", "platform",
-    "pprint", "pydoc", "queue", "random", "re", "selectors", "shlex", "shutil", "smtplib",
-    "socket", "socketserver", "ssl", "statistics", "string", "subprocess", "tarfile", "tempfile",
-    "textwrap", "threading", "timeit", "tokenize", "trace", "traceback", "turtle", "typing",
-    "unittest", "urllib", "uuid", "warnings", "weakref", "xml", "xmlrpc", "zipfile", "_pydecimal",
+    "abc",
+    "argparse",
+    "ast",
+    "asyncio",
+    "base64",
+    "bisect",
+    "calendar",
+    "cmd",
+    "codecs",
+    "collections",
+    "concurrent",
+    "configparser",
+    "contextlib",
+    "copy",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "dis",
+    "doctest",
+    "email",
+    "enum",
+    "fractions",
+    "ftplib",
+    "functools",
+    "getopt",
+    "gettext",
+    "glob",
+    "gzip",
+    "heapq",
+    "hmac",
+    "html",
+    "http",
+    "imaplib",
+    "importlib",
+    "inspect",
+    "ipaddress",
+    "json",
+    "locale",
+    "logging",
+    "mailbox",
+    "multiprocessing",
+    "numbers",
+    "operator",
+    "optparse",
+    "pathlib",
+    "pdb",
+    "pickle",
+    "pickletools",
+    "platform",
+    "pprint",
+    "pydoc",
+    "queue",
+    "random",
+    "re",
+    "selectors",
+    "shlex",
+    "shutil",
+    "smtplib",
+    "socket",
+    "socketserver",
+    "ssl",
+    "statistics",
+    "string",
+    "subprocess",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "timeit",
+    "tokenize",
+    "trace",
+    "traceback",
+    "turtle",
+    "typing",
+    "unittest",
+    "urllib",
+    "uuid",
+    "warnings",
+    "weakref",
+    "xml",
+    "xmlrpc",
+    "zipfile",
+    "_pydecimal",
     "_pyio",
 )
 _SKIP_DIRS = {"test", "tests", "__pycache__", "idle_test"}
@@ -58,8 +134,7 @@ def _module_sources(name: str) -> list[str]:
     for root in spec.submodule_search_locations:
         for dirpath, dirnames, filenames in os.walk(root):
             dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
-            texts.extend(_read(os.path.join(dirpath, f)) for f in sorted(filenames)
-                         if f.endswith(".py"))
+            texts.extend(_read(os.path.join(dirpath, f)) for f in sorted(filenames) if f.endswith(".py"))
     return texts
 
 
@@ -101,8 +176,10 @@ def _exists(prefix: str) -> bool:
 def _build(prefix: str, texts: list[str], tokenizer) -> None:
     """Tokenize `texts` (EOD after each) into prefix.bin/.idx atomically."""
     if isinstance(tokenizer, NullTokenizer):
-        raise DataError("The default corpus is text; NullTokenizer cannot encode it. Pass "
-                        "--data-path or choose ByteLevelTokenizer/HuggingFaceTokenizer.")
+        raise DataError(
+            "The default corpus is text; NullTokenizer cannot encode it. Pass "
+            "--data-path or choose ByteLevelTokenizer/HuggingFaceTokenizer."
+        )
     batch = getattr(tokenizer, "tokenize_batch", None)
     token_lists = batch(texts) if batch else [tokenizer.tokenize(t) for t in texts]
     docs = [ids + [tokenizer.eod] for ids in token_lists]

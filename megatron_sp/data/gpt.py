@@ -13,6 +13,7 @@ Megatron semantics to know: eod_mask_loss zeroes the loss where the *input* toke
 unpredictable first token of the next document), and reset_* restart positions / block attention
 after each EOD input token.
 """
+
 import contextlib
 import hashlib
 import os
@@ -28,10 +29,20 @@ from megatron_sp.data.tokenizers import as_megatron_tokenizer
 _SPLIT_NAMES = ("train", "valid", "test")
 
 
-def build_gpt_datasets(data_path: list[str] | None, split: str, seq_length: int, seed: int,
-                       tokenizer, train_samples: int, valid_samples: int, test_samples: int,
-                       reset_position_ids: bool = False, reset_attention_mask: bool = False,
-                       eod_mask_loss: bool = False, cache_dir: str = "data_cache"):
+def build_gpt_datasets(
+    data_path: list[str] | None,
+    split: str,
+    seq_length: int,
+    seed: int,
+    tokenizer,
+    train_samples: int,
+    valid_samples: int,
+    test_samples: int,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
+    cache_dir: str = "data_cache",
+):
     """Build (train, valid, test) GPT datasets; a split with weight 0 in `split` is None.
 
     A valid/test split that gets no documents of some source (tiny data) is None too, with a
@@ -62,17 +73,24 @@ def build_gpt_datasets(data_path: list[str] | None, split: str, seq_length: int,
     gpt = mcore("datasets.gpt_dataset")
     builder_mod = mcore("datasets.blended_megatron_dataset_builder")
     config = gpt.GPTDatasetConfig(
-        random_seed=seed, sequence_length=seq_length, blend=(prefixes, weights), split=split,
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=(prefixes, weights),
+        split=split,
         path_to_cache=_index_cache_dir(cache_dir, infos),
-        tokenizer=as_megatron_tokenizer(tokenizer), reset_position_ids=reset_position_ids,
-        reset_attention_mask=reset_attention_mask, eod_mask_loss=eod_mask_loss,
-        create_attention_mask=reset_attention_mask)
+        tokenizer=as_megatron_tokenizer(tokenizer),
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
+        create_attention_mask=reset_attention_mask,
+    )
     empty = {i for info in infos for i in _empty_splits(info, config.split_matrix, split)}
     _drop_splits(config, empty, split)
     # Every rank reads its own samples (the model wants full tokens on every rank), so every
     # rank builds the datasets; megatron-core orders rank 0 first when distributed.
     builder = builder_mod.BlendedMegatronDatasetBuilder(
-        gpt.GPTDataset, [train_samples, valid_samples, test_samples], lambda: True, config)
+        gpt.GPTDataset, [train_samples, valid_samples, test_samples], lambda: True, config
+    )
     with _rank_zero_when_not_distributed(), _index_cache_without_pickle(config.path_to_cache):
         train, valid, test = builder.build()
     return train, valid, test
@@ -113,17 +131,22 @@ def _empty_splits(info, split_matrix, split: str) -> list[int]:
         if int(info.sequence_lengths[lo:hi].sum()) == 0:
             empty.append(index)
     if 0 in empty:
-        raise DataError(f"{info.prefix}: the train split of --split {split} gets no tokens from "
-                        f"its {n} documents; use more data or give train a larger share.")
+        raise DataError(
+            f"{info.prefix}: the train split of --split {split} gets no tokens from "
+            f"its {n} documents; use more data or give train a larger share."
+        )
     return empty
 
 
 def _drop_splits(config, empty: set[int], split: str) -> None:
     """Turn valid/test splits without data into None splits (as a weight of 0 would), warning."""
     for index in sorted(empty):
-        warnings.warn(f"The {_SPLIT_NAMES[index]} split of --split {split} gets no documents of "
-                      "some --data-path source; that dataset is None (use more data or a larger "
-                      "share for it).", stacklevel=3)
+        warnings.warn(
+            f"The {_SPLIT_NAMES[index]} split of --split {split} gets no documents of "
+            "some --data-path source; that dataset is None (use more data or a larger "
+            "share for it).",
+            stacklevel=3,
+        )
         config.split_matrix[index] = None
 
 
@@ -174,9 +197,11 @@ def _index_cache_without_pickle(cache_dir: str):
         try:
             return original(file, *args, **kwargs)
         except (ValueError, OSError, EOFError) as err:
-            raise DataError(f"{file} in the dataset index cache is not a plain numpy array "
-                            f"({str(err).splitlines()[0] if str(err) else type(err).__name__}); delete "
-                            f"{cache_dir} to rebuild the indices.") from None
+            raise DataError(
+                f"{file} in the dataset index cache is not a plain numpy array "
+                f"({str(err).splitlines()[0] if str(err) else type(err).__name__}); delete "
+                f"{cache_dir} to rebuild the indices."
+            ) from None
 
     numpy.load = load
     try:

@@ -9,6 +9,7 @@ messages that do not say how to fix anything.
     b"MMIDIDX\\x00\\x00" | u64 version | u8 dtype code | u64 S (sequences) | u64 D (document
     boundaries, = documents + 1) | i32 lengths[S] | i64 byte pointers[S] | i64 doc_indices[D]
 """
+
 import os
 import struct
 from dataclasses import dataclass, field
@@ -54,16 +55,16 @@ def validate_indexed_prefix(prefix: str, vocab_size: int | None = None) -> Index
     max_id = None
     if vocab_size is not None and num_tokens > 0:
         max_id = _check_token_ids(bin_path, dtype, vocab_size)
-    return IndexedInfo(prefix, np.dtype(dtype), len(lengths), len(doc_indices) - 1, num_tokens,
-                       max_id, lengths)
+    return IndexedInfo(prefix, np.dtype(dtype), len(lengths), len(doc_indices) - 1, num_tokens, max_id, lengths)
 
 
 def _require_files(prefix: str) -> tuple[str, str]:
     idx_path, bin_path = prefix + ".idx", prefix + ".bin"
     for path in (bin_path, idx_path):
         if not os.path.isfile(path):
-            raise DataError(f"Indexed dataset file {path} does not exist; check --data-path "
-                            f"(a prefix without .bin/.idx) or {_FIX}.")
+            raise DataError(
+                f"Indexed dataset file {path} does not exist; check --data-path (a prefix without .bin/.idx) or {_FIX}."
+            )
     return idx_path, bin_path
 
 
@@ -72,21 +73,21 @@ def _read_index(idx_path: str) -> tuple[type, np.ndarray, np.ndarray]:
     size = os.path.getsize(idx_path)
     with open(idx_path, "rb") as f:
         head = f.read(_HEADER.size)
-    if head[:len(_MAGIC)] != _MAGIC:
-        raise DataError(f"{idx_path} is not a Megatron index (magic {head[:9]!r}, expected "
-                        f"{_MAGIC!r}); {_FIX}.")
+    if head[: len(_MAGIC)] != _MAGIC:
+        raise DataError(f"{idx_path} is not a Megatron index (magic {head[:9]!r}, expected {_MAGIC!r}); {_FIX}.")
     if len(head) < _HEADER.size:
         raise DataError(f"{idx_path} is truncated inside its header; {_FIX}.")
     _, version, code, n_seq, n_doc = _HEADER.unpack(head)
     if version != 1:
-        raise DataError(f"{idx_path} has index version {version}, only version 1 is supported; "
-                        f"{_FIX}.")
+        raise DataError(f"{idx_path} has index version {version}, only version 1 is supported; {_FIX}.")
     if code not in _DTYPES:
         raise DataError(f"{idx_path} has dtype code {code}, not an integer token dtype; {_FIX}.")
     expected = _HEADER.size + n_seq * (4 + 8) + n_doc * 8
     if size < expected:
-        raise DataError(f"{idx_path} is truncated: {size} bytes but its header ({n_seq} "
-                        f"sequences, {n_doc} document indices) needs {expected}; {_FIX}.")
+        raise DataError(
+            f"{idx_path} is truncated: {size} bytes but its header ({n_seq} "
+            f"sequences, {n_doc} document indices) needs {expected}; {_FIX}."
+        )
     return _DTYPES[code], *_read_index_arrays(idx_path, code, n_seq, n_doc)
 
 
@@ -98,23 +99,28 @@ def _read_index_arrays(idx_path: str, code: int, n_seq: int, n_doc: int):
     doc_indices = np.fromfile(idx_path, np.int64, n_doc, offset=offset + 12 * n_seq)
     itemsize = np.dtype(_DTYPES[code]).itemsize
     expected_pointers = np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)]) * itemsize
-    ok = (n_doc >= 1 and doc_indices[0] == 0 and doc_indices[-1] == n_seq
-          and np.all(np.diff(doc_indices) >= 0) and np.all(lengths >= 0)
-          and np.array_equal(pointers, expected_pointers[:n_seq]))
+    ok = (
+        n_doc >= 1
+        and doc_indices[0] == 0
+        and doc_indices[-1] == n_seq
+        and np.all(np.diff(doc_indices) >= 0)
+        and np.all(lengths >= 0)
+        and np.array_equal(pointers, expected_pointers[:n_seq])
+    )
     if not ok:
-        raise DataError(f"{idx_path} is corrupt: its lengths, pointers and document indices are "
-                        f"inconsistent; {_FIX}.")
+        raise DataError(f"{idx_path} is corrupt: its lengths, pointers and document indices are inconsistent; {_FIX}.")
     return lengths, doc_indices
 
 
 def _check_bin_size(bin_path: str, idx_path: str, expected: int) -> None:
     size = os.path.getsize(bin_path)
     if size < expected:
-        raise DataError(f"{bin_path} is truncated: {size} bytes but {idx_path} implies "
-                        f"{expected}; {_FIX}.")
+        raise DataError(f"{bin_path} is truncated: {size} bytes but {idx_path} implies {expected}; {_FIX}.")
     if size > expected:
-        raise DataError(f"{bin_path} has {size} bytes but {idx_path} implies {expected}: the two "
-                        f"files come from different runs; {_FIX}.")
+        raise DataError(
+            f"{bin_path} has {size} bytes but {idx_path} implies {expected}: the two "
+            f"files come from different runs; {_FIX}."
+        )
 
 
 def _check_token_ids(bin_path: str, dtype, vocab_size: int) -> int:
@@ -123,9 +129,11 @@ def _check_token_ids(bin_path: str, dtype, vocab_size: int) -> int:
     del tokens
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
-        raise DataError(f"{bin_path} holds token id {bad}, outside the model's vocabulary "
-                        f"[0, {vocab_size}); preprocess it with the tokenizer you train with "
-                        f"(same --tokenizer-type/--tokenizer-model/--vocab-size).")
+        raise DataError(
+            f"{bin_path} holds token id {bad}, outside the model's vocabulary "
+            f"[0, {vocab_size}); preprocess it with the tokenizer you train with "
+            f"(same --tokenizer-type/--tokenizer-model/--vocab-size)."
+        )
     return high
 
 

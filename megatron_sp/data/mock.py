@@ -3,6 +3,7 @@
 For speed measurements and smoke tests on machines without data or megatron-core: each item has
 the GPTDataset keys (tokens, labels, loss_mask, position_ids) of one packed seq_length + 1 window.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,5 +20,9 @@ class MockGPTDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         window = torch.randint(0, self.vocab_size, (self.seq_length + 1,), generator=gen)
-        return {"tokens": window[:-1], "labels": window[1:],
-                "loss_mask": torch.ones(self.seq_length), "position_ids": torch.arange(self.seq_length)}
+        return {
+            "tokens": window[:-1],
+            "labels": window[1:],
+            "loss_mask": torch.ones(self.seq_length),
+            "position_ids": torch.arange(self.seq_length),
+        }

@@ -8,6 +8,7 @@ exact sequence, and a position names a sample independently of the parallel layo
 dropout on it). Shuffling is not the sampler's job: GPTDataset's index is already shuffled and
 spans as many epochs as were requested.
 """
+
 import itertools
 from collections.abc import Iterator
 
@@ -21,10 +22,16 @@ class PretrainingSampler:
         default); otherwise that step is sliced as usual and some ranks may get short lists.
     """
 
-    def __init__(self, total_samples: int | None, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int, drop_last: bool = True):
-        _check(total_samples, consumed_samples, micro_batch_size, data_parallel_rank,
-               data_parallel_size)
+    def __init__(
+        self,
+        total_samples: int | None,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        drop_last: bool = True,
+    ):
+        _check(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
@@ -48,8 +55,9 @@ class PretrainingSampler:
     def __iter__(self) -> Iterator[list[int]]:
         start = self.consumed_samples
         stop = self.total_samples
-        mine = slice(self.data_parallel_rank * self.micro_batch_size,
-                     (self.data_parallel_rank + 1) * self.micro_batch_size)
+        mine = slice(
+            self.data_parallel_rank * self.micro_batch_size, (self.data_parallel_rank + 1) * self.micro_batch_size
+        )
         for step_start in itertools.count(start, self.samples_per_step):
             step_end = step_start + self.samples_per_step
             if stop is not None and step_end > stop:
@@ -62,13 +70,14 @@ class PretrainingSampler:
 def _check(total, consumed, micro_batch_size, dp_rank, dp_size) -> None:
     """Reject sampler arguments that would silently skip, repeat or starve samples."""
     if micro_batch_size <= 0 or dp_size <= 0:
-        raise ValueError(f"micro_batch_size ({micro_batch_size}) and data_parallel_size "
-                         f"({dp_size}) must be positive.")
+        raise ValueError(f"micro_batch_size ({micro_batch_size}) and data_parallel_size ({dp_size}) must be positive.")
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"data_parallel_rank {dp_rank} must be in [0, {dp_size}).")
     if consumed < 0:
         raise ValueError(f"consumed_samples must be >= 0, got {consumed}.")
     if total is not None and consumed >= total:
-        raise ValueError(f"consumed_samples ({consumed}) must be below total_samples ({total}); "
-                         "the run already used every sample (raise --train-samples or use "
-                         "an unbounded sampler).")
+        raise ValueError(
+            f"consumed_samples ({consumed}) must be below total_samples ({total}); "
+            "the run already used every sample (raise --train-samples or use "
+            "an unbounded sampler)."
+        )

@@ -8,6 +8,7 @@ keys, so a cache built with one tokenizer is never reused with another).
 megatron-core's GPTDatasetConfig wants a MegatronTokenizer-like object; `as_megatron_tokenizer`
 gives the thin view it needs (see its docstring for the one behavioural difference: `pad`).
 """
+
 import hashlib
 import json
 import os
@@ -82,15 +83,19 @@ class HuggingFaceTokenizer(_Tokenizer):
         try:
             self._tok = tokenizers.Tokenizer.from_file(path)
         except Exception as err:  # the library raises a bare Exception on malformed json
-            raise DataError(f"{path} is not a valid Hugging Face tokenizer.json ({err}); "
-                            "re-create it with tools/train_tokenizer.py.") from None
+            raise DataError(
+                f"{path} is not a valid Hugging Face tokenizer.json ({err}); "
+                "re-create it with tools/train_tokenizer.py."
+            ) from None
         self.path = path
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eod = _first_token_id(self._tok, _EOD_TOKENS)
         if self.eod is None:
-            raise DataError(f"{path} has none of the end-of-document tokens {list(_EOD_TOKENS)}; "
-                            "add one as a special token (tools/train_tokenizer.py adds "
-                            "<|endoftext|>).")
+            raise DataError(
+                f"{path} has none of the end-of-document tokens {list(_EOD_TOKENS)}; "
+                "add one as a special token (tools/train_tokenizer.py adds "
+                "<|endoftext|>)."
+            )
         pad = _first_token_id(self._tok, _PAD_TOKENS)
         self.pad = self.eod if pad is None else pad
         with open(path, "rb") as f:
@@ -122,13 +127,16 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
 
         for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
             if not path or not os.path.isfile(path):
-                raise DataError(f"GPT2BPETokenizer needs {flag} PATH to an existing file, got {path!r} "
-                                f"(GPT-2's vocab.json and merges.txt).")
+                raise DataError(
+                    f"GPT2BPETokenizer needs {flag} PATH to an existing file, got {path!r} "
+                    f"(GPT-2's vocab.json and merges.txt)."
+                )
         try:
             self._tok = tokenizers.Tokenizer(models.BPE.from_file(vocab_file, merge_file))
         except Exception as err:  # the library raises a bare Exception on malformed files
-            raise DataError(f"{vocab_file} / {merge_file} are not a GPT-2 BPE vocabulary and merges file "
-                            f"({err}).") from None
+            raise DataError(
+                f"{vocab_file} / {merge_file} are not a GPT-2 BPE vocabulary and merges file ({err})."
+            ) from None
         self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         self._tok.decoder = decoders.ByteLevel()
         self.path = vocab_file
@@ -154,8 +162,9 @@ class NullTokenizer(_Tokenizer):
 
     def __init__(self, vocab_size: int | None):
         if vocab_size is None or int(vocab_size) <= 0:
-            raise DataError("NullTokenizer needs a positive --vocab-size (data ids must be below "
-                            "it; EOD is vocab_size).")
+            raise DataError(
+                "NullTokenizer needs a positive --vocab-size (data ids must be below it; EOD is vocab_size)."
+            )
         self.eod = int(vocab_size)
         self.vocab_size = self.eod + 1
         self.pad = self.eod
@@ -165,20 +174,28 @@ class NullTokenizer(_Tokenizer):
         try:
             ids = [int(x) for x in (text.split() if isinstance(text, str) else text)]
         except ValueError:
-            raise DataError(f"NullTokenizer expects space-separated integer ids, got "
-                            f"{str(text)[:40]!r}; use a text tokenizer for text.") from None
+            raise DataError(
+                f"NullTokenizer expects space-separated integer ids, got "
+                f"{str(text)[:40]!r}; use a text tokenizer for text."
+            ) from None
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
-            raise DataError(f"NullTokenizer got id {bad[0]} outside [0, {self.vocab_size}); "
-                            "raise --vocab-size or fix the data.")
+            raise DataError(
+                f"NullTokenizer got id {bad[0]} outside [0, {self.vocab_size}); raise --vocab-size or fix the data."
+            )
         return ids
 
     def detokenize(self, ids) -> str:
         return " ".join(str(int(i)) for i in ids)
 
 
-def build_tokenizer(tokenizer_type: str = "ByteLevelTokenizer", tokenizer_model: str | None = None,
-                    vocab_size: int | None = None, vocab_file: str | None = None, merge_file: str | None = None):
+def build_tokenizer(
+    tokenizer_type: str = "ByteLevelTokenizer",
+    tokenizer_model: str | None = None,
+    vocab_size: int | None = None,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+):
     """Build a tokenizer by Megatron-style name.
 
     `vocab_size` is used by NullTokenizer only (as in Megatron); the other types know their size.
@@ -193,21 +210,24 @@ def build_tokenizer(tokenizer_type: str = "ByteLevelTokenizer", tokenizer_model:
         return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
-    raise DataError(f"Unknown --tokenizer-type {tokenizer_type!r}; choose one of "
-                    f"{', '.join(TOKENIZER_TYPES)}.")
+    raise DataError(f"Unknown --tokenizer-type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}.")
 
 
 def _resolve_tokenizer_file(tokenizer_model: str | None) -> str:
     """Path of the tokenizer.json named by `tokenizer_model` (a file or a directory)."""
     if not tokenizer_model:
-        raise DataError("HuggingFaceTokenizer needs --tokenizer-model PATH to a tokenizer.json "
-                        "(train one with tools/train_tokenizer.py).")
+        raise DataError(
+            "HuggingFaceTokenizer needs --tokenizer-model PATH to a tokenizer.json "
+            "(train one with tools/train_tokenizer.py)."
+        )
     path = tokenizer_model
     if os.path.isdir(path):
         path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(path):
-        raise DataError(f"Tokenizer file {path} does not exist; pass --tokenizer-model PATH to a "
-                        "tokenizer.json (train one with tools/train_tokenizer.py).")
+        raise DataError(
+            f"Tokenizer file {path} does not exist; pass --tokenizer-model PATH to a "
+            "tokenizer.json (train one with tools/train_tokenizer.py)."
+        )
     return path
 
 

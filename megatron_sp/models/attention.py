@@ -10,6 +10,7 @@ no s² tensor kept). With attention dropout it is our blockwise attention (ops/f
 because the dropout mask must be the parallelism-invariant one (tensor_parallel/random.py), which SDPA
 cannot take; it regenerates the mask per block and keeps no s² tensor either.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,7 +25,7 @@ from megatron_sp.models.rope import RotaryEmbedding
 from megatron_sp.ops.flash_attention import AttentionDropout, flash_attention
 from megatron_sp.tensor_parallel.random import DropoutIndex, apply_keep_mask, attention_keep_mask
 
-EXPLICIT_BACKENDS = ("unfused", "local")     # --attention-backend values that never use SDPA
+EXPLICIT_BACKENDS = ("unfused", "local")  # --attention-backend values that never use SDPA
 
 
 def allowed_mask(attention_mask: Optional[torch.Tensor], s: int, device) -> Optional[torch.Tensor]:
@@ -35,9 +36,19 @@ def allowed_mask(attention_mask: Optional[torch.Tensor], s: int, device) -> Opti
     return causal & ~attention_mask.bool()
 
 
-def causal_attention(q, k, v, *, attention_mask=None, dropout_p: float = 0.0, seed: int = 0,
-                     layer: int = 0, index: Optional[DropoutIndex] = None, head_offset: int = 0,
-                     explicit: bool = False):
+def causal_attention(
+    q,
+    k,
+    v,
+    *,
+    attention_mask=None,
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    layer: int = 0,
+    index: Optional[DropoutIndex] = None,
+    head_offset: int = 0,
+    explicit: bool = False,
+):
     """Causal attention; attention_mask [b, 1, s, s] bool with True = masked out (documents).
     head_offset: global index of local query head 0 (keys the dropout mask)."""
     b, nq, s, d = q.shape
@@ -50,14 +61,15 @@ def causal_attention(q, k, v, *, attention_mask=None, dropout_p: float = 0.0, se
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, **gqa)
     if allowed is None:
         allowed = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-    if rep > 1:   # grouped: broadcast each key/value head over its rep query heads, no copies
-        q, k, v = q.view(b, nq // rep, rep, s, d), k.unsqueeze(2), v.unsqueeze(2)   # [b, n_kv, rep|1, s, d]
+    if rep > 1:  # grouped: broadcast each key/value head over its rep query heads, no copies
+        q, k, v = q.view(b, nq // rep, rep, s, d), k.unsqueeze(2), v.unsqueeze(2)  # [b, n_kv, rep|1, s, d]
     scores = torch.matmul(q, k.transpose(-1, -2)).view(b, nq, s, s) * (1.0 / math.sqrt(d))  # [b, n_q, s, s]
     scores = scores.float().masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     if dropout_p > 0.0:
-        keep = attention_keep_mask(tuple(probs.shape), dropout_p, seed, layer, index, head_offset,
-                                   index.token_positions)
+        keep = attention_keep_mask(
+            tuple(probs.shape), dropout_p, seed, layer, index, head_offset, index.token_positions
+        )
         probs = apply_keep_mask(probs, keep, dropout_p)
     if rep > 1:
         probs = probs.view(b, nq // rep, rep, s, s)
@@ -80,18 +92,38 @@ class CausalAttention(nn.Module):
     def forward(self, q, k, v, ctx, head_offset: int):
         p = self.cfg.attention_dropout if ctx.training else 0.0
         explicit = self.cfg.attention_backend in EXPLICIT_BACKENDS or (
-            ctx.attention_mask is not None and ctx.segments is None)
+            ctx.attention_mask is not None and ctx.segments is None
+        )
         index = ctx.full_index
         if explicit or (p == 0.0 and (ctx.segments is None or ctx.attention_mask is not None)):
-            return causal_attention(q, k, v, attention_mask=ctx.attention_mask, dropout_p=p, seed=self.cfg.seed,
-                                    layer=self.layer, index=index, head_offset=head_offset, explicit=explicit)
+            return causal_attention(
+                q,
+                k,
+                v,
+                attention_mask=ctx.attention_mask,
+                dropout_p=p,
+                seed=self.cfg.seed,
+                layer=self.layer,
+                index=index,
+                head_offset=head_offset,
+                explicit=explicit,
+            )
         drop = AttentionDropout(p, self.cfg.seed, self.layer, head_offset)
         positions, segments = index.token_positions, ctx.segments
         # Queries and keys are the same tokens; torch.compile refuses one tensor passed as two inputs,
         # so the keys get a view (no copy).
-        return flash_attention(q, k, v, positions, positions.view(-1), index.sample_ids, drop, segments,
-                               None if segments is None else segments.view(segments.shape),
-                               fused=self.cfg.use_fused_kernels)
+        return flash_attention(
+            q,
+            k,
+            v,
+            positions,
+            positions.view(-1),
+            index.sample_ids,
+            drop,
+            segments,
+            None if segments is None else segments.view(segments.shape),
+            fused=self.cfg.use_fused_kernels,
+        )
 
 
 class SelfAttention(nn.Module):
@@ -110,8 +142,9 @@ class SelfAttention(nn.Module):
         self.nq_local = nq // b.tp_size
         self.nkv_local = g // b.tp_size if g % b.tp_size == 0 else 1
         self.head_offset = b.tp_rank * self.nq_local
-        self.qkv = b.column(h, (nq + 2 * g) * d, init="normal", bias=cfg.add_qkv_bias,
-                            segments=(nq * d, g * d, g * d), units=(nq, g, g))
+        self.qkv = b.column(
+            h, (nq + 2 * g) * d, init="normal", bias=cfg.add_qkv_bias, segments=(nq * d, g * d, g * d), units=(nq, g, g)
+        )
         self.proj = b.row(nq * d, h, init="scaled_normal", bias=cfg.add_bias_linear)
         self.rope = RotaryEmbedding(cfg) if cfg.position_embedding_type == "rope" else None
         self.core = b.core_attention(cfg, layer)
@@ -122,18 +155,18 @@ class SelfAttention(nn.Module):
         return self.proj.bias
 
     def forward(self, x, ctx):
-        qkv = self.qkv(x)                                                # [s, b, (n_q + 2 n_kv) d] local
+        qkv = self.qkv(x)  # [s, b, (n_q + 2 n_kv) d] local
         s, bsz = qkv.shape[:2]
         nq, nkv, d = self.nq_local, self.nkv_local, self.d
         q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
-        q = q.view(s, bsz, nq, d).permute(1, 2, 0, 3)                    # [b, n_q, s, d]
-        k = k.view(s, bsz, nkv, d).permute(1, 2, 0, 3)                   # [b, n_kv, s, d]
+        q = q.view(s, bsz, nq, d).permute(1, 2, 0, 3)  # [b, n_q, s, d]
+        k = k.view(s, bsz, nkv, d).permute(1, 2, 0, 3)  # [b, n_kv, s, d]
         v = v.view(s, bsz, nkv, d).permute(1, 2, 0, 3)
         if self.rope is not None:
             q, k = self.rope(q, ctx.position_ids), self.rope(k, ctx.position_ids)
-        if self.recompute:    # selective recomputation: the core runs again in the backward
+        if self.recompute:  # selective recomputation: the core runs again in the backward
             out = checkpoint(self.core, q, k, v, ctx, self.head_offset, use_reentrant=False)
         else:
-            out = self.core(q, k, v, ctx, self.head_offset)              # [b, n_q, s, d]
-        out = out.permute(2, 0, 1, 3).reshape(s, bsz, nq * d)            # [s, b, n_q d]
+            out = self.core(q, k, v, ctx, self.head_offset)  # [b, n_q, s, d]
+        out = out.permute(2, 0, 1, 3).reshape(s, bsz, nq * d)  # [s, b, n_q d]
         return self.proj(out, add_bias=False)

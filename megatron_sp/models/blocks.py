@@ -14,6 +14,7 @@ Contracts (what a user's replacement must keep):
     embedding(cfg, b)                 forward(tokens [b, s], ctx) -> [s_sp, b, h] (dropout applied)
 Every parameter is created through the builder or tagged with tensor_parallel.layers.mark(init=...).
 """
+
 from __future__ import annotations
 
 import torch
@@ -57,8 +58,13 @@ class MLP(nn.Module):
         super().__init__()
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
         self.swiglu = cfg.activation == "swiglu"
-        self.fc1 = b.column(h, 2 * f if self.swiglu else f, init="normal", bias=cfg.add_bias_linear,
-                            segments=(f, f) if self.swiglu else ())
+        self.fc1 = b.column(
+            h,
+            2 * f if self.swiglu else f,
+            init="normal",
+            bias=cfg.add_bias_linear,
+            segments=(f, f) if self.swiglu else (),
+        )
         self.fc2 = b.row(f, h, init="scaled_normal", bias=cfg.add_bias_linear)
         self.act = _activation(cfg)
 
@@ -67,13 +73,13 @@ class MLP(nn.Module):
         return self.fc2.bias
 
     def forward(self, x):
-        a = self.fc1(x)                                                   # [s, b, f(×2)/t]
+        a = self.fc1(x)  # [s, b, f(×2)/t]
         if self.swiglu:
             gate, up = a.chunk(2, dim=-1)
             a = F.silu(gate) * up
         else:
             a = self.act(a)
-        return self.fc2(a, add_bias=False)                                # [s_sp, b, h], no bias yet
+        return self.fc2(a, add_bias=False)  # [s_sp, b, h], no bias yet
 
 
 class BiasDropoutAdd(nn.Module):
@@ -84,9 +90,18 @@ class BiasDropoutAdd(nn.Module):
         self.cfg, self.layer = cfg, layer
 
     def forward(self, out, bias, residual, site, ctx):
-        return ops.bias_dropout_add(out, bias, residual, self.cfg.hidden_dropout, self.cfg.seed, self.layer,
-                                    site, ctx.shard_index, training=ctx.training,
-                                    fused=self.cfg.use_fused_kernels)
+        return ops.bias_dropout_add(
+            out,
+            bias,
+            residual,
+            self.cfg.hidden_dropout,
+            self.cfg.seed,
+            self.layer,
+            site,
+            ctx.shard_index,
+            training=ctx.training,
+            fused=self.cfg.use_fused_kernels,
+        )
 
 
 class PreNormBlock(nn.Module):
@@ -120,8 +135,15 @@ class Embedding(nn.Module):
             mark(self.position_embeddings.weight, sequence_parallel=b.sequence_parallel, init="normal")
 
     def forward(self, tokens, ctx):
-        x = self.word_embeddings(tokens)                                  # [s_sp, b, h]
+        x = self.word_embeddings(tokens)  # [s_sp, b, h]
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings(ctx.sp_position_ids)         # [s_sp, b, h]
-        return tp_random.dropout(x, self.cfg.hidden_dropout, self.cfg.seed, 0, tp_random.SITE_EMBEDDING,
-                                 ctx.shard_index, training=ctx.training)
+            x = x + self.position_embeddings(ctx.sp_position_ids)  # [s_sp, b, h]
+        return tp_random.dropout(
+            x,
+            self.cfg.hidden_dropout,
+            self.cfg.seed,
+            0,
+            tp_random.SITE_EMBEDDING,
+            ctx.shard_index,
+            training=ctx.training,
+        )

@@ -14,6 +14,7 @@ A model spec's blocks (models/blocks.py) create their layers through a builder:
 `SequenceContext` is what every layer needs to know about the micro-batch (dropout indices of the
 tokens a rank holds, positions for RoPE, the document mask).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,8 +32,13 @@ from megatron_sp.context_parallel.ulysses import UlyssesAttention
 from megatron_sp.models.attention import CausalAttention
 from megatron_sp.tensor_parallel import mappings
 from megatron_sp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_sp.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                                mark, parallel_linear)
+from megatron_sp.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    mark,
+    parallel_linear,
+)
 from megatron_sp.tensor_parallel.random import DropoutIndex
 from megatron_sp.tensor_parallel.sharding import ShardSpec
 
@@ -73,8 +79,8 @@ class CPLayout:
     size: int
     rank: int
     comm_type: str
-    whole_segments: Optional[torch.Tensor]     # [b, s] or None
-    whole: SequenceContext                     # the whole sequence (what Ulysses' core attends over)
+    whole_segments: Optional[torch.Tensor]  # [b, s] or None
+    whole: SequenceContext  # the whole sequence (what Ulysses' core attends over)
 
     def positions(self, rank: int, device=None) -> torch.Tensor:
         return cp_positions(self.seq_length, self.size, rank, self.comm_type, device=device)
@@ -98,8 +104,9 @@ def _check_length(cfg, s):
         raise ValueError(f"sequence of {s} tokens exceeds max_position_embeddings ({cfg.max_position_embeddings}).")
 
 
-def sequence_context(cfg, tokens, labels, loss_mask, position_ids, attention_mask, sample_ids, training,
-                     rows: slice, cp=None):
+def sequence_context(
+    cfg, tokens, labels, loss_mask, position_ids, attention_mask, sample_ids, training, rows: slice, cp=None
+):
     """rows: this rank's SP-region rows of its s_tp tokens; cp: (size, rank, comm_type) or None."""
     b, s = tokens.shape
     _check_length(cfg, s)
@@ -110,26 +117,48 @@ def sequence_context(cfg, tokens, labels, loss_mask, position_ids, attention_mas
         position_ids = torch.arange(s, device=device).expand(b, s)
     segments = document_ids(attention_mask) if attention_mask is not None else None
     positions = torch.arange(s, device=device)
-    whole = SequenceContext(tokens, labels, loss_mask, DropoutIndex(positions, sample_ids),
-                            DropoutIndex(positions[rows], sample_ids), position_ids, position_ids.t()[rows],
-                            attention_mask, segments, training)
+    whole = SequenceContext(
+        tokens,
+        labels,
+        loss_mask,
+        DropoutIndex(positions, sample_ids),
+        DropoutIndex(positions[rows], sample_ids),
+        position_ids,
+        position_ids.t()[rows],
+        attention_mask,
+        segments,
+        training,
+    )
     if cp is None:
         return whole
     size, rank, comm_type = cp
     if attention_mask is not None and segments is None:
-        raise ValueError("with context parallelism the attention mask must be a document mask (block-diagonal, "
-                         "as --reset-attention-mask makes); other masks need context_parallel_size 1.")
+        raise ValueError(
+            "with context parallelism the attention mask must be a document mask (block-diagonal, "
+            "as --reset-attention-mask makes); other masks need context_parallel_size 1."
+        )
     whole.attention_mask = None
     layout = CPLayout(s, size, rank, comm_type, segments, whole)
     local = layout.positions(rank, device)
-    pick = (lambda t: None if t is None else t[:, local])
+    pick = lambda t: None if t is None else t[:, local]
     local_positions = position_ids[:, local]
-    return SequenceContext(tokens[:, local], pick(labels), pick(loss_mask), DropoutIndex(local, sample_ids),
-                           DropoutIndex(local[rows], sample_ids), local_positions, local_positions.t()[rows],
-                           None, pick(segments), training, layout)
+    return SequenceContext(
+        tokens[:, local],
+        pick(labels),
+        pick(loss_mask),
+        DropoutIndex(local, sample_ids),
+        DropoutIndex(local[rows], sample_ids),
+        local_positions,
+        local_positions.t()[rows],
+        None,
+        pick(segments),
+        training,
+        layout,
+    )
 
 
 # ---- serial -----------------------------------------------------------------------------------
+
 
 class Linear(nn.Linear):
     """nn.Linear whose parameters carry init tags (and the parallel layer's ShardSpec, so checkpoint
@@ -148,11 +177,10 @@ class Linear(nn.Linear):
 class WordEmbedding(nn.Module):
     def __init__(self, vocab_size, hidden_size, init="normal"):
         super().__init__()
-        self.weight = mark(nn.Parameter(torch.empty(vocab_size, hidden_size)), ShardSpec(0, full=vocab_size),
-                           init=init)
+        self.weight = mark(nn.Parameter(torch.empty(vocab_size, hidden_size)), ShardSpec(0, full=vocab_size), init=init)
 
     def forward(self, ids):
-        return F.embedding(ids.t(), self.weight)                          # [s, b, h]
+        return F.embedding(ids.t(), self.weight)  # [s, b, h]
 
 
 class OutputLayer(nn.Module):
@@ -160,13 +188,12 @@ class OutputLayer(nn.Module):
 
     def __init__(self, rows, hidden_size, vocab_size):
         super().__init__()
-        self.weight = mark(nn.Parameter(torch.empty(rows, hidden_size)), ShardSpec(0, full=vocab_size),
-                           init="normal")
+        self.weight = mark(nn.Parameter(torch.empty(rows, hidden_size)), ShardSpec(0, full=vocab_size), init="normal")
 
 
 class SerialLMHead(nn.Module):
     def forward(self, hidden, weight, ctx):
-        logits = torch.matmul(hidden, weight.t())                         # [s, b, V]
+        logits = torch.matmul(hidden, weight.t())  # [s, b, V]
         if ctx.labels is None:
             return logits.transpose(0, 1)
         b, s = ctx.labels.shape
@@ -198,11 +225,21 @@ class SerialBuilder:
         return CausalAttention(cfg, layer)
 
     def context(self, cfg, tokens, *, labels, loss_mask, position_ids, attention_mask, sample_ids, training):
-        return sequence_context(cfg, tokens, labels, loss_mask, position_ids, attention_mask, sample_ids, training,
-                                slice(0, tokens.shape[1]))
+        return sequence_context(
+            cfg,
+            tokens,
+            labels,
+            loss_mask,
+            position_ids,
+            attention_mask,
+            sample_ids,
+            training,
+            slice(0, tokens.shape[1]),
+        )
 
 
 # ---- tensor (+ sequence) parallel ---------------------------------------------------------------
+
 
 class ParallelLMHead(nn.Module):
     """hidden [s_sp, b, h] -> logits [s_tp, b, V_pad/t] (g under SP) -> vocab-parallel cross entropy;
@@ -218,8 +255,9 @@ class ParallelLMHead(nn.Module):
         logits = parallel_linear(hidden, weight, None, self.group, "sp" if self.sp else "tp")
         if ctx.labels is None:
             return self._logits(logits, ctx)
-        loss = vocab_parallel_cross_entropy(logits, ctx.labels.t(), group=self.group, vocab_size=self.vocab_size,
-                                            vocab_start=self.vocab_start).t()         # [b, s_tp]
+        loss = vocab_parallel_cross_entropy(
+            logits, ctx.labels.t(), group=self.group, vocab_size=self.vocab_size, vocab_start=self.vocab_start
+        ).t()  # [b, s_tp]
         if self.cp_size == 1:
             return masked_mean(loss, ctx.loss_mask)
         mask = ctx.loss_mask.to(loss.dtype) if ctx.loss_mask is not None else torch.ones_like(loss)
@@ -230,9 +268,9 @@ class ParallelLMHead(nn.Module):
 
     def _logits(self, logits, ctx):
         full = mappings.gather_from_tensor_parallel_region(logits, self.group)[..., : self.vocab_size]
-        if self.cp_size > 1:                                           # whole sequence, natural order
+        if self.cp_size > 1:  # whole sequence, natural order
             full = mappings.gather_from_sequence_parallel_region(full, self.cp_group, tensor_parallel_output_grad=False)
-            if ctx.cp.comm_type == "p2p":                              # the ranks' zigzag chunks, undone
+            if ctx.cp.comm_type == "p2p":  # the ranks' zigzag chunks, undone
                 full = ops.zigzag_reorder(full.contiguous(), self.cp_size, dim=0, inverse=True, fused=self.fused)
         return full.transpose(0, 1)
 
@@ -245,17 +283,30 @@ class ParallelBuilder:
         self.tp_size, self.tp_rank, self.sequence_parallel = ps.tp_size, ps.tp_rank, cfg.sequence_parallel
 
     def column(self, in_features, out_features, *, init, bias, segments=(), units=()):
-        return ColumnParallelLinear(in_features, out_features, init=init, group=self.group,
-                                    sequence_parallel=self.sequence_parallel, bias=bias,
-                                    segments=segments, units=units)
+        return ColumnParallelLinear(
+            in_features,
+            out_features,
+            init=init,
+            group=self.group,
+            sequence_parallel=self.sequence_parallel,
+            bias=bias,
+            segments=segments,
+            units=units,
+        )
 
     def row(self, in_features, out_features, *, init, bias):
-        return RowParallelLinear(in_features, out_features, init=init, group=self.group,
-                                 sequence_parallel=self.sequence_parallel, bias=bias)
+        return RowParallelLinear(
+            in_features, out_features, init=init, group=self.group, sequence_parallel=self.sequence_parallel, bias=bias
+        )
 
     def word_embedding(self, cfg):
-        return VocabParallelEmbedding(cfg.vocab_size, cfg.padded_vocab_size, cfg.hidden_size, group=self.group,
-                                      sequence_parallel=self.sequence_parallel)
+        return VocabParallelEmbedding(
+            cfg.vocab_size,
+            cfg.padded_vocab_size,
+            cfg.hidden_size,
+            group=self.group,
+            sequence_parallel=self.sequence_parallel,
+        )
 
     def output_layer(self, cfg):
         return OutputLayer(cfg.padded_vocab_size // self.tp_size, cfg.hidden_size, cfg.vocab_size)
@@ -273,13 +324,16 @@ class ParallelBuilder:
 
     def context(self, cfg, tokens, *, labels, loss_mask, position_ids, attention_mask, sample_ids, training):
         cp = (self.ps.cp_size, self.ps.cp_rank, cfg.cp_comm_type) if self.ps.cp_size > 1 else None
-        s = tokens.shape[1] // self.ps.cp_size                          # this rank's tokens
+        s = tokens.shape[1] // self.ps.cp_size  # this rank's tokens
         rows = slice(0, s)
         if self.sequence_parallel:
             if s % self.tp_size != 0:
-                raise ValueError(f"sequence length {tokens.shape[1]} is not divisible by TP size {self.tp_size} "
-                                 f"× CP size {self.ps.cp_size} under sequence parallelism.")
+                raise ValueError(
+                    f"sequence length {tokens.shape[1]} is not divisible by TP size {self.tp_size} "
+                    f"× CP size {self.ps.cp_size} under sequence parallelism."
+                )
             local = s // self.tp_size
             rows = slice(self.tp_rank * local, (self.tp_rank + 1) * local)
-        return sequence_context(cfg, tokens, labels, loss_mask, position_ids, attention_mask, sample_ids, training,
-                                rows, cp)
+        return sequence_context(
+            cfg, tokens, labels, loss_mask, position_ids, attention_mask, sample_ids, training, rows, cp
+        )

@@ -15,6 +15,7 @@ V padded vocab):
 Gradients that are partial sums over the TP group (parameters marked `sequence_parallel`; key/value
 heads held in copies) are summed by training.grad_sync.reduce_tensor_parallel_grads.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,8 +39,10 @@ class GPTModel(LanguageModel):
 
     # ---- full <-> sharded state ---------------------------------------------------------------
     def _initialise(self):
-        full = {name: init_full_tensor(name, _full_shape(p, self.ps.tp_size), p.init_tag, self.cfg)
-                for name, p in self.named_parameters()}
+        full = {
+            name: init_full_tensor(name, _full_shape(p, self.ps.tp_size), p.init_tag, self.cfg)
+            for name, p in self.named_parameters()
+        }
         self.load_full_state_dict(full)
 
     @torch.no_grad()
@@ -53,25 +56,30 @@ class GPTModel(LanguageModel):
         for name, p in params.items():
             want = _full_shape(p, self.ps.tp_size)
             if tuple(state_dict[name].shape) != want:
-                raise ValueError(f"{name}: full tensor {tuple(state_dict[name].shape)} is not the model's "
-                                 f"{want}.")
-            p.copy_(shard_full(state_dict[name].to(p.device), p.shard_spec, tuple(p.shape),
-                               self.ps.tp_rank, self.ps.tp_size))
+                raise ValueError(f"{name}: full tensor {tuple(state_dict[name].shape)} is not the model's {want}.")
+            p.copy_(
+                shard_full(
+                    state_dict[name].to(p.device), p.shard_spec, tuple(p.shape), self.ps.tp_rank, self.ps.tp_size
+                )
+            )
 
     @torch.no_grad()
     def full_state_dict(self):
         """Collective over the TP group: unsharded parameters, ReferenceGPT keys and shapes."""
-        return {name: gather_full(p.detach(), p.shard_spec, self.ps.tp_group)
-                for name, p in self.named_parameters()}
+        return {name: gather_full(p.detach(), p.shard_spec, self.ps.tp_group) for name, p in self.named_parameters()}
 
     @torch.no_grad()
     def full_grad_dict(self):
         """Collective: unsharded gradients (partial sums over TP reduced first if still pending)."""
         if self._tp_grads_pending or self._cp_grads_pending:
             from megatron_sp.training.grad_sync import reduce_tensor_parallel_grads
+
             reduce_tensor_parallel_grads(self, self.ps)
-        return {name: gather_full(p.grad, p.shard_spec, self.ps.tp_group)
-                for name, p in self.named_parameters() if p.grad is not None}
+        return {
+            name: gather_full(p.grad, p.shard_spec, self.ps.tp_group)
+            for name, p in self.named_parameters()
+            if p.grad is not None
+        }
 
 
 def _full_shape(p, tp_size):
@@ -85,8 +93,12 @@ def _full_shape(p, tp_size):
 
 def _check_layout(cfg, ps: parallel_state.ParallelState):
     if cfg.tensor_model_parallel_size != ps.tp_size:
-        raise ValueError(f"GPTConfig.tensor_model_parallel_size ({cfg.tensor_model_parallel_size}) does not "
-                         f"match the initialised TP group size ({ps.tp_size}).")
+        raise ValueError(
+            f"GPTConfig.tensor_model_parallel_size ({cfg.tensor_model_parallel_size}) does not "
+            f"match the initialised TP group size ({ps.tp_size})."
+        )
     if cfg.context_parallel_size != ps.cp_size:
-        raise ValueError(f"GPTConfig.context_parallel_size ({cfg.context_parallel_size}) does not match the "
-                         f"initialised CP group size ({ps.cp_size}).")
+        raise ValueError(
+            f"GPTConfig.context_parallel_size ({cfg.context_parallel_size}) does not match the "
+            f"initialised CP group size ({ps.cp_size})."
+        )

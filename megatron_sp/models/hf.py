@@ -8,6 +8,7 @@ is GPT-2, RMSNorm + SwiGLU + RoPE is Llama; anything neither can express (e.g. G
 RoPE, a Llama with biases on q/k/v only) is refused with one sentence. GPT-2's Conv1D weights are
 stored [in, out], ours [out, in]; Llama's q/k/v and gate/up projections are our fused rows.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,9 +19,14 @@ class ConversionError(ValueError):
 
 
 def architecture(cfg) -> str:
-    if (cfg.normalization, cfg.position_embedding_type) == ("LayerNorm", "learned_absolute") \
-            and cfg.activation in ("gelu", "openai_gelu"):
-        if cfg.num_query_groups != cfg.num_attention_heads or cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size:
+    if (cfg.normalization, cfg.position_embedding_type) == ("LayerNorm", "learned_absolute") and cfg.activation in (
+        "gelu",
+        "openai_gelu",
+    ):
+        if (
+            cfg.num_query_groups != cfg.num_attention_heads
+            or cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size
+        ):
             raise ConversionError("GPT2LMHeadModel has no grouped-query attention or separate kv_channels.")
         if not (cfg.add_bias_linear and cfg.add_qkv_bias):
             raise ConversionError("GPT2LMHeadModel has biases in every linear layer; this model has none.")
@@ -29,83 +35,141 @@ def architecture(cfg) -> str:
         if cfg.rotary_percent != 1.0:
             raise ConversionError("LlamaForCausalLM rotates every channel; --rotary-percent must be 1.")
         if cfg.add_bias_linear != cfg.add_qkv_bias:
-            raise ConversionError("LlamaForCausalLM has biases on all attention projections or none "
-                                  "(attention_bias); --add-qkv-bias alone cannot be expressed.")
+            raise ConversionError(
+                "LlamaForCausalLM has biases on all attention projections or none "
+                "(attention_bias); --add-qkv-bias alone cannot be expressed."
+            )
         return "llama"
-    raise ConversionError(f"no Hugging Face architecture matches {cfg.normalization} + {cfg.activation} + "
-                          f"{cfg.position_embedding_type} positions (GPT-2: LayerNorm + gelu + learned_absolute; "
-                          f"Llama: RMSNorm + swiglu + rope).")
+    raise ConversionError(
+        f"no Hugging Face architecture matches {cfg.normalization} + {cfg.activation} + "
+        f"{cfg.position_embedding_type} positions (GPT-2: LayerNorm + gelu + learned_absolute; "
+        f"Llama: RMSNorm + swiglu + rope)."
+    )
 
 
 # ---- GPT-2 ----------------------------------------------------------------------------------------
 
-_GPT2_LAYER = {"ln_1": "ln1", "attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj", "ln_2": "ln2",
-               "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
-_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")   # weights stored [in, out]
+_GPT2_LAYER = {
+    "ln_1": "ln1",
+    "attn.c_attn": "attn.qkv",
+    "attn.c_proj": "attn.proj",
+    "ln_2": "ln2",
+    "mlp.c_fc": "mlp.fc1",
+    "mlp.c_proj": "mlp.fc2",
+}
+_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # weights stored [in, out]
 
 
 def _gpt2_names(cfg):
     """(hf name, our name, transposed) for every tensor."""
-    names = [("transformer.wte.weight", "embedding.word_embeddings.weight", False),
-             ("transformer.wpe.weight", "embedding.position_embeddings.weight", False),
-             ("transformer.ln_f.weight", "final_ln.weight", False), ("transformer.ln_f.bias", "final_ln.bias", False)]
+    names = [
+        ("transformer.wte.weight", "embedding.word_embeddings.weight", False),
+        ("transformer.wpe.weight", "embedding.position_embeddings.weight", False),
+        ("transformer.ln_f.weight", "final_ln.weight", False),
+        ("transformer.ln_f.bias", "final_ln.bias", False),
+    ]
     for i in range(cfg.num_layers):
         for hf, ours in _GPT2_LAYER.items():
             for kind in ("weight", "bias"):
-                names.append((f"transformer.h.{i}.{hf}.{kind}", f"layers.{i}.{ours}.{kind}",
-                              kind == "weight" and hf in _CONV1D))
+                names.append(
+                    (f"transformer.h.{i}.{hf}.{kind}", f"layers.{i}.{ours}.{kind}", kind == "weight" and hf in _CONV1D)
+                )
     if cfg.untie_embeddings_and_output_weights:
         names.append(("lm_head.weight", "output_layer.weight", False))
     return names
 
 
 def _gpt2_config(cfg) -> dict:
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": cfg.num_layers,
-            "n_embd": cfg.hidden_size, "n_head": cfg.num_attention_heads, "n_inner": cfg.ffn_hidden_size,
-            "n_positions": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size,
-            "layer_norm_epsilon": cfg.layernorm_epsilon,
-            "activation_function": "gelu_new" if cfg.activation == "openai_gelu" else "gelu",
-            "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.hidden_dropout, "attn_pdrop": cfg.attention_dropout,
-            "initializer_range": cfg.init_method_std,
-            "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
-            "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "n_layer": cfg.num_layers,
+        "n_embd": cfg.hidden_size,
+        "n_head": cfg.num_attention_heads,
+        "n_inner": cfg.ffn_hidden_size,
+        "n_positions": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "layer_norm_epsilon": cfg.layernorm_epsilon,
+        "activation_function": "gelu_new" if cfg.activation == "openai_gelu" else "gelu",
+        "resid_pdrop": cfg.hidden_dropout,
+        "embd_pdrop": cfg.hidden_dropout,
+        "attn_pdrop": cfg.attention_dropout,
+        "initializer_range": cfg.init_method_std,
+        "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+    }
 
 
 def _gpt2_fields(c: dict) -> dict:
-    act = {"gelu_new": "openai_gelu", "gelu_pytorch_tanh": "openai_gelu", "gelu": "gelu"}.get(c.get("activation_function"))
+    act = {"gelu_new": "openai_gelu", "gelu_pytorch_tanh": "openai_gelu", "gelu": "gelu"}.get(
+        c.get("activation_function")
+    )
     if act is None:
-        raise ConversionError(f"GPT-2 activation_function {c.get('activation_function')!r} is not supported "
-                              f"(gelu, gelu_new).")
-    if c.get("scale_attn_by_inverse_layer_idx") or c.get("reorder_and_upcast_attn") or \
-            c.get("scale_attn_weights", True) is False:
-        raise ConversionError("GPT-2 configs with scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn or "
-                              "without scale_attn_weights are not supported.")
+        raise ConversionError(
+            f"GPT-2 activation_function {c.get('activation_function')!r} is not supported (gelu, gelu_new)."
+        )
+    if (
+        c.get("scale_attn_by_inverse_layer_idx")
+        or c.get("reorder_and_upcast_attn")
+        or c.get("scale_attn_weights", True) is False
+    ):
+        raise ConversionError(
+            "GPT-2 configs with scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn or "
+            "without scale_attn_weights are not supported."
+        )
     h = c["n_embd"]
-    return dict(model="gpt2", num_layers=c["n_layer"], hidden_size=h, num_attention_heads=c["n_head"],
-                ffn_hidden_size=c.get("n_inner") or 4 * h, max_position_embeddings=c["n_positions"],
-                vocab_size=c["vocab_size"], layernorm_epsilon=c.get("layer_norm_epsilon", 1e-5), activation=act,
-                hidden_dropout=c.get("resid_pdrop", 0.1), attention_dropout=c.get("attn_pdrop", 0.1),
-                untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", True))
+    return dict(
+        model="gpt2",
+        num_layers=c["n_layer"],
+        hidden_size=h,
+        num_attention_heads=c["n_head"],
+        ffn_hidden_size=c.get("n_inner") or 4 * h,
+        max_position_embeddings=c["n_positions"],
+        vocab_size=c["vocab_size"],
+        layernorm_epsilon=c.get("layer_norm_epsilon", 1e-5),
+        activation=act,
+        hidden_dropout=c.get("resid_pdrop", 0.1),
+        attention_dropout=c.get("attn_pdrop", 0.1),
+        untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", True),
+    )
 
 
 # ---- Llama ----------------------------------------------------------------------------------------
 
+
 def _llama_config(cfg) -> dict:
     bias = bool(cfg.add_bias_linear)
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": cfg.num_layers,
-            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
-            "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_query_groups,
-            "head_dim": cfg.kv_channels, "max_position_embeddings": cfg.max_position_embeddings,
-            "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.layernorm_epsilon, "hidden_act": "silu",
-            "rope_theta": float(cfg.rotary_base), **_rope_config(cfg),
-            "attention_bias": bias, "mlp_bias": bias, "attention_dropout": cfg.attention_dropout,
-            "initializer_range": cfg.init_method_std,
-            "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn_hidden_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_query_groups,
+        "head_dim": cfg.kv_channels,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.layernorm_epsilon,
+        "hidden_act": "silu",
+        "rope_theta": float(cfg.rotary_base),
+        **_rope_config(cfg),
+        "attention_bias": bias,
+        "mlp_bias": bias,
+        "attention_dropout": cfg.attention_dropout,
+        "initializer_range": cfg.init_method_std,
+        "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
+    }
 
 
-_LLAMA3_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_scaling_low_freq_factor",
-                "high_freq_factor": "rope_scaling_high_freq_factor",
-                "original_max_position_embeddings": "rope_scaling_original_max_position_embeddings"}
+_LLAMA3_KEYS = {
+    "factor": "rope_scaling_factor",
+    "low_freq_factor": "rope_scaling_low_freq_factor",
+    "high_freq_factor": "rope_scaling_high_freq_factor",
+    "original_max_position_embeddings": "rope_scaling_original_max_position_embeddings",
+}
 
 
 def _rope_config(cfg) -> dict:
@@ -113,8 +177,10 @@ def _rope_config(cfg) -> dict:
     config.json spells it (transformers 4; version 5 reads it too and prefers it)."""
     theta = float(cfg.rotary_base)
     if cfg.rope_scaling and cfg.rotary_seq_len_interpolation_factor is not None:
-        raise ConversionError("Hugging Face RoPE is scaled one way (rope_type llama3 or linear); this model "
-                              "has both --use-rope-scaling and --rotary-seq-len-interpolation-factor.")
+        raise ConversionError(
+            "Hugging Face RoPE is scaled one way (rope_type llama3 or linear); this model "
+            "has both --use-rope-scaling and --rotary-seq-len-interpolation-factor."
+        )
     if cfg.rope_scaling:
         scaling = {"rope_type": "llama3", **{hf: getattr(cfg, ours) for hf, ours in _LLAMA3_KEYS.items()}}
     elif cfg.rotary_seq_len_interpolation_factor is not None:
@@ -126,7 +192,7 @@ def _rope_config(cfg) -> dict:
 
 def _rope_fields(c: dict) -> dict:
     """GPTConfig's RoPE fields from a Llama config.json (transformers 4 or 5 spelling)."""
-    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}     # transformers' own precedence
+    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}  # transformers' own precedence
     kind = rope.get("rope_type", rope.get("type", "default"))
     if rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ConversionError("Llama configs with partial_rotary_factor != 1 are not supported.")
@@ -152,20 +218,32 @@ def _llama_fields(c: dict) -> dict:
     if attention_bias != mlp_bias:
         raise ConversionError("Llama configs with attention_bias != mlp_bias are not supported.")
     n = c["num_attention_heads"]
-    return dict(model="llama", num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
-                num_attention_heads=n, num_query_groups=c.get("num_key_value_heads") or n,
-                kv_channels=c.get("head_dim") or c["hidden_size"] // n, ffn_hidden_size=c["intermediate_size"],
-                max_position_embeddings=c["max_position_embeddings"], vocab_size=c["vocab_size"],
-                layernorm_epsilon=c.get("rms_norm_eps", 1e-6), **_rope_fields(c),
-                attention_dropout=c.get("attention_dropout", 0.0), hidden_dropout=0.0,
-                add_bias_linear=attention_bias, add_qkv_bias=attention_bias,
-                untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False))
+    return dict(
+        model="llama",
+        num_layers=c["num_hidden_layers"],
+        hidden_size=c["hidden_size"],
+        num_attention_heads=n,
+        num_query_groups=c.get("num_key_value_heads") or n,
+        kv_channels=c.get("head_dim") or c["hidden_size"] // n,
+        ffn_hidden_size=c["intermediate_size"],
+        max_position_embeddings=c["max_position_embeddings"],
+        vocab_size=c["vocab_size"],
+        layernorm_epsilon=c.get("rms_norm_eps", 1e-6),
+        **_rope_fields(c),
+        attention_dropout=c.get("attention_dropout", 0.0),
+        hidden_dropout=0.0,
+        add_bias_linear=attention_bias,
+        add_qkv_bias=attention_bias,
+        untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False),
+    )
 
 
 def _llama_to_hf(state, cfg) -> dict:
     d, nq, g = cfg.kv_channels, cfg.num_attention_heads, cfg.num_query_groups
-    out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
-           "model.norm.weight": state["final_ln.weight"]}
+    out = {
+        "model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
+        "model.norm.weight": state["final_ln.weight"],
+    }
     if cfg.untie_embeddings_and_output_weights:
         out["lm_head.weight"] = state["output_layer.weight"]
     for i in range(cfg.num_layers):
@@ -175,25 +253,32 @@ def _llama_to_hf(state, cfg) -> dict:
         kinds = ("weight", "bias") if cfg.add_bias_linear else ("weight",)
         for kind in kinds:
             q, k, v = state[f"{ours}.attn.qkv.{kind}"].split([nq * d, g * d, g * d])
-            out.update({f"{hf}.self_attn.q_proj.{kind}": q, f"{hf}.self_attn.k_proj.{kind}": k,
-                        f"{hf}.self_attn.v_proj.{kind}": v,
-                        f"{hf}.self_attn.o_proj.{kind}": state[f"{ours}.attn.proj.{kind}"],
-                        f"{hf}.mlp.down_proj.{kind}": state[f"{ours}.mlp.fc2.{kind}"]})
+            out.update(
+                {
+                    f"{hf}.self_attn.q_proj.{kind}": q,
+                    f"{hf}.self_attn.k_proj.{kind}": k,
+                    f"{hf}.self_attn.v_proj.{kind}": v,
+                    f"{hf}.self_attn.o_proj.{kind}": state[f"{ours}.attn.proj.{kind}"],
+                    f"{hf}.mlp.down_proj.{kind}": state[f"{ours}.mlp.fc2.{kind}"],
+                }
+            )
             gate, up = state[f"{ours}.mlp.fc1.{kind}"].chunk(2)
             out.update({f"{hf}.mlp.gate_proj.{kind}": gate, f"{hf}.mlp.up_proj.{kind}": up})
     return out
 
 
 def _llama_from_hf(t, cfg) -> dict:
-    out = {"embedding.word_embeddings.weight": t["model.embed_tokens.weight"],
-           "final_ln.weight": t["model.norm.weight"]}
+    out = {
+        "embedding.word_embeddings.weight": t["model.embed_tokens.weight"],
+        "final_ln.weight": t["model.norm.weight"],
+    }
     if cfg.untie_embeddings_and_output_weights:
         out["output_layer.weight"] = t["lm_head.weight"]
     for i in range(cfg.num_layers):
         hf, ours = f"model.layers.{i}", f"layers.{i}"
         out[f"{ours}.ln1.weight"] = t[f"{hf}.input_layernorm.weight"]
         out[f"{ours}.ln2.weight"] = t[f"{hf}.post_attention_layernorm.weight"]
-        for kind in (("weight", "bias") if cfg.add_bias_linear else ("weight",)):
+        for kind in ("weight", "bias") if cfg.add_bias_linear else ("weight",):
             out[f"{ours}.attn.qkv.{kind}"] = torch.cat([t[f"{hf}.self_attn.{x}_proj.{kind}"] for x in "qkv"])
             out[f"{ours}.attn.proj.{kind}"] = t[f"{hf}.self_attn.o_proj.{kind}"]
             out[f"{ours}.mlp.fc1.{kind}"] = torch.cat([t[f"{hf}.mlp.gate_proj.{kind}"], t[f"{hf}.mlp.up_proj.{kind}"]])
@@ -202,6 +287,7 @@ def _llama_from_hf(t, cfg) -> dict:
 
 
 # ---- both ---------------------------------------------------------------------------------------
+
 
 def to_hf(state: dict, cfg) -> tuple[dict, dict]:
     """(HF tensors, config.json dict) of a ReferenceGPT state dict."""
@@ -217,17 +303,22 @@ def to_hf(state: dict, cfg) -> tuple[dict, dict]:
 def from_hf(tensors: dict, config: dict) -> tuple[dict, dict]:
     """(ReferenceGPT state dict, GPTConfig fields) from HF tensors and config.json."""
     from megatron_sp.config import GPTConfig
+
     kind = config.get("model_type")
     if kind not in ("gpt2", "llama"):
-        raise ConversionError(f"model_type {kind!r} is not supported; GPT2LMHeadModel (gpt2) and "
-                              f"LlamaForCausalLM (llama) are.")
+        raise ConversionError(
+            f"model_type {kind!r} is not supported; GPT2LMHeadModel (gpt2) and LlamaForCausalLM (llama) are."
+        )
     fields = _gpt2_fields(config) if kind == "gpt2" else _llama_fields(config)
     cfg = GPTConfig(seq_length=fields["max_position_embeddings"], tensor_model_parallel_size=1, **fields)
     try:
         if kind == "gpt2":
-            tensors = {(k if k.startswith(("transformer.", "lm_head")) else f"transformer.{k}"): v
-                       for k, v in tensors.items()}
-            state = {ours: (tensors[hf].t() if transposed else tensors[hf]) for hf, ours, transposed in _gpt2_names(cfg)}
+            tensors = {
+                (k if k.startswith(("transformer.", "lm_head")) else f"transformer.{k}"): v for k, v in tensors.items()
+            }
+            state = {
+                ours: (tensors[hf].t() if transposed else tensors[hf]) for hf, ours, transposed in _gpt2_names(cfg)
+            }
         else:
             state = _llama_from_hf(tensors, cfg)
     except KeyError as err:

@@ -8,6 +8,7 @@ Tags (set where the parameter is created, tensor_parallel.layers.mark): "normal"
 "scaled_normal" N(0, std / sqrt(2 L)) for the projections into the residual stream (GPT-2), "ones",
 "zeros". A parameter without a tag is an error, never a silent default.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,7 +36,9 @@ def check_init_tags(module) -> None:
     """Every parameter must say how it is initialised."""
     untagged = [name for name, p in module.named_parameters() if getattr(p, "init_tag", None) is None]
     if untagged:
-        raise ValueError(f"parameter {untagged[0]} has no init tag: create it with "
-                         f"megatron_sp.tensor_parallel.layers.mark(param, init=...) (normal, scaled_normal, "
-                         f"ones or zeros) or through the builder's column/row layers"
-                         f"{f' ({len(untagged) - 1} more untagged)' if len(untagged) > 1 else ''}.")
+        raise ValueError(
+            f"parameter {untagged[0]} has no init tag: create it with "
+            f"megatron_sp.tensor_parallel.layers.mark(param, init=...) (normal, scaled_normal, "
+            f"ones or zeros) or through the builder's column/row layers"
+            f"{f' ({len(untagged) - 1} more untagged)' if len(untagged) > 1 else ''}."
+        )

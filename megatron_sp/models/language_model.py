@@ -17,6 +17,7 @@ With SerialBuilder it is the serial oracle (ReferenceGPT), with ParallelBuilder 
     output_layer.weight                    [V, h]         untied only
 (biases only with add_bias_linear / add_qkv_bias; n query heads, g key/value heads, d head dim).
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,14 +46,21 @@ class LanguageModel(nn.Module):
         self.output_layer = builder.output_layer(cfg) if cfg.untie_embeddings_and_output_weights else None
         self.head = builder.lm_head(cfg)
         check_init_tags(self)
-        self._tp_grads_pending = False   # partial gradients not yet summed (training.grad_sync)
+        self._tp_grads_pending = False  # partial gradients not yet summed (training.grad_sync)
         self._cp_grads_pending = False
 
-    def forward(self, tokens, labels=None, *, loss_mask=None, position_ids=None, attention_mask=None,
-                sample_ids=None):
-        ctx = self.builder.context(self.cfg, tokens, labels=labels, loss_mask=loss_mask, position_ids=position_ids,
-                                   attention_mask=attention_mask, sample_ids=sample_ids, training=self.training)
-        x = self.embedding(ctx.tokens, ctx)                               # [s_sp, b, h]
+    def forward(self, tokens, labels=None, *, loss_mask=None, position_ids=None, attention_mask=None, sample_ids=None):
+        ctx = self.builder.context(
+            self.cfg,
+            tokens,
+            labels=labels,
+            loss_mask=loss_mask,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            sample_ids=sample_ids,
+            training=self.training,
+        )
+        x = self.embedding(ctx.tokens, ctx)  # [s_sp, b, h]
         x = self._layers(x, ctx)
         if torch.is_grad_enabled():
             self._tp_grads_pending = True
@@ -70,12 +78,12 @@ class LanguageModel(nn.Module):
                 x = block(x, ctx)
             return x
         n = cfg.recompute_num_layers
-        if cfg.recompute_method == "block":                    # the first n layers, one at a time
+        if cfg.recompute_method == "block":  # the first n layers, one at a time
             for i, block in enumerate(layers):
                 x = checkpoint(block, x, ctx, use_reentrant=False) if i < n else block(x, ctx)
             return x
-        for start in range(0, len(layers), n):                 # uniform: chunks of n layers
-            x = checkpoint(_run_chunk, layers[start:start + n], x, ctx, use_reentrant=False)
+        for start in range(0, len(layers), n):  # uniform: chunks of n layers
+            x = checkpoint(_run_chunk, layers[start : start + n], x, ctx, use_reentrant=False)
         return x
 
 

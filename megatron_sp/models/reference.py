@@ -2,6 +2,7 @@
 (models/builders.py: SerialBuilder), one process, no collectives: it defines the function that
 GPTModel must compute at any TP/SP size, dropout included (the parallelism-invariant masks).
 Keys and layout: models/language_model.py."""
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ Each entry points at a `ModelSpec` (models/spec.py) as "module:attribute", impor
 A new family is one file with its spec plus one line here; `--model package.module:SPEC` also works
 for a spec that lives outside this package (nothing to register).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -22,10 +23,13 @@ def register_model(name: str, target: str) -> None:
 def get_spec(name: str):
     """The ModelSpec of a registered name or of a "module:attribute" path."""
     from megatron_sp.models.spec import ModelSpec
+
     target = MODELS.get(name, name if ":" in name else None)
     if target is None:
-        raise ValueError(f"unknown model {name!r}; registered: {', '.join(sorted(MODELS))} "
-                         f"(or give a spec as package.module:ATTRIBUTE).")
+        raise ValueError(
+            f"unknown model {name!r}; registered: {', '.join(sorted(MODELS))} "
+            f"(or give a spec as package.module:ATTRIBUTE)."
+        )
     module_name, _, attr = target.partition(":")
     try:
         spec = getattr(importlib.import_module(module_name), attr)

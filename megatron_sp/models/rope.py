@@ -18,6 +18,7 @@ Two ways of stretching a model to longer sequences change theta (and nothing els
       w > L / l            theta_j / f                  (low frequencies: interpolated)
       otherwise            (1 - a) theta_j / f + a theta_j,  a = (L / w - l) / (h - l)
 """
+
 from __future__ import annotations
 
 import math
@@ -40,7 +41,7 @@ def inverse_frequencies(cfg) -> torch.Tensor:
         f, low, high = cfg.rope_scaling_factor, cfg.rope_scaling_low_freq_factor, cfg.rope_scaling_high_freq_factor
         context = cfg.rope_scaling_original_max_position_embeddings
         wavelength = 2 * math.pi / theta
-        share = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)   # 1: w < L/h; 0: w > L/l
+        share = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 1: w < L/h; 0: w > L/l
         theta = (1 - share) * theta / f + share * theta
     if cfg.rotary_seq_len_interpolation_factor is not None:
         theta = theta / cfg.rotary_seq_len_interpolation_factor
@@ -57,10 +58,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """x [b, n, s, d]; position_ids [b, s] (the global positions of x's s tokens)."""
-        freqs = position_ids[:, None, :, None].float() * self.inv_freq.float()   # [b, 1, s, r/2]
-        angles = torch.cat((freqs, freqs), dim=-1)                                 # [b, 1, s, r]
+        freqs = position_ids[:, None, :, None].float() * self.inv_freq.float()  # [b, 1, s, r/2]
+        angles = torch.cat((freqs, freqs), dim=-1)  # [b, 1, s, r]
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         if self.dim == x.shape[-1]:
             return x * cos + rotate_half(x) * sin
-        rot, rest = x[..., : self.dim], x[..., self.dim:]
+        rot, rest = x[..., : self.dim], x[..., self.dim :]
         return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)

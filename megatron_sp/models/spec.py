@@ -9,6 +9,7 @@ models/blocks.py. `defaults` fills the GPTConfig fields a user left at None (the
 normalisation, activation, positions, ...). A new block variant is one file with its classes and a
 `SPEC = ModelSpec(...)`, plus one line in models/registry.py (README: "Write your own model").
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

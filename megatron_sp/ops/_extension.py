@@ -3,6 +3,7 @@
 Import never fails: when the extension is missing or does not load, the public ops run their
 PyTorch references and a one-line notice is logged the first time a fused op is asked for.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,8 +35,11 @@ def _notice_once() -> None:
     global _noticed
     if not _noticed:
         _noticed = True
-        _log.warning("megatron_sp._C is not available (%s); using the PyTorch reference ops. "
-                     "Build it with `pip install --no-build-isolation -e .`.", _LOAD_ERROR)
+        _log.warning(
+            "megatron_sp._C is not available (%s); using the PyTorch reference ops. "
+            "Build it with `pip install --no-build-isolation -e .`.",
+            _LOAD_ERROR,
+        )
 
 
 def _built_devices() -> frozenset:
@@ -43,8 +47,11 @@ def _built_devices() -> frozenset:
     if _LOAD_ERROR:
         return frozenset()
     probe = "megatron_sp::layer_norm_fwd"
-    return frozenset(dev for dev, key in (("cpu", "CPU"), ("cuda", "CUDA"))
-                     if torch._C._dispatch_has_kernel_for_dispatch_key(probe, key))
+    return frozenset(
+        dev
+        for dev, key in (("cpu", "CPU"), ("cuda", "CUDA"))
+        if torch._C._dispatch_has_kernel_for_dispatch_key(probe, key)
+    )
 
 
 # Computed once at import: a plain constant, so torch.compile traces use_fused without a break.

@@ -5,6 +5,7 @@ The fused op (megatron_sp::bias_dropout_add_fwd/_bwd, csrc/) draws the same Phil
 reference, bit for bit, and its backward draws them again instead of reading a stored mask: the
 autograd graph keeps only the [s] token positions and [b] sample ids.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -15,9 +16,18 @@ from megatron_sp.ops._extension import extension_available, use_fused
 from megatron_sp.tensor_parallel.random import DropoutIndex, dropout
 
 
-def bias_dropout_add_reference(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
-                               p: float, seed: int, layer: int, site: int, index: DropoutIndex,
-                               feature_offset: int = 0, training: bool = True) -> torch.Tensor:
+def bias_dropout_add_reference(
+    x: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    residual: torch.Tensor,
+    p: float,
+    seed: int,
+    layer: int,
+    site: int,
+    index: DropoutIndex,
+    feature_offset: int = 0,
+    training: bool = True,
+) -> torch.Tensor:
     """x, residual [s, b, h]; bias [h] or None. Pure PyTorch; autograd through the mask multiply."""
     if bias is not None:
         x = x + bias
@@ -26,12 +36,12 @@ def bias_dropout_add_reference(x: torch.Tensor, bias: Optional[torch.Tensor], re
 
 def _fusable(x, bias, residual) -> bool:
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
-    return (x.dim() == 3 and x.dtype in dtypes and residual.dtype == x.dtype
-            and (bias is None or bias.dtype == x.dtype))    # mixed dtypes: reference promotes
+    return (
+        x.dim() == 3 and x.dtype in dtypes and residual.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
+    )  # mixed dtypes: reference promotes
 
 
-def bias_dropout_add(x, bias, residual, p, seed, layer, site, index, feature_offset=0,
-                     training=True, fused=True):
+def bias_dropout_add(x, bias, residual, p, seed, layer, site, index, feature_offset=0, training=True, fused=True):
     """residual + dropout(x + bias) for x, residual [s, b, h_local], bias [h_local] or None.
 
     index: DropoutIndex of the rows (global token positions [s], sample ids [b]); feature_offset:
@@ -40,13 +50,21 @@ def bias_dropout_add(x, bias, residual, p, seed, layer, site, index, feature_off
     same masks.
     """
     if not (use_fused(fused, x) and _fusable(x, bias, residual)):
-        return bias_dropout_add_reference(x, bias, residual, p, seed, layer, site, index,
-                                          feature_offset, training)
+        return bias_dropout_add_reference(x, bias, residual, p, seed, layer, site, index, feature_offset, training)
     positions = index.token_positions.to(device=x.device, dtype=torch.int64)
     samples = index.sample_ids.to(device=x.device, dtype=torch.int64)
     return torch.ops.megatron_sp.bias_dropout_add_fwd(
-        x, bias, residual, positions, samples, float(p) if training else 0.0, int(seed), int(layer),
-        int(site), int(feature_offset))
+        x,
+        bias,
+        residual,
+        positions,
+        samples,
+        float(p) if training else 0.0,
+        int(seed),
+        int(layer),
+        int(site),
+        int(feature_offset),
+    )
 
 
 def _fake_fwd(x, bias, residual, positions, samples, p, seed, layer, site, feature_offset):
@@ -60,7 +78,7 @@ def _fake_bwd(grad, positions, samples, p, seed, layer, site, feature_offset, bi
 
 def _setup_context(ctx, inputs, output):
     _, bias, _, positions, samples, p, seed, layer, site, feature_offset = inputs
-    ctx.save_for_backward(positions, samples)          # all the backward needs: no mask
+    ctx.save_for_backward(positions, samples)  # all the backward needs: no mask
     ctx.dropout_args = (p, seed, layer, site, feature_offset)
     ctx.bias_dtype = None if bias is None else bias.dtype
 
@@ -69,7 +87,8 @@ def _backward(ctx, grad):
     positions, samples = ctx.saved_tensors
     has_bias = ctx.bias_dtype is not None
     grad_x, grad_bias = torch.ops.megatron_sp.bias_dropout_add_bwd(
-        grad, positions, samples, *ctx.dropout_args, has_bias)
+        grad, positions, samples, *ctx.dropout_args, has_bias
+    )
     grad_bias = grad_bias.to(ctx.bias_dtype) if has_bias else None
     return grad_x, grad_bias, grad, None, None, None, None, None, None, None
 
@@ -77,5 +96,4 @@ def _backward(ctx, grad):
 if extension_available():
     torch.library.register_fake("megatron_sp::bias_dropout_add_fwd")(_fake_fwd)
     torch.library.register_fake("megatron_sp::bias_dropout_add_bwd")(_fake_bwd)
-    torch.library.register_autograd("megatron_sp::bias_dropout_add_fwd", _backward,
-                                    setup_context=_setup_context)
+    torch.library.register_autograd("megatron_sp::bias_dropout_add_fwd", _backward, setup_context=_setup_context)

@@ -8,7 +8,7 @@
     returns      out [b, n_q, s_q, d] (q's dtype; laid out [s_q, b, n_q, d] in memory), lse [b, n_q, s_q]
                  fp32 (log-sum-exp of the scaled scores; -inf for a query that sees no key, whose output is 0)
 
-Forward per query block: scores of one key block at a time, online softmax (running max m, sum l,
+Forward per query block: scores of one key block at a time, online softmax (running max m, sum row_sum,
 accumulator), dropout on the normalised probabilities with the mask regenerated from Philox for the
 block's global (sample, head, query, key) coordinates, exactly `attention_keep_mask`'s bits.
 Backward per block from (q, k, v, out, lse): P = exp(S - lse) recomputed, the same mask redrawn,
@@ -19,6 +19,7 @@ merged out/lse, so blocks of keys can live on other ranks.
 This file is the reference (plain torch, block loops in Python); csrc/ implements the same function
 (megatron_sp::flash_attention_fwd/_bwd) when built.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,7 +30,7 @@ import torch
 
 from megatron_sp.tensor_parallel.random import DropoutIndex, attention_keep_mask
 
-BLOCK = 64   # query and key rows per block
+BLOCK = 64  # query and key rows per block
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class AttentionDropout:
 
 def _visible(q_pos, k_pos, q_seg, k_seg):
     """[b or 1, 1, s_q, s_k] bool: key visible to query."""
-    allowed = (k_pos.view(1, 1, 1, -1) <= q_pos.view(1, 1, -1, 1))
+    allowed = k_pos.view(1, 1, 1, -1) <= q_pos.view(1, 1, -1, 1)
     if q_seg is not None:
         allowed = allowed & (q_seg[:, None, :, None] == k_seg[:, None, None, :])
     return allowed
@@ -64,8 +65,9 @@ def _acc(t):
     return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
 
 
-def flash_attention_fwd_reference(q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids,
-                                  drop: AttentionDropout, block: int = BLOCK):
+def flash_attention_fwd_reference(
+    q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, drop: AttentionDropout, block: int = BLOCK
+):
     b, nq, sq, d = q.shape
     rep = nq // k.shape[1]
     kf, vf = _acc(_expand_kv(k, rep)), _acc(_expand_kv(v, rep))
@@ -77,31 +79,44 @@ def flash_attention_fwd_reference(q, k, v, q_positions, k_positions, q_segments,
         qs = slice(q0, min(q0 + block, sq))
         qb = _acc(q[:, :, qs])
         m = torch.full(qb.shape[:-1], float("-inf"), dtype=qb.dtype, device=q.device)
-        l = torch.zeros_like(m)
+        row_sum = torch.zeros_like(m)
         acc = torch.zeros_like(qb)
         for k0 in range(0, k.shape[2], block):
             ks = slice(k0, min(k0 + block, k.shape[2]))
-            s = torch.matmul(qb, kf[:, :, ks].transpose(-1, -2)) * scale           # [b, n, bq, bk]
+            s = torch.matmul(qb, kf[:, :, ks].transpose(-1, -2)) * scale  # [b, n, bq, bk]
             seg = (q_segments[:, qs], k_segments[:, ks]) if q_segments is not None else (None, None)
             s = s.masked_fill(~_visible(q_positions[qs], k_positions[ks], *seg), float("-inf"))
             m_new = torch.maximum(m, s.amax(-1))
             base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows seeing nothing
             p = torch.exp(s - base.unsqueeze(-1))
             correction = torch.exp(m - base)
-            l = l * correction + p.sum(-1)
+            row_sum = row_sum * correction + p.sum(-1)
             if drop.p > 0.0:
                 p = p * _keep(drop, tuple(p.shape), q_positions[qs], k_positions[ks], sample_ids) / (1.0 - drop.p)
             acc = acc * correction.unsqueeze(-1) + torch.matmul(p, vf[:, :, ks])
             m = m_new
-        seen = l > 0
-        out[:, :, qs] = torch.where(seen.unsqueeze(-1), acc / l.clamp(min=1e-30).unsqueeze(-1), 0.0)
-        lse[:, :, qs] = torch.where(seen, m + torch.log(l.clamp(min=1e-30)), float("-inf"))
+        seen = row_sum > 0
+        out[:, :, qs] = torch.where(seen.unsqueeze(-1), acc / row_sum.clamp(min=1e-30).unsqueeze(-1), 0.0)
+        lse[:, :, qs] = torch.where(seen, m + torch.log(row_sum.clamp(min=1e-30)), float("-inf"))
     out = out if out.dtype == q.dtype else out.permute(2, 0, 1, 3).to(q.dtype).permute(1, 2, 0, 3)
     return out, lse if q.dtype == torch.float64 else lse.float()
 
 
-def flash_attention_bwd_reference(dout, q, k, v, out, lse, q_positions, k_positions, q_segments, k_segments,
-                                  sample_ids, drop: AttentionDropout, block: int = BLOCK):
+def flash_attention_bwd_reference(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    q_positions,
+    k_positions,
+    q_segments,
+    k_segments,
+    sample_ids,
+    drop: AttentionDropout,
+    block: int = BLOCK,
+):
     """(dq, dk, dv) of the keys given, from the final (possibly merged over key sets) out and lse."""
     b, nq, sq, d = q.shape
     nkv, sk = k.shape[1], k.shape[2]
@@ -109,7 +124,7 @@ def flash_attention_bwd_reference(dout, q, k, v, out, lse, q_positions, k_positi
     kf, vf = _acc(_expand_kv(k, rep)), _acc(_expand_kv(v, rep))
     scale = 1.0 / math.sqrt(d)
     dof, qf = _acc(dout), _acc(q)
-    delta = (dof * _acc(out)).sum(-1)                                           # D = rowsum(dO * O)
+    delta = (dof * _acc(out)).sum(-1)  # D = rowsum(dO * O)
     dq = torch.zeros_like(qf)
     dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
     safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
@@ -150,30 +165,74 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
 
 def _use_kernel(fused, q):
     from megatron_sp.ops._extension import extension_available, use_fused
-    return (use_fused(fused, q) and extension_available() and hasattr(torch.ops.megatron_sp, "flash_attention_fwd")
-            and q.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+    return (
+        use_fused(fused, q)
+        and extension_available()
+        and hasattr(torch.ops.megatron_sp, "flash_attention_fwd")
+        and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
 
 
-def flash_attention_fwd(q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids,
-                        drop: AttentionDropout, fused: bool = True):
+def flash_attention_fwd(
+    q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, drop: AttentionDropout, fused: bool = True
+):
     """(out, lse); the fused op when built for q's device, else the reference."""
     if _use_kernel(fused, q):
         return torch.ops.megatron_sp.flash_attention_fwd(
-            q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, float(drop.p),
-            int(drop.seed), int(drop.layer), int(drop.head_offset))
-    return flash_attention_fwd_reference(q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids,
-                                         drop)
+            q,
+            k,
+            v,
+            q_positions,
+            k_positions,
+            q_segments,
+            k_segments,
+            sample_ids,
+            float(drop.p),
+            int(drop.seed),
+            int(drop.layer),
+            int(drop.head_offset),
+        )
+    return flash_attention_fwd_reference(q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, drop)
 
 
-def flash_attention_bwd(dout, q, k, v, out, lse, q_positions, k_positions, q_segments, k_segments, sample_ids,
-                        drop: AttentionDropout, fused: bool = True):
+def flash_attention_bwd(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    q_positions,
+    k_positions,
+    q_segments,
+    k_segments,
+    sample_ids,
+    drop: AttentionDropout,
+    fused: bool = True,
+):
     """(dq, dk, dv); the fused op when built for q's device, else the reference."""
     if _use_kernel(fused, q):
         return torch.ops.megatron_sp.flash_attention_bwd(
-            dout, q, k, v, out, lse, q_positions, k_positions, q_segments, k_segments, sample_ids,
-            float(drop.p), int(drop.seed), int(drop.layer), int(drop.head_offset))
-    return flash_attention_bwd_reference(dout, q, k, v, out, lse, q_positions, k_positions, q_segments,
-                                         k_segments, sample_ids, drop)
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            q_positions,
+            k_positions,
+            q_segments,
+            k_segments,
+            sample_ids,
+            float(drop.p),
+            int(drop.seed),
+            int(drop.layer),
+            int(drop.head_offset),
+        )
+    return flash_attention_bwd_reference(
+        dout, q, k, v, out, lse, q_positions, k_positions, q_segments, k_segments, sample_ids, drop
+    )
 
 
 class FlashAttention(torch.autograd.Function):
@@ -181,8 +240,9 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, drop, fused):
-        out, lse = flash_attention_fwd(q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids,
-                                       drop, fused)
+        out, lse = flash_attention_fwd(
+            q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, drop, fused
+        )
         ctx.save_for_backward(q, k, v, out, lse, q_positions, k_positions, sample_ids, q_segments, k_segments)
         ctx.drop, ctx.fused = drop, fused
         return out
@@ -190,20 +250,30 @@ class FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, q_pos, k_pos, samples, q_seg, k_seg = ctx.saved_tensors
-        dq, dk, dv = flash_attention_bwd(dout.contiguous(), q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg,
-                                         samples, ctx.drop, ctx.fused)
+        dq, dk, dv = flash_attention_bwd(
+            dout.contiguous(), q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, samples, ctx.drop, ctx.fused
+        )
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def flash_attention(q, k, v, q_positions, k_positions, sample_ids, drop: AttentionDropout,
-                    q_segments: Optional[torch.Tensor] = None, k_segments: Optional[torch.Tensor] = None,
-                    fused: bool = True):
+def flash_attention(
+    q,
+    k,
+    v,
+    q_positions,
+    k_positions,
+    sample_ids,
+    drop: AttentionDropout,
+    q_segments: Optional[torch.Tensor] = None,
+    k_segments: Optional[torch.Tensor] = None,
+    fused: bool = True,
+):
     """Differentiable blockwise causal attention (see the module docstring); returns out."""
-    return FlashAttention.apply(q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, drop,
-                                fused)
+    return FlashAttention.apply(q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, drop, fused)
 
 
 # ---- the fused op (csrc/flash_attention_cpu.cpp, csrc/cuda/flash_attention.cu) ------------------
+
 
 def _seq_major(shape, like, dtype=None):
     """An empty [b, n, s, d] tensor laid out [s, b, n, d] in memory, as the kernels return them."""
@@ -211,35 +281,37 @@ def _seq_major(shape, like, dtype=None):
     return like.new_empty((s, b, n, d), dtype=dtype).permute(1, 2, 0, 3)
 
 
-def _fake_fwd(q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, p, seed, layer,
-              head_offset):
+def _fake_fwd(q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, p, seed, layer, head_offset):
     return _seq_major(q.shape, q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-def _fake_bwd(dout, q, k, v, out, lse, q_positions, k_positions, q_segments, k_segments, sample_ids, p,
-              seed, layer, head_offset):
+def _fake_bwd(
+    dout, q, k, v, out, lse, q_positions, k_positions, q_segments, k_segments, sample_ids, p, seed, layer, head_offset
+):
     return _seq_major(q.shape, q), _seq_major(k.shape, k), _seq_major(v.shape, v)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, q_pos, k_pos, q_seg, k_seg, samples, p, seed, layer, head_offset = inputs
     out, lse = output
-    ctx.mark_non_differentiable(lse)        # the backward of lse itself is not implemented
+    ctx.mark_non_differentiable(lse)  # the backward of lse itself is not implemented
     ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos, samples, q_seg, k_seg)
     ctx.dropout_args = (p, seed, layer, head_offset)
 
 
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, q_pos, k_pos, samples, q_seg, k_seg = ctx.saved_tensors
-    dq, dk, dv = torch.ops.megatron_sp.flash_attention_bwd(dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg,
-                                                           samples, *ctx.dropout_args)
+    dq, dk, dv = torch.ops.megatron_sp.flash_attention_bwd(
+        dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, samples, *ctx.dropout_args
+    )
     return (dq, dk, dv) + (None,) * 9
 
 
 def _register():
     from megatron_sp.ops._extension import extension_available
+
     if not (extension_available() and hasattr(torch.ops.megatron_sp, "flash_attention_fwd")):
-        return                                # an extension built before this op: the reference runs
+        return  # an extension built before this op: the reference runs
     torch.library.register_fake("megatron_sp::flash_attention_fwd")(_fake_fwd)
     torch.library.register_fake("megatron_sp::flash_attention_bwd")(_fake_bwd)
     torch.library.register_autograd("megatron_sp::flash_attention_fwd", _backward, setup_context=_setup_context)

@@ -4,6 +4,7 @@ The fused op (megatron_sp::layer_norm_fwd/_bwd, csrc/) returns the output and th
 mean and 1/std; its backward returns dx and this rank's weight/bias gradient partial sums (under
 sequence parallelism the model sums those over the TP group).
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,8 +13,7 @@ import torch.nn.functional as F
 from megatron_sp.ops._extension import extension_available, use_fused
 
 
-def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                         eps: float) -> torch.Tensor:
+def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """F.layer_norm computed in fp32, returned in x's dtype."""
     out = F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps)
     return out.to(x.dtype)
@@ -21,8 +21,13 @@ def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 def _fusable(x, weight, bias) -> bool:
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
-    return (x.dtype in dtypes and weight.dtype in (x.dtype, torch.float32)
-            and bias.dtype == weight.dtype and x.dim() >= 1 and x.shape[-1] > 0)
+    return (
+        x.dtype in dtypes
+        and weight.dtype in (x.dtype, torch.float32)
+        and bias.dtype == weight.dtype
+        and x.dim() >= 1
+        and x.shape[-1] > 0
+    )
 
 
 def layer_norm(x, weight, bias, eps, fused=True):
@@ -60,5 +65,4 @@ def _backward(ctx, grad_out, _grad_mean, _grad_rstd):
 if extension_available():
     torch.library.register_fake("megatron_sp::layer_norm_fwd")(_fake_fwd)
     torch.library.register_fake("megatron_sp::layer_norm_bwd")(_fake_bwd)
-    torch.library.register_autograd("megatron_sp::layer_norm_fwd", _backward,
-                                    setup_context=_setup_context)
+    torch.library.register_autograd("megatron_sp::layer_norm_fwd", _backward, setup_context=_setup_context)

@@ -21,6 +21,7 @@ Zigzag (ring attention causal load balance): the sequence axis is cut into 2p ch
 holds chunks r and 2p-1-r; zigzag_reorder lays the sequence out so that rank r's shard is the
 r-th of p equal slices; inverse=True restores the natural order.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,6 +41,7 @@ def _zigzag_source(slot: int, p: int, inverse: bool) -> int:
 
 
 # ---- references -------------------------------------------------------------------------------
+
 
 def ulysses_pack_reference(x: torch.Tensor, p: int) -> torch.Tensor:
     """[s/p, b, n, d] -> [p, s/p, b, n/p, d]: chunk j holds heads j*n/p .. (j+1)*n/p - 1."""
@@ -63,14 +65,14 @@ def last_dim_to_gather_reference(x: torch.Tensor, t: int) -> torch.Tensor:
     return torch.cat(torch.chunk(x, t, dim=-1), dim=0)
 
 
-def zigzag_reorder_reference(x: torch.Tensor, p: int, dim: int = 0,
-                             inverse: bool = False) -> torch.Tensor:
+def zigzag_reorder_reference(x: torch.Tensor, p: int, dim: int = 0, inverse: bool = False) -> torch.Tensor:
     """Reorders the 2p chunks of `dim` so that slice r of p holds chunks r and 2p-1-r."""
     chunks = torch.chunk(x, 2 * p, dim=dim)
     return torch.cat([chunks[_zigzag_source(i, p, inverse)] for i in range(2 * p)], dim=dim)
 
 
 # ---- views around the all-to-all (no copy) ------------------------------------------------------
+
 
 def ulysses_recv_to_heads(recv: torch.Tensor, p: int) -> torch.Tensor:
     """Receive buffer [p, s/p, b, n/p, d] of the seq->head exchange as [s, b, n/p, d] (a view)."""
@@ -86,6 +88,7 @@ def ulysses_heads_to_send(x_head: torch.Tensor, p: int) -> torch.Tensor:
 
 
 # ---- public ops -------------------------------------------------------------------------------
+
 
 def ulysses_pack(x: torch.Tensor, p: int, fused: bool = True) -> torch.Tensor:
     """seq->head send buffer: [s/p, b, n, d] -> [p, s/p, b, n/p, d]."""
@@ -126,8 +129,7 @@ def last_dim_to_gather(x: torch.Tensor, t: int, fused: bool = True) -> torch.Ten
     return last_dim_to_gather_reference(x, t)
 
 
-def zigzag_reorder(x: torch.Tensor, p: int, dim: int = 0, inverse: bool = False,
-                   fused: bool = True) -> torch.Tensor:
+def zigzag_reorder(x: torch.Tensor, p: int, dim: int = 0, inverse: bool = False, fused: bool = True) -> torch.Tensor:
     """Zigzag order of `dim` for p ranks (rank r: chunks r and 2p-1-r), or back with inverse."""
     if x.dim() == 0:
         raise ValueError("zigzag_reorder needs a tensor with at least one dimension.")
@@ -139,18 +141,17 @@ def zigzag_reorder(x: torch.Tensor, p: int, dim: int = 0, inverse: bool = False,
 
 # ---- fake and autograd registrations -----------------------------------------------------------
 
+
 def _register_permutation(name, out_shape, backward):
-    torch.library.register_fake(f"megatron_sp::{name}")(
-        lambda x, *args: x.new_empty(out_shape(x, *args)))
+    torch.library.register_fake(f"megatron_sp::{name}")(lambda x, *args: x.new_empty(out_shape(x, *args)))
 
     def setup_context(ctx, inputs, output):
         ctx.args = inputs[1:]
 
-    def backward_fn(ctx, grad):           # a permutation's gradient is the inverse permutation
+    def backward_fn(ctx, grad):  # a permutation's gradient is the inverse permutation
         return (backward(grad, *ctx.args),) + (None,) * len(ctx.args)
 
-    torch.library.register_autograd(f"megatron_sp::{name}", backward_fn,
-                                    setup_context=setup_context)
+    torch.library.register_autograd(f"megatron_sp::{name}", backward_fn, setup_context=setup_context)
 
 
 def _pack_shape(x, p):
@@ -175,9 +176,10 @@ if extension_available():
     ops = torch.ops.megatron_sp
     _register_permutation("ulysses_pack", _pack_shape, lambda g, p: ops.ulysses_unpack(g, p))
     _register_permutation("ulysses_unpack", _unpack_shape, lambda g, p: ops.ulysses_pack(g, p))
-    _register_permutation("gather_to_last_dim", _gather_shape,
-                          lambda g, t: ops.last_dim_to_gather(g, t))
-    _register_permutation("last_dim_to_gather", _split_shape,
-                          lambda g, t: ops.gather_to_last_dim(g, t))
-    _register_permutation("zigzag_reorder", lambda x, p, dim, inverse: x.shape,
-                          lambda g, p, dim, inverse: ops.zigzag_reorder(g, p, dim, not inverse))
+    _register_permutation("gather_to_last_dim", _gather_shape, lambda g, t: ops.last_dim_to_gather(g, t))
+    _register_permutation("last_dim_to_gather", _split_shape, lambda g, t: ops.gather_to_last_dim(g, t))
+    _register_permutation(
+        "zigzag_reorder",
+        lambda x, p, dim, inverse: x.shape,
+        lambda g, p, dim, inverse: ops.zigzag_reorder(g, p, dim, not inverse),
+    )

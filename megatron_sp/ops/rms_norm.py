@@ -4,6 +4,7 @@ The fused op (megatron_sp::rms_norm_fwd/_bwd, csrc/) returns the output and the 
 1/rms; its backward returns dx and this rank's weight gradient partial sum (under sequence
 parallelism the model sums it over the TP group), like layer_norm's.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,8 +24,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 def _fusable(x, weight) -> bool:
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
-    return (x.dtype in dtypes and weight.dtype in (x.dtype, torch.float32)
-            and x.dim() >= 1 and x.shape[-1] > 0)
+    return x.dtype in dtypes and weight.dtype in (x.dtype, torch.float32) and x.dim() >= 1 and x.shape[-1] > 0
 
 
 def rms_norm(x, weight, eps, fused=True):
@@ -61,5 +61,4 @@ def _backward(ctx, grad_out, _grad_rstd):
 if _OP_BUILT:
     torch.library.register_fake("megatron_sp::rms_norm_fwd")(_fake_fwd)
     torch.library.register_fake("megatron_sp::rms_norm_bwd")(_fake_bwd)
-    torch.library.register_autograd("megatron_sp::rms_norm_fwd", _backward,
-                                    setup_context=_setup_context)
+    torch.library.register_autograd("megatron_sp::rms_norm_fwd", _backward, setup_context=_setup_context)

@@ -2,6 +2,7 @@
 dtype-based tolerances and random inputs. Tolerances follow torch.testing's per-dtype defaults,
 loosened where the fused op rounds once in fp32 and the reference rounds after every step.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,7 @@ TOLERANCES = {
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def assert_close_dtype(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype,
-                       scale: float = 1.0) -> None:
+def assert_close_dtype(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> None:
     """assert_close with dtype's tolerance; `scale` widens atol for sums of many terms."""
     rtol, atol = TOLERANCES[dtype]
     torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol * scale)

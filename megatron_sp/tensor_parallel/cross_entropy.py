@@ -8,6 +8,7 @@ Three all-reduces over the TP group: max (stability), the target logit (held by 
 sum of exponentials. Padded vocabulary entries (ids >= vocab_size) are set to -inf before all of
 it, so they never count. The backward is local: softmax minus one-hot, on this rank's slice.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,7 +28,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits = logits.float()
         local_v = logits.shape[-1]
         valid_cols = max(0, min(local_v, vocab_size - vocab_start))
-        if valid_cols < local_v:                                   # padded ids live on the last ranks
+        if valid_cols < local_v:  # padded ids live on the last ranks
             logits = logits.clone()
             logits[..., valid_cols:] = float("-inf")
         logits_max = _all_reduce(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
@@ -46,14 +47,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, local_target, outside = ctx.saved_tensors
-        grad = softmax                                             # reused in place: saved once
+        grad = softmax  # reused in place: saved once
         onehot = (~outside).to(grad.dtype).unsqueeze(-1)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -onehot)
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad.to(ctx.in_dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, *, vocab_start: int,
-                                 vocab_size: int, group=None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits_shard: torch.Tensor, target: torch.Tensor, *, vocab_start: int, vocab_size: int, group=None
+) -> torch.Tensor:
     """Per-token loss [s, b] from vocab-sharded logits; vocab_size is the unpadded vocabulary."""
     return _VocabParallelCrossEntropy.apply(logits_shard, target, vocab_start, vocab_size, group)

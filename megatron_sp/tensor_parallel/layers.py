@@ -2,15 +2,17 @@
 
 Shard shapes on a rank of a TP group of size t (s = sequence, b = batch):
 
-    ColumnParallelLinear  weight [out/t, in]   input  [s/t, b, in] (SP) or [s, b, in]   output [s, b, out/t]
-    RowParallelLinear     weight [out, in/t]   input  [s, b, in/t]                       output [s/t, b, out] (SP) or [s, b, out]
-    VocabParallelEmbedding weight [V/t, h]     input  ids [b, s]                         output [s/t, b, h] (SP) or [s, b, h]
+    layer                   weight        input                          output
+    ColumnParallelLinear    [out/t, in]   [s/t, b, in] (SP) or [s, b, in]  [s, b, out/t]
+    RowParallelLinear       [out, in/t]   [s, b, in/t]                    [s/t, b, out] (SP) or [s, b, out]
+    VocabParallelEmbedding  [V/t, h]      ids [b, s]                      [s/t, b, h] (SP) or [s, b, h]
 
 Every parameter carries where it sits in the serial model (see `ShardSpec`), which is all
 `GPTModel.load_full_state_dict` / `full_state_dict` need. Parameters that live in the SP region
 (replicated, but each rank sees only its sequence shard) are marked `sequence_parallel=True`: their
 gradients are partial sums that must be summed over the TP group (training.grad_sync does it).
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,12 +22,12 @@ from torch import nn
 from megatron_sp.tensor_parallel import mappings
 from megatron_sp.tensor_parallel.sharding import ShardSpec, local_dim_size
 
-
 INIT_TAGS = ("normal", "scaled_normal", "ones", "zeros")
 
 
-def mark(param: nn.Parameter, spec: ShardSpec = ShardSpec(), sequence_parallel: bool = False, *,
-         init: str) -> nn.Parameter:
+def mark(
+    param: nn.Parameter, spec: ShardSpec = ShardSpec(), sequence_parallel: bool = False, *, init: str
+) -> nn.Parameter:
     """Tags a parameter with where it sits in the serial model (spec), whether it lives in the SP
     region (its gradient is a partial sum over the TP group) and how it is initialised
     (models/init.py: "normal" std, "scaled_normal" std/sqrt(2L), "ones", "zeros")."""
@@ -53,7 +55,7 @@ class _ParallelLinear(torch.autograd.Function):
         ctx.group, ctx.mode, ctx.has_bias = group, mode, bias is not None
         ctx.save_for_backward(x, weight)
         total = mappings._all_gather_dim0(x, group) if mode == "sp" else x
-        out = torch.matmul(total, weight.t())                 # autocast (bf16/fp16) applies here
+        out = torch.matmul(total, weight.t())  # autocast (bf16/fp16) applies here
         return out + bias.to(out.dtype) if bias is not None else out
 
     @staticmethod
@@ -61,9 +63,10 @@ class _ParallelLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         group, mode = ctx.group, ctx.mode
         total, gather = x, None
-        if mode == "sp":   # re-gather the saved shard while the input-gradient GEMM runs
-            total = torch.empty((dist.get_world_size(group) * x.shape[0],) + tuple(x.shape[1:]),
-                                dtype=x.dtype, device=x.device)
+        if mode == "sp":  # re-gather the saved shard while the input-gradient GEMM runs
+            total = torch.empty(
+                (dist.get_world_size(group) * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device
+            )
             gather = dist.all_gather_into_tensor(total, x.contiguous(), group=group, async_op=True)
         # Under autocast the GEMMs ran in grad_out's dtype; autograd casts our grads back to the
         # dtypes of x and weight (fp32 master weights).
@@ -74,8 +77,7 @@ class _ParallelLinear(torch.autograd.Function):
         handle, grad_in_shard = None, grad_in
         if mode == "sp":
             grad_in_shard = torch.empty(x.shape, dtype=grad_in.dtype, device=grad_in.device)
-            handle = dist.reduce_scatter_tensor(grad_in_shard, grad_in.contiguous(), group=group,
-                                                async_op=True)
+            handle = dist.reduce_scatter_tensor(grad_in_shard, grad_in.contiguous(), group=group, async_op=True)
         elif mode == "tp":
             handle = dist.all_reduce(grad_in, group=group, async_op=True)
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
@@ -110,9 +112,20 @@ class ColumnParallelLinear(nn.Module):
     is [part0_r | part1_r | ...]. init: the weight's init tag; the bias starts at zero.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, init: str, group=None,
-                 sequence_parallel=False, bias=True, segments: tuple = (), units: tuple = (),
-                 dtype=torch.float32, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        init: str,
+        group=None,
+        sequence_parallel=False,
+        bias=True,
+        segments: tuple = (),
+        units: tuple = (),
+        dtype=torch.float32,
+        device=None,
+    ):
         super().__init__()
         t, _ = _tp_info(group)
         if segments and sum(segments) != out_features:
@@ -122,8 +135,7 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"ColumnParallelLinear: out_features {out_features} not divisible by {t}.")
         local = local_dim_size(spec, out_features, t)
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = mark(nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device)), spec,
-                           init=init)
+        self.weight = mark(nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device)), spec, init=init)
         self.bias = None
         if bias:
             self.bias = mark(nn.Parameter(torch.zeros(local, dtype=dtype, device=device)), spec, init="zeros")
@@ -137,23 +149,39 @@ class RowParallelLinear(nn.Module):
     The partial products are reduce-scattered along the sequence (ḡ, SP) or all-reduced (f̄).
     The bias is added after the collective, so under SP it lives in the SP region."""
 
-    def __init__(self, in_features: int, out_features: int, *, init: str, group=None,
-                 sequence_parallel=False, bias=True, dtype=torch.float32, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        init: str,
+        group=None,
+        sequence_parallel=False,
+        bias=True,
+        dtype=torch.float32,
+        device=None,
+    ):
         super().__init__()
         t, _ = _tp_info(group)
         if in_features % t != 0:
             raise ValueError(f"RowParallelLinear: in_features {in_features} not divisible by {t}.")
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = mark(nn.Parameter(torch.empty(out_features, in_features // t, dtype=dtype, device=device)),
-                           ShardSpec(1), init=init)
+        self.weight = mark(
+            nn.Parameter(torch.empty(out_features, in_features // t, dtype=dtype, device=device)),
+            ShardSpec(1),
+            init=init,
+        )
         self.bias = None
         if bias:
-            self.bias = mark(nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)),
-                             sequence_parallel=sequence_parallel, init="zeros")
+            self.bias = mark(
+                nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)),
+                sequence_parallel=sequence_parallel,
+                init="zeros",
+            )
 
     def forward(self, x: torch.Tensor, *, add_bias: bool = True) -> torch.Tensor:
         """add_bias=False leaves the bias to a fused bias-dropout-add that follows."""
-        partial = torch.matmul(x, self.weight.t())            # [s, b, out] partial sum over ranks
+        partial = torch.matmul(x, self.weight.t())  # [s, b, out] partial sum over ranks
         if self.sequence_parallel:
             out = mappings.reduce_scatter_to_sequence_parallel_region(partial, self.group)  # [s/t, b, out]
         else:
@@ -169,8 +197,18 @@ class VocabParallelEmbedding(nn.Module):
     or an all-reduce otherwise.
     """
 
-    def __init__(self, vocab_size: int, padded_vocab_size: int, hidden_size: int, *, init: str = "normal",
-                 group=None, sequence_parallel=False, dtype=torch.float32, device=None):
+    def __init__(
+        self,
+        vocab_size: int,
+        padded_vocab_size: int,
+        hidden_size: int,
+        *,
+        init: str = "normal",
+        group=None,
+        sequence_parallel=False,
+        dtype=torch.float32,
+        device=None,
+    ):
         super().__init__()
         t, rank = _tp_info(group)
         if padded_vocab_size % t != 0 or padded_vocab_size < vocab_size:
@@ -179,12 +217,15 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size, self.padded_vocab_size = vocab_size, padded_vocab_size
         local = padded_vocab_size // t
         self.vocab_start, self.vocab_end = rank * local, (rank + 1) * local
-        self.weight = mark(nn.Parameter(torch.empty(local, hidden_size, dtype=dtype, device=device)),
-                           ShardSpec(0, full=vocab_size), init=init)
+        self.weight = mark(
+            nn.Parameter(torch.empty(local, hidden_size, dtype=dtype, device=device)),
+            ShardSpec(0, full=vocab_size),
+            init=init,
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [b, s] -> [s/t, b, h] (SP) or [s, b, h]."""
-        ids = ids.t()                                          # [s, b]
+        ids = ids.t()  # [s, b]
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         partial = nn.functional.embedding(local_ids, self.weight)

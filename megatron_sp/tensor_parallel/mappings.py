@@ -5,6 +5,7 @@ parallel group (None or size 1 short-circuits to the identity). Paper names (Kor
 f = copy_to_tensor_parallel_region, f̄ = reduce_from_tensor_parallel_region,
 g = gather_from_sequence_parallel_region, ḡ = reduce_scatter_to_sequence_parallel_region.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -26,6 +27,7 @@ def _rank(group) -> int:
 
 
 # ---- raw collectives (no autograd) -------------------------------------------------------------
+
 
 def _all_reduce(x, group):
     x = x.contiguous()
@@ -59,14 +61,14 @@ def _split_dim(x, dim, group):
 
 def _all_gather_last(x, group):
     # Gather along dim 0 (one contiguous collective), then move the rank axis next to the last dim.
-    stacked = _all_gather_dim0(x.unsqueeze(0), group)          # [t, ..., h/t]
-    return torch.cat(stacked.unbind(0), dim=-1)               # [..., h]
+    stacked = _all_gather_dim0(x.unsqueeze(0), group)  # [t, ..., h/t]
+    return torch.cat(stacked.unbind(0), dim=-1)  # [..., h]
 
 
 def _reduce_scatter_last(x, group):
     t = _size(group)
-    parts = x.chunk(t, dim=-1)                                 # t × [..., h/t]
-    stacked = torch.stack(parts, dim=0)                        # [t, ..., h/t]
+    parts = x.chunk(t, dim=-1)  # t × [..., h/t]
+    stacked = torch.stack(parts, dim=0)  # [t, ..., h/t]
     return _reduce_scatter_dim0(stacked, group).squeeze(0)
 
 
@@ -80,6 +82,7 @@ def _all_to_all(x, group, scatter_dim, gather_dim):
 
 
 # ---- autograd functions ----------------------------------------------------------------------
+
 
 class _Collective(torch.autograd.Function):
     """One autograd Function for every mapping: forward op and backward op chosen by name."""

@@ -19,6 +19,7 @@ This file is the reference; csrc/ implements the same function in C++/CUDA (bit-
 All arithmetic is on int64 tensors holding uint32 values; products of two uint32 fit the 64 bits
 (two's complement wrap keeps the low 64 bits exact), and hi/lo words are extracted with masks.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ SITE_EMBEDDING, SITE_ATTENTION_PROBS, SITE_ATTENTION_OUT, SITE_MLP_OUT = 0, 1, 2
 
 
 def _mulhilo(a: torch.Tensor, m: int):
-    prod = a * m                           # exact low 64 bits of a 32x32 product
+    prod = a * m  # exact low 64 bits of a 32x32 product
     return (prod >> 32) & MASK32, prod & MASK32
 
 
@@ -53,8 +54,9 @@ def dropout_key(seed: int, layer: int, site: int):
     return seed & MASK32, ((layer * 16 + site) & MASK32)
 
 
-def random_bits(seed: int, layer: int, site: int, token_position: torch.Tensor,
-                feature: torch.Tensor, sample_id: torch.Tensor) -> torch.Tensor:
+def random_bits(
+    seed: int, layer: int, site: int, token_position: torch.Tensor, feature: torch.Tensor, sample_id: torch.Tensor
+) -> torch.Tensor:
     """32-bit random words (int64) for broadcastable global index tensors (int64)."""
     k0, k1 = dropout_key(seed, layer, site)
     zero = torch.zeros((), dtype=torch.int64, device=feature.device)
@@ -85,8 +87,9 @@ class DropoutIndex:
     sample_ids: torch.Tensor
 
 
-def hidden_keep_mask(shape, p: float, seed: int, layer: int, site: int, index: DropoutIndex,
-                     feature_offset: int = 0) -> torch.Tensor:
+def hidden_keep_mask(
+    shape, p: float, seed: int, layer: int, site: int, index: DropoutIndex, feature_offset: int = 0
+) -> torch.Tensor:
     """Boolean keep-mask for an activation [s, b, h_local] whose features start at feature_offset."""
     s, b, h = shape
     device = index.token_positions.device
@@ -96,8 +99,9 @@ def hidden_keep_mask(shape, p: float, seed: int, layer: int, site: int, index: D
     return random_bits(seed, layer, site, pos, feature, sample) >= drop_threshold(p)
 
 
-def attention_keep_mask(shape, p: float, seed: int, layer: int, index: DropoutIndex,
-                        head_offset: int, key_positions: torch.Tensor) -> torch.Tensor:
+def attention_keep_mask(
+    shape, p: float, seed: int, layer: int, index: DropoutIndex, head_offset: int, key_positions: torch.Tensor
+) -> torch.Tensor:
     """Keep-mask for attention probabilities [b, n_local, s_q, s_k].
 
     index.token_positions are the query positions [s_q]; key_positions [s_k]; the feature index is
@@ -136,8 +140,16 @@ def apply_keep_mask(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tens
     return _KeepMaskScale.apply(x, keep, 1.0 / (1.0 - p))
 
 
-def dropout(x: torch.Tensor, p: float, seed: int, layer: int, site: int, index: DropoutIndex,
-            feature_offset: int = 0, training: bool = True) -> torch.Tensor:
+def dropout(
+    x: torch.Tensor,
+    p: float,
+    seed: int,
+    layer: int,
+    site: int,
+    index: DropoutIndex,
+    feature_offset: int = 0,
+    training: bool = True,
+) -> torch.Tensor:
     """Parallelism-invariant dropout of an [s, b, h_local] activation (reference implementation)."""
     if not training or p == 0.0:
         return x

@@ -16,6 +16,7 @@ copies (training.grad_sync), and count once in norms and checkpoints (the first 
     shard_full   full [.., F, ..]  ->  local [.., F_local, ..]   (pads a single segment to t × local)
     gather_full  local             ->  full  [.., F, ..]         collective over the TP group
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -126,13 +127,14 @@ def gather_full(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
         return local.clone()
     tp_size = 1 if group is None else dist.get_world_size(group)
     dim = spec.dim % local.dim()
-    moved = local.movedim(dim, 0).contiguous()                     # [F_local, ...]
+    moved = local.movedim(dim, 0).contiguous()  # [F_local, ...]
     parts = [moved]
     if tp_size > 1:
         parts = [torch.empty_like(moved) for _ in range(tp_size)]
         dist.all_gather(parts, moved, group=group)
-    by_rank = [split_local(p, ShardSpec(0, spec.segments, spec.units, spec.full), r, tp_size)
-               for r, p in enumerate(parts)]
+    by_rank = [
+        split_local(p, ShardSpec(0, spec.segments, spec.units, spec.full), r, tp_size) for r, p in enumerate(parts)
+    ]
     segments = []
     for i in range(len(by_rank[0])):
         segments.append(torch.cat([view for shard, view in (rank[i] for rank in by_rank) if shard.first_copy]))

@@ -3,6 +3,7 @@
 `parse_args(argv)` returns an argparse.Namespace, validated; any error a user can cause raises
 `ArgumentError` with one sentence (the entry point prints it and exits 2, no traceback).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,59 +22,112 @@ class _Parser(argparse.ArgumentParser):
 
 def _model_args(p):
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="gpt2",
-                   help="model family: gpt2, llama (models/registry.py) or package.module:SPEC; sets the "
-                        "defaults of the architecture flags below")
+    g.add_argument(
+        "--model",
+        default="gpt2",
+        help="model family: gpt2, llama (models/registry.py) or package.module:SPEC; sets the "
+        "defaults of the architecture flags below",
+    )
     g.add_argument("--num-layers", type=int, default=4)
     g.add_argument("--hidden-size", type=int, default=128)
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden size (SwiGLU: 8h/3)")
     g.add_argument("--num-attention-heads", type=int, default=4)
     g.add_argument("--kv-channels", type=int, default=None, help="head dim; default hidden / heads")
     g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, default=None,
-                   help="key/value heads (grouped-query attention; 1 with --group-query-attention alone)")
+    g.add_argument(
+        "--num-query-groups",
+        type=int,
+        default=None,
+        help="key/value heads (grouped-query attention; 1 with --group-query-attention alone)",
+    )
     g.add_argument("--seq-length", type=int, default=128)
     g.add_argument("--max-position-embeddings", type=int, default=None, help="default seq length")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"], default=None)
-    g.add_argument("--use-rotary-position-embeddings", dest="position_embedding_type", action="store_const",
-                   const="rope", help="same as --position-embedding-type rope")
-    g.add_argument("--no-position-embedding", dest="position_embedding_type", action="store_const",
-                   const="none", help="same as --position-embedding-type none")
+    g.add_argument(
+        "--use-rotary-position-embeddings",
+        dest="position_embedding_type",
+        action="store_const",
+        const="rope",
+        help="same as --position-embedding-type rope",
+    )
+    g.add_argument(
+        "--no-position-embedding",
+        dest="position_embedding_type",
+        action="store_const",
+        const="none",
+        help="same as --position-embedding-type none",
+    )
     g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE theta")
     g.add_argument("--rotary-percent", type=float, default=1.0)
-    g.add_argument("--rotary-seq-len-interpolation-factor", type=float, default=None,
-                   help="linear RoPE scaling: positions / factor (HF rope_type linear)")
-    g.add_argument("--use-rope-scaling", action="store_true",
-                   help="Llama 3.1 RoPE frequency scaling (HF rope_type llama3)")
+    g.add_argument(
+        "--rotary-seq-len-interpolation-factor",
+        type=float,
+        default=None,
+        help="linear RoPE scaling: positions / factor (HF rope_type linear)",
+    )
+    g.add_argument(
+        "--use-rope-scaling", action="store_true", help="Llama 3.1 RoPE frequency scaling (HF rope_type llama3)"
+    )
     g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling")
     g.add_argument("--rope-scaling-low-freq-factor", type=float, default=1.0, help="with --use-rope-scaling")
     g.add_argument("--rope-scaling-high-freq-factor", type=float, default=4.0, help="with --use-rope-scaling")
-    g.add_argument("--rope-scaling-original-max-position-embeddings", type=int, default=8192,
-                   help="with --use-rope-scaling: the context length the model was pretrained at")
+    g.add_argument(
+        "--rope-scaling-original-max-position-embeddings",
+        type=int,
+        default=8192,
+        help="with --use-rope-scaling: the context length the model was pretrained at",
+    )
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default=None)
     g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
-    g.add_argument("--swiglu", dest="activation", action="store_const", const="swiglu",
-                   help="SwiGLU MLP (fused gate/up projection)")
-    g.add_argument("--openai-gelu", dest="activation", action="store_const", const="openai_gelu",
-                   help="GPT-2's tanh approximation of GELU")
-    g.add_argument("--untie-embeddings-and-output-weights", dest="untie_embeddings_and_output_weights",
-                   action="store_const", const=True, default=None)
-    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_const", const=False,
-                   default=None)
+    g.add_argument(
+        "--swiglu",
+        dest="activation",
+        action="store_const",
+        const="swiglu",
+        help="SwiGLU MLP (fused gate/up projection)",
+    )
+    g.add_argument(
+        "--openai-gelu",
+        dest="activation",
+        action="store_const",
+        const="openai_gelu",
+        help="GPT-2's tanh approximation of GELU",
+    )
+    g.add_argument(
+        "--untie-embeddings-and-output-weights",
+        dest="untie_embeddings_and_output_weights",
+        action="store_const",
+        const=True,
+        default=None,
+    )
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_const", const=False, default=None)
     g.add_argument("--add-qkv-bias", dest="add_qkv_bias", action="store_const", const=True, default=None)
-    g.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default="auto",
-                   help="unfused/local: explicit softmax; otherwise PyTorch SDPA whenever dropout allows")
+    g.add_argument(
+        "--attention-backend",
+        choices=["auto", "flash", "fused", "unfused", "local"],
+        default="auto",
+        help="unfused/local: explicit softmax; otherwise PyTorch SDPA whenever dropout allows",
+    )
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--no-fused-kernels", action="store_true",
-                   help="use the PyTorch references instead of megatron_sp._C ops")
-    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
-                   help="activation recomputation: whole layers (full) or the attention core (selective)")
-    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
-                   help="full: checkpoint chunks of --recompute-num-layers (uniform) or the first N layers (block)")
+    g.add_argument(
+        "--no-fused-kernels", action="store_true", help="use the PyTorch references instead of megatron_sp._C ops"
+    )
+    g.add_argument(
+        "--recompute-granularity",
+        choices=["full", "selective"],
+        default=None,
+        help="activation recomputation: whole layers (full) or the attention core (selective)",
+    )
+    g.add_argument(
+        "--recompute-method",
+        choices=["uniform", "block"],
+        default=None,
+        help="full: checkpoint chunks of --recompute-num-layers (uniform) or the first N layers (block)",
+    )
     g.add_argument("--recompute-num-layers", type=int, default=None)
 
 
@@ -81,19 +135,39 @@ def _parallel_args(p):
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="only 1 (no pipeline parallelism)")
-    g.add_argument("--context-parallel-size", type=int, default=1,
-                   help="split each sequence over this many ranks (world = TP × CP × DP)")
-    g.add_argument("--cp-comm-type", choices=["p2p", "a2a"], default="p2p",
-                   help="context-parallel attention: p2p ring attention or a2a (Ulysses all-to-all)")
+    g.add_argument(
+        "--context-parallel-size",
+        type=int,
+        default=1,
+        help="split each sequence over this many ranks (world = TP × CP × DP)",
+    )
+    g.add_argument(
+        "--cp-comm-type",
+        choices=["p2p", "a2a"],
+        default="p2p",
+        help="context-parallel attention: p2p ring attention or a2a (Ulysses all-to-all)",
+    )
     g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
-                   help="default: nccl on cuda, gloo on cpu")
-    g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="shard the AdamW moments over the data- (and context-) parallel replicas (ZeRO-1)")
-    g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True,
-                   help="start the data-parallel gradient all-reduces during the last backward")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
-                   help="collective timeout: a dead or hung rank fails the job after this long")
+    g.add_argument(
+        "--distributed-backend", choices=["nccl", "gloo"], default=None, help="default: nccl on cuda, gloo on cpu"
+    )
+    g.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="shard the AdamW moments over the data- (and context-) parallel replicas (ZeRO-1)",
+    )
+    g.add_argument(
+        "--overlap-grad-reduce",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start the data-parallel gradient all-reduces during the last backward",
+    )
+    g.add_argument(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=10.0,
+        help="collective timeout: a dead or hung rank fails the job after this long",
+    )
     g.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
 
 
@@ -102,8 +176,12 @@ def _training_args(p):
     g.add_argument("--micro-batch-size", type=int, default=8)
     g.add_argument("--global-batch-size", type=int, default=None, help="default micro batch × DP")
     g.add_argument("--train-iters", type=int, default=None, help="default 300 (or from --train-samples)")
-    g.add_argument("--train-samples", type=int, default=None,
-                   help="train on this many samples (iterations = samples / global batch); LR flags in samples")
+    g.add_argument(
+        "--train-samples",
+        type=int,
+        default=None,
+        help="train on this many samples (iterations = samples / global batch); LR flags in samples",
+    )
     g.add_argument("--exit-interval", type=int, default=None, help="exit after an iteration divisible by this")
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=1e-4)
@@ -121,18 +199,28 @@ def _training_args(p):
     prec = g.add_mutually_exclusive_group()
     prec.add_argument("--bf16", action="store_true")
     prec.add_argument("--fp16", action="store_true")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16, help="fp16 dynamic loss scale start")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**16, help="fp16 dynamic loss scale start")
 
 
 def _data_args(p):
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", nargs="*", default=None,
-                   help="PREFIX or WEIGHT PREFIX WEIGHT PREFIX ...; default: the embedded corpus")
-    g.add_argument("--mock-data", action="store_true",
-                   help="random tokens instead of a dataset (speed runs; needs no data and no megatron-core)")
+    g.add_argument(
+        "--data-path",
+        nargs="*",
+        default=None,
+        help="PREFIX or WEIGHT PREFIX WEIGHT PREFIX ...; default: the embedded corpus",
+    )
+    g.add_argument(
+        "--mock-data",
+        action="store_true",
+        help="random tokens instead of a dataset (speed runs; needs no data and no megatron-core)",
+    )
     g.add_argument("--split", default="969,30,1")
-    g.add_argument("--tokenizer-type", default="ByteLevelTokenizer",
-                   choices=["ByteLevelTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"])
+    g.add_argument(
+        "--tokenizer-type",
+        default="ByteLevelTokenizer",
+        choices=["ByteLevelTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"],
+    )
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json")
     g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt")
@@ -151,8 +239,12 @@ def _logging_args(p):
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--log-jsonl", default=None, help="one JSON object per logged iteration")
     g.add_argument("--loss-curve", default=None, help="PNG written at the end (default: next to the JSONL/TB logs)")
-    g.add_argument("--peak-tflops", type=float, default=None,
-                   help="per-device peak for MFU; default: from the GPU model, or measured on CPU")
+    g.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="per-device peak for MFU; default: from the GPU model, or measured on CPU",
+    )
     g.add_argument("--no-progress-bar", action="store_true")
 
 
@@ -184,27 +276,43 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
 def validate(args) -> None:
     """Checks that need no data and no devices; fills derived defaults (dp size, batch sizes...)."""
     if args.pipeline_model_parallel_size != 1:
-        raise ArgumentError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} is not supported: "
-                            f"megatron_sp has no pipeline parallelism; use tensor, sequence, context and data "
-                            f"parallelism (--pipeline-model-parallel-size 1).")
+        raise ArgumentError(
+            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} is not supported: "
+            f"megatron_sp has no pipeline parallelism; use tensor, sequence, context and data "
+            f"parallelism (--pipeline-model-parallel-size 1)."
+        )
     _train_length(args)
-    for name in ("micro_batch_size", "train_iters", "log_interval", "eval_interval", "num_layers",
-                 "hidden_size", "num_attention_heads", "seq_length", "tensor_model_parallel_size"):
+    for name in (
+        "micro_batch_size",
+        "train_iters",
+        "log_interval",
+        "eval_interval",
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "seq_length",
+        "tensor_model_parallel_size",
+    ):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
     tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
     if cp <= 0:
         raise ArgumentError(f"--context-parallel-size must be positive, got {cp}.")
     if args.world_size % (tp * cp) != 0:
-        raise ArgumentError(f"world size {args.world_size} is not divisible by --tensor-model-parallel-size {tp}"
-                            + (f" × --context-parallel-size {cp}" if cp > 1 else "") + ".")
+        raise ArgumentError(
+            f"world size {args.world_size} is not divisible by --tensor-model-parallel-size {tp}"
+            + (f" × --context-parallel-size {cp}" if cp > 1 else "")
+            + "."
+        )
     args.data_parallel_size = args.world_size // (tp * cp)
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = per_step
     if args.global_batch_size % per_step != 0:
-        raise ArgumentError(f"--global-batch-size {args.global_batch_size} is not divisible by micro batch size × "
-                            f"data-parallel size ({args.micro_batch_size} × {args.data_parallel_size}).")
+        raise ArgumentError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by micro batch size × "
+            f"data-parallel size ({args.micro_batch_size} × {args.data_parallel_size})."
+        )
     args.num_micro_batches = args.global_batch_size // per_step
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save DIR.")
@@ -213,13 +321,15 @@ def validate(args) -> None:
     if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
         raise ArgumentError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH/tokenizer.json.")
     if args.tokenizer_type == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file):
-        raise ArgumentError("--tokenizer-type GPT2BPETokenizer needs --vocab-file vocab.json and --merge-file merges.txt.")
-    for flag, value, module, package in (("--loss-curve", args.loss_curve, "matplotlib", "matplotlib"),
-                                         ("--tensorboard-dir", args.tensorboard_dir, "tensorboard",
-                                          "tensorboard")):
+        raise ArgumentError(
+            "--tokenizer-type GPT2BPETokenizer needs --vocab-file vocab.json and --merge-file merges.txt."
+        )
+    for flag, value, module, package in (
+        ("--loss-curve", args.loss_curve, "matplotlib", "matplotlib"),
+        ("--tensorboard-dir", args.tensorboard_dir, "tensorboard", "tensorboard"),
+    ):
         if value and importlib.util.find_spec(module) is None:
-            raise ArgumentError(f"{flag} needs the {package} package, which is not installed "
-                                f"(pip install {package}).")
+            raise ArgumentError(f"{flag} needs the {package} package, which is not installed (pip install {package}).")
     _schedule_units(args)
     if args.min_lr > args.lr:
         raise ArgumentError("--min-lr must not exceed --lr.")
@@ -235,18 +345,22 @@ def _train_length(args) -> None:
     if args.train_samples is None:
         for flag in ("lr_decay_samples", "lr_warmup_samples"):
             if getattr(args, flag) is not None:
-                raise ArgumentError(f"--{flag.replace('_', '-')} needs --train-samples (with --train-iters use "
-                                    f"--{flag.replace('_samples', '_iters').replace('_', '-')}).")
+                raise ArgumentError(
+                    f"--{flag.replace('_', '-')} needs --train-samples (with --train-iters use "
+                    f"--{flag.replace('_samples', '_iters').replace('_', '-')})."
+                )
         if args.train_iters is None:
             args.train_iters = 300
         return
     for flag in ("lr_decay_iters", "lr_warmup_iters"):
         if getattr(args, flag) is not None:
-            raise ArgumentError(f"--{flag.replace('_', '-')} does not go with --train-samples; use "
-                                f"--{flag.replace('_iters', '_samples').replace('_', '-')}.")
+            raise ArgumentError(
+                f"--{flag.replace('_', '-')} does not go with --train-samples; use "
+                f"--{flag.replace('_iters', '_samples').replace('_', '-')}."
+            )
     if args.train_samples <= 0:
         raise ArgumentError(f"--train-samples must be positive, got {args.train_samples}.")
-    args.train_iters = None   # set once the global batch size is known (_schedule_units)
+    args.train_iters = None  # set once the global batch size is known (_schedule_units)
 
 
 def _schedule_units(args) -> None:
@@ -300,8 +414,9 @@ def _check_numbers(args) -> None:
 
 def _check_intervals(args) -> None:
     if args.eval_iters <= 0:
-        raise ArgumentError(f"--eval-iters must be positive, got {args.eval_iters} (to evaluate less often, "
-                            f"raise --eval-interval).")
+        raise ArgumentError(
+            f"--eval-iters must be positive, got {args.eval_iters} (to evaluate less often, raise --eval-interval)."
+        )
     for flag, value in (("--save-interval", args.save_interval), ("--exit-interval", args.exit_interval)):
         if value is not None and value <= 0:
             raise ArgumentError(f"{flag} must be positive, got {value}.")
@@ -311,6 +426,7 @@ def _check_data_flags(args) -> None:
     """--data-path and --split syntax (plain Python: --mock-data runs import no numpy)."""
     from megatron_sp.data.blend import check_train_share, parse_data_path
     from megatron_sp.data.errors import DataError
+
     try:
         if args.data_path:
             parse_data_path(args.data_path)

@@ -13,6 +13,7 @@ contiguous block of one entry (what DCP's resharding needs):
 At TP=1 an entry is a plain tensor; at TP>1 it is declared to DCP as a ShardedTensor with the
 block's global offsets. `canonical_to_full` / `full_to_canonical` convert a whole state dict (tools).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -33,6 +34,7 @@ def _layout(spec) -> str:
 
 def _sharded(block, global_shape, offsets, include: bool, ps):
     from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
+
     shards = []
     if include and block.numel() > 0:
         placement = f"rank:{dist.get_rank()}/{block.device}"
@@ -66,7 +68,7 @@ def _grouped(t, spec, ps):
     dim = spec.dim % t.dim()
     g = len(spec.segments)
     shape = list(t.shape)
-    block = t.reshape(shape[:dim] + [g, shape[dim] // g] + shape[dim + 1:])
+    block = t.reshape(shape[:dim] + [g, shape[dim] // g] + shape[dim + 1 :])
     local = shape[dim] // g
     return dim + 1, block, ps.tp_rank * local, spec.segments[0]
 
@@ -84,8 +86,10 @@ def to_dcp_tensor(t, p, ps):
         axis, block, offset, full = _grouped(t, spec, ps)
         return _entry(block, axis, offset, full, True, ps)
     dim = spec.dim % t.dim()
-    return {f"segment{i}": _entry(view, dim, shard.offset, shard.full, shard.first_copy, ps)
-            for i, (shard, view) in enumerate(split_local(t, spec, ps.tp_rank, ps.tp_size))}
+    return {
+        f"segment{i}": _entry(view, dim, shard.offset, shard.full, shard.first_copy, ps)
+        for i, (shard, view) in enumerate(split_local(t, spec, ps.tp_rank, ps.tp_size))
+    }
 
 
 def empty_dcp_target(p, ps):
@@ -140,9 +144,11 @@ def from_canonical_local(loaded, p, ps):
 
 # ---- whole state dicts (tools, one process) ------------------------------------------------------
 
+
 def full_to_canonical(state: dict, specs: dict) -> dict:
     """ReferenceGPT state dict -> canonical entries (nested dicts for segmented parameters)."""
     from megatron_sp.parallel_state import ParallelState
+
     serial = ParallelState()
     return {name: to_dcp_tensor(t, _Like(t, specs.get(name)), serial) for name, t in state.items()}
 

@@ -11,6 +11,7 @@ start-up instead of a traceback or a silent start from scratch. What --load may 
     anything else: a file, one checkpoint (iter_N), a missing     refused (CheckpointError)
         or markerless DIR that is not --save
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,10 @@ def read_latest(root: str) -> Optional[int]:
     except OSError as err:
         raise CheckpointError(f"{path} cannot be read ({err.strerror}); fix its permissions.") from None
     if not text or not text.isdigit():
-        raise CheckpointError(f"{path} does not hold an iteration number; write the iteration to resume "
-                              f"from into it (one of the iter_N directories beside it).")
+        raise CheckpointError(
+            f"{path} does not hold an iteration number; write the iteration to resume "
+            f"from into it (one of the iter_N directories beside it)."
+        )
     return int(text)
 
 
@@ -71,23 +74,31 @@ def locate(root: str, is_save_dir: bool) -> Optional[int]:
     if not os.path.isdir(root):
         if is_save_dir:
             return None
-        raise CheckpointError(f"--load {root} does not exist; fix the path (a missing --load starts from "
-                              f"scratch only when it is also --save).")
+        raise CheckpointError(
+            f"--load {root} does not exist; fix the path (a missing --load starts from "
+            f"scratch only when it is also --save)."
+        )
     if _is_single_checkpoint(root):
-        raise CheckpointError(f"--load {root} is one checkpoint, not a checkpoint directory; pass its parent "
-                              f"{os.path.dirname(os.path.abspath(root))} (the iteration is read from {LATEST}).")
+        raise CheckpointError(
+            f"--load {root} is one checkpoint, not a checkpoint directory; pass its parent "
+            f"{os.path.dirname(os.path.abspath(root))} (the iteration is read from {LATEST})."
+        )
     iteration = read_latest(root)
     if iteration is None:
         if is_save_dir and _leftovers_only(root):
             return None
         found = sorted(n for n in os.listdir(root) if n.startswith("iter_") and not n.endswith(".tmp"))
-        hint = (f"write the iteration of {found[-1]} into {LATEST} to resume from it" if found
-                else "pass the directory that --save wrote")
+        hint = (
+            f"write the iteration of {found[-1]} into {LATEST} to resume from it"
+            if found
+            else "pass the directory that --save wrote"
+        )
         raise CheckpointError(f"--load {root} holds no {LATEST}; {hint}.")
     path = checkpoint_dir(root, iteration)
     if not os.path.isfile(os.path.join(path, METADATA_JSON)):
-        raise CheckpointError(f"checkpoint {path} named by {LATEST} is missing or incomplete; point {LATEST} "
-                              f"at a complete iteration.")
+        raise CheckpointError(
+            f"checkpoint {path} named by {LATEST} is missing or incomplete; point {LATEST} at a complete iteration."
+        )
     return iteration
 
 
@@ -98,8 +109,10 @@ def read_metadata_json(path: str) -> dict:
         with open(file, encoding="utf-8") as f:
             meta = json.load(f)
     except (UnicodeDecodeError, json.JSONDecodeError):
-        raise CheckpointError(f"{file} is not valid JSON (truncated or corrupted); load an earlier "
-                              f"iteration by writing its number into {LATEST}.") from None
+        raise CheckpointError(
+            f"{file} is not valid JSON (truncated or corrupted); load an earlier "
+            f"iteration by writing its number into {LATEST}."
+        ) from None
     except OSError as err:
         raise CheckpointError(f"{file} cannot be read ({err.strerror}).") from None
     problem = _schema_problem(meta)
@@ -123,9 +136,13 @@ def _schema_problem(meta) -> Optional[str]:
     if not _is_count(meta.get("tensor_model_parallel_size")) or not isinstance(meta.get("config"), dict):
         return "lacks tensor_model_parallel_size/config"
     files = meta.get("files")
-    if files is not None and not (isinstance(files, dict) and all(
+    if files is not None and not (
+        isinstance(files, dict)
+        and all(
             isinstance(v, dict) and _is_count(v.get("size")) and isinstance(v.get("sha256"), str)
-            for v in files.values())):
+            for v in files.values()
+        )
+    ):
         return "has a malformed integrity record (files)"
     return None
 
@@ -134,11 +151,13 @@ def check_files_present(path: str, meta: dict) -> None:
     """Every file of the integrity record exists with its recorded size (cheap: no reading)."""
     problem = safe_dcp.check_sizes(path, meta.get("files") or {})
     if problem:
-        raise CheckpointError(f"checkpoint {path} is damaged: {problem}; load an earlier iteration by "
-                              f"writing its number into {LATEST}.")
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: {problem}; load an earlier iteration by writing its number into {LATEST}."
+        )
 
 
 # ---- --save --------------------------------------------------------------------------------------
+
 
 def check_save_dir(root: str, checkpoint_bytes: int) -> None:
     """--save can be created and written, with room for one more checkpoint (estimated)."""
@@ -151,9 +170,12 @@ def check_save_dir(root: str, checkpoint_bytes: int) -> None:
             os.fsync(f.fileno())
         os.remove(probe)
     except OSError as err:
-        raise CheckpointError(f"--save {root} is not writable ({err.strerror}); choose a directory this job "
-                              f"can write.") from None
+        raise CheckpointError(
+            f"--save {root} is not writable ({err.strerror}); choose a directory this job can write."
+        ) from None
     free = shutil.disk_usage(root).free
     if free < checkpoint_bytes:
-        raise CheckpointError(f"--save {root} has {free / 1e6:.1f} MB free but one checkpoint needs about "
-                              f"{checkpoint_bytes / 1e6:.1f} MB; free space or choose another directory.")
+        raise CheckpointError(
+            f"--save {root} has {free / 1e6:.1f} MB free but one checkpoint needs about "
+            f"{checkpoint_bytes / 1e6:.1f} MB; free space or choose another directory."
+        )

@@ -21,6 +21,7 @@ canonical.py), declared to DCP with its global offsets (a ShardedTensor), so DCP
 other slicing: save at TP=2, load at TP=1 or TP=4. Replicated tensors are plain tensors (DCP
 writes one copy). Data-parallel replicas declare the same slices; DCP de-duplicates them.
 """
+
 from __future__ import annotations
 
 import errno
@@ -36,10 +37,19 @@ import torch.distributed as dist
 
 from megatron_sp.training import failures, safe_dcp
 from megatron_sp.training.canonical import empty_dcp_target, from_canonical_local, to_dcp_tensor
-from megatron_sp.training.optimizer import local_optimizer, owned_parameters
 from megatron_sp.training.checkpoint_paths import (  # noqa: F401 - re-exported: tools and tests use them
-    LATEST, METADATA_JSON, CheckpointError, check_files_present, check_save_dir, checkpoint_dir, locate,
-    read_latest, read_metadata_json, same_path)
+    LATEST,
+    METADATA_JSON,
+    CheckpointError,
+    check_files_present,
+    check_save_dir,
+    checkpoint_dir,
+    locate,
+    read_latest,
+    read_metadata_json,
+    same_path,
+)
+from megatron_sp.training.optimizer import local_optimizer, owned_parameters
 
 
 @dataclass
@@ -62,6 +72,7 @@ def _checkpoint_exception():
     """DCP's CheckpointException (a BaseException: `except Exception` does not catch it)."""
     _dcp()
     from torch.distributed.checkpoint.api import CheckpointException
+
     return CheckpointException
 
 
@@ -75,6 +86,7 @@ def _barrier():
 
 
 # ---- state dicts -------------------------------------------------------------------------------
+
 
 def _model_items(trainer):
     ps = trainer.ps
@@ -95,7 +107,8 @@ def build_state(trainer, with_optim: bool):
             state["optim"][name] = {
                 "exp_avg": to_dcp_tensor(st.get("exp_avg", torch.zeros_like(p)), p, ps),
                 "exp_avg_sq": to_dcp_tensor(st.get("exp_avg_sq", torch.zeros_like(p)), p, ps),
-                "step": torch.as_tensor(st.get("step", 0.0), dtype=torch.float32).cpu().clone()}
+                "step": torch.as_tensor(st.get("step", 0.0), dtype=torch.float32).cpu().clone(),
+            }
     if not with_optim:
         del state["optim"]
     return state
@@ -106,14 +119,20 @@ def _target_state(trainer, with_optim: bool):
     state = {"model": {n: empty_dcp_target(p, ps) for n, p, ps in _model_items(trainer)}}
     if with_optim:
         owned = owned_parameters(trainer.optimizer)
-        state["optim"] = {n: {"exp_avg": empty_dcp_target(p, ps),
-                                              "exp_avg_sq": empty_dcp_target(p, ps),
-                                              "step": torch.zeros((), dtype=torch.float32)}
-                          for n, p, ps in _model_items(trainer) if id(p) in owned}
+        state["optim"] = {
+            n: {
+                "exp_avg": empty_dcp_target(p, ps),
+                "exp_avg_sq": empty_dcp_target(p, ps),
+                "step": torch.zeros((), dtype=torch.float32),
+            }
+            for n, p, ps in _model_items(trainer)
+            if id(p) in owned
+        }
     return state
 
 
 # ---- start-up checks ---------------------------------------------------------------------------
+
 
 def check_inputs(args, cfg) -> None:
     """What --load and --save need, checked on every rank before the model is built (no collectives):
@@ -137,6 +156,7 @@ def checkpoint_bytes(cfg) -> int:
 
 # ---- save --------------------------------------------------------------------------------------
 
+
 def save(args, trainer) -> str:
     """Collective. Writes iter_N atomically and then moves the latest marker to it."""
     root, it = args.save, trainer.state.iteration
@@ -150,10 +170,11 @@ def save(args, trainer) -> str:
     except (OSError, _checkpoint_exception()) as err:
         reason = _save_failure(err, root, checkpoint_bytes(trainer.cfg))
         if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)         # give the space back
+            shutil.rmtree(tmp, ignore_errors=True)  # give the space back
         raise CheckpointSaveError(
             f"saving iteration {it} to {root} failed on rank {_rank()} ({reason}); the previous "
-            f"checkpoint and {LATEST} are intact: free space or fix --save, then resume.") from None
+            f"checkpoint and {LATEST} are intact: free space or fix --save, then resume."
+        ) from None
     _barrier()
     trainer.log.info(f" saved checkpoint at iteration {it} to {final}")
     return final
@@ -163,11 +184,11 @@ def _write(args, trainer, tmp) -> None:
     """Every rank's shards and RNG state, then metadata.json with the integrity record (rank 0)."""
     if _rank() == 0:
         os.makedirs(os.path.dirname(tmp), exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)             # leftovers of a killed save
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a killed save
         os.makedirs(tmp)
     _barrier()
     state = build_state(trainer, with_optim=True)
-    with warnings.catch_warnings():   # DCP warns that a single process saves without a process group
+    with warnings.catch_warnings():  # DCP warns that a single process saves without a process group
         warnings.simplefilter("ignore")
         _dcp().save(state, checkpoint_id=tmp)
     torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{_rank()}.pt"))
@@ -198,12 +219,17 @@ def _root_cause(err) -> str:
 
 
 def _metadata(args, trainer) -> dict:
-    return {"iteration": trainer.state.iteration, "train_state": asdict(trainer.state),
-            "tokens_seen": trainer.state.consumed_train_samples * args.seq_length,
-            "tensor_model_parallel_size": trainer.ps.tp_size, "data_parallel_size": trainer.ps.dp_size,
-            "sequence_parallel": trainer.cfg.sequence_parallel, "config": asdict(trainer.cfg),
-            "loss_scale": trainer.scaler.state_dict() if trainer.scaler else None,
-            "format": "megatron_sp-dcp-1"}
+    return {
+        "iteration": trainer.state.iteration,
+        "train_state": asdict(trainer.state),
+        "tokens_seen": trainer.state.consumed_train_samples * args.seq_length,
+        "tensor_model_parallel_size": trainer.ps.tp_size,
+        "data_parallel_size": trainer.ps.dp_size,
+        "sequence_parallel": trainer.cfg.sequence_parallel,
+        "config": asdict(trainer.cfg),
+        "loss_scale": trainer.scaler.state_dict() if trainer.scaler else None,
+        "format": "megatron_sp-dcp-1",
+    }
 
 
 def _write_json(path, obj):
@@ -228,6 +254,7 @@ def _rng_state():
 
 
 # ---- load --------------------------------------------------------------------------------------
+
 
 def load(args, trainer) -> None:
     """Collective. Restores model, optimizer, LR schedule position, RNG and data position from the
@@ -259,8 +286,10 @@ def load(args, trainer) -> None:
         if rng is not None:
             _restore_rng(rng)
     _check_same_everywhere(path, asdict(trainer.state), what="restored training state")
-    trainer.log.info(f" loaded checkpoint {path} (saved at TP={meta['tensor_model_parallel_size']}, "
-                     f"iteration {meta['iteration']}){' for finetuning' if args.finetune else ''}")
+    trainer.log.info(
+        f" loaded checkpoint {path} (saved at TP={meta['tensor_model_parallel_size']}, "
+        f"iteration {meta['iteration']}){' for finetuning' if args.finetune else ''}"
+    )
 
 
 def _agreed_iteration(args):
@@ -304,29 +333,35 @@ def _check_same_everywhere(path, value, what="metadata.json"):
     dist.all_gather_object(views, digest)
     differ = [rank for rank, view in enumerate(views) if view != views[0]]
     if differ:
-        raise CheckpointError(f"ranks {differ} see a different {what} of {path} than rank 0; --load must be one "
-                              f"directory that every node reads the same (a shared file system).")
+        raise CheckpointError(
+            f"ranks {differ} see a different {what} of {path} than rank 0; --load must be one "
+            f"directory that every node reads the same (a shared file system)."
+        )
 
 
 def _verify_digests(path, meta) -> None:
     """Collective: the files' sha256 against the record, each rank hashing its share, before unpickling."""
     record = sorted((meta.get("files") or {}).items())
     world = dist.get_world_size() if dist.is_initialized() else 1
-    problem = safe_dcp.check_digests(path, record[_rank()::world])
+    problem = safe_dcp.check_digests(path, record[_rank() :: world])
     failure = failures.agree(problem)
     if failure:
-        raise CheckpointError(f"checkpoint {path} is damaged: {failure[1]}; load an earlier iteration by "
-                              f"writing its number into {LATEST}.")
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: {failure[1]}; load an earlier iteration by "
+            f"writing its number into {LATEST}."
+        )
 
 
 def _read_tensors(state, path) -> None:
     try:
         safe_dcp.load(state, path, no_dist=not dist.is_initialized())
     except (Exception, _checkpoint_exception()) as err:  # noqa: BLE001 - DCP wraps any reader error
-        if failures.is_collective_failure(err):      # a peer died while reading: not the files' fault
+        if failures.is_collective_failure(err):  # a peer died while reading: not the files' fault
             raise
-        raise CheckpointError(f"checkpoint {path} cannot be read ({_root_cause(err)}); it is damaged or not "
-                              f"a megatron_sp checkpoint: load an earlier iteration.") from None
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read ({_root_cause(err)}); it is damaged or not "
+            f"a megatron_sp checkpoint: load an earlier iteration."
+        ) from None
 
 
 def _has_optimizer_state(path) -> bool:
@@ -340,42 +375,71 @@ def _read_rng(path):
         return None
     try:
         state = torch.load(file, weights_only=True)
-        ok = isinstance(state, dict) and isinstance(state.get("torch"), torch.Tensor) \
-            and state["torch"].dtype == torch.uint8 and state["torch"].shape == torch.get_rng_state().shape
+        ok = (
+            isinstance(state, dict)
+            and isinstance(state.get("torch"), torch.Tensor)
+            and state["torch"].dtype == torch.uint8
+            and state["torch"].shape == torch.get_rng_state().shape
+        )
     except Exception as err:  # noqa: BLE001 - truncated zip, foreign pickle, ...: all mean "not ours"
         ok, state = False, failures.one_sentence(err)
     if not ok:
-        raise CheckpointError(f"{file} is not a readable RNG state; resume with --no-load-rng or from an "
-                              f"earlier iteration.")
+        raise CheckpointError(
+            f"{file} is not a readable RNG state; resume with --no-load-rng or from an earlier iteration."
+        )
     return state
 
 
 # Model fields that must match; checkpoints written before a field existed hold its GPT-2 value.
-_MODEL_FIELDS = {"num_layers": None, "hidden_size": None, "num_attention_heads": None,
-                 "ffn_hidden_size": None, "vocab_size": None, "max_position_embeddings": None,
-                 "normalization": "LayerNorm", "activation": "gelu",
-                 "position_embedding_type": "learned_absolute", "num_query_groups": None,
-                 "kv_channels": None, "untie_embeddings_and_output_weights": False,
-                 "add_bias_linear": True, "add_qkv_bias": True}
+_MODEL_FIELDS = {
+    "num_layers": None,
+    "hidden_size": None,
+    "num_attention_heads": None,
+    "ffn_hidden_size": None,
+    "vocab_size": None,
+    "max_position_embeddings": None,
+    "normalization": "LayerNorm",
+    "activation": "gelu",
+    "position_embedding_type": "learned_absolute",
+    "num_query_groups": None,
+    "kv_channels": None,
+    "untie_embeddings_and_output_weights": False,
+    "add_bias_linear": True,
+    "add_qkv_bias": True,
+}
 # Not shapes, but the function the weights were trained for: compared for rotary models only.
-_ROPE_FIELDS = {"rotary_base": 10000.0, "rotary_percent": 1.0, "rotary_seq_len_interpolation_factor": None,
-                "rope_scaling": False, "rope_scaling_factor": 8.0, "rope_scaling_low_freq_factor": 1.0,
-                "rope_scaling_high_freq_factor": 4.0, "rope_scaling_original_max_position_embeddings": 8192}
+_ROPE_FIELDS = {
+    "rotary_base": 10000.0,
+    "rotary_percent": 1.0,
+    "rotary_seq_len_interpolation_factor": None,
+    "rope_scaling": False,
+    "rope_scaling_factor": 8.0,
+    "rope_scaling_low_freq_factor": 1.0,
+    "rope_scaling_high_freq_factor": 4.0,
+    "rope_scaling_original_max_position_embeddings": 8192,
+}
 
 
 def _check_compatible(meta, cfg, path):
     saved = meta["config"]
-    legacy = {"num_query_groups": saved.get("num_attention_heads"),
-              "kv_channels": (saved["hidden_size"] // saved["num_attention_heads"]
-                              if saved.get("hidden_size") and saved.get("num_attention_heads") else None)}
+    legacy = {
+        "num_query_groups": saved.get("num_attention_heads"),
+        "kv_channels": (
+            saved["hidden_size"] // saved["num_attention_heads"]
+            if saved.get("hidden_size") and saved.get("num_attention_heads")
+            else None
+        ),
+    }
     fields = dict(_MODEL_FIELDS, **(_ROPE_FIELDS if cfg.position_embedding_type == "rope" else {}))
-    if not (cfg.rope_scaling or saved.get("rope_scaling")):     # its parameters are unused
+    if not (cfg.rope_scaling or saved.get("rope_scaling")):  # its parameters are unused
         fields = {k: v for k, v in fields.items() if not k.startswith("rope_scaling_")}
     for key, old_default in fields.items():
         value = saved.get(key, legacy.get(key, old_default))
         if value != getattr(cfg, key):
-            raise CheckpointError(f"checkpoint {path} has {key}={value} but the model has "
-                                  f"{getattr(cfg, key)}; use the same model flags as the saved run.")
+            raise CheckpointError(
+                f"checkpoint {path} has {key}={value} but the model has "
+                f"{getattr(cfg, key)}; use the same model flags as the saved run."
+            )
 
 
 @torch.no_grad()
@@ -389,14 +453,15 @@ def _restore_optim(trainer, tensors):
     optimizer = local_optimizer(trainer.optimizer)
     fused = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
     for name, p, ps in _model_items(trainer):
-        if name not in tensors:                 # distributed optimizer: another rank's parameter
+        if name not in tensors:  # distributed optimizer: another rank's parameter
             continue
         saved = tensors[name]
         step_device = p.device if fused else "cpu"
         optimizer.state[p] = {
             "step": saved["step"].to(step_device),
             "exp_avg": from_canonical_local(saved["exp_avg"], p, ps).to(p.dtype),
-            "exp_avg_sq": from_canonical_local(saved["exp_avg_sq"], p, ps).to(p.dtype)}
+            "exp_avg_sq": from_canonical_local(saved["exp_avg_sq"], p, ps).to(p.dtype),
+        }
 
 
 def _restore_rng(state):

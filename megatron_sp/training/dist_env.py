@@ -26,6 +26,7 @@ What a dead or hung rank does to the others (the bound is `timeout_s` of `init_d
   and restarts the whole group if `--max-restarts` allows; the program then resumes from `--load`.
   Under `srun --kill-on-bad-exit=1`, Slurm kills the step as soon as one task exits non-zero.
 """
+
 from __future__ import annotations
 
 import os
@@ -76,8 +77,14 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
         if "SLURM_STEP_ID" in environ or "SLURM_JOB_ID" not in environ:
             return _from_slurm(environ)
         _check_batch_shell(environ)
-    return DistEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
-                   master_port=int(environ.get("MASTER_PORT", 29500)), launcher="single")
+    return DistEnv(
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        master_addr="127.0.0.1",
+        master_port=int(environ.get("MASTER_PORT", 29500)),
+        launcher="single",
+    )
 
 
 def _int(environ: Mapping[str, str], name: str) -> int:
@@ -92,32 +99,44 @@ def _int(environ: Mapping[str, str], name: str) -> int:
 def _from_torchrun(environ: Mapping[str, str]) -> DistEnv:
     missing = [k for k in _TORCHRUN_VARS if k not in environ]
     if missing:
-        raise ValueError(f"torchrun-style environment without {', '.join(missing)}: set all of "
-                         f"{', '.join(_TORCHRUN_VARS)} or none (launch with torchrun)")
+        raise ValueError(
+            f"torchrun-style environment without {', '.join(missing)}: set all of "
+            f"{', '.join(_TORCHRUN_VARS)} or none (launch with torchrun)"
+        )
     world = _int(environ, "WORLD_SIZE")
     if world > 1 and not ("MASTER_ADDR" in environ and "MASTER_PORT" in environ):
         raise ValueError("WORLD_SIZE > 1 but MASTER_ADDR/MASTER_PORT are not set: launch with torchrun")
-    return DistEnv(rank=_int(environ, "RANK"), world_size=world,
-                   local_rank=_int(environ, "LOCAL_RANK"),
-                   master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-                   master_port=int(environ.get("MASTER_PORT", 29500)), launcher="torchrun")
+    return DistEnv(
+        rank=_int(environ, "RANK"),
+        world_size=world,
+        local_rank=_int(environ, "LOCAL_RANK"),
+        master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=int(environ.get("MASTER_PORT", 29500)),
+        launcher="torchrun",
+    )
 
 
 def _from_slurm(environ: Mapping[str, str]) -> DistEnv:
     world_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
-    return DistEnv(rank=_int(environ, "SLURM_PROCID"), world_size=_int(environ, world_var),
-                   local_rank=int(environ.get("SLURM_LOCALID", 0)),
-                   master_addr=environ.get("MASTER_ADDR") or _slurm_head_node(environ),
-                   master_port=_slurm_port(environ), launcher="slurm")
+    return DistEnv(
+        rank=_int(environ, "SLURM_PROCID"),
+        world_size=_int(environ, world_var),
+        local_rank=int(environ.get("SLURM_LOCALID", 0)),
+        master_addr=environ.get("MASTER_ADDR") or _slurm_head_node(environ),
+        master_port=_slurm_port(environ),
+        launcher="slurm",
+    )
 
 
 def _check_batch_shell(environ: Mapping[str, str]) -> None:
     """In the batch script itself (no srun step) only a one-task job may run the program directly."""
     ntasks = _int(environ, "SLURM_NTASKS")
     if ntasks > 1:
-        raise ValueError(f"running in the batch script of a {ntasks}-task Slurm job but not under "
-                         "srun: start one process per task with srun (launch/srun.sbatch) or "
-                         "one torchrun per node (launch/torchrun.sbatch)")
+        raise ValueError(
+            f"running in the batch script of a {ntasks}-task Slurm job but not under "
+            "srun: start one process per task with srun (launch/srun.sbatch) or "
+            "one torchrun per node (launch/torchrun.sbatch)"
+        )
 
 
 def _slurm_head_node(environ: Mapping[str, str]) -> str:
@@ -125,8 +144,7 @@ def _slurm_head_node(environ: Mapping[str, str]) -> str:
     for var in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
         if environ.get(var):
             return first_host(environ[var])
-    raise ValueError("Slurm environment without SLURM_JOB_NODELIST: cannot find the master node; "
-                     "set MASTER_ADDR")
+    raise ValueError("Slurm environment without SLURM_JOB_NODELIST: cannot find the master node; set MASTER_ADDR")
 
 
 def _slurm_port(environ: Mapping[str, str]) -> int:
@@ -179,7 +197,7 @@ def _expand_item(item: str) -> list[str]:
             raise ValueError(f"unbalanced brackets in Slurm host {item!r}")
         return [item]
     close_at = item.index("]", open_at)
-    prefix, ranges, rest = item[:open_at], item[open_at + 1:close_at], item[close_at + 1:]
+    prefix, ranges, rest = item[:open_at], item[open_at + 1 : close_at], item[close_at + 1 :]
     return [prefix + num + tail for num in _expand_ranges(ranges, item) for tail in _expand_item(rest)]
 
 
@@ -202,8 +220,9 @@ def first_host(nodelist: str) -> str:
     except ValueError:
         pass
     try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                             text=True, check=True, timeout=30).stdout.split()
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True, timeout=30
+        ).stdout.split()
     except (OSError, subprocess.SubprocessError) as e:
         raise ValueError(f"cannot expand Slurm node list {nodelist!r} ({e}); set MASTER_ADDR") from e
     if not out:
@@ -237,25 +256,33 @@ def init_distributed(backend: str, device: str, timeout_s: float = 600) -> DistE
         # The watchdog aborts on a failed or timed-out collective instead of hanging for ever.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     try:
-        dist.init_process_group(backend, init_method="env://", rank=env.rank,
-                                world_size=env.world_size, timeout=timedelta(seconds=timeout_s),
-                                **({"device_id": torch.device("cuda", device_id)}
-                                   if backend == "nccl" else {}))
+        dist.init_process_group(
+            backend,
+            init_method="env://",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(seconds=timeout_s),
+            **({"device_id": torch.device("cuda", device_id)} if backend == "nccl" else {}),
+        )
     except Exception as e:  # noqa: BLE001 - re-raised with where we tried to meet
         raise RuntimeError(
             f"rank {env.rank}/{env.world_size} ({env.launcher}) could not join the process group at "
-            f"{env.master_addr}:{env.master_port} within {timeout_s:.0f} s: {e}") from e
+            f"{env.master_addr}:{env.master_port} within {timeout_s:.0f} s: {e}"
+        ) from e
     return env
 
 
 def _warn_shared_store_restarts(env: DistEnv) -> None:
     """torchrun restarts + the agent's shared TCP store can hand new ranks the old ranks' addresses."""
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-    if (env.rank == 0 and restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
-        warnings.warn("torchrun --max-restarts with the agent's shared TCP store: after a restart a "
-                      "rank may read the failed attempt's addresses and fail to connect (pytorch "
-                      "issue 135712); export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun, "
-                      "as launch/local.sh and launch/torchrun.sbatch do", stacklevel=3)
+    if env.rank == 0 and restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        warnings.warn(
+            "torchrun --max-restarts with the agent's shared TCP store: after a restart a "
+            "rank may read the failed attempt's addresses and fail to connect (pytorch "
+            "issue 135712); export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun, "
+            "as launch/local.sh and launch/torchrun.sbatch do",
+            stacklevel=3,
+        )
 
 
 _EXPORTED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -268,9 +295,13 @@ def _export(env: DistEnv) -> None:
     (a leaked WORLD_SIZE=1 would override Slurm's in jobs submitted later from this process)."""
     if not _previous_env:
         _previous_env.update({k: os.environ.get(k) for k in _EXPORTED})
-    os.environ.update(RANK=str(env.rank), WORLD_SIZE=str(env.world_size),
-                      LOCAL_RANK=str(env.local_rank), MASTER_ADDR=env.master_addr,
-                      MASTER_PORT=str(env.master_port))
+    os.environ.update(
+        RANK=str(env.rank),
+        WORLD_SIZE=str(env.world_size),
+        LOCAL_RANK=str(env.local_rank),
+        MASTER_ADDR=env.master_addr,
+        MASTER_PORT=str(env.master_port),
+    )
 
 
 def _restore_env() -> None:
@@ -287,13 +318,16 @@ def _select_cuda_device(local_rank: int) -> int:
 
     count = torch.cuda.device_count()
     if count == 0:
-        raise RuntimeError("--device cuda but no CUDA device is visible; use --device cpu "
-                           "--distributed-backend gloo on CPU")
+        raise RuntimeError(
+            "--device cuda but no CUDA device is visible; use --device cpu --distributed-backend gloo on CPU"
+        )
     # One visible GPU per task (srun --gpus-per-task=1 / CUDA_VISIBLE_DEVICES binding): it is ours.
     index = 0 if count == 1 else local_rank
     if index >= count:
-        raise RuntimeError(f"local rank {local_rank} needs a GPU but only {count} are visible: "
-                           "start at most one process per GPU on each node")
+        raise RuntimeError(
+            f"local rank {local_rank} needs a GPU but only {count} are visible: "
+            "start at most one process per GPU on each node"
+        )
     torch.cuda.set_device(index)
     return index
 

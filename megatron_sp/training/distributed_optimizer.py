@@ -15,6 +15,7 @@ an all-gather), so the communication is that of plain data parallelism; the Adam
 per parameter) take 1 / replicas of the memory, and gradients are freed after their reduction. The
 update is the replicated optimizer's, bit for bit: the same summed gradients, the same AdamW.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,10 +41,10 @@ class Partition:
         self.size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         backward = list(reversed(list(params)))
         total, seen, owners = sum(p.numel() for p in backward), 0, []
-        for p in backward:                   # the replica whose share holds the parameter's middle
+        for p in backward:  # the replica whose share holds the parameter's middle
             owners.append(min(self.size - 1, (2 * seen + p.numel()) * self.size // (2 * total)))
             seen += p.numel()
-        if ps.tp_size > 1:                   # shards are the same size on every TP rank; make sure
+        if ps.tp_size > 1:  # shards are the same size on every TP rank; make sure
             shared = [owners]
             dist.broadcast_object_list(shared, src=dist.get_global_rank(ps.tp_group, 0), group=ps.tp_group)
             owners = shared[0]
@@ -80,13 +81,13 @@ class DistributedOptimizer:
         local = [dict(g, params=[p for p in g["params"] if partition.mine(p)]) for g in groups]
         local = [g for g in local if g["params"]]
         self.optim = make_optimizer(local) if local else _NoParameters()
-        self.buffers = []                    # per owner: one flat tensor; its parameters are views
+        self.buffers = []  # per owner: one flat tensor; its parameters are views
         with torch.no_grad():
             for params in partition.params_of:
                 flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else None
                 offset = 0
                 for p in params:
-                    p.data = flat[offset:offset + p.numel()].view_as(p)
+                    p.data = flat[offset : offset + p.numel()].view_as(p)
                     offset += p.numel()
                 self.buffers.append(flat)
 
@@ -105,8 +106,10 @@ class DistributedOptimizer:
     @torch.no_grad()
     def step(self):
         self.optim.step()
-        handles = [dist.broadcast(flat, src=self.partition.global_rank(owner), group=self.partition.group,
-                                  async_op=True)
-                   for owner, flat in enumerate(self.buffers) if flat is not None]
+        handles = [
+            dist.broadcast(flat, src=self.partition.global_rank(owner), group=self.partition.group, async_op=True)
+            for owner, flat in enumerate(self.buffers)
+            if flat is not None
+        ]
         for handle in handles:
             handle.wait()

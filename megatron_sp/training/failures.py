@@ -14,6 +14,7 @@ Who prints it:
 - errors while running are printed by the first rank that reports (an atomic counter in the
   process group's TCP store); if the store cannot be reached, the rank prints anyway.
 """
+
 from __future__ import annotations
 
 import os
@@ -54,6 +55,7 @@ def report_deterministic(err: BaseException, code: int) -> int:
 def agree(error: Optional[str]) -> Optional[tuple[int, str]]:
     """Collective: (lowest rank with an error, its message), or None when no rank has one."""
     import torch.distributed as dist
+
     if not dist.is_initialized():
         return (0, error) if error else None
     views = [None] * dist.get_world_size()
@@ -66,6 +68,7 @@ def agree(error: Optional[str]) -> Optional[tuple[int, str]]:
 
 def report_agreed(failure: tuple[int, str], code: int) -> int:
     import torch.distributed as dist
+
     rank, message = failure
     me = dist.get_rank() if dist.is_initialized() else 0
     if me == rank:
@@ -82,24 +85,25 @@ def report_once(message: str, code: int) -> int:
 
 def _first_to_report() -> bool:
     import torch.distributed as dist
+
     if not dist.is_initialized():
         return True
     attempt = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{os.environ.get('SLURM_RESTART_COUNT', '0')}"
     try:
         store = dist.distributed_c10d._get_default_store()
-        store.set_timeout(timedelta(seconds=3))          # the store's host may be the hung rank
+        store.set_timeout(timedelta(seconds=3))  # the store's host may be the hung rank
         return store.add(f"{_STORE_KEY}/{attempt}", 1) == 1
     except Exception:  # noqa: BLE001 - no store, or its host is gone: better twice than never
         return True
 
 
-_COLLECTIVE_MARKERS = ("gloo", "nccl", "connection closed by peer", "connection reset", "timed out",
-                       "broken pipe")
+_COLLECTIVE_MARKERS = ("gloo", "nccl", "connection closed by peer", "connection reset", "timed out", "broken pipe")
 
 
 def is_collective_failure(err: BaseException) -> bool:
     """A torch.distributed error of a collective: gloo raises plain RuntimeErrors, NCCL DistErrors."""
     import torch.distributed as dist
+
     if isinstance(err, dist.DistError):
         return True
     text = str(err).lower()
@@ -109,9 +113,12 @@ def is_collective_failure(err: BaseException) -> bool:
 def describe_collective_failure(err: BaseException, timeout_minutes: float) -> str:
     """One sentence for a torch.distributed error raised by a collective (peer died or hung)."""
     import torch.distributed as dist
+
     rank = dist.get_rank() if dist.is_initialized() else launcher_rank()
-    reason = re.sub(r"^\[[^\]]*\]\s*", "", one_sentence(err))     # gloo's "[.../pair.cc:534] " prefix
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", one_sentence(err))  # gloo's "[.../pair.cc:534] " prefix
     if len(reason) > 200:
         reason = reason[:200] + "..."
-    return (f"rank {rank}: a collective failed ({reason}): another rank died, or stopped responding for "
-            f"longer than --distributed-timeout-minutes {timeout_minutes:g} (its own output, if any, says why).")
+    return (
+        f"rank {rank}: a collective failed ({reason}): another rank died, or stopped responding for "
+        f"longer than --distributed-timeout-minutes {timeout_minutes:g} (its own output, if any, says why)."
+    )

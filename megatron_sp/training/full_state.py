@@ -1,9 +1,10 @@
 """Whole (unsharded) model state <-> checkpoint directories, in one process (the conversion tools).
 
-    read_full_state(path)                   -> (ReferenceGPT state dict, metadata.json dict)
-    write_full_checkpoint(state, config, save, source)   a checkpoint at iteration 0 (no optimizer
-                                            state) that pretrain_gpt_sp.py --load (--finetune) reads at any TP
+read_full_state(path)                   -> (ReferenceGPT state dict, metadata.json dict)
+write_full_checkpoint(state, config, save, source)   a checkpoint at iteration 0 (no optimizer
+                                        state) that pretrain_gpt_sp.py --load (--finetune) reads at any TP
 """
+
 from __future__ import annotations
 
 import json
@@ -19,6 +20,7 @@ from megatron_sp.training.canonical import canonical_to_full, full_to_canonical
 def config_from_dict(config: dict, **overrides):
     """A serial GPTConfig from a saved config dict (fields this version does not know are ignored)."""
     from megatron_sp.config import GPTConfig
+
     fields = {k: v for k, v in config.items() if k in GPTConfig.__dataclass_fields__}
     fields.update(tensor_model_parallel_size=1, context_parallel_size=1, sequence_parallel=False, **overrides)
     return GPTConfig(**fields)
@@ -27,6 +29,7 @@ def config_from_dict(config: dict, **overrides):
 def model_specs(config: dict) -> dict:
     """Each parameter's ShardSpec for a saved config (a shape-only serial model on the meta device)."""
     from megatron_sp.models.reference import ReferenceGPT
+
     with torch.device("meta"):
         model = ReferenceGPT(config_from_dict(config), initialise=False)
     return {name: p.shard_spec for name, p in model.named_parameters()}
@@ -47,7 +50,7 @@ def read_full_state(path: str) -> tuple[dict, dict]:
     state = {"model": {}}
     for key, md in meta.items():
         if key.startswith("model."):
-            state["model"][key[len("model."):]] = torch.zeros(tuple(md.size), dtype=md.properties.dtype)
+            state["model"][key[len("model.") :]] = torch.zeros(tuple(md.size), dtype=md.properties.dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(state, checkpoint_id=path, no_dist=True)
@@ -61,6 +64,7 @@ def write_full_checkpoint(state: dict, config: dict, save: str, source: str) -> 
     The metadata holds every GPTConfig field resolved (family defaults filled in), as a training
     run's checkpoint does, so that a resume compares like with like."""
     from dataclasses import asdict
+
     config = asdict(config_from_dict(config))
     path = checkpointing.checkpoint_dir(save, 0)
     os.makedirs(path, exist_ok=True)
@@ -69,11 +73,18 @@ def write_full_checkpoint(state: dict, config: dict, save: str, source: str) -> 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save({"model": entries}, checkpoint_id=path, no_dist=True)
-    meta = {"iteration": 0, "train_state": {"iteration": 0, "consumed_train_samples": 0,
-                                           "consumed_valid_samples": 0},
-            "tokens_seen": 0, "tensor_model_parallel_size": 1, "data_parallel_size": 1,
-            "sequence_parallel": False, "config": config, "loss_scale": None, "format": "megatron_sp-dcp-1",
-            "converted_from": os.path.abspath(source)}
+    meta = {
+        "iteration": 0,
+        "train_state": {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0},
+        "tokens_seen": 0,
+        "tensor_model_parallel_size": 1,
+        "data_parallel_size": 1,
+        "sequence_parallel": False,
+        "config": config,
+        "loss_scale": None,
+        "format": "megatron_sp-dcp-1",
+        "converted_from": os.path.abspath(source),
+    }
     with open(os.path.join(path, "metadata.json"), "w") as f:
         json.dump(meta, f, indent=2, sort_keys=True)
     checkpointing._write_text_atomic(os.path.join(save, checkpointing.LATEST), "0")

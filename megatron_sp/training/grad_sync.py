@@ -17,6 +17,7 @@ With the distributed optimizer's `partition` (training/distributed_optimizer.py)
 one owner's parameters and is reduced to that owner instead of all-reduced; the other replicas set
 those gradients to None.
 """
+
 from __future__ import annotations
 
 import torch
@@ -65,7 +66,7 @@ def _average_flat(params, ps, async_op=False, partition=None):
 
 def _scatter_back(flat, params, dp_size, partition=None):
     if partition is not None and not partition.mine(params[0]):
-        for p in params:                   # another replica owns (and steps) these parameters
+        for p in params:  # another replica owns (and steps) these parameters
             p.grad = None
         return
     flat.div_(dp_size)
@@ -138,14 +139,13 @@ class OverlappedGradSync:
             h.remove()
 
 
-def finalize_model_grads(model, ps: ParallelState, overlapped: OverlappedGradSync | None = None,
-                         partition=None):
+def finalize_model_grads(model, ps: ParallelState, overlapped: OverlappedGradSync | None = None, partition=None):
     """Everything between the last backward and the optimizer step, except clipping."""
-    if overlapped is not None:    # first: its buffers hold the gradients as backward left them
+    if overlapped is not None:  # first: its buffers hold the gradients as backward left them
         overlapped.finish()
     else:
         all_reduce_data_parallel_grads(list(model.parameters()), ps, partition=partition)
-    model._cp_grads_pending = False      # summed over CP with the DP reduction
+    model._cp_grads_pending = False  # summed over CP with the DP reduction
     reduce_tensor_parallel_grads(model, ps)
 
 
@@ -156,8 +156,7 @@ def _copied_segments(params, ps):
         spec = getattr(p, "shard_spec", None)
         if p.grad is None or spec is None or not spec.segments:
             continue
-        out += [(view, shard) for shard, view in split_local(p.grad, spec, ps.tp_rank, ps.tp_size)
-                if shard.copies > 1]
+        out += [(view, shard) for shard, view in split_local(p.grad, spec, ps.tp_rank, ps.tp_size) if shard.copies > 1]
     return out
 
 
@@ -169,7 +168,7 @@ def reduce_tensor_parallel_grads(model, ps: ParallelState):
     Copies: every rank writes its piece into its part's slot of a zeroed [parts, piece] buffer, and
     one all-reduce over the TP group leaves each slot holding the sum over that part's copies."""
     model._tp_grads_pending = False
-    if getattr(model, "_cp_grads_pending", False):      # outside the training loop: sum over CP here
+    if getattr(model, "_cp_grads_pending", False):  # outside the training loop: sum over CP here
         model._cp_grads_pending = False
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if grads:

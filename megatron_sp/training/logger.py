@@ -1,6 +1,8 @@
 """What a training run reports, on the first rank only: a Megatron-style line every log interval, a
 progress bar when attached to a terminal (with tqdm), TensorBoard event files, a JSON-lines file and a
-loss-curve PNG at the end (with matplotlib; --loss-curve without it is refused at start-up). JSON numbers are written at full float precision (parity checks read them)."""
+loss-curve PNG at the end (with matplotlib; --loss-curve without it is refused at start-up). JSON numbers
+are written at full float precision (parity checks read them)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,6 +21,7 @@ class TrainingLogger:
             return
         if args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
+
             self._tb = SummaryWriter(log_dir=args.tensorboard_dir)
         if args.log_jsonl:
             os.makedirs(os.path.dirname(os.path.abspath(args.log_jsonl)), exist_ok=True)
@@ -26,7 +29,7 @@ class TrainingLogger:
         if sys.stdout.isatty() and not args.no_progress_bar:
             try:
                 from tqdm import tqdm
-            except ImportError:   # no progress bar without tqdm; the log lines are unchanged
+            except ImportError:  # no progress bar without tqdm; the log lines are unchanged
                 tqdm = None
             if tqdm is not None:
                 self._bar = tqdm(total=args.train_iters, desc="train", unit="it", dynamic_ncols=True)
@@ -71,8 +74,9 @@ class TrainingLogger:
         self.eval_records.append({"iteration": iteration, "lm_loss": loss})
         self._write(f" {split} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E}")
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps({"iteration": iteration, f"{split}_lm_loss": loss,
-                                          f"{split}_ppl": ppl}) + "\n")
+            self._jsonl.write(
+                json.dumps({"iteration": iteration, f"{split}_lm_loss": loss, f"{split}_ppl": ppl}) + "\n"
+            )
         if self._tb is not None:
             self._tb.add_scalar(f"{split}/lm_loss", loss, iteration)
             self._tb.add_scalar(f"{split}/ppl", ppl, iteration)
@@ -107,19 +111,30 @@ class TrainingLogger:
 def _megatron_line(r: dict, total: int) -> str:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     loss_scale = r.get("loss_scale")
-    scale = (f" loss scale: {loss_scale:.1f} |" if loss_scale is not None and loss_scale >= 1
-             else f" loss scale: {loss_scale:.3g} |" if loss_scale is not None else "")
-    mfu = (f"MFU: {100 * r['mfu']:.2f}% (peak {r['peak_tflops']:.3g} TFLOP/s)" if r.get("mfu") is not None
-           else "MFU: n/a (no known peak; set --peak-tflops)")
-    return (f" [{stamp}] iteration {r['iteration']:8d}/{total:8d} | consumed samples: {r['consumed_samples']:12d}"
-            f" | elapsed time per iteration (ms): {r['elapsed_ms']:.1f} | learning rate: {r['lr']:.6E}"
-            f" | global batch size: {r['global_batch_size']:5d} | lm loss: {r['lm_loss']:.6E} |{scale}"
-            f" grad norm: {r['grad_norm']:.3f} | tokens/s: {r['tokens_per_sec']:.1f}"
-            f" | TFLOP/s/device: {r['tflops']:.3f} | {mfu} |")
+    scale = (
+        f" loss scale: {loss_scale:.1f} |"
+        if loss_scale is not None and loss_scale >= 1
+        else f" loss scale: {loss_scale:.3g} |"
+        if loss_scale is not None
+        else ""
+    )
+    mfu = (
+        f"MFU: {100 * r['mfu']:.2f}% (peak {r['peak_tflops']:.3g} TFLOP/s)"
+        if r.get("mfu") is not None
+        else "MFU: n/a (no known peak; set --peak-tflops)"
+    )
+    return (
+        f" [{stamp}] iteration {r['iteration']:8d}/{total:8d} | consumed samples: {r['consumed_samples']:12d}"
+        f" | elapsed time per iteration (ms): {r['elapsed_ms']:.1f} | learning rate: {r['lr']:.6E}"
+        f" | global batch size: {r['global_batch_size']:5d} | lm loss: {r['lm_loss']:.6E} |{scale}"
+        f" grad norm: {r['grad_norm']:.3f} | tokens/s: {r['tokens_per_sec']:.1f}"
+        f" | TFLOP/s/device: {r['tflops']:.3f} | {mfu} |"
+    )
 
 
 def write_loss_curve(path: str, records, eval_records=()):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -1,5 +1,6 @@
 """One training step (gradient accumulation over micro-batches, grad sync, clipping, AdamW) and the
 evaluation pass. Everything here is per-rank code between collectives; see pretrain.py for set-up."""
+
 from __future__ import annotations
 
 import contextlib
@@ -25,10 +26,10 @@ class GradientUnderflowError(RuntimeError):
 
 @dataclass
 class StepResult:
-    loss: float                 # mean micro-batch loss over the global batch
-    grad_norm: float            # before clipping
-    skipped: bool               # fp16 overflow or underflow: no update this step
-    underflow: bool = False     # fp16: every gradient was zero (the loss scale was raised)
+    loss: float  # mean micro-batch loss over the global batch
+    grad_norm: float  # before clipping
+    skipped: bool  # fp16 overflow or underflow: no update this step
+    underflow: bool = False  # fp16: every gradient was zero (the loss scale was raised)
 
 
 def autocast(device: str, dtype: Optional[torch.dtype]):
@@ -43,9 +44,14 @@ def to_device(batch: dict, device: str) -> dict:
 
 
 def forward_loss(model, batch: dict) -> torch.Tensor:
-    return model(batch["tokens"], batch["labels"], loss_mask=batch.get("loss_mask"),
-                 position_ids=batch.get("position_ids"), attention_mask=batch.get("attention_mask"),
-                 sample_ids=batch.get("sample_ids"))
+    return model(
+        batch["tokens"],
+        batch["labels"],
+        loss_mask=batch.get("loss_mask"),
+        position_ids=batch.get("position_ids"),
+        attention_mask=batch.get("attention_mask"),
+        sample_ids=batch.get("sample_ids"),
+    )
 
 
 def mean_over_data_parallel(values, ps: ParallelState, device) -> float:
@@ -56,16 +62,27 @@ def mean_over_data_parallel(values, ps: ParallelState, device) -> float:
     return total.item() / (len(values) * ps.dp_size)
 
 
-def train_step(model, optimizer, data_iter, num_micro_batches: int, ps: ParallelState, *, device: str,
-               dtype, clip_grad: float, iteration: int, scaler: Optional[DynamicLossScaler] = None,
-               grad_sync: Optional[OverlappedGradSync] = None) -> StepResult:
+def train_step(
+    model,
+    optimizer,
+    data_iter,
+    num_micro_batches: int,
+    ps: ParallelState,
+    *,
+    device: str,
+    dtype,
+    clip_grad: float,
+    iteration: int,
+    scaler: Optional[DynamicLossScaler] = None,
+    grad_sync: Optional[OverlappedGradSync] = None,
+) -> StepResult:
     """Accumulates gradients over the micro-batches, syncs them, clips and steps."""
     optimizer.zero_grad(set_to_none=True)
     losses = []
     scale = scaler.scale if scaler is not None else 1.0
     for micro in range(num_micro_batches):
         if grad_sync is not None and micro == num_micro_batches - 1:
-            grad_sync.arm()                       # DP all-reduces start during this backward
+            grad_sync.arm()  # DP all-reduces start during this backward
         batch = to_device(next(data_iter), device)
         with autocast(device, dtype):
             loss = forward_loss(model, batch)
@@ -73,31 +90,34 @@ def train_step(model, optimizer, data_iter, num_micro_batches: int, ps: Parallel
         losses.append(loss.detach())
     loss_value = mean_over_data_parallel(losses, ps, device)
     if not math.isfinite(loss_value):
-        raise NonFiniteError(f"the training loss is {loss_value} at iteration {iteration}; lower --lr, "
-                             f"check the data, or use --bf16 instead of --fp16.")
-    partition = getattr(optimizer, "partition", None)      # distributed optimizer: reduce to owners
+        raise NonFiniteError(
+            f"the training loss is {loss_value} at iteration {iteration}; lower --lr, "
+            f"check the data, or use --bf16 instead of --fp16."
+        )
+    partition = getattr(optimizer, "partition", None)  # distributed optimizer: reduce to owners
     finalize_model_grads(model, ps, grad_sync, partition)
-    params = [p for p in model.parameters() if p.grad is not None]   # (then only the owned ones)
+    params = [p for p in model.parameters() if p.grad is not None]  # (then only the owned ones)
     if scaler is not None and not scaler.unscale_and_check(params):
         return StepResult(loss_value, float("nan"), skipped=True)
     grad_norm = clip_grads(params, clip_grad, ps, partition)
     verdict = scaler.update(grad_norm) if scaler is not None and math.isfinite(grad_norm) else "ok"
-    if verdict == "no_gradient":                       # the same on every rank: the norm is global
+    if verdict == "no_gradient":  # the same on every rank: the norm is global
         raise GradientUnderflowError(
             f"the fp16 gradients are all zero at iteration {iteration} even at loss scale {scaler.scale:.3g}; "
-            f"use --bf16, or check that the loss reaches the parameters (--eod-mask-loss on all-EOD data?).")
+            f"use --bf16, or check that the loss reaches the parameters (--eod-mask-loss on all-EOD data?)."
+        )
     if verdict == "underflow":
         return StepResult(loss_value, grad_norm, skipped=True, underflow=True)
     if not math.isfinite(grad_norm):
-        raise NonFiniteError(f"the gradient norm is {grad_norm} at iteration {iteration}; lower --lr or "
-                             f"enable --clip-grad.")
+        raise NonFiniteError(
+            f"the gradient norm is {grad_norm} at iteration {iteration}; lower --lr or enable --clip-grad."
+        )
     optimizer.step()
     return StepResult(loss_value, grad_norm, skipped=False)
 
 
 @torch.no_grad()
-def evaluate(model, data_iter, iters: int, num_micro_batches: int, ps: ParallelState, *, device: str,
-             dtype) -> float:
+def evaluate(model, data_iter, iters: int, num_micro_batches: int, ps: ParallelState, *, device: str, dtype) -> float:
     """Mean loss over `iters` global batches of the validation split."""
     model.eval()
     losses = []

@@ -8,6 +8,7 @@ DP replicas: count one copy).
 Distributed optimizer (`--use-distributed-optimizer`, ZeRO-1): training/distributed_optimizer.py;
 here, the gradient norm then sums the squares each replica owns.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp.parallel_state import ParallelState
-from megatron_sp.training.distributed_optimizer import DistributedOptimizer, Partition, replica_group  # noqa: F401
 from megatron_sp.tensor_parallel.sharding import split_local
+from megatron_sp.training.distributed_optimizer import DistributedOptimizer, Partition, replica_group  # noqa: F401
 
 
 def param_groups(model, weight_decay: float):
@@ -36,11 +37,15 @@ def build_optimizer(model, args, device: str, ps: ParallelState | None = None):
     kw = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
     if ps is not None and getattr(args, "use_distributed_optimizer", False) and replica_group(ps) is not None:
         extra = {"fused": True} if device == "cuda" else {"foreach": True}
-        return DistributedOptimizer(groups, Partition([p for p in model.parameters() if p.requires_grad], ps),
-                                    lambda local: torch.optim.AdamW(local, **kw, **extra))
+        return DistributedOptimizer(
+            groups,
+            Partition([p for p in model.parameters() if p.requires_grad], ps),
+            lambda local: torch.optim.AdamW(local, **kw, **extra),
+        )
     if device == "cuda":
         try:
             from apex.optimizers import FusedAdam  # type: ignore
+
             return FusedAdam(groups, adam_w_mode=True, **kw)
         except ImportError:
             return torch.optim.AdamW(groups, fused=True, **kw)
@@ -68,7 +73,7 @@ def _collective_device():
 def _sum_of_squares(grads, device) -> torch.Tensor:
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()   # one fused kernel per dtype
+    return torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()  # one fused kernel per dtype
 
 
 def global_grad_norm(params, ps: ParallelState, partition: Partition | None = None) -> torch.Tensor:
@@ -83,23 +88,24 @@ def global_grad_norm(params, ps: ParallelState, partition: Partition | None = No
             replicated.append(p.grad.detach())
         elif not spec.segments:
             split.append(p.grad.detach())
-        else:   # segments held in copies (GQA key/value heads): only the first copy counts
-            split += [view for shard, view in split_local(p.grad.detach(), spec, ps.tp_rank, ps.tp_size)
-                      if shard.first_copy]
+        else:  # segments held in copies (GQA key/value heads): only the first copy counts
+            split += [
+                view for shard, view in split_local(p.grad.detach(), spec, ps.tp_rank, ps.tp_size) if shard.first_copy
+            ]
     sharded, whole = _sum_of_squares(split, device), _sum_of_squares(replicated, device)
-    if partition is not None:                           # every shard has one owner in the world,
-        dist.all_reduce(sharded)                        # every whole parameter one per replica group
+    if partition is not None:  # every shard has one owner in the world,
+        dist.all_reduce(sharded)  # every whole parameter one per replica group
         dist.all_reduce(whole, group=partition.group)
     elif ps.tp_size > 1:
-        dist.all_reduce(sharded, group=ps.tp_group)     # TP shards: sum over the group
-    return (sharded + whole).sqrt()                     # replicas: this rank's copy
+        dist.all_reduce(sharded, group=ps.tp_group)  # TP shards: sum over the group
+    return (sharded + whole).sqrt()  # replicas: this rank's copy
 
 
 def clip_grads(params, max_norm: float, ps: ParallelState, partition: Partition | None = None) -> float:
     """Scales gradients so the global norm is at most max_norm (0 disables); returns the norm before."""
     params = [p for p in params if p.grad is not None]
     norm = global_grad_norm(params, ps, partition)
-    if max_norm > 0 and params:           # (a distributed optimizer's replica may own none)
+    if max_norm > 0 and params:  # (a distributed optimizer's replica may own none)
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_([p.grad for p in params], coef)
     return norm.item()
@@ -118,8 +124,14 @@ class DynamicLossScaler:
     `underflow_growth` too until it reaches `min_scale`; above it the usual rules apply.
     """
 
-    def __init__(self, initial_scale: float = 2.0 ** 16, growth_interval: int = 1000, min_scale: float = 1.0,
-                 underflow_growth: float = 2.0 ** 8, max_scale: float = 2.0 ** 24):
+    def __init__(
+        self,
+        initial_scale: float = 2.0**16,
+        growth_interval: int = 1000,
+        min_scale: float = 1.0,
+        underflow_growth: float = 2.0**8,
+        max_scale: float = 2.0**24,
+    ):
         if not (initial_scale > 0 and math.isfinite(initial_scale)):
             raise ValueError(f"the initial loss scale must be positive and finite, got {initial_scale}.")
         self.scale, self.growth_interval, self.min_scale = initial_scale, growth_interval, min_scale

@@ -6,6 +6,7 @@ the checkpoint to load, the directory to save to) is found before any dataset in
 built, and reported in one sentence by the rank that found it (failures.py says who prints what).
 Exit codes: 0 done or stopped by a signal after saving, 1 a fault while running, 2 bad input.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,7 +45,8 @@ class Setup:
 def parse_inputs(argv):
     """The command line, validated, with the device, backend and cache defaults filled in."""
     from megatron_sp.training.dist_env import detect_env
-    args = parse_args(argv, world_size=detect_env().world_size)   # torchrun's or Slurm's variables
+
+    args = parse_args(argv, world_size=detect_env().world_size)  # torchrun's or Slurm's variables
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -62,13 +64,16 @@ def check_inputs(argv) -> Setup:
     argv: the command line, or a namespace from parse_inputs.
     """
     from megatron_sp.data import build_tokenizer
+
     args = argv if hasattr(argv, "world_size") else parse_inputs(argv)
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size, args.vocab_file,
-                                args.merge_file)
+    tokenizer = build_tokenizer(
+        args.tokenizer_type, args.tokenizer_model, args.vocab_size, args.vocab_file, args.merge_file
+    )
     cfg = build_config(args, tokenizer.vocab_size)
     prefixes = []
-    if args.data_path:   # (imported here: --mock-data runs need neither numpy nor megatron-core)
+    if args.data_path:  # (imported here: --mock-data runs need neither numpy nor megatron-core)
         from megatron_sp.data import check_train_split, parse_data_path, validate_indexed_prefix
+
         prefixes, _ = parse_data_path(args.data_path)
         for prefix in prefixes:
             check_train_split(validate_indexed_prefix(prefix, vocab_size=tokenizer.vocab_size), args.split)
@@ -79,29 +84,48 @@ def check_inputs(argv) -> Setup:
 def build_config(args, vocab_size: int) -> GPTConfig:
     groups = args.num_query_groups
     if groups is None and args.group_query_attention:
-        groups = 1                                   # Megatron's default with --group-query-attention
+        groups = 1  # Megatron's default with --group-query-attention
     return GPTConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        vocab_size=vocab_size, seq_length=args.seq_length, ffn_hidden_size=args.ffn_hidden_size,
-        max_position_embeddings=args.max_position_embeddings, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout, init_method_std=args.init_method_std, seed=args.seed,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        vocab_size=vocab_size,
+        seq_length=args.seq_length,
+        ffn_hidden_size=args.ffn_hidden_size,
+        max_position_embeddings=args.max_position_embeddings,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        seed=args.seed,
         layernorm_epsilon=args.norm_epsilon,
-        tensor_model_parallel_size=args.tensor_model_parallel_size, sequence_parallel=args.sequence_parallel,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        use_fused_kernels=not args.no_fused_kernels, model=args.model, normalization=args.normalization,
-        activation=args.activation, position_embedding_type=args.position_embedding_type,
-        rotary_base=float(args.rotary_base), rotary_percent=args.rotary_percent,
+        use_fused_kernels=not args.no_fused_kernels,
+        model=args.model,
+        normalization=args.normalization,
+        activation=args.activation,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=float(args.rotary_base),
+        rotary_percent=args.rotary_percent,
         rotary_seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
-        rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
         rope_scaling_low_freq_factor=args.rope_scaling_low_freq_factor,
         rope_scaling_high_freq_factor=args.rope_scaling_high_freq_factor,
         rope_scaling_original_max_position_embeddings=args.rope_scaling_original_max_position_embeddings,
         num_query_groups=groups,
-        kv_channels=args.kv_channels, untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
-        attention_backend=args.attention_backend, context_parallel_size=args.context_parallel_size,
-        cp_comm_type=args.cp_comm_type, recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers)
+        kv_channels=args.kv_channels,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        attention_backend=args.attention_backend,
+        context_parallel_size=args.context_parallel_size,
+        cp_comm_type=args.cp_comm_type,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+    )
 
 
 def build_data(setup: Setup, ps):
@@ -110,23 +134,35 @@ def build_data(setup: Setup, ps):
     evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters
     if args.mock_data:
         from megatron_sp.data.mock import MockGPTDataset
-        return (MockGPTDataset(args.train_iters * args.global_batch_size, args.seq_length, setup.cfg.vocab_size,
-                               args.seed),
-                MockGPTDataset(evals * args.global_batch_size, args.seq_length, setup.cfg.vocab_size, args.seed + 1))
+
+        return (
+            MockGPTDataset(args.train_iters * args.global_batch_size, args.seq_length, setup.cfg.vocab_size, args.seed),
+            MockGPTDataset(evals * args.global_batch_size, args.seq_length, setup.cfg.vocab_size, args.seed + 1),
+        )
     from megatron_sp.data import build_gpt_datasets
-    with warnings.catch_warnings():   # the run never reads the test split: an empty one is fine
+
+    with warnings.catch_warnings():  # the run never reads the test split: an empty one is fine
         warnings.filterwarnings("ignore", message="The test split")
         train, valid, _ = build_gpt_datasets(
-            args.data_path or None, args.split, args.seq_length, args.seed, setup.tokenizer,
+            args.data_path or None,
+            args.split,
+            args.seq_length,
+            args.seed,
+            setup.tokenizer,
             train_samples=args.train_iters * args.global_batch_size,
-            valid_samples=evals * args.global_batch_size, test_samples=args.eval_iters * args.global_batch_size,
-            reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
-            eod_mask_loss=args.eod_mask_loss, cache_dir=args.data_cache_path)
+            valid_samples=evals * args.global_batch_size,
+            test_samples=args.eval_iters * args.global_batch_size,
+            reset_position_ids=args.reset_position_ids,
+            reset_attention_mask=args.reset_attention_mask,
+            eod_mask_loss=args.eod_mask_loss,
+            cache_dir=args.data_cache_path,
+        )
     return train, valid
 
 
 def data_iterator(dataset, consumed: int, args, ps):
     from megatron_sp.data import build_data_iterator
+
     if dataset is None:
         return None
     return build_data_iterator(dataset, consumed, args.micro_batch_size, ps.dp_rank, ps.dp_size)
@@ -136,8 +172,9 @@ def main(argv=None, signals=None) -> int:
     """The program. signals: an installed ExitSignalHandler (pretrain_gpt_sp.py installs one before
     importing torch); without one, main installs its own for its duration."""
     from megatron_sp.training.signals import ExitSignalHandler
+
     own = signals is None
-    if own:   # a SIGTERM/SIGUSR1/SIGINT during start-up is recorded, not fatal
+    if own:  # a SIGTERM/SIGUSR1/SIGINT during start-up is recorded, not fatal
         signals = ExitSignalHandler().install()
     try:
         return _main(argv, signals)
@@ -149,22 +186,23 @@ def main(argv=None, signals=None) -> int:
 def _main(argv, signals) -> int:
     try:
         args = parse_inputs(argv)
-    except ArgumentError as err:       # the command line: the same on every rank
+    except ArgumentError as err:  # the command line: the same on every rank
         return failures.report_deterministic(err, 2)
-    except ValueError as err:          # this rank's launcher environment (dist_env)
+    except ValueError as err:  # this rank's launcher environment (dist_env)
         failures.print_error(failures.one_sentence(err))
         return 2
     setup, input_error = None, None
     try:
         setup = check_inputs(args)
-    except (DataError, checkpointing.CheckpointError) as err:   # what this rank sees on disk: agreed below
+    except (DataError, checkpointing.CheckpointError) as err:  # what this rank sees on disk: agreed below
         input_error = failures.one_sentence(err)
-    except ValueError as err:          # GPTConfig's: the same on every rank
+    except ValueError as err:  # GPTConfig's: the same on every rank
         return failures.report_deterministic(err, 2)
     from megatron_sp.training.dist_env import destroy_distributed, init_distributed
+
     try:
         init_distributed(args.distributed_backend, args.device, timeout_s=60 * args.distributed_timeout_minutes)
-    except (ValueError, RuntimeError) as err:    # a wrong launch or a rendezvous that failed
+    except (ValueError, RuntimeError) as err:  # a wrong launch or a rendezvous that failed
         failures.print_error(failures.one_sentence(err))
         return 2 if isinstance(err, ValueError) else 1
     try:
@@ -174,13 +212,13 @@ def _main(argv, signals) -> int:
         signals.device = args.device
         code = Trainer(setup).run(signals)
         if torch.distributed.is_initialized():
-            torch.distributed.barrier()   # nobody tears the group down while a peer still logs
+            torch.distributed.barrier()  # nobody tears the group down while a peer still logs
         return code
     except (NonFiniteError, GradientUnderflowError, checkpointing.CheckpointSaveError, OSError) as err:
         return failures.report_once(failures.one_sentence(err), 1)
     except (checkpointing.CheckpointError, DataError) as err:
         return failures.report_once(failures.one_sentence(err), 2)
-    except RuntimeError as err:        # a peer died or hung (anything else is a bug: traceback)
+    except RuntimeError as err:  # a peer died or hung (anything else is a bug: traceback)
         if not failures.is_collective_failure(err):
             raise
         return failures.report_once(failures.describe_collective_failure(err, args.distributed_timeout_minutes), 1)
@@ -195,17 +233,21 @@ class Trainer:
         self.args, self.cfg = setup.args, setup.cfg
         args = self.args
         torch.manual_seed(args.seed)
-        self.ps = parallel_state.initialize_model_parallel(args.tensor_model_parallel_size,
-                                                           args.context_parallel_size)
-        self.log = TrainingLogger(args, enabled=torch.distributed.get_rank() == 0
-                                  if torch.distributed.is_initialized() else True)
+        self.ps = parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.context_parallel_size)
+        self.log = TrainingLogger(
+            args, enabled=torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True
+        )
         self.dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
         from megatron_sp.models.gpt import GPTModel
+
         self.model = GPTModel(self.cfg, self.ps).to(args.device)
         self.optimizer = build_optimizer(self.model, args, args.device, self.ps)
         self.scaler = DynamicLossScaler(args.initial_loss_scale) if args.fp16 else None
-        self.grad_sync = (OverlappedGradSync(self.model, self.ps, partition=getattr(self.optimizer, "partition", None))
-                          if args.overlap_grad_reduce and self.ps.dp_size * self.ps.cp_size > 1 else None)
+        self.grad_sync = (
+            OverlappedGradSync(self.model, self.ps, partition=getattr(self.optimizer, "partition", None))
+            if args.overlap_grad_reduce and self.ps.dp_size * self.ps.cp_size > 1
+            else None
+        )
         self.schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup, args.lr_decay, args.lr_decay_style)
         self.state = checkpointing.TrainState()
         if args.load:
@@ -217,6 +259,7 @@ class Trainer:
     def run(self, signals=None) -> int:
         """Trains from the current state; returns 0. signals: an installed ExitSignalHandler."""
         from megatron_sp.training.signals import ExitSignalHandler, write_exit_status
+
         args, state = self.args, self.state
         own = signals is None
         if own:
@@ -225,12 +268,14 @@ class Trainer:
         train_iter = data_iterator(self.train_ds, state.consumed_train_samples, args, self.ps)
         self.valid_iter = data_iterator(self.valid_ds, state.consumed_valid_samples, args, self.ps)
         self.log.start_at(state.iteration)
-        if signals.should_exit():          # got one during start-up: nothing new to save
+        if signals.should_exit():  # got one during start-up: nothing new to save
             got = getattr(signals.received_signal, "name", "on another rank")
             self.log.info(f" exit signal ({got}) received before training: exiting at iteration {state.iteration}")
         elif state.iteration >= args.train_iters:
-            self.log.info(f" training already finished (iteration {state.iteration}, --train-iters "
-                          f"{args.train_iters}): nothing to do")
+            self.log.info(
+                f" training already finished (iteration {state.iteration}, --train-iters "
+                f"{args.train_iters}): nothing to do"
+            )
         else:
             self._train_loop(train_iter, signals)
         write_exit_status(finished=state.iteration >= args.train_iters, iteration=state.iteration)
@@ -262,34 +307,61 @@ class Trainer:
 
     def _train_one(self, train_iter):
         args, state = self.args, self.state
-        unit = args.global_batch_size if args.lr_unit == "samples" else 1   # Megatron's sample-based LR
+        unit = args.global_batch_size if args.lr_unit == "samples" else 1  # Megatron's sample-based LR
         lr = self.schedule.apply(self.optimizer, (state.iteration + 1) * unit)
         start = time.perf_counter()
-        result = train_step(self.model, self.optimizer, train_iter, args.num_micro_batches, self.ps,
-                            device=args.device, dtype=self.dtype, clip_grad=args.clip_grad,
-                            iteration=state.iteration + 1, scaler=self.scaler, grad_sync=self.grad_sync)
+        result = train_step(
+            self.model,
+            self.optimizer,
+            train_iter,
+            args.num_micro_batches,
+            self.ps,
+            device=args.device,
+            dtype=self.dtype,
+            clip_grad=args.clip_grad,
+            iteration=state.iteration + 1,
+            scaler=self.scaler,
+            grad_sync=self.grad_sync,
+        )
         if args.device == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         if result.underflow:
-            self.log.info(f" iteration {state.iteration + 1}: the fp16 gradients underflowed to zero; step skipped, "
-                          f"loss scale raised to {self.scaler.scale:.3g}")
+            self.log.info(
+                f" iteration {state.iteration + 1}: the fp16 gradients underflowed to zero; step skipped, "
+                f"loss scale raised to {self.scaler.scale:.3g}"
+            )
         state.iteration += 1
         state.consumed_train_samples += args.global_batch_size
         tokens = args.global_batch_size * args.seq_length
-        record = {"iteration": state.iteration, "lm_loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
-                  "consumed_samples": state.consumed_train_samples, "global_batch_size": args.global_batch_size,
-                  "elapsed_ms": 1000 * elapsed, "skipped": result.skipped, "peak_tflops": self.peak,
-                  "loss_scale": self.scaler.scale if self.scaler else None,
-                  **throughput(self.cfg.flops_per_token(), tokens, elapsed, args.world_size, self.peak)}
+        record = {
+            "iteration": state.iteration,
+            "lm_loss": result.loss,
+            "lr": lr,
+            "grad_norm": result.grad_norm,
+            "consumed_samples": state.consumed_train_samples,
+            "global_batch_size": args.global_batch_size,
+            "elapsed_ms": 1000 * elapsed,
+            "skipped": result.skipped,
+            "peak_tflops": self.peak,
+            "loss_scale": self.scaler.scale if self.scaler else None,
+            **throughput(self.cfg.flops_per_token(), tokens, elapsed, args.world_size, self.peak),
+        }
         self.log.step(record)
 
     def _evaluate(self):
         if self.valid_iter is None:
             return
         args = self.args
-        loss = evaluate(self.model, self.valid_iter, args.eval_iters, args.num_micro_batches, self.ps,
-                        device=args.device, dtype=self.dtype)
+        loss = evaluate(
+            self.model,
+            self.valid_iter,
+            args.eval_iters,
+            args.num_micro_batches,
+            self.ps,
+            device=args.device,
+            dtype=self.dtype,
+        )
         self.state.consumed_valid_samples += args.eval_iters * args.global_batch_size
         self.log.evaluation(self.state.iteration, loss, math.exp(min(loss, 20.0)))
 
@@ -312,7 +384,10 @@ class Trainer:
             f"{c.num_attention_heads} heads / {c.num_query_groups} kv | "
             f"{c.num_parameters() / 1e6:.2f}M parameters | vocab {c.vocab_size} (padded {c.padded_vocab_size}) | "
             f"{a.num_micro_batches} micro-batches of {a.micro_batch_size} per DP rank | "
-            f"{self._optimizer_words()} | MFU peak {f'{self.peak:.3g} TFLOP/s' if self.peak else 'n/a'} ({self.peak_source})")
+            f"{self._optimizer_words()} | "
+            f"MFU peak {f'{self.peak:.3g} TFLOP/s' if self.peak else 'n/a'} ({self.peak_source})"
+        )
         if self.state.iteration:
-            self.log.info(f" resuming at iteration {self.state.iteration}, "
-                          f"{self.state.consumed_train_samples} samples consumed")
+            self.log.info(
+                f" resuming at iteration {self.state.iteration}, {self.state.consumed_train_samples} samples consumed"
+            )

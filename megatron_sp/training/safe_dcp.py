@@ -14,6 +14,7 @@ load planner reads non-tensor entries with `torch.load(weights_only=False)`. Her
   save) is checked before anything is unpickled. It catches truncated and corrupted files (a
   partial copy, a bad disk), not tampering: whoever can write the directory can rewrite the record.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,12 +23,19 @@ import os
 import pickle
 import warnings
 
-METADATA_FILE = ".metadata"     # DCP's pickled index of the tensors
+METADATA_FILE = ".metadata"  # DCP's pickled index of the tensors
 
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "MetadataIndex",
-        "StorageMeta", "_MEM_FORMAT_ENCODING", "BytesStorageMetadata"},   # Bytes: refused after loading
+        "Metadata",
+        "TensorStorageMetadata",
+        "TensorProperties",
+        "ChunkStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+        "BytesStorageMetadata",
+    },  # Bytes: refused after loading
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
@@ -45,10 +53,12 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module, name):
         import torch
+
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format,
-                                                                           torch.layout)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout)
+        ):
             return getattr(torch, name)
         raise UnsafeCheckpointError(f"refers to {module}.{name}, which a DCP index never needs")
 
@@ -70,12 +80,15 @@ def read_metadata(checkpoint: str):
 
 def _check_metadata(metadata, path: str) -> None:
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(f"{path} holds a {type(metadata).__name__}, not a DCP Metadata")
     for key, entry in metadata.state_dict_metadata.items():
         if not isinstance(entry, TensorStorageMetadata):
-            raise UnsafeCheckpointError(f"{path} declares {key!r} as a pickled object; megatron_sp checkpoints "
-                                        f"hold tensors only, so it is refused")
+            raise UnsafeCheckpointError(
+                f"{path} declares {key!r} as a pickled object; megatron_sp checkpoints "
+                f"hold tensors only, so it is refused"
+            )
     for info in (metadata.storage_data or {}).values():
         name = str(getattr(info, "relative_path", ""))
         if not name or os.path.isabs(name) or os.path.basename(name) != name or name in (".", ".."):
@@ -92,9 +105,10 @@ def _reader_class():
         """FileSystemReader whose `.metadata` goes through `read_metadata` above."""
 
         def read_metadata(self, *args, **kwargs):
-            if kwargs.get("rank") is not None:      # per-rank metadata files: never written by us
+            if kwargs.get("rank") is not None:  # per-rank metadata files: never written by us
                 raise UnsafeCheckpointError(f"{self.path} asks for per-rank DCP metadata")
             from torch.distributed.checkpoint.metadata import StorageMeta
+
             metadata = read_metadata(str(self.path))
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
@@ -151,6 +165,7 @@ def safe_module() -> _SafeDCP:
 
 # ---- integrity record ----------------------------------------------------------------------------
 
+
 def file_digest(path: str) -> dict:
     """{"size": bytes, "sha256": hex} of one file."""
     digest, size = hashlib.sha256(), 0
@@ -165,9 +180,13 @@ def integrity_record(checkpoint: str) -> dict:
     """Collective: {file: {size, sha256}} of a checkpoint being saved; each rank hashes the files it
     wrote (DCP names them __<rank>_*.distcp; rank 0 also writes .metadata), in parallel."""
     import torch.distributed as dist
+
     rank = dist.get_rank() if dist.is_initialized() else 0
-    mine = [n for n in os.listdir(checkpoint) if n.startswith(f"__{rank}_") or n == f"rng_rank{rank}.pt"
-            or (rank == 0 and n == METADATA_FILE)]
+    mine = [
+        n
+        for n in os.listdir(checkpoint)
+        if n.startswith(f"__{rank}_") or n == f"rng_rank{rank}.pt" or (rank == 0 and n == METADATA_FILE)
+    ]
     record = {name: file_digest(os.path.join(checkpoint, name)) for name in mine}
     if not dist.is_initialized():
         return record

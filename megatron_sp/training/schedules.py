@@ -2,6 +2,7 @@
 (Megatron's OptimizerParamScheduler without the weight-decay schedule). Its unit is an iteration,
 or a sample with --train-samples (the trainer passes iteration × global batch size), so the
 warmup/decay spans are --lr-warmup-iters/--lr-decay-iters or --lr-warmup-samples/--lr-decay-samples."""
+
 from __future__ import annotations
 
 import math

@@ -18,6 +18,7 @@ imports torch only when it communicates.
             save_checkpoint(); break
     handler.uninstall()
 """
+
 from __future__ import annotations
 
 import signal
@@ -81,8 +82,11 @@ class ExitSignalHandler:
 
         if not (dist.is_available() and dist.is_initialized()):
             return self.received()
-        flag = torch.tensor([1 if self.received() else 0], dtype=torch.int32,
-                            device=torch.device(self.device if device is None else device))
+        flag = torch.tensor(
+            [1 if self.received() else 0],
+            dtype=torch.int32,
+            device=torch.device(self.device if device is None else device),
+        )
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())
 
@@ -110,4 +114,5 @@ def write_exit_status(finished: bool, iteration: int) -> None:
 
 def _rank() -> int:
     import torch.distributed as dist
+
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

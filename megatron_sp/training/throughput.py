@@ -5,6 +5,7 @@ stated (--peak-tflops). A CPU has no data-sheet peak, and measuring one at start
 on a loaded machine the matmul probe ran slower than training later did and MFU read 244%. Without
 a known peak MFU is None ("n/a" in the log line).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -33,8 +34,7 @@ def peak_tflops(device: str, precision: str, override=None) -> tuple[Optional[fl
     return None, "no data-sheet peak for a CPU: no MFU without --peak-tflops"
 
 
-def throughput(flops_per_token: float, tokens: int, seconds: float, world_size: int,
-               peak: Optional[float]) -> dict:
+def throughput(flops_per_token: float, tokens: int, seconds: float, world_size: int, peak: Optional[float]) -> dict:
     tokens_per_sec = tokens / max(seconds, 1e-9)
     tflops = flops_per_token * tokens_per_sec / world_size / 1e12
     return {"tokens_per_sec": tokens_per_sec, "tflops": tflops, "mfu": tflops / peak if peak else None}

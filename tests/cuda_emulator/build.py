@@ -12,6 +12,7 @@ bytes each kernel moves (bench/kernel_traffic.py); no runtime to preload.
 
     python tests/cuda_emulator/build.py OUT_DIR [--sanitizer asan|tsan|traffic|none]  # prints its path
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,9 @@ def runtime_library(sanitizer: str) -> str | None:
     if cxx is None:
         return None
     try:
-        path = subprocess.run([cxx, f"-print-file-name=lib{sanitizer}.so"], capture_output=True,
-                              text=True, timeout=60).stdout.strip()
+        path = subprocess.run(
+            [cxx, f"-print-file-name=lib{sanitizer}.so"], capture_output=True, text=True, timeout=60
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return path if os.path.isabs(path) and os.path.exists(path) else None
@@ -74,8 +76,7 @@ def _matching(text: str, start: int, open_c: str, close_c: str, step: int) -> in
 def translate_launches(src: str) -> str:
     """Rewrites every `kernel<...><<<config>>>(args)` into an emulator launch; a kernel declared
     with `__launch_bounds__(N)` gets a launch that fails (as on the GPU) with more than N threads."""
-    bounds = dict((name, bound) for bound, name in
-                  re.findall(r"__launch_bounds__\(([^)]*)\)\s*(\w+)\s*\(", src))
+    bounds = dict((name, bound) for bound, name in re.findall(r"__launch_bounds__\(([^)]*)\)\s*(\w+)\s*\(", src))
     out, i = [], 0
     while (j := src.find("<<<", i)) >= 0:
         k = j
@@ -85,14 +86,14 @@ def translate_launches(src: str) -> str:
             k -= 1
         kernel = src[k:j]
         end_config = src.index(">>>", j)
-        config = src[j + 3:end_config]
+        config = src[j + 3 : end_config]
         paren = end_config + 3
         while src[paren].isspace():
             paren += 1
         if src[paren] != "(" or not kernel:
-            raise ValueError(f"cannot parse the launch at offset {j}: {src[k:paren + 20]!r}")
+            raise ValueError(f"cannot parse the launch at offset {j}: {src[k : paren + 20]!r}")
         close = _matching(src, paren, "(", ")", 1)
-        args = src[paren + 1:close]
+        args = src[paren + 1 : close]
         out.append(src[i:k])
         bound = bounds.get(kernel.split("<")[0].split("::")[-1])
         if bound is None:
@@ -119,8 +120,9 @@ def _binding_sources(csrc: str, tree: str) -> list:
     with open(os.path.join(csrc, "ops.cpp")) as f:
         ops = f.read()
     start = ops.index("TORCH_LIBRARY(megatron_sp, m)")
-    schemas = ops[start:ops.index("\n}\n", start) + 3].replace(
-        "TORCH_LIBRARY(megatron_sp, m)", f"TORCH_LIBRARY({BINDING_NAMESPACE}, m)")
+    schemas = ops[start : ops.index("\n}\n", start) + 3].replace(
+        "TORCH_LIBRARY(megatron_sp, m)", f"TORCH_LIBRARY({BINDING_NAMESPACE}, m)"
+    )
     targets = [os.path.join(tree, "cuda", "ops_cuda.cpp"), os.path.join(tree, "schemas.cpp")]
     texts = [binding, "#include <torch/library.h>\n" + schemas]
     for target, text in zip(targets, texts):
@@ -132,14 +134,17 @@ def _binding_sources(csrc: str, tree: str) -> list:
 def _torch_flags():
     import torch
     from torch.utils import cpp_extension
+
     lib = os.path.join(os.path.dirname(torch.__file__), "lib")
     compile_flags = [f"-I{p}" for p in cpp_extension.include_paths()] + [
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    ]
     return compile_flags, [f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", "-ltorch"]
 
 
-def build(out_dir: str, sanitizer: str | None = "asan", csrc: str = CSRC,
-          cache_dir: str | None = None, binding: bool = False) -> str:
+def build(
+    out_dir: str, sanitizer: str | None = "asan", csrc: str = CSRC, cache_dir: str | None = None, binding: bool = False
+) -> str:
     """Translates and compiles the kernels of `csrc`, the emulator and the C API; returns the
     .so's path. With `binding`, the library also holds the torch binding of the CUDA ops,
     registered for CPU tensors as torch.ops.megatron_sp_emulated.* (load it with
@@ -153,8 +158,7 @@ def build(out_dir: str, sanitizer: str | None = "asan", csrc: str = CSRC,
     os.makedirs(os.path.join(tree, "cuda"), exist_ok=True)
     for header in glob.glob(os.path.join(csrc, "*.h")):
         shutil.copy(header, tree)
-    for header in glob.glob(os.path.join(csrc, "cuda", "*.h")) + \
-            glob.glob(os.path.join(csrc, "cuda", "*.cuh")):
+    for header in glob.glob(os.path.join(csrc, "cuda", "*.h")) + glob.glob(os.path.join(csrc, "cuda", "*.cuh")):
         shutil.copy(header, os.path.join(tree, "cuda"))
     sources = [os.path.join(HERE, "emulator.cpp"), os.path.join(HERE, "api.cpp")]
     for cu in sorted(glob.glob(os.path.join(csrc, "cuda", "*.cu"))):
@@ -167,24 +171,43 @@ def build(out_dir: str, sanitizer: str | None = "asan", csrc: str = CSRC,
     torch_sources = _binding_sources(csrc, tree) if binding else []
     torch_compile, torch_link = _torch_flags() if binding else ([], [])
     kernel_flags = []
-    flags = ["-std=c++20", "-O1", "-g", "-fPIC", "-pthread", "-ffp-contract=off", "-Wall",
-             "-Wno-unknown-pragmas", "-Werror=return-type", "-I", os.path.join(HERE, "include"),
-             "-I", tree]
+    flags = [
+        "-std=c++20",
+        "-O1",
+        "-g",
+        "-fPIC",
+        "-pthread",
+        "-ffp-contract=off",
+        "-Wall",
+        "-Wno-unknown-pragmas",
+        "-Werror=return-type",
+        "-I",
+        os.path.join(HERE, "include"),
+        "-I",
+        tree,
+    ]
     if sanitizer == "asan":
-        flags += ["-fsanitize=address,undefined", "-fno-sanitize-recover=all",
-                  "-fno-omit-frame-pointer"]
+        flags += ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
     elif sanitizer == "tsan":
         flags += ["-fsanitize=thread", "-fno-omit-frame-pointer"]
     elif sanitizer == "traffic":  # every load/store of the kernel files calls the emulator
-        kernel_flags = ["-fsanitize=kernel-address", "--param",
-                        "asan-instrumentation-with-call-threshold=0", "--param", "asan-stack=0",
-                        "--param", "asan-globals=0"]
+        kernel_flags = [
+            "-fsanitize=kernel-address",
+            "--param",
+            "asan-instrumentation-with-call-threshold=0",
+            "--param",
+            "asan-stack=0",
+            "--param",
+            "asan-globals=0",
+        ]
     elif sanitizer is not None:
         raise ValueError(f"unknown sanitizer {sanitizer!r}")
 
     headers = hashlib.sha256()
-    for header in sorted(glob.glob(os.path.join(tree, "**", "*.*h"), recursive=True) +
-                         glob.glob(os.path.join(HERE, "include", "**", "*.h"), recursive=True)):
+    for header in sorted(
+        glob.glob(os.path.join(tree, "**", "*.*h"), recursive=True)
+        + glob.glob(os.path.join(HERE, "include", "**", "*.h"), recursive=True)
+    ):
         with open(header, "rb") as f:
             headers.update(os.path.basename(header).encode() + f.read())
     key_flags = " ".join(f for f in flags if f != tree).encode()
@@ -197,13 +220,11 @@ def build(out_dir: str, sanitizer: str | None = "asan", csrc: str = CSRC,
         if cache_dir is not None:
             with open(src, "rb") as f:
                 text = f.read().split(b"\n", 1)[-1] if src.endswith(".cu.cpp") else f.read()
-            key = hashlib.sha256(key_flags + " ".join(extra).encode() + headers.digest() +
-                                 text).hexdigest()[:24]
+            key = hashlib.sha256(key_flags + " ".join(extra).encode() + headers.digest() + text).hexdigest()[:24]
             cached = os.path.join(cache_dir, f"{os.path.basename(src)}.{key}.o")
             if os.path.exists(cached):
                 return cached
-        proc = subprocess.run([cxx, *flags, *extra, "-c", src, "-o", obj], capture_output=True,
-                              text=True, timeout=600)
+        proc = subprocess.run([cxx, *flags, *extra, "-c", src, "-o", obj], capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             raise RuntimeError(f"compiling {src} failed:\n{proc.stderr}")
         if cache_dir is not None:
@@ -215,8 +236,9 @@ def build(out_dir: str, sanitizer: str | None = "asan", csrc: str = CSRC,
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
         objects = list(pool.map(compile_one, torch_sources + sources))
     library = os.path.join(out_dir, "libmsp_cuda_emulated.so")
-    proc = subprocess.run([cxx, *flags, "-shared", *objects, "-o", library, *torch_link],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [cxx, *flags, "-shared", *objects, "-o", library, *torch_link], capture_output=True, text=True, timeout=600
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"linking {library} failed:\n{proc.stderr}")
     return library
@@ -226,11 +248,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     parser.add_argument("--sanitizer", choices=["asan", "tsan", "traffic", "none"], default="asan")
-    parser.add_argument("--binding", action="store_true",
-                        help="also build the torch binding (torch.ops.megatron_sp_emulated)")
+    parser.add_argument(
+        "--binding", action="store_true", help="also build the torch binding (torch.ops.megatron_sp_emulated)"
+    )
     args = parser.parse_args()
-    print(build(args.out_dir, None if args.sanitizer == "none" else args.sanitizer,
-                binding=args.binding))
+    print(build(args.out_dir, None if args.sanitizer == "none" else args.sanitizer, binding=args.binding))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ three backward kernels from the reference's out and lse), and the torch binding.
 with the reference within 2e-5 (the kernels sum in another order), which also shows that the
 dropout bits match; bf16/fp16 within their tolerances; rows that see nothing give out 0, lse -inf.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -18,13 +19,13 @@ fa = importlib.import_module("megatron_sp.ops.flash_attention")  # ops.flash_att
 
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 i64, i32, f64, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_void_p
-SCALARS = [vp, i32, f64, i64, i64, i64]          # sizes, dtype, p, seed, layer, head_offset
+SCALARS = [vp, i32, f64, i64, i64, i64]  # sizes, dtype, p, seed, layer, head_offset
 SIGNATURES = {
     "emu_flash_bwd_scratch": (i64, [i64, i64, i64]),
     "emu_flash_fwd": (i32, [vp] * 11 + SCALARS),
     "emu_flash_bwd": (i32, [vp] * 16 + SCALARS),
 }
-DROP = (0.0, 1234, 3, 2)                          # p (replaced per case), seed, layer, head_offset
+DROP = (0.0, 1234, 3, 2)  # p (replaced per case), seed, layer, head_offset
 
 
 def _ptr(t):
@@ -47,9 +48,11 @@ def _inputs(shape, dtype, gen, layout):
     if layout == "strided":
         slab_q = torch.randn(sq, b, (nq + 1) * d, generator=gen).to(dtype)
         slab_kv = torch.randn(sk, b, 2 * nkv * d + 1, generator=gen).to(dtype)
-        return (slab_q[..., d:].view(sq, b, nq, d).permute(1, 2, 0, 3),
-                slab_kv[..., 1:1 + nkv * d].view(sk, b, nkv, d).permute(1, 2, 0, 3),
-                slab_kv[..., 1 + nkv * d:].view(sk, b, nkv, d).permute(1, 2, 0, 3))
+        return (
+            slab_q[..., d:].view(sq, b, nq, d).permute(1, 2, 0, 3),
+            slab_kv[..., 1 : 1 + nkv * d].view(sk, b, nkv, d).permute(1, 2, 0, 3),
+            slab_kv[..., 1 + nkv * d :].view(sk, b, nkv, d).permute(1, 2, 0, 3),
+        )
     out = []
     for s in ((b, nq, sq, d), (b, nkv, sk, d), (b, nkv, sk, d)):
         t = torch.randn(s, generator=gen).to(dtype)
@@ -66,9 +69,9 @@ def flash_case(lib, shape, dtype, p, positions="causal", segments=False, layout=
     q, k, v = _inputs(shape, dtype, gen, layout)
     if positions == "causal":
         q_pos, k_pos = torch.arange(sq), torch.arange(sk)
-    elif positions == "ring":                     # keys start after the first queries: blind rows
+    elif positions == "ring":  # keys start after the first queries: blind rows
         q_pos, k_pos = torch.arange(40, 40 + sq), torch.arange(45, 45 + sk)
-    else:                                         # zigzag: two chunks, not consecutive
+    else:  # zigzag: two chunks, not consecutive
         q_pos = k_pos = torch.cat([torch.arange(sq // 2), torch.arange(3 * sq, 3 * sq + sq - sq // 2)])
     q_seg = torch.randint(0, 3, (b, sq), generator=gen).sort(-1).values if segments else None
     k_seg = q_seg if segments else None
@@ -80,9 +83,11 @@ def flash_case(lib, shape, dtype, p, positions="causal", segments=False, layout=
 
     out = torch.empty(sq, b, nq, d, dtype=dtype)
     lse = torch.empty(b, nq, sq)
-    strides = _strides(q, k, v)                   # kept alive: the launcher reads it
-    assert lib.emu_flash_fwd(_ptr(q), _ptr(k), _ptr(v), _ptr(strides), *index, _ptr(out),
-                             _ptr(lse), _ptr(sizes), *scalars) == 0, "flash_attention_fwd launch"
+    strides = _strides(q, k, v)  # kept alive: the launcher reads it
+    assert (
+        lib.emu_flash_fwd(_ptr(q), _ptr(k), _ptr(v), _ptr(strides), *index, _ptr(out), _ptr(lse), _ptr(sizes), *scalars)
+        == 0
+    ), "flash_attention_fwd launch"
     ref_out, ref_lse = fa.flash_attention_fwd_reference(q, k, v, q_pos, k_pos, q_seg, k_seg, samples, drop)
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "rows that see nothing differ"
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
@@ -93,11 +98,24 @@ def flash_case(lib, shape, dtype, p, positions="causal", segments=False, layout=
     grads = [torch.empty(s, b, n, d, dtype=dtype) for s, n in ((sq, nq), (sk, nkv), (sk, nkv))]
     scratch = torch.empty(lib.emu_flash_bwd_scratch(b, nq, sq))
     strides = _strides(dout, q, k, v, ref_out, ref_lse)
-    assert lib.emu_flash_bwd(_ptr(dout), _ptr(q), _ptr(k), _ptr(v), _ptr(ref_out), _ptr(ref_lse),
-                             _ptr(strides), *index, *(_ptr(g) for g in grads), _ptr(scratch),
-                             _ptr(sizes), *scalars) == 0, "flash_attention_bwd launch"
-    want = fa.flash_attention_bwd_reference(dout, q, k, v, ref_out, ref_lse, q_pos, k_pos, q_seg, k_seg,
-                                            samples, drop)
+    assert (
+        lib.emu_flash_bwd(
+            _ptr(dout),
+            _ptr(q),
+            _ptr(k),
+            _ptr(v),
+            _ptr(ref_out),
+            _ptr(ref_lse),
+            _ptr(strides),
+            *index,
+            *(_ptr(g) for g in grads),
+            _ptr(scratch),
+            _ptr(sizes),
+            *scalars,
+        )
+        == 0
+    ), "flash_attention_bwd launch"
+    want = fa.flash_attention_bwd_reference(dout, q, k, v, ref_out, ref_lse, q_pos, k_pos, q_seg, k_seg, samples, drop)
     for name, got, e in zip(("dq", "dk", "dv"), grads, want):
         scale = (1.0 if dtype == torch.float32 else 2.0) * (1 + e.float().abs().max().item())
         assert_close_dtype(got.permute(1, 2, 0, 3), e, dtype, scale=scale)
@@ -128,8 +146,9 @@ def binding_flash_case(dtype):
     utils = ("test_schema", "test_faketensor")
     torch.library.opcheck(E.flash_attention_fwd, (q, k, v, *args), test_utils=utils)
     torch.library.opcheck(E.flash_attention_bwd, (dout, q, k, v, out_cpu, lse_cpu, *args), test_utils=utils)
-    assert_same_error(lambda: E.flash_attention_fwd(q, k[:, :, 1:], v, *args),
-                lambda: M.flash_attention_fwd(q, k[:, :, 1:], v, *args))
+    assert_same_error(
+        lambda: E.flash_attention_fwd(q, k[:, :, 1:], v, *args), lambda: M.flash_attention_fwd(q, k[:, :, 1:], v, *args)
+    )
 
 
 def register_binding_fakes(ns: str) -> None:
