@@ -12,7 +12,7 @@ checks it with no extra code (tests/test_parity.py::test_user_block_gets_parity_
 from torch import nn
 
 from megatron_sp.models.spec import BlockSpec, ModelSpec
-from megatron_sp.tensor_parallel import random as tp_random
+from megatron_sp.ops import philox
 
 
 class ParallelResidualBlock(nn.Module):
@@ -25,8 +25,8 @@ class ParallelResidualBlock(nn.Module):
 
     def forward(self, x, ctx):
         h = self.ln1(x)  # [s_sp, b, h]
-        x = self.bda(self.attn(h, ctx), self.attn.output_bias, x, tp_random.SITE_ATTENTION_OUT, ctx)
-        return self.bda(self.mlp(h), self.mlp.output_bias, x, tp_random.SITE_MLP_OUT, ctx)
+        x = self.bda(self.attn(h, ctx), self.attn.output_bias, x, philox.SITE_ATTENTION_OUT, ctx)
+        return self.bda(self.mlp(h), self.mlp.output_bias, x, philox.SITE_MLP_OUT, ctx)
 
 
 SPEC = ModelSpec(

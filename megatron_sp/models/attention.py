@@ -7,7 +7,7 @@ core shared by the serial and the parallel model.
 
 Without attention dropout the core is F.scaled_dot_product_attention (flash / memory-efficient kernels,
 no s² tensor kept). With attention dropout it is our blockwise attention (ops/flash_attention.py),
-because the dropout mask must be the parallelism-invariant one (tensor_parallel/random.py), which SDPA
+because the dropout mask must be the parallelism-invariant one (ops/philox.py), which SDPA
 cannot take; it regenerates the mask per block and keeps no s² tensor either.
 """
 
@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_sp.models.rope import RotaryEmbedding
 from megatron_sp.ops.flash_attention import AttentionDropout, flash_attention
-from megatron_sp.tensor_parallel.random import DropoutIndex, apply_keep_mask, attention_keep_mask
+from megatron_sp.ops.philox import DropoutIndex, apply_keep_mask, attention_keep_mask
 
 EXPLICIT_BACKENDS = ("unfused", "local")  # --attention-backend values that never use SDPA
 

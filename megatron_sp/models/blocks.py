@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_sp import ops
-from megatron_sp.tensor_parallel import random as tp_random
+from megatron_sp.ops import philox
 from megatron_sp.tensor_parallel.layers import mark
 
 
@@ -117,9 +117,9 @@ class PreNormBlock(nn.Module):
 
     def forward(self, x, ctx):
         a = self.attn(self.ln1(x), ctx)
-        x = self.bda(a, self.attn.output_bias, x, tp_random.SITE_ATTENTION_OUT, ctx)
+        x = self.bda(a, self.attn.output_bias, x, philox.SITE_ATTENTION_OUT, ctx)
         m = self.mlp(self.ln2(x))
-        return self.bda(m, self.mlp.output_bias, x, tp_random.SITE_MLP_OUT, ctx)
+        return self.bda(m, self.mlp.output_bias, x, philox.SITE_MLP_OUT, ctx)
 
 
 class Embedding(nn.Module):
@@ -138,12 +138,12 @@ class Embedding(nn.Module):
         x = self.word_embeddings(tokens)  # [s_sp, b, h]
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(ctx.sp_position_ids)  # [s_sp, b, h]
-        return tp_random.dropout(
+        return philox.dropout(
             x,
             self.cfg.hidden_dropout,
             self.cfg.seed,
             0,
-            tp_random.SITE_EMBEDDING,
+            philox.SITE_EMBEDDING,
             ctx.shard_index,
             training=ctx.training,
         )

@@ -30,6 +30,7 @@ from megatron_sp.context_parallel.layout import cp_positions, document_ids
 from megatron_sp.context_parallel.ring import RingAttention
 from megatron_sp.context_parallel.ulysses import UlyssesAttention
 from megatron_sp.models.attention import CausalAttention
+from megatron_sp.ops.philox import DropoutIndex
 from megatron_sp.tensor_parallel import mappings
 from megatron_sp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_sp.tensor_parallel.layers import (
@@ -39,7 +40,6 @@ from megatron_sp.tensor_parallel.layers import (
     mark,
     parallel_linear,
 )
-from megatron_sp.tensor_parallel.random import DropoutIndex
 from megatron_sp.tensor_parallel.sharding import ShardSpec
 
 
