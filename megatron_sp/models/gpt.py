@@ -12,8 +12,9 @@ V padded vocab):
     fc2      [s/t, b, h]  RowParallelLinear + ḡ, then bias-dropout-add
     logits   [s, b, V/t]  g + embedding or output-layer shard; vocab-parallel cross entropy
 
-Gradients that are partial sums over the TP group (parameters marked `sequence_parallel`; key/value
-heads held in copies) are summed by training.grad_sync.reduce_tensor_parallel_grads.
+Gradients that a backward leaves as partial sums (over TP: parameters marked `sequence_parallel`,
+key/value heads held in copies; over CP: all of them) are summed by `partial_grads`
+(tensor_parallel/partial_grads.py), which full_grad_dict and the training loop both call.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from megatron_sp import parallel_state
 from megatron_sp.models.builders import ParallelBuilder
 from megatron_sp.models.init import init_full_tensor
 from megatron_sp.models.language_model import LanguageModel
+from megatron_sp.tensor_parallel.partial_grads import PartialGrads
 from megatron_sp.tensor_parallel.sharding import full_dim_size, gather_full, shard_full
 
 
@@ -35,7 +37,14 @@ class GPTModel(LanguageModel):
         _check_layout(cfg, ps)
         super().__init__(cfg, ParallelBuilder(cfg, ps), spec)
         self.ps = ps
+        self.partial_grads = PartialGrads(ps)
         self._initialise()
+
+    def forward(self, tokens, labels=None, **inputs):
+        """LanguageModel.forward; a forward that will have a backward leaves partial gradients."""
+        if torch.is_grad_enabled():
+            self.partial_grads.expect()
+        return super().forward(tokens, labels, **inputs)
 
     # ---- full <-> sharded state ---------------------------------------------------------------
     def _initialise(self):
@@ -70,11 +79,8 @@ class GPTModel(LanguageModel):
 
     @torch.no_grad()
     def full_grad_dict(self):
-        """Collective: unsharded gradients (partial sums over TP reduced first if still pending)."""
-        if self._tp_grads_pending or self._cp_grads_pending:
-            from megatron_sp.training.grad_sync import reduce_tensor_parallel_grads
-
-            reduce_tensor_parallel_grads(self, self.ps)
+        """Collective: unsharded gradients (partial sums reduced first if still pending)."""
+        self.partial_grads.reduce(self.parameters())
         return {
             name: gather_full(p.grad, p.shard_spec, self.ps.tp_group)
             for name, p in self.named_parameters()

@@ -46,8 +46,6 @@ class LanguageModel(nn.Module):
         self.output_layer = builder.output_layer(cfg) if cfg.untie_embeddings_and_output_weights else None
         self.head = builder.lm_head(cfg)
         check_init_tags(self)
-        self._tp_grads_pending = False  # partial gradients not yet summed (training.grad_sync)
-        self._cp_grads_pending = False
 
     def forward(self, tokens, labels=None, *, loss_mask=None, position_ids=None, attention_mask=None, sample_ids=None):
         ctx = self.builder.context(
@@ -62,9 +60,6 @@ class LanguageModel(nn.Module):
         )
         x = self.embedding(ctx.tokens, ctx)  # [s_sp, b, h]
         x = self._layers(x, ctx)
-        if torch.is_grad_enabled():
-            self._tp_grads_pending = True
-            self._cp_grads_pending = ctx.cp is not None
         weight = (self.output_layer if self.output_layer is not None else self.embedding.word_embeddings).weight
         return self.head(self.final_ln(x), weight, ctx)
 
