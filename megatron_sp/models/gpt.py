@@ -1,11 +1,11 @@
 """GPTModel: the tensor + sequence parallel model of a spec. Same function and state-dict keys as
 ReferenceGPT (models/language_model.py); this file adds moving between full and sharded state.
 
-One pre-norm layer on a rank of a TP group of size t (n query heads, g key/value heads, f MLP width,
-V padded vocab):
+One pre-norm layer on a rank of a TP group of size t (n query heads, n_kv key/value heads, f MLP
+width, V padded vocab):
 
     x        [s/t, b, h]  SP region: norms, dropout, residual   ([s, b, h] without SP)
-    qkv      [s, b, (n + 2g) d / t] after g (all-gather) + ColumnParallelLinear: whole heads
+    qkv      [s, b, (n + 2 n_kv) d / t] after g (all-gather) + ColumnParallelLinear: whole heads
     attn     [b, n/t, s, d]
     proj     [s/t, b, h]  RowParallelLinear + ḡ (reduce-scatter), then bias-dropout-add
     fc1      [s, b, f/t]  g + ColumnParallelLinear (SwiGLU: [s, b, 2f/t]), activation
@@ -34,7 +34,7 @@ class GPTModel(LanguageModel):
 
     def __init__(self, cfg, ps: parallel_state.ParallelState | None = None, spec=None):
         ps = ps if ps is not None else parallel_state.get()
-        _check_layout(cfg, ps)
+        _check_parallel_sizes(cfg, ps)
         super().__init__(cfg, ParallelBuilder(cfg, ps), spec)
         self.ps = ps
         self.partial_grads = PartialGrads(ps)
@@ -97,7 +97,7 @@ def _full_shape(p, tp_size):
     return tuple(shape)
 
 
-def _check_layout(cfg, ps: parallel_state.ParallelState):
+def _check_parallel_sizes(cfg, ps: parallel_state.ParallelState):
     if cfg.tensor_model_parallel_size != ps.tp_size:
         raise ValueError(
             f"GPTConfig.tensor_model_parallel_size ({cfg.tensor_model_parallel_size}) does not "
