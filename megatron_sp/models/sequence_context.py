@@ -68,15 +68,29 @@ def sequence_context(
     cp_rank: int = 0,
 ) -> SequenceContext:
     """tokens [b, s] (the whole sequence); sp_rows: this rank's SP-region rows of its s_tp tokens."""
+    _check_length(cfg, tokens.shape[1])
+    whole = _whole_sequence(tokens, labels, loss_mask, position_ids, attention_mask, sample_ids, training, sp_rows)
+    if cp_size == 1:
+        return whole
+    if attention_mask is not None and whole.document_ids is None:
+        raise ValueError(
+            "with context parallelism the attention mask must be a document mask (block-diagonal, "
+            "as --reset-attention-mask makes); other masks need context_parallel_size 1."
+        )
+    split = CPSplit(tokens.shape[1], cp_size, cp_rank, cfg.cp_comm_type, whole.document_ids)
+    return _cp_rank_context(replace(whole, attention_mask=None), split, sp_rows)
+
+
+def _whole_sequence(tokens, labels, loss_mask, position_ids, attention_mask, sample_ids, training, sp_rows):
+    """The context of the whole sequence, with the default positions and sample ids filled in."""
     batch, s = tokens.shape
-    _check_length(cfg, s)
     device = tokens.device
     if sample_ids is None:
         sample_ids = torch.arange(batch, device=device)
     if position_ids is None:
         position_ids = torch.arange(s, device=device).expand(batch, s)
     positions = torch.arange(s, device=device)
-    whole = SequenceContext(
+    return SequenceContext(
         tokens=tokens,
         labels=labels,
         loss_mask=loss_mask,
@@ -88,15 +102,6 @@ def sequence_context(
         document_ids=document_ids_from_mask(attention_mask) if attention_mask is not None else None,
         training=training,
     )
-    if cp_size == 1:
-        return whole
-    if attention_mask is not None and whole.document_ids is None:
-        raise ValueError(
-            "with context parallelism the attention mask must be a document mask (block-diagonal, "
-            "as --reset-attention-mask makes); other masks need context_parallel_size 1."
-        )
-    split = CPSplit(s, cp_size, cp_rank, cfg.cp_comm_type, whole.document_ids)
-    return _cp_rank_context(replace(whole, attention_mask=None), split, sp_rows)
 
 
 def _cp_rank_context(whole: SequenceContext, split: CPSplit, sp_rows: slice) -> SequenceContext:
