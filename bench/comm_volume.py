@@ -6,7 +6,7 @@
 What is measured
 ----------------
 The torch.distributed collectives the library calls are wrapped for the duration of one training
-step (forward, backward, and training.grad_sync.reduce_tensor_parallel_grads, the SP gradient sum): the
+step (forward, backward, and model.partial_grads.reduce, the SP gradient sum): the
 library calls them as attributes of the `torch.distributed` module (`dist.all_reduce(...)` with
 `import torch.distributed as dist`), so replacing those attributes intercepts every call. Wrapped:
 all_reduce, all_gather_into_tensor / all_gather_single / _all_gather_base, reduce_scatter_tensor /
@@ -173,7 +173,6 @@ def _step_worker(args, tp, sp):
     from megatron_sp import parallel_state
     from megatron_sp.config import GPTConfig
     from megatron_sp.models.gpt import GPTModel
-    from megatron_sp.training.grad_sync import reduce_tensor_parallel_grads
 
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     ps = parallel_state.initialize_model_parallel(tp)
@@ -202,7 +201,7 @@ def _step_worker(args, tp, sp):
             counter.phase = "backward"
             loss.backward()
             counter.phase = "sp-grad-sync"
-            reduce_tensor_parallel_grads(model, parallel_state.get())
+            model.partial_grads.reduce(model.parameters())
         out[f"L{layers}"] = counter.calls
     return out
 

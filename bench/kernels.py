@@ -45,8 +45,8 @@ from megatron_sp.ops.flash_attention import (  # noqa: E402
     flash_attention_bwd_reference,
     flash_attention_fwd_reference,
 )
+from megatron_sp.ops.philox import DropoutIndex  # noqa: E402
 from megatron_sp.ops.testing import assert_close_dtype  # noqa: E402
-from megatron_sp.tensor_parallel.random import DropoutIndex  # noqa: E402
 
 MSP = torch.ops.megatron_sp
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,7 +79,7 @@ def _bda_cases(s, b, h, dtype, dev, compile_):
         assert_close_dtype(fused(), ref(), dtype)
         keep = MSP.bias_dropout_add_fwd(torch.ones_like(x), None, torch.zeros_like(x), pos, smp, p, 1234, 3, 2, 0) != 0
         ones = ops.bias_dropout_add_reference(torch.ones_like(x), None, torch.zeros_like(x), p, 1234, 3, 2, index) != 0
-        assert torch.equal(keep, ones), "dropout mask differs from random.py"
+        assert torch.equal(keep, ones), "dropout mask differs from ops/philox.py"
 
     fwd = Case(
         f"bias_dropout_add fwd [{s},{b},{h}]",

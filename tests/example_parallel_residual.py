@@ -12,25 +12,26 @@ checks it with no extra code (tests/test_parity.py::test_user_block_gets_parity_
 from torch import nn
 
 from megatron_sp.models.spec import BlockSpec, ModelSpec
-from megatron_sp.tensor_parallel import random as tp_random
+from megatron_sp.ops import philox
 
 
 class ParallelResidualBlock(nn.Module):
-    def __init__(self, cfg, layer, b, spec):
+    def __init__(self, cfg, *, layer, builder, block_spec):  # every slot is called this way
         super().__init__()
-        self.ln1 = spec.norm(cfg, b)
-        self.attn = spec.attention(cfg, layer, b)
-        self.mlp = spec.mlp(cfg, layer, b)
-        self.bda = spec.bias_dropout_add(cfg, layer)
+        slot = dict(layer=layer, builder=builder, block_spec=block_spec)
+        self.ln1 = block_spec.norm(cfg, **slot)
+        self.attn = block_spec.attention(cfg, **slot)
+        self.mlp = block_spec.mlp(cfg, **slot)
+        self.bda = block_spec.bias_dropout_add(cfg, **slot)
 
-    def forward(self, x, ctx):
+    def forward(self, x, seq):
         h = self.ln1(x)  # [s_sp, b, h]
-        x = self.bda(self.attn(h, ctx), self.attn.output_bias, x, tp_random.SITE_ATTENTION_OUT, ctx)
-        return self.bda(self.mlp(h), self.mlp.output_bias, x, tp_random.SITE_MLP_OUT, ctx)
+        x = self.bda(self.attn(h, seq), self.attn.output_bias, x, philox.SITE_ATTENTION_OUT, seq)
+        return self.bda(self.mlp(h), self.mlp.output_bias, x, philox.SITE_MLP_OUT, seq)
 
 
 SPEC = ModelSpec(
     name="parallel-residual",
-    block=BlockSpec(layout=ParallelResidualBlock),
+    block=BlockSpec(wiring=ParallelResidualBlock),
     defaults=dict(normalization="LayerNorm", activation="openai_gelu", position_embedding_type="rope"),
 )

@@ -5,7 +5,7 @@ import torch
 
 from megatron_sp import parallel_state
 from megatron_sp.config import GPTConfig
-from megatron_sp.tensor_parallel import random as tp_random
+from megatron_sp.ops import philox
 
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=97, seq_length=32)
 
@@ -62,16 +62,16 @@ def test_world_that_does_not_factor_is_a_value_error():
 def test_philox_known_answers():
     """Random123's published Philox4x32-10 test vectors."""
     t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-    out = tp_random.philox4x32(t(0x243F6A88), t(0x85A308D3), t(0x13198A2E), t(0x03707344), 0xA4093822, 0x299F31D0)
+    out = philox.philox4x32(t(0x243F6A88), t(0x85A308D3), t(0x13198A2E), t(0x03707344), 0xA4093822, 0x299F31D0)
     assert [int(w) for w in out] == [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
-    out = tp_random.philox4x32(t(0), t(0), t(0), t(0), 0, 0)
+    out = philox.philox4x32(t(0), t(0), t(0), t(0), 0, 0)
     assert [int(w) for w in out] == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
 
 
 def test_dropout_rate_and_shard_invariance():
-    index = tp_random.default_index(64, 4)
-    keep = tp_random.hidden_keep_mask((64, 4, 96), 0.25, 1234, 3, tp_random.SITE_MLP_OUT, index)
+    index = philox.default_index(64, 4)
+    keep = philox.hidden_keep_mask((64, 4, 96), 0.25, 1234, 3, philox.SITE_MLP_OUT, index)
     assert abs(1 - keep.float().mean().item() - 0.25) < 0.02
-    shard = tp_random.DropoutIndex(torch.arange(16, 32), torch.arange(4))  # rows 16..31, features 48..95
-    part = tp_random.hidden_keep_mask((16, 4, 48), 0.25, 1234, 3, tp_random.SITE_MLP_OUT, shard, feature_offset=48)
+    shard = philox.DropoutIndex(torch.arange(16, 32), torch.arange(4))  # rows 16..31, features 48..95
+    part = philox.hidden_keep_mask((16, 4, 48), 0.25, 1234, 3, philox.SITE_MLP_OUT, shard, feature_offset=48)
     assert torch.equal(part, keep[16:32, :, 48:])

@@ -1,6 +1,9 @@
 """Model specs and the registry: families fill GPTConfig's defaults, untagged parameters are refused,
-documents packed with reset positions compute what each document computes alone (learned positions
-and RoPE), and the config refuses bad architecture fields naming them."""
+the attention core is a slot of the spec, documents packed with reset positions compute what each
+document computes alone (learned positions and RoPE), and the config refuses bad architecture fields
+naming them."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -8,6 +11,8 @@ from torch import nn
 
 from megatron_sp.config import GPTConfig
 from megatron_sp.models import registry
+from megatron_sp.models.attention import CausalAttention
+from megatron_sp.models.builders import ParallelBuilder
 from megatron_sp.models.reference import ReferenceGPT
 from megatron_sp.models.spec import BlockSpec, ModelSpec
 
@@ -56,11 +61,11 @@ def test_registry_names_paths_and_errors():
 
 
 class _UntaggedMLP(nn.Module):
-    def __init__(self, cfg, layer, b):
+    def __init__(self, cfg, *, layer, builder, block_spec):
         super().__init__()
-        self.fc1 = b.column(cfg.hidden_size, cfg.ffn_hidden_size, init="normal", bias=True)
+        self.fc1 = builder.column(cfg.hidden_size, cfg.ffn_hidden_size, init="normal", bias=True)
         self.scale = nn.Parameter(torch.ones(cfg.ffn_hidden_size))  # no init tag
-        self.fc2 = b.row(cfg.ffn_hidden_size, cfg.hidden_size, init="scaled_normal", bias=True)
+        self.fc2 = builder.row(cfg.ffn_hidden_size, cfg.hidden_size, init="scaled_normal", bias=True)
         self.output_bias = self.fc2.bias
 
     def forward(self, x):
@@ -71,6 +76,29 @@ def test_untagged_parameter_is_an_error():
     spec = ModelSpec(name="untagged", block=BlockSpec(mlp=_UntaggedMLP))
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.scale has no init tag.*1 more untagged"):
         ReferenceGPT(GPTConfig(**BASE), spec)
+
+
+class _CountingCore(CausalAttention):
+    calls = 0
+
+    def forward(self, q, k, v, seq, head_offset):
+        _CountingCore.calls += 1
+        return super().forward(q, k, v, seq, head_offset)
+
+
+def test_core_attention_is_a_spec_slot():
+    """The spec's core runs in every layer (same function as the default one); ring attention, which
+    computes causal attention itself, refuses a core it would not run."""
+    cfg = GPTConfig(**BASE)
+    tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
+    default = ReferenceGPT(cfg)
+    custom = ReferenceGPT(cfg, ModelSpec(name="counting", block=BlockSpec(core_attention=_CountingCore)))
+    torch.testing.assert_close(custom(tokens, tokens), default(tokens, tokens), rtol=0, atol=0)
+    assert _CountingCore.calls == cfg.num_layers
+    ps = SimpleNamespace(tp_group=None, tp_size=1, tp_rank=0, cp_size=2, cp_rank=0)
+    core = _CountingCore(cfg, layer=1, builder=None, block_spec=None)
+    with pytest.raises(ValueError, match="cannot run the spec's core_attention _CountingCore; use cp_comm_type a2a"):
+        ParallelBuilder(cfg, ps).wrap_core_attention(core, cfg, layer=1)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])

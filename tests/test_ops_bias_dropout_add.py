@@ -9,8 +9,8 @@ import torch
 
 from megatron_sp import ops
 from megatron_sp.ops.bias_dropout_add import bias_dropout_add, bias_dropout_add_reference
+from megatron_sp.ops.philox import dropout, hidden_keep_mask
 from megatron_sp.ops.testing import FLOAT_DTYPES, assert_close_dtype, randn, random_index
-from megatron_sp.tensor_parallel.random import dropout, hidden_keep_mask
 
 pytestmark = pytest.mark.skipif(not ops.extension_available(), reason="megatron_sp._C not built")
 

@@ -12,7 +12,7 @@ import sys, logging, torch
 sys.modules["megatron_sp._C"] = None          # makes `import megatron_sp._C` raise ImportError
 logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
 from megatron_sp import ops
-from megatron_sp.tensor_parallel.random import default_index
+from megatron_sp.ops.philox import default_index
 assert not ops.extension_available()
 x, w, b = torch.randn(4, 2, 8), torch.ones(8), torch.zeros(8)
 ops.layer_norm(x, w, b, 1e-5)

@@ -18,8 +18,8 @@ from megatron_sp.ops.flash_attention import (
     flash_attention_fwd_reference,
     merge_partials,
 )
+from megatron_sp.ops.philox import DropoutIndex
 from megatron_sp.ops.testing import FLOAT_DTYPES, assert_close_dtype
-from megatron_sp.tensor_parallel.random import DropoutIndex
 
 MSP = torch.ops.megatron_sp
 needs_op = pytest.mark.skipif(

@@ -101,7 +101,6 @@ def _copies(model, ps):
 def _parity_worker(tp, sp, dropout, fused=FUSED, family="gpt2", cp=1, comm="p2p", extra=None):
     from megatron_sp import parallel_state
     from megatron_sp.models.gpt import GPTModel
-    from megatron_sp.training.grad_sync import reduce_tensor_parallel_grads
     from megatron_sp.training.optimizer import global_grad_norm
 
     ps = parallel_state.initialize_model_parallel(tp, cp)
@@ -111,7 +110,7 @@ def _parity_worker(tp, sp, dropout, fused=FUSED, family="gpt2", cp=1, comm="p2p"
     def grads_and_norm():
         return model.full_grad_dict(), global_grad_norm(list(model.parameters()), ps).item()
 
-    losses, (grads0, norm0) = _train(model, lambda: reduce_tensor_parallel_grads(model, ps), grads_and_norm)
+    losses, (grads0, norm0) = _train(model, lambda: model.partial_grads.reduce(model.parameters()), grads_and_norm)
     replicated = {n: p.detach().clone() for n, p in model.named_parameters() if p.shard_spec.dim is None}
     final = model.full_state_dict()
     if ps.dp_rank != 0 or ps.cp_rank != 0:  # DP replicas, CP ranks: same weights

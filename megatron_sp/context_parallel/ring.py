@@ -3,7 +3,7 @@
 Each rank keeps its queries and passes its key/value block around the ring: at step i it attends to
 the block of rank (r - i) mod p with the blockwise kernel (ops/flash_attention.py), while the next
 block is already in flight (isend/irecv, overlapped with the compute), and merges the partial
-results by log-sum-exp. Zigzag layout (layout.py): rank r holds sequence chunks r and 2p-1-r, so
+results by log-sum-exp. Zigzag split (split.py): rank r holds sequence chunks r and 2p-1-r, so
 against the block of rank j its work is always half a block pair:
 
     j == r   its own block, causal                            q [c_r | c_2p-1-r] × k [c_r | c_2p-1-r]
@@ -59,11 +59,11 @@ def _halves(j, r, c):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout, sample_ids, drop, fused, ring):
-        r, p = layout.rank, layout.size
+    def forward(ctx, q, k, v, split, sample_ids, drop, fused, ring):
+        r, p = split.rank, split.size
         c = q.shape[2] // 2
-        q_pos = layout.positions(r, q.device)
-        q_seg = layout.segments(r)
+        q_pos = split.positions(r, q.device)
+        q_doc = split.document_ids(r)
         b, n, s, d = q.shape  # out laid out [s, b, n, d]: proj's input is a view of it
         out = torch.zeros(s, b, n, d, dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
@@ -72,15 +72,15 @@ class _RingAttention(torch.autograd.Function):
             handles, incoming = ring.shift(kv) if step < p - 1 else ([], None)
             j = (r - step) % p
             qs, ks = _halves(j, r, c)
-            k_pos, k_seg = layout.positions(j, q.device), layout.segments(j)
+            k_pos, k_doc = split.positions(j, q.device), split.document_ids(j)
             part, part_lse = flash_attention_fwd(
                 q[:, :, qs],
                 kv[0][:, :, ks],
                 kv[1][:, :, ks],
                 q_pos[qs],
                 k_pos[ks],
-                None if q_seg is None else q_seg[:, qs],
-                None if k_seg is None else k_seg[:, ks],
+                None if q_doc is None else q_doc[:, qs],
+                None if k_doc is None else k_doc[:, ks],
                 sample_ids,
                 drop,
                 fused,
@@ -89,24 +89,24 @@ class _RingAttention(torch.autograd.Function):
             _wait(handles)
             kv = incoming
         ctx.save_for_backward(q, k, v, out, lse, sample_ids)
-        ctx.layout, ctx.drop, ctx.fused, ctx.ring = layout, drop, fused, ring
+        ctx.split, ctx.drop, ctx.fused, ctx.ring = split, drop, fused, ring
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, sample_ids = ctx.saved_tensors
-        layout, ring = ctx.layout, ctx.ring
-        r, p = layout.rank, layout.size
+        split, ring = ctx.split, ctx.ring
+        r, p = split.rank, split.size
         c = q.shape[2] // 2
         dout = dout.contiguous()
-        q_pos, q_seg = layout.positions(r, q.device), layout.segments(r)
+        q_pos, q_doc = split.positions(r, q.device), split.document_ids(r)
         dq = torch.zeros_like(q, dtype=torch.float32)
         kv, pending = (k, v), None
         for step in range(p):
             handles, incoming = ring.shift(kv) if step < p - 1 else ([], None)
             j = (r - step) % p
             qs, ks = _halves(j, r, c)
-            k_pos, k_seg = layout.positions(j, q.device), layout.segments(j)
+            k_pos, k_doc = split.positions(j, q.device), split.document_ids(j)
             dq_part, dk_part, dv_part = flash_attention_bwd(
                 dout[:, :, qs],
                 q[:, :, qs],
@@ -116,8 +116,8 @@ class _RingAttention(torch.autograd.Function):
                 lse[:, :, qs],
                 q_pos[qs],
                 k_pos[ks],
-                None if q_seg is None else q_seg[:, qs],
-                None if k_seg is None else k_seg[:, ks],
+                None if q_doc is None else q_doc[:, qs],
+                None if k_doc is None else k_doc[:, ks],
                 sample_ids,
                 ctx.drop,
                 ctx.fused,
@@ -144,15 +144,15 @@ class RingAttention(nn.Module):
         self.cfg, self.layer = cfg, layer
         self.ring = _Ring(ps.cp_group, ps.cp_rank, ps.cp_size)
 
-    def forward(self, q, k, v, ctx, head_offset: int):
-        p = self.cfg.attention_dropout if ctx.training else 0.0
+    def forward(self, q, k, v, seq, head_offset: int):
+        p = self.cfg.attention_dropout if seq.training else 0.0
         drop = AttentionDropout(p, self.cfg.seed, self.layer, head_offset)
         return _RingAttention.apply(
             q.contiguous(),
             k.contiguous(),
             v.contiguous(),
-            ctx.cp,
-            ctx.full_index.sample_ids,
+            seq.cp_split,
+            seq.tp_index.sample_ids,
             drop,
             self.cfg.use_fused_kernels,
             self.ring,

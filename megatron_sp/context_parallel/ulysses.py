@@ -58,7 +58,7 @@ class UlyssesAttention(nn.Module):
         super().__init__()
         self.core, self.group, self.p, self.cp_rank, self.fused = core, ps.cp_group, ps.cp_size, ps.cp_rank, fused
 
-    def forward(self, q, k, v, ctx, head_offset: int):
+    def forward(self, q, k, v, seq, head_offset: int):
         """q [b, n_q, s/p, d], k/v [b, n_kv, s/p, d] (this rank's tokens) -> [b, n_q, s/p, d]."""
         p, nq = self.p, q.shape[1]
         if nq % p != 0:
@@ -72,6 +72,6 @@ class UlyssesAttention(nn.Module):
         def to_heads(t):  # [b, n, s/p, d] -> [b, n/p, s, d]
             return _Exchange.apply(t.permute(2, 0, 1, 3), True, p, self.group, self.fused).permute(1, 2, 0, 3)
 
-        out = self.core(to_heads(q), to_heads(k), to_heads(v), ctx.cp.whole, head_offset + self.cp_rank * (nq // p))
+        out = self.core(to_heads(q), to_heads(k), to_heads(v), seq.whole, head_offset + self.cp_rank * (nq // p))
         out = _Exchange.apply(out.permute(2, 0, 1, 3).contiguous(), False, p, self.group, self.fused)
         return out.permute(1, 2, 0, 3)  # [b, n_q, s/p, d]

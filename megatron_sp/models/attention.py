@@ -1,5 +1,6 @@
 """Attention: the self-attention layer (QKV projection, RoPE, core, output projection) and the causal
-core shared by the serial and the parallel model.
+core shared by the serial and the parallel model. The core is a BlockSpec slot (`core_attention`,
+CausalAttention by default); the builder wraps it for context parallelism (models/builders.py).
 
     q         [b, n_q, s, d]     (n_q: the query heads this rank holds)
     k, v      [b, n_kv, s, d]    grouped-query attention: query head i uses key/value head i // (n_q / n_kv)
@@ -7,7 +8,7 @@ core shared by the serial and the parallel model.
 
 Without attention dropout the core is F.scaled_dot_product_attention (flash / memory-efficient kernels,
 no s² tensor kept). With attention dropout it is our blockwise attention (ops/flash_attention.py),
-because the dropout mask must be the parallelism-invariant one (tensor_parallel/random.py), which SDPA
+because the dropout mask must be the parallelism-invariant one (ops/philox.py), which SDPA
 cannot take; it regenerates the mask per block and keeps no s² tensor either.
 """
 
@@ -23,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_sp.models.rope import RotaryEmbedding
 from megatron_sp.ops.flash_attention import AttentionDropout, flash_attention
-from megatron_sp.tensor_parallel.random import DropoutIndex, apply_keep_mask, attention_keep_mask
+from megatron_sp.ops.philox import DropoutIndex, apply_keep_mask, attention_keep_mask
 
 EXPLICIT_BACKENDS = ("unfused", "local")  # --attention-backend values that never use SDPA
 
@@ -77,30 +78,31 @@ def causal_attention(
 
 
 class CausalAttention(nn.Module):
-    """The core over the tokens in `ctx` (no context parallelism, or Ulysses' whole sequence):
-    q, k, v [b, heads, s, d] -> [b, n_q, s, d].
+    """The default `core_attention` slot, over the tokens in `seq` (no context parallelism, or
+    Ulysses' whole sequence): q, k, v [b, heads, s, d] -> [b, n_q, s, d]; head_offset: the global
+    index of local query head 0 (it keys the dropout mask).
 
     No dropout and no document ids: SDPA (with the mask if any). Dropout, or documents given as ids
     (context parallelism): blockwise attention (ops/flash_attention.py), which keeps no s×s tensor and
     draws the same dropout bits. `--attention-backend unfused`/`local`, or a mask that is not
     block-diagonal by documents: the explicit softmax."""
 
-    def __init__(self, cfg, layer: int):
+    def __init__(self, cfg, *, layer, builder, block_spec):
         super().__init__()
         self.cfg, self.layer = cfg, layer
 
-    def forward(self, q, k, v, ctx, head_offset: int):
-        p = self.cfg.attention_dropout if ctx.training else 0.0
+    def forward(self, q, k, v, seq, head_offset: int):
+        p = self.cfg.attention_dropout if seq.training else 0.0
         explicit = self.cfg.attention_backend in EXPLICIT_BACKENDS or (
-            ctx.attention_mask is not None and ctx.segments is None
+            seq.attention_mask is not None and seq.document_ids is None
         )
-        index = ctx.full_index
-        if explicit or (p == 0.0 and (ctx.segments is None or ctx.attention_mask is not None)):
+        index = seq.tp_index
+        if explicit or (p == 0.0 and (seq.document_ids is None or seq.attention_mask is not None)):
             return causal_attention(
                 q,
                 k,
                 v,
-                attention_mask=ctx.attention_mask,
+                attention_mask=seq.attention_mask,
                 dropout_p=p,
                 seed=self.cfg.seed,
                 layer=self.layer,
@@ -109,7 +111,7 @@ class CausalAttention(nn.Module):
                 explicit=explicit,
             )
         drop = AttentionDropout(p, self.cfg.seed, self.layer, head_offset)
-        positions, segments = index.token_positions, ctx.segments
+        positions, documents = index.token_positions, seq.document_ids
         # Queries and keys are the same tokens; torch.compile refuses one tensor passed as two inputs,
         # so the keys get a view (no copy).
         return flash_attention(
@@ -120,8 +122,8 @@ class CausalAttention(nn.Module):
             positions.view(-1),
             index.sample_ids,
             drop,
-            segments,
-            None if segments is None else segments.view(segments.shape),
+            documents,
+            None if documents is None else documents.view(documents.shape),
             fused=self.cfg.use_fused_kernels,
         )
 
@@ -131,42 +133,49 @@ class SelfAttention(nn.Module):
     the output projection (row-parallel). forward(x [s_sp, b, h]) -> [s_sp, b, h] *before* the
     output bias (`output_bias`, added by the bias-dropout-add that follows).
 
-    Head layout on a rank of t: n_q/t query heads; n_kv/t key/value heads, or, with fewer key/value
+    Heads on a rank of t: n_q/t query heads; n_kv/t key/value heads, or, with fewer key/value
     heads than ranks, the one its query heads use (held by t/n_kv ranks, see sharding.py).
     """
 
-    def __init__(self, cfg, layer: int, b):
+    def __init__(self, cfg, *, layer, builder, block_spec):
         super().__init__()
-        h, d, nq, g = cfg.hidden_size, cfg.kv_channels, cfg.num_attention_heads, cfg.num_query_groups
+        h, d, nq, nkv = cfg.hidden_size, cfg.kv_channels, cfg.num_attention_heads, cfg.num_query_groups
+        tp = builder.tp_size
         self.d = d
-        self.nq_local = nq // b.tp_size
-        self.nkv_local = g // b.tp_size if g % b.tp_size == 0 else 1
-        self.head_offset = b.tp_rank * self.nq_local
-        self.qkv = b.column(
-            h, (nq + 2 * g) * d, init="normal", bias=cfg.add_qkv_bias, segments=(nq * d, g * d, g * d), units=(nq, g, g)
+        self.nq_local = nq // tp
+        self.nkv_local = nkv // tp if nkv % tp == 0 else 1
+        self.head_offset = builder.tp_rank * self.nq_local
+        self.qkv = builder.column(
+            h,
+            (nq + 2 * nkv) * d,
+            init="normal",
+            bias=cfg.add_qkv_bias,
+            segments=(nq * d, nkv * d, nkv * d),
+            units=(nq, nkv, nkv),
         )
-        self.proj = b.row(nq * d, h, init="scaled_normal", bias=cfg.add_bias_linear)
+        self.proj = builder.row(nq * d, h, init="scaled_normal", bias=cfg.add_bias_linear)
         self.rope = RotaryEmbedding(cfg) if cfg.position_embedding_type == "rope" else None
-        self.core = b.core_attention(cfg, layer)
+        core = block_spec.core_attention(cfg, layer=layer, builder=builder, block_spec=block_spec)
+        self.core = builder.wrap_core_attention(core, cfg, layer=layer)
         self.recompute = cfg.recompute_granularity == "selective"
 
     @property
     def output_bias(self):
         return self.proj.bias
 
-    def forward(self, x, ctx):
+    def forward(self, x, seq):
         qkv = self.qkv(x)  # [s, b, (n_q + 2 n_kv) d] local
-        s, bsz = qkv.shape[:2]
+        s, batch = qkv.shape[:2]
         nq, nkv, d = self.nq_local, self.nkv_local, self.d
         q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
-        q = q.view(s, bsz, nq, d).permute(1, 2, 0, 3)  # [b, n_q, s, d]
-        k = k.view(s, bsz, nkv, d).permute(1, 2, 0, 3)  # [b, n_kv, s, d]
-        v = v.view(s, bsz, nkv, d).permute(1, 2, 0, 3)
+        q = q.view(s, batch, nq, d).permute(1, 2, 0, 3)  # [b, n_q, s, d]
+        k = k.view(s, batch, nkv, d).permute(1, 2, 0, 3)  # [b, n_kv, s, d]
+        v = v.view(s, batch, nkv, d).permute(1, 2, 0, 3)
         if self.rope is not None:
-            q, k = self.rope(q, ctx.position_ids), self.rope(k, ctx.position_ids)
+            q, k = self.rope(q, seq.position_ids), self.rope(k, seq.position_ids)
         if self.recompute:  # selective recomputation: the core runs again in the backward
-            out = checkpoint(self.core, q, k, v, ctx, self.head_offset, use_reentrant=False)
+            out = checkpoint(self.core, q, k, v, seq, self.head_offset, use_reentrant=False)
         else:
-            out = self.core(q, k, v, ctx, self.head_offset)  # [b, n_q, s, d]
-        out = out.permute(2, 0, 1, 3).reshape(s, bsz, nq * d)  # [s, b, n_q d]
+            out = self.core(q, k, v, seq, self.head_offset)  # [b, n_q, s, d]
+        out = out.permute(2, 0, 1, 3).reshape(s, batch, nq * d)  # [s, b, n_q d]
         return self.proj(out, add_bias=False)

@@ -1,17 +1,27 @@
 """The building blocks of a model spec, each written once for the serial and the parallel model.
 
-A block only talks to its builder `b` (models/builders.py) to create layers — `b.column(...)`,
-`b.row(...)`, `b.tp_size` — so the same code is the serial oracle under SerialBuilder and the
-TP(+SP) model under ParallelBuilder. Activations in the SP region are [s_sp, b, h] (s_sp = s/t under
-SP, s otherwise); column layers gather them, row layers scatter back.
+A block only talks to its `builder` (models/builders.py) to create layers — `builder.column(...)`,
+`builder.row(...)`, `builder.tp_size` — so the same code is the serial oracle under SerialBuilder
+and the TP(+SP, CP) model under ParallelBuilder. Activations in the SP region are [s_sp, b, h]
+(s_sp = s/t under SP, s otherwise); column layers gather them, row layers scatter back.
 
-Contracts (what a user's replacement must keep):
-    norm(cfg, b)                      forward(x) -> x's shape
-    attention(cfg, layer, b)          forward(x, ctx) -> [s_sp, b, h] before `output_bias`
-    mlp(cfg, layer, b)                forward(x) -> [s_sp, b, h] before `output_bias`
-    bias_dropout_add(cfg, layer)      forward(out, bias, residual, site, ctx) -> residual + dropout(out + bias)
-    layout(cfg, layer, b, block_spec) forward(x, ctx) -> x: how one layer wires the above
-    embedding(cfg, b)                 forward(tokens [b, s], ctx) -> [s_sp, b, h] (dropout applied)
+Every slot of a spec (models/spec.py) is constructed the same way,
+
+    Slot(cfg, *, layer, builder, block_spec)
+
+layer: 0 for the embedding, 1..L for the transformer layers, L + 1 for the final norm (it keys the
+dropout masks); builder: SerialBuilder or ParallelBuilder; block_spec: the BlockSpec the slot
+belongs to (the wiring builds its submodules from it, the attention its core). A slot ignores the
+arguments it does not need. What forward must keep (`seq`: the models/sequence_context.py
+SequenceContext of the micro-batch):
+
+    norm, final_norm    forward(x) -> x's shape
+    attention           forward(x, seq) -> [s_sp, b, h] before `output_bias`
+    core_attention      forward(q, k, v, seq, head_offset) -> [b, n_q, s, d] (models/attention.py)
+    mlp                 forward(x) -> [s_sp, b, h] before `output_bias`
+    bias_dropout_add    forward(out, bias, residual, site, seq) -> residual + dropout(out + bias)
+    wiring              forward(x, seq) -> x: how one layer wires the above
+    embedding           forward(tokens [b, s_tp], seq) -> [s_sp, b, h] (dropout applied)
 Every parameter is created through the builder or tagged with tensor_parallel.layers.mark(init=...).
 """
 
@@ -22,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_sp import ops
-from megatron_sp.tensor_parallel import random as tp_random
+from megatron_sp.ops import philox
 from megatron_sp.tensor_parallel.layers import mark
 
 
@@ -30,9 +40,9 @@ class Norm(nn.Module):
     """LayerNorm (weight, bias) or RMSNorm (weight) over the last dim, fp32 statistics. In the SP
     region: each rank normalises its own tokens, so the parameters' gradients are partial sums."""
 
-    def __init__(self, cfg, b):
+    def __init__(self, cfg, *, layer, builder, block_spec):
         super().__init__()
-        h, sp = cfg.hidden_size, b.sequence_parallel
+        h, sp = cfg.hidden_size, builder.sequence_parallel
         self.eps, self.fused, self.rms = cfg.layernorm_epsilon, cfg.use_fused_kernels, cfg.normalization == "RMSNorm"
         self.weight = mark(nn.Parameter(torch.ones(h)), sequence_parallel=sp, init="ones")
         if not self.rms:
@@ -54,18 +64,18 @@ class MLP(nn.Module):
     """fc1 (column-parallel) -> activation -> fc2 (row-parallel). SwiGLU fuses the gate and up
     projections into fc1 ([gate; up] rows, each split on its own so a rank holds matching halves)."""
 
-    def __init__(self, cfg, layer: int, b):
+    def __init__(self, cfg, *, layer, builder, block_spec):
         super().__init__()
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
         self.swiglu = cfg.activation == "swiglu"
-        self.fc1 = b.column(
+        self.fc1 = builder.column(
             h,
             2 * f if self.swiglu else f,
             init="normal",
             bias=cfg.add_bias_linear,
             segments=(f, f) if self.swiglu else (),
         )
-        self.fc2 = b.row(f, h, init="scaled_normal", bias=cfg.add_bias_linear)
+        self.fc2 = builder.row(f, h, init="scaled_normal", bias=cfg.add_bias_linear)
         self.act = _activation(cfg)
 
     @property
@@ -85,11 +95,11 @@ class MLP(nn.Module):
 class BiasDropoutAdd(nn.Module):
     """residual + dropout(out + bias) with the parallelism-invariant dropout, on this rank's tokens."""
 
-    def __init__(self, cfg, layer: int):
+    def __init__(self, cfg, *, layer, builder, block_spec):
         super().__init__()
         self.cfg, self.layer = cfg, layer
 
-    def forward(self, out, bias, residual, site, ctx):
+    def forward(self, out, bias, residual, site, seq):
         return ops.bias_dropout_add(
             out,
             bias,
@@ -98,8 +108,8 @@ class BiasDropoutAdd(nn.Module):
             self.cfg.seed,
             self.layer,
             site,
-            ctx.shard_index,
-            training=ctx.training,
+            seq.sp_index,
+            training=seq.training,
             fused=self.cfg.use_fused_kernels,
         )
 
@@ -107,43 +117,44 @@ class BiasDropoutAdd(nn.Module):
 class PreNormBlock(nn.Module):
     """x + attn(ln1(x)), then + mlp(ln2(x)) (GPT-2, Llama)."""
 
-    def __init__(self, cfg, layer: int, b, spec):
+    def __init__(self, cfg, *, layer, builder, block_spec):
         super().__init__()
-        self.ln1 = spec.norm(cfg, b)
-        self.attn = spec.attention(cfg, layer, b)
-        self.ln2 = spec.norm(cfg, b)
-        self.mlp = spec.mlp(cfg, layer, b)
-        self.bda = spec.bias_dropout_add(cfg, layer)
+        slot = dict(layer=layer, builder=builder, block_spec=block_spec)
+        self.ln1 = block_spec.norm(cfg, **slot)
+        self.attn = block_spec.attention(cfg, **slot)
+        self.ln2 = block_spec.norm(cfg, **slot)
+        self.mlp = block_spec.mlp(cfg, **slot)
+        self.bda = block_spec.bias_dropout_add(cfg, **slot)
 
-    def forward(self, x, ctx):
-        a = self.attn(self.ln1(x), ctx)
-        x = self.bda(a, self.attn.output_bias, x, tp_random.SITE_ATTENTION_OUT, ctx)
+    def forward(self, x, seq):
+        a = self.attn(self.ln1(x), seq)
+        x = self.bda(a, self.attn.output_bias, x, philox.SITE_ATTENTION_OUT, seq)
         m = self.mlp(self.ln2(x))
-        return self.bda(m, self.mlp.output_bias, x, tp_random.SITE_MLP_OUT, ctx)
+        return self.bda(m, self.mlp.output_bias, x, philox.SITE_MLP_OUT, seq)
 
 
 class Embedding(nn.Module):
     """Word embedding (vocab-parallel) + learned positions (when configured), then dropout."""
 
-    def __init__(self, cfg, b):
+    def __init__(self, cfg, *, layer, builder, block_spec):
         super().__init__()
-        self.cfg = cfg
-        self.word_embeddings = b.word_embedding(cfg)
+        self.cfg, self.layer = cfg, layer
+        self.word_embeddings = builder.word_embedding(cfg)
         self.position_embeddings = None
         if cfg.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
-            mark(self.position_embeddings.weight, sequence_parallel=b.sequence_parallel, init="normal")
+            mark(self.position_embeddings.weight, sequence_parallel=builder.sequence_parallel, init="normal")
 
-    def forward(self, tokens, ctx):
+    def forward(self, tokens, seq):
         x = self.word_embeddings(tokens)  # [s_sp, b, h]
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings(ctx.sp_position_ids)  # [s_sp, b, h]
-        return tp_random.dropout(
+            x = x + self.position_embeddings(seq.sp_position_ids)  # [s_sp, b, h]
+        return philox.dropout(
             x,
             self.cfg.hidden_dropout,
             self.cfg.seed,
-            0,
-            tp_random.SITE_EMBEDDING,
-            ctx.shard_index,
-            training=ctx.training,
+            self.layer,
+            philox.SITE_EMBEDDING,
+            seq.sp_index,
+            training=seq.training,
         )

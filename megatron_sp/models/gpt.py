@@ -1,19 +1,20 @@
 """GPTModel: the tensor + sequence parallel model of a spec. Same function and state-dict keys as
 ReferenceGPT (models/language_model.py); this file adds moving between full and sharded state.
 
-One pre-norm layer on a rank of a TP group of size t (n query heads, g key/value heads, f MLP width,
-V padded vocab):
+One pre-norm layer on a rank of a TP group of size t (n query heads, n_kv key/value heads, f MLP
+width, V padded vocab):
 
     x        [s/t, b, h]  SP region: norms, dropout, residual   ([s, b, h] without SP)
-    qkv      [s, b, (n + 2g) d / t] after g (all-gather) + ColumnParallelLinear: whole heads
+    qkv      [s, b, (n + 2 n_kv) d / t] after g (all-gather) + ColumnParallelLinear: whole heads
     attn     [b, n/t, s, d]
     proj     [s/t, b, h]  RowParallelLinear + ḡ (reduce-scatter), then bias-dropout-add
     fc1      [s, b, f/t]  g + ColumnParallelLinear (SwiGLU: [s, b, 2f/t]), activation
     fc2      [s/t, b, h]  RowParallelLinear + ḡ, then bias-dropout-add
     logits   [s, b, V/t]  g + embedding or output-layer shard; vocab-parallel cross entropy
 
-Gradients that are partial sums over the TP group (parameters marked `sequence_parallel`; key/value
-heads held in copies) are summed by training.grad_sync.reduce_tensor_parallel_grads.
+Gradients that a backward leaves as partial sums (over TP: parameters marked `sequence_parallel`,
+key/value heads held in copies; over CP: all of them) are summed by `partial_grads`
+(tensor_parallel/partial_grads.py), which full_grad_dict and the training loop both call.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from megatron_sp import parallel_state
 from megatron_sp.models.builders import ParallelBuilder
 from megatron_sp.models.init import init_full_tensor
 from megatron_sp.models.language_model import LanguageModel
+from megatron_sp.tensor_parallel.partial_grads import PartialGrads
 from megatron_sp.tensor_parallel.sharding import full_dim_size, gather_full, shard_full
 
 
@@ -32,10 +34,17 @@ class GPTModel(LanguageModel):
 
     def __init__(self, cfg, ps: parallel_state.ParallelState | None = None, spec=None):
         ps = ps if ps is not None else parallel_state.get()
-        _check_layout(cfg, ps)
+        _check_parallel_sizes(cfg, ps)
         super().__init__(cfg, ParallelBuilder(cfg, ps), spec)
         self.ps = ps
+        self.partial_grads = PartialGrads(ps)
         self._initialise()
+
+    def forward(self, tokens, labels=None, **inputs):
+        """LanguageModel.forward; a forward that will have a backward leaves partial gradients."""
+        if torch.is_grad_enabled():
+            self.partial_grads.expect()
+        return super().forward(tokens, labels, **inputs)
 
     # ---- full <-> sharded state ---------------------------------------------------------------
     def _initialise(self):
@@ -70,11 +79,8 @@ class GPTModel(LanguageModel):
 
     @torch.no_grad()
     def full_grad_dict(self):
-        """Collective: unsharded gradients (partial sums over TP reduced first if still pending)."""
-        if self._tp_grads_pending or self._cp_grads_pending:
-            from megatron_sp.training.grad_sync import reduce_tensor_parallel_grads
-
-            reduce_tensor_parallel_grads(self, self.ps)
+        """Collective: unsharded gradients (partial sums reduced first if still pending)."""
+        self.partial_grads.reduce(self.parameters())
         return {
             name: gather_full(p.grad, p.shard_spec, self.ps.tp_group)
             for name, p in self.named_parameters()
@@ -91,7 +97,7 @@ def _full_shape(p, tp_size):
     return tuple(shape)
 
 
-def _check_layout(cfg, ps: parallel_state.ParallelState):
+def _check_parallel_sizes(cfg, ps: parallel_state.ParallelState):
     if cfg.tensor_model_parallel_size != ps.tp_size:
         raise ValueError(
             f"GPTConfig.tensor_model_parallel_size ({cfg.tensor_model_parallel_size}) does not "

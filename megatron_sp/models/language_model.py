@@ -8,14 +8,14 @@ With SerialBuilder it is the serial oracle (ReferenceGPT), with ParallelBuilder 
     embedding.word_embeddings.weight       [V, h]         (also the output layer when tied)
     embedding.position_embeddings.weight   [P, h]         learned positions only
     layers.{i}.ln1.{weight,bias}           [h]            (RMSNorm: weight only)
-    layers.{i}.attn.qkv.{weight,bias}      [(n + 2 g) d, h]   rows: q heads, k heads, v heads
+    layers.{i}.attn.qkv.{weight,bias}      [(n + 2 n_kv) d, h]   rows: q heads, k heads, v heads
     layers.{i}.attn.proj.{weight,bias}     [h, n d], [h]
     layers.{i}.ln2.{weight,bias}           [h]
     layers.{i}.mlp.fc1.{weight,bias}       [f, h] ([2f, h]: SwiGLU gate rows, then up rows)
     layers.{i}.mlp.fc2.{weight,bias}       [h, f], [h]
     final_ln.{weight,bias}                 [h]
     output_layer.weight                    [V, h]         untied only
-(biases only with add_bias_linear / add_qkv_bias; n query heads, g key/value heads, d head dim).
+(biases only with add_bias_linear / add_qkv_bias; n query heads, n_kv key/value heads, d head dim).
 """
 
 from __future__ import annotations
@@ -39,18 +39,17 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.spec = spec if spec is not None else get_spec(cfg.model)
         self.cfg, self.builder = cfg, builder
-        self.embedding = self.spec.embedding(cfg, builder)
-        # Transformer layer i draws dropout with layer id i + 1; id 0 is the embedding's.
-        self.layers = nn.ModuleList(self.spec.block.build(cfg, i + 1, builder) for i in range(cfg.num_layers))
-        self.final_ln = self.spec.final_norm(cfg, builder)
+        block_spec, n = self.spec.block, cfg.num_layers
+        # Layer ids key the dropout masks: 0 the embedding, i + 1 transformer layer i.
+        self.embedding = self.spec.embedding(cfg, layer=0, builder=builder, block_spec=block_spec)
+        self.layers = nn.ModuleList(block_spec.build(cfg, layer=i + 1, builder=builder) for i in range(n))
+        self.final_ln = self.spec.final_norm(cfg, layer=n + 1, builder=builder, block_spec=block_spec)
         self.output_layer = builder.output_layer(cfg) if cfg.untie_embeddings_and_output_weights else None
         self.head = builder.lm_head(cfg)
         check_init_tags(self)
-        self._tp_grads_pending = False  # partial gradients not yet summed (training.grad_sync)
-        self._cp_grads_pending = False
 
     def forward(self, tokens, labels=None, *, loss_mask=None, position_ids=None, attention_mask=None, sample_ids=None):
-        ctx = self.builder.context(
+        seq = self.builder.sequence_context(
             self.cfg,
             tokens,
             labels=labels,
@@ -60,34 +59,31 @@ class LanguageModel(nn.Module):
             sample_ids=sample_ids,
             training=self.training,
         )
-        x = self.embedding(ctx.tokens, ctx)  # [s_sp, b, h]
-        x = self._layers(x, ctx)
-        if torch.is_grad_enabled():
-            self._tp_grads_pending = True
-            self._cp_grads_pending = ctx.cp is not None
+        x = self.embedding(seq.tokens, seq)  # [s_sp, b, h]
+        x = self._layers(x, seq)
         weight = (self.output_layer if self.output_layer is not None else self.embedding.word_embeddings).weight
-        return self.head(self.final_ln(x), weight, ctx)
+        return self.head(self.final_ln(x), weight, seq)
 
-    def _layers(self, x, ctx):
+    def _layers(self, x, seq):
         """The transformer layers; with full recomputation some run under activation checkpointing,
         which keeps only their input and runs them again in the backward (dropout masks are keyed by
         position, so the rerun draws the same bits; collectives rerun in the same order on every rank)."""
         cfg, layers = self.cfg, list(self.layers)
         if cfg.recompute_granularity != "full" or not torch.is_grad_enabled():
             for block in layers:
-                x = block(x, ctx)
+                x = block(x, seq)
             return x
         n = cfg.recompute_num_layers
         if cfg.recompute_method == "block":  # the first n layers, one at a time
             for i, block in enumerate(layers):
-                x = checkpoint(block, x, ctx, use_reentrant=False) if i < n else block(x, ctx)
+                x = checkpoint(block, x, seq, use_reentrant=False) if i < n else block(x, seq)
             return x
         for start in range(0, len(layers), n):  # uniform: chunks of n layers
-            x = checkpoint(_run_chunk, layers[start : start + n], x, ctx, use_reentrant=False)
+            x = checkpoint(_run_chunk, layers[start : start + n], x, seq, use_reentrant=False)
         return x
 
 
-def _run_chunk(blocks, x, ctx):
+def _run_chunk(blocks, x, seq):
     for block in blocks:
-        x = block(x, ctx)
+        x = block(x, seq)
     return x

@@ -1,13 +1,13 @@
 """ReferenceGPT: the serial oracle. The model spec built with plain torch.nn layers on whole tensors
 (models/builders.py: SerialBuilder), one process, no collectives: it defines the function that
 GPTModel must compute at any TP/SP size, dropout included (the parallelism-invariant masks).
-Keys and layout: models/language_model.py."""
+Keys and shapes: models/language_model.py."""
 
 from __future__ import annotations
 
 import torch
 
-from megatron_sp.models.builders import SerialBuilder, masked_mean  # noqa: F401  (masked_mean: API)
+from megatron_sp.models.builders import SerialBuilder
 from megatron_sp.models.init import init_full_tensor
 from megatron_sp.models.language_model import LanguageModel
 

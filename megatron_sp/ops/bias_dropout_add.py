@@ -1,5 +1,5 @@
 """out = residual + dropout(x + bias), with the parallelism-invariant dropout of
-tensor_parallel/random.py (masks are a pure function of seed, layer, site and global indices).
+ops/philox.py (masks are a pure function of seed, layer, site and global indices).
 
 The fused op (megatron_sp::bias_dropout_add_fwd/_bwd, csrc/) draws the same Philox words as the
 reference, bit for bit, and its backward draws them again instead of reading a stored mask: the
@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from megatron_sp.ops._extension import extension_available, use_fused
-from megatron_sp.tensor_parallel.random import DropoutIndex, dropout
+from megatron_sp.ops.philox import DropoutIndex, dropout
 
 
 def bias_dropout_add_reference(

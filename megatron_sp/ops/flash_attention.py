@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from megatron_sp.tensor_parallel.random import DropoutIndex, attention_keep_mask
+from megatron_sp.ops.philox import DropoutIndex, attention_keep_mask
 
 BLOCK = 64  # query and key rows per block
 

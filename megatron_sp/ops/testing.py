@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_sp.tensor_parallel.random import DropoutIndex
+from megatron_sp.ops.philox import DropoutIndex
 
 # (rtol, atol) for values of order one.
 TOLERANCES = {

@@ -10,7 +10,7 @@ Shard shapes on a rank of a TP group of size t (s = sequence, b = batch):
 Every parameter carries where it sits in the serial model (see `ShardSpec`), which is all
 `GPTModel.load_full_state_dict` / `full_state_dict` need. Parameters that live in the SP region
 (replicated, but each rank sees only its sequence shard) are marked `sequence_parallel=True`: their
-gradients are partial sums that must be summed over the TP group (training.grad_sync does it).
+gradients are partial sums that must be summed over the TP group (tensor_parallel/partial_grads.py).
 """
 
 from __future__ import annotations

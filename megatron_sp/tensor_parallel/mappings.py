@@ -143,7 +143,7 @@ def gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad: 
     """g — forward: all-gather dim 0, backward: reduce-scatter dim 0.
 
     With tensor_parallel_output_grad=False the consumer is replicated (not TP-sharded), so each
-    rank's gradient is already the full one and the backward only splits dim 0.
+    rank's gradient is already complete and the backward only splits dim 0.
     """
     backward = "reduce_scatter_dim0" if tensor_parallel_output_grad else "split_dim0"
     return _apply(x, group, "all_gather_dim0", backward)

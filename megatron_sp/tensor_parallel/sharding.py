@@ -10,8 +10,8 @@ each segment is split on its own, so a rank holds matching slices of every segme
 
 A segment with `units` u (indivisible pieces such as heads) and t ranks has min(u, t) parts; rank
 r holds part r * parts // t, so with u < t consecutive groups of t/u ranks hold copies of one part.
-Copies have partial gradients (each rank's own query heads only) that training sums over the
-copies (training.grad_sync), and count once in norms and checkpoints (the first copy).
+Copies have partial gradients (each rank's own query heads only), summed over the
+copies (tensor_parallel/partial_grads.py), and count once in norms and checkpoints (the first copy).
 
     shard_full   full [.., F, ..]  ->  local [.., F_local, ..]   (pads a single segment to t × local)
     gather_full  local             ->  full  [.., F, ..]         collective over the TP group

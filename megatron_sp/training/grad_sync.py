@@ -1,9 +1,8 @@
 """Gradient synchronisation between the backward passes and the optimizer step.
 
-1. Partial gradients over the TP group (`reduce_tensor_parallel_grads`): SP-region parameters
-   (norms, row-parallel biases, positions under SP; marked `sequence_parallel`) saw only their
-   rank's sequence shard, and key/value heads held in copies (GQA with fewer key/value heads than
-   TP ranks) saw only their rank's query heads. Each is summed over the ranks that hold it.
+1. Partial gradients over the TP group: SP-region parameters and key/value heads held in copies,
+   summed by the model's `partial_grads` (tensor_parallel/partial_grads.py, which the model's
+   full_grad_dict uses too).
 2. Data and context parallelism: every gradient is averaged over the DP group and summed over the
    CP group (each CP rank saw its part of every sequence; the loss is the whole sequence's mean), in
    one all-reduce over the DP×CP group per flat bucket, so that a few large all-reduces replace one
@@ -24,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp.parallel_state import ParallelState
-from megatron_sp.tensor_parallel.sharding import split_local
 
 BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -140,56 +138,10 @@ class OverlappedGradSync:
 
 
 def finalize_model_grads(model, ps: ParallelState, overlapped: OverlappedGradSync | None = None, partition=None):
-    """Everything between the last backward and the optimizer step, except clipping."""
+    """Everything between the last backward and the optimizer step, except clipping: the DP
+    average (summing over CP too), then the partial sums over TP (model.partial_grads)."""
     if overlapped is not None:  # first: its buffers hold the gradients as backward left them
         overlapped.finish()
     else:
         all_reduce_data_parallel_grads(list(model.parameters()), ps, partition=partition)
-    model._cp_grads_pending = False  # summed over CP with the DP reduction
-    reduce_tensor_parallel_grads(model, ps)
-
-
-def _copied_segments(params, ps):
-    """(gradient view, shard) of every parameter segment held in copies by several TP ranks."""
-    out = []
-    for p in params:
-        spec = getattr(p, "shard_spec", None)
-        if p.grad is None or spec is None or not spec.segments:
-            continue
-        out += [(view, shard) for shard, view in split_local(p.grad, spec, ps.tp_rank, ps.tp_size) if shard.copies > 1]
-    return out
-
-
-@torch.no_grad()
-def reduce_tensor_parallel_grads(model, ps: ParallelState):
-    """Sums the partial gradients over the TP group, once per backward (see the module docstring);
-    also over the CP group when finalize_model_grads has not (tests, full_grad_dict).
-
-    Copies: every rank writes its piece into its part's slot of a zeroed [parts, piece] buffer, and
-    one all-reduce over the TP group leaves each slot holding the sum over that part's copies."""
-    model._tp_grads_pending = False
-    if getattr(model, "_cp_grads_pending", False):  # outside the training loop: sum over CP here
-        model._cp_grads_pending = False
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=ps.cp_group)
-            torch._foreach_copy_(grads, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in grads]), grads)])
-    if ps.tp_size == 1:
-        return
-    params = list(model.parameters())
-    whole = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    slots = []
-    for view, shard in _copied_segments(params, ps):
-        buffer = view.new_zeros((shard.full // shard.size,) + tuple(view.shape))
-        buffer[shard.offset // shard.size] = view
-        slots.append((view, shard, buffer))
-    tensors = whole + [buffer for _, _, buffer in slots]
-    if not tensors:
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=ps.tp_group)
-    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
-        t.copy_(part.view_as(t))
-    for view, shard, buffer in slots:
-        view.copy_(buffer[shard.offset // shard.size])
+    model.partial_grads.reduce(model.parameters(), cp_summed=True)

@@ -27,9 +27,9 @@ from megatron_sp import ops
 from megatron_sp.ops import layout
 from megatron_sp.ops.bias_dropout_add import bias_dropout_add_reference
 from megatron_sp.ops.layer_norm import layer_norm_reference
+from megatron_sp.ops.philox import hidden_keep_mask
 from megatron_sp.ops.rms_norm import rms_norm_reference
 from megatron_sp.ops.testing import assert_close_dtype, assert_same_error, random_index
-from megatron_sp.tensor_parallel.random import hidden_keep_mask
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import flash_cases  # noqa: E402  (the blockwise attention cases, in a file of their own)

@@ -1,4 +1,5 @@
-"""Which tokens a context-parallel rank holds, and documents as ids rather than s×s masks.
+"""How a context-parallel group splits one sequence: which tokens each rank holds, and documents as
+ids rather than s×s masks.
 
 a2a (Ulysses)  rank r of p holds the contiguous slice [r s/p, (r+1) s/p): after the all-to-all
                each rank attends over the whole sequence for some heads, which balances itself
@@ -7,6 +8,9 @@ p2p (ring)     the sequence is cut into 2p chunks; rank r holds chunks r and 2p-
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -33,7 +37,7 @@ def cp_positions(s: int, cp_size: int, cp_rank: int, comm_type: str, device=None
     return torch.cat([first, torch.arange(last * chunk, (last + 1) * chunk, device=device)])
 
 
-def document_ids(attention_mask: torch.Tensor):
+def document_ids_from_mask(attention_mask: torch.Tensor):
     """[b, s] id of each token's document (the position where it starts) from Megatron's mask
     [b, 1, s, s] (True = masked), or None when the mask is not block-diagonal by documents."""
     b, _, s, _ = attention_mask.shape
@@ -44,3 +48,25 @@ def document_ids(attention_mask: torch.Tensor):
     if not torch.equal(allowed, same & causal):
         return None
     return starts
+
+
+@dataclass
+class CPSplit:
+    """One micro-batch's sequence over the CP group: each rank's positions and documents (ring
+    attention asks for those of the rank whose key/value block it holds)."""
+
+    seq_length: int
+    size: int
+    rank: int
+    comm_type: str
+    whole_document_ids: Optional[torch.Tensor]  # [b, s] or None
+
+    def positions(self, rank: int, device=None) -> torch.Tensor:
+        """[s/p] global positions of CP rank `rank`'s tokens."""
+        return cp_positions(self.seq_length, self.size, rank, self.comm_type, device=device)
+
+    def document_ids(self, rank: int) -> Optional[torch.Tensor]:
+        """[b, s/p] document ids of CP rank `rank`'s tokens, or None without documents."""
+        if self.whole_document_ids is None:
+            return None
+        return self.whole_document_ids[:, self.positions(rank, self.whole_document_ids.device)]

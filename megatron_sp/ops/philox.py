@@ -15,7 +15,8 @@ head * seq_len + key_position) and `sample_id` the sample's global index (the tr
 consumed-samples offsets so that masks change every step and agree across data-parallel ranks).
 A TP=4+SP rank draws exactly the bits the TP=1 model draws for the same elements.
 
-This file is the reference; csrc/ implements the same function in C++/CUDA (bit-identical).
+This file is the reference; its C++/CUDA twin is csrc/philox.h (bit-identical), used by the fused ops
+(bias_dropout_add, flash_attention) beside this one.
 All arithmetic is on int64 tensors holding uint32 values; products of two uint32 fit the 64 bits
 (two's complement wrap keeps the low 64 bits exact), and hi/lo words are extracted with masks.
 """
