@@ -7,8 +7,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import math
+import typing
+from typing import Optional
+
+from megatron_sp.config import GPTConfig
+from megatron_sp.fields import cli_default, info
 
 
 class ArgumentError(ValueError):
@@ -20,134 +26,120 @@ class _Parser(argparse.ArgumentParser):
         raise ArgumentError(f"{message} (see --help)")
 
 
+class _StoreConstIfUnset(argparse.Action):
+    """A Switch with if_unset: stores `const` only while the field still holds its default."""
+
+    def __init__(self, option_strings, dest, const=None, default=None, help=None):
+        super().__init__(option_strings, dest, nargs=0, const=const, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest) == self.default:
+            setattr(namespace, self.dest, self.const)
+
+
+def _value_type(hint):
+    """int / float for an (Optional) numeric field; None (argparse's str) otherwise."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    return args[0] if args[0] in (int, float) else None
+
+
+def _add_field_flags(group, f, hint) -> None:
+    """The flags of one GPTConfig field, as its FieldInfo describes them (megatron_sp/fields.py)."""
+    meta, default = info(f), cli_default(f)
+    if meta.flags:
+        choices = list(meta.choices) or None
+        group.add_argument(
+            *meta.flags, dest=f.name, type=_value_type(hint), default=default, choices=choices, help=meta.help
+        )
+    for switch in meta.switches:
+        action = _StoreConstIfUnset if switch.if_unset else "store_const"
+        group.add_argument(
+            switch.flag, dest=f.name, action=action, const=switch.const, default=default, help=switch.help or meta.help
+        )
+
+
+def _config_flags(group, title: str) -> None:
+    """The flags of every GPTConfig field in the --help group `title`, in the table's order."""
+    hints = typing.get_type_hints(GPTConfig)
+    for f in dataclasses.fields(GPTConfig):
+        if info(f).group == title:
+            _add_field_flags(group, f, hints[f.name])
+
+
+def _has_flags(f) -> bool:
+    return bool(info(f).flags or info(f).switches)
+
+
+def config_kwargs(args) -> dict:
+    """The GPTConfig fields a parsed command line sets: every field that has flags."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(GPTConfig) if _has_flags(f)}
+
+
+# ---- the inverse: the flags that rebuild a config (tools/convert_hf.py prints them) ---------------
+
+
+def _describes_weights(f) -> bool:
+    """A field that a resume compares or a Hugging Face config sets, and that has flags."""
+    return _has_flags(f) and (info(f).resume is not None or bool(info(f).hf))
+
+
+def _flag_for(f, value) -> Optional[list]:
+    """The flag tokens that set field f to value, or None when no flag can."""
+    meta = info(f)
+    if meta.flags and value is not None:
+        return [meta.flags[0], str(value)]
+    for switch in meta.switches:
+        if not switch.if_unset and type(switch.const) is type(value) and switch.const == value:
+            return [switch.flag]
+    return None
+
+
+def _family_flags(cfg: GPTConfig, family: str) -> Optional[list]:
+    """--model family plus a flag for each field whose value that family and the other fields do not
+    give by default; None when one cannot be expressed. The baseline of each field is built with the
+    training choices (non-weight fields) at their CLI defaults and --seq-length 1, so that a field
+    derived from the sequence length (max_position_embeddings) is always spelled out."""
+    fields = [f for f in dataclasses.fields(GPTConfig) if _describes_weights(f)]
+    target = {f.name: getattr(cfg, f.name) for f in fields}
+    flags = ["--model", family]
+    for f in fields:
+        given = dict(target, model=family, seq_length=1, vocab_size=cfg.vocab_size, **{f.name: cli_default(f)})
+        try:
+            default = getattr(GPTConfig(**given), f.name)
+        except ValueError:  # the field cannot be left out
+            default = None
+        if default != target[f.name]:
+            tokens = _flag_for(f, target[f.name])
+            if tokens is None:
+                return None
+            flags += tokens
+    return flags
+
+
+def model_flags(cfg: GPTConfig) -> list:
+    """The pretrain_gpt_sp.py model flags that rebuild cfg's weights and function (every field with a
+    resume rule or a Hugging Face name): `--model cfg.model` when its defaults can express the rest,
+    else GPT-2's with the architecture spelled out. Checked by parsing them back."""
+    for family in dict.fromkeys((cfg.model, "gpt2")):
+        flags = _family_flags(cfg, family)
+        if flags is None:
+            continue
+        args = build_parser().parse_args(flags + ["--seq-length", str(cfg.seq_length)])
+        rebuilt = GPTConfig(vocab_size=cfg.vocab_size, **config_kwargs(args))
+        fields = [f.name for f in dataclasses.fields(GPTConfig) if _describes_weights(f)]
+        if all(getattr(rebuilt, name) == getattr(cfg, name) for name in fields):
+            return flags
+    raise ValueError(f"no pretrain_gpt_sp.py flags rebuild this model (family {cfg.model!r}).")
+
+
 def _model_args(p):
-    g = p.add_argument_group("model")
-    g.add_argument(
-        "--model",
-        default="gpt2",
-        help="model family: gpt2, llama (models/registry.py) or package.module:SPEC; sets the "
-        "defaults of the architecture flags below",
-    )
-    g.add_argument("--num-layers", type=int, default=4)
-    g.add_argument("--hidden-size", type=int, default=128)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden size (SwiGLU: 8h/3)")
-    g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--kv-channels", type=int, default=None, help="head dim; default hidden / heads")
-    g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument(
-        "--num-query-groups",
-        type=int,
-        default=None,
-        help="key/value heads (grouped-query attention; 1 with --group-query-attention alone)",
-    )
-    g.add_argument("--seq-length", type=int, default=128)
-    g.add_argument("--max-position-embeddings", type=int, default=None, help="default seq length")
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"], default=None)
-    g.add_argument(
-        "--use-rotary-position-embeddings",
-        dest="position_embedding_type",
-        action="store_const",
-        const="rope",
-        help="same as --position-embedding-type rope",
-    )
-    g.add_argument(
-        "--no-position-embedding",
-        dest="position_embedding_type",
-        action="store_const",
-        const="none",
-        help="same as --position-embedding-type none",
-    )
-    g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE theta")
-    g.add_argument("--rotary-percent", type=float, default=1.0)
-    g.add_argument(
-        "--rotary-seq-len-interpolation-factor",
-        type=float,
-        default=None,
-        help="linear RoPE scaling: positions / factor (HF rope_type linear)",
-    )
-    g.add_argument(
-        "--use-rope-scaling", action="store_true", help="Llama 3.1 RoPE frequency scaling (HF rope_type llama3)"
-    )
-    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling")
-    g.add_argument("--rope-scaling-low-freq-factor", type=float, default=1.0, help="with --use-rope-scaling")
-    g.add_argument("--rope-scaling-high-freq-factor", type=float, default=4.0, help="with --use-rope-scaling")
-    g.add_argument(
-        "--rope-scaling-original-max-position-embeddings",
-        type=int,
-        default=8192,
-        help="with --use-rope-scaling: the context length the model was pretrained at",
-    )
-    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default=None)
-    g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
-    g.add_argument(
-        "--swiglu",
-        dest="activation",
-        action="store_const",
-        const="swiglu",
-        help="SwiGLU MLP (fused gate/up projection)",
-    )
-    g.add_argument(
-        "--openai-gelu",
-        dest="activation",
-        action="store_const",
-        const="openai_gelu",
-        help="GPT-2's tanh approximation of GELU",
-    )
-    g.add_argument(
-        "--untie-embeddings-and-output-weights",
-        dest="untie_embeddings_and_output_weights",
-        action="store_const",
-        const=True,
-        default=None,
-    )
-    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_const", const=False, default=None)
-    g.add_argument("--add-qkv-bias", dest="add_qkv_bias", action="store_const", const=True, default=None)
-    g.add_argument(
-        "--attention-backend",
-        choices=["auto", "flash", "fused", "unfused", "local"],
-        default="auto",
-        help="unfused/local: explicit softmax; otherwise PyTorch SDPA whenever dropout allows",
-    )
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument(
-        "--no-fused-kernels", action="store_true", help="use the PyTorch references instead of megatron_sp._C ops"
-    )
-    g.add_argument(
-        "--recompute-granularity",
-        choices=["full", "selective"],
-        default=None,
-        help="activation recomputation: whole layers (full) or the attention core (selective)",
-    )
-    g.add_argument(
-        "--recompute-method",
-        choices=["uniform", "block"],
-        default=None,
-        help="full: checkpoint chunks of --recompute-num-layers (uniform) or the first N layers (block)",
-    )
-    g.add_argument("--recompute-num-layers", type=int, default=None)
+    _config_flags(p.add_argument_group("model"), "model")
 
 
 def _parallel_args(p):
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    _config_flags(g, "parallelism")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="only 1 (no pipeline parallelism)")
-    g.add_argument(
-        "--context-parallel-size",
-        type=int,
-        default=1,
-        help="split each sequence over this many ranks (world = TP × CP × DP)",
-    )
-    g.add_argument(
-        "--cp-comm-type",
-        choices=["p2p", "a2a"],
-        default="p2p",
-        help="context-parallel attention: p2p ring attention or a2a (Ulysses all-to-all)",
-    )
-    g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument(
         "--distributed-backend", choices=["nccl", "gloo"], default=None, help="default: nccl on cuda, gloo on cpu"
     )

@@ -24,6 +24,7 @@ writes one copy). Data-parallel replicas declare the same slices; DCP de-duplica
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import json
@@ -35,6 +36,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_sp.config import config_from_dict
+from megatron_sp.fields import mismatch
 from megatron_sp.training import failures, safe_dcp
 from megatron_sp.training.canonical import empty_dcp_target, from_canonical_local, to_dcp_tensor
 from megatron_sp.training.checkpoint_paths import (  # noqa: F401 - re-exported: tools and tests use them
@@ -390,56 +393,21 @@ def _read_rng(path):
     return state
 
 
-# Model fields that must match; checkpoints written before a field existed hold its GPT-2 value.
-_MODEL_FIELDS = {
-    "num_layers": None,
-    "hidden_size": None,
-    "num_attention_heads": None,
-    "ffn_hidden_size": None,
-    "vocab_size": None,
-    "max_position_embeddings": None,
-    "normalization": "LayerNorm",
-    "activation": "gelu",
-    "position_embedding_type": "learned_absolute",
-    "num_query_groups": None,
-    "kv_channels": None,
-    "untie_embeddings_and_output_weights": False,
-    "add_bias_linear": True,
-    "add_qkv_bias": True,
-}
-# Not shapes, but the function the weights were trained for: compared for rotary models only.
-_ROPE_FIELDS = {
-    "rotary_base": 10000.0,
-    "rotary_percent": 1.0,
-    "rotary_seq_len_interpolation_factor": None,
-    "rope_scaling": False,
-    "rope_scaling_factor": 8.0,
-    "rope_scaling_low_freq_factor": 1.0,
-    "rope_scaling_high_freq_factor": 4.0,
-    "rope_scaling_original_max_position_embeddings": 8192,
-}
-
-
 def _check_compatible(meta, cfg, path):
-    saved = meta["config"]
-    legacy = {
-        "num_query_groups": saved.get("num_attention_heads"),
-        "kv_channels": (
-            saved["hidden_size"] // saved["num_attention_heads"]
-            if saved.get("hidden_size") and saved.get("num_attention_heads")
-            else None
-        ),
-    }
-    fields = dict(_MODEL_FIELDS, **(_ROPE_FIELDS if cfg.position_embedding_type == "rope" else {}))
-    if not (cfg.rope_scaling or saved.get("rope_scaling")):  # its parameters are unused
-        fields = {k: v for k, v in fields.items() if not k.startswith("rope_scaling_")}
-    for key, old_default in fields.items():
-        value = saved.get(key, legacy.get(key, old_default))
-        if value != getattr(cfg, key):
-            raise CheckpointError(
-                f"checkpoint {path} has {key}={value} but the model has "
-                f"{getattr(cfg, key)}; use the same model flags as the saved run."
-            )
+    """The model against the checkpoint's on every field with a resume rule (config.py's table); a
+    field the checkpoint lacks takes its default, resolved as GPTConfig resolves it for the saved shape."""
+    try:
+        saved = config_from_dict(meta["config"])
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(
+            f"checkpoint {path} holds a model config this version cannot build ({failures.one_sentence(err)})."
+        ) from None
+    name = mismatch(dataclasses.fields(cfg), cfg, saved)
+    if name is not None:
+        raise CheckpointError(
+            f"checkpoint {path} has {name}={getattr(saved, name)} but the model has "
+            f"{getattr(cfg, name)}; use the same model flags as the saved run."
+        )
 
 
 @torch.no_grad()

@@ -13,17 +13,9 @@ import warnings
 
 import torch
 
+from megatron_sp.config import config_from_dict
 from megatron_sp.training import checkpointing
 from megatron_sp.training.canonical import canonical_to_full, full_to_canonical
-
-
-def config_from_dict(config: dict, **overrides):
-    """A serial GPTConfig from a saved config dict (fields this version does not know are ignored)."""
-    from megatron_sp.config import GPTConfig
-
-    fields = {k: v for k, v in config.items() if k in GPTConfig.__dataclass_fields__}
-    fields.update(tensor_model_parallel_size=1, context_parallel_size=1, sequence_parallel=False, **overrides)
-    return GPTConfig(**fields)
 
 
 def model_specs(config: dict) -> dict:

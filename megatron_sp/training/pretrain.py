@@ -21,7 +21,7 @@ from megatron_sp import parallel_state
 from megatron_sp.config import GPTConfig
 from megatron_sp.data.errors import DataError
 from megatron_sp.training import checkpointing, failures
-from megatron_sp.training.arguments import ArgumentError, parse_args
+from megatron_sp.training.arguments import ArgumentError, config_kwargs, parse_args
 from megatron_sp.training.grad_sync import OverlappedGradSync
 from megatron_sp.training.logger import TrainingLogger
 from megatron_sp.training.loop import GradientUnderflowError, NonFiniteError, evaluate, train_step
@@ -82,50 +82,8 @@ def check_inputs(argv) -> Setup:
 
 
 def build_config(args, vocab_size: int) -> GPTConfig:
-    groups = args.num_query_groups
-    if groups is None and args.group_query_attention:
-        groups = 1  # Megatron's default with --group-query-attention
-    return GPTConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        vocab_size=vocab_size,
-        seq_length=args.seq_length,
-        ffn_hidden_size=args.ffn_hidden_size,
-        max_position_embeddings=args.max_position_embeddings,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
-        seed=args.seed,
-        layernorm_epsilon=args.norm_epsilon,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        use_fused_kernels=not args.no_fused_kernels,
-        model=args.model,
-        normalization=args.normalization,
-        activation=args.activation,
-        position_embedding_type=args.position_embedding_type,
-        rotary_base=float(args.rotary_base),
-        rotary_percent=args.rotary_percent,
-        rotary_seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
-        rope_scaling=args.use_rope_scaling,
-        rope_scaling_factor=args.rope_scaling_factor,
-        rope_scaling_low_freq_factor=args.rope_scaling_low_freq_factor,
-        rope_scaling_high_freq_factor=args.rope_scaling_high_freq_factor,
-        rope_scaling_original_max_position_embeddings=args.rope_scaling_original_max_position_embeddings,
-        num_query_groups=groups,
-        kv_channels=args.kv_channels,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        add_bias_linear=args.add_bias_linear,
-        add_qkv_bias=args.add_qkv_bias,
-        attention_backend=args.attention_backend,
-        context_parallel_size=args.context_parallel_size,
-        cp_comm_type=args.cp_comm_type,
-        recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
-    )
+    """The model the command line describes (every GPTConfig field with flags; see config.py)."""
+    return GPTConfig(vocab_size=vocab_size, **config_kwargs(args))
 
 
 def build_data(setup: Setup, ps):
