@@ -10,7 +10,8 @@ import pytest
 import torch
 from launch_helpers import REPO, TINY, check, losses, torchrun
 
-from megatron_sp.training import checkpointing, pretrain
+from megatron_sp import checkpointing
+from megatron_sp.training import pretrain
 
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 RUN = TINY + ["--train-iters", "20", "--global-batch-size", "4"]
@@ -89,8 +90,9 @@ EVERY2 = ["--save-interval", "2"]
 KILLER = """
 import os, signal, sys
 sys.path.insert(0, {repo!r})
-from megatron_sp.training import checkpointing, pretrain
-real = checkpointing._dcp()
+from megatron_sp.checkpointing import checkpointer
+from megatron_sp.training import pretrain
+real = checkpointer._dcp()
 class Dying:
     def save(self, state, checkpoint_id):          # the shards are written, then the process dies
         real.save(state, checkpoint_id=checkpoint_id)
@@ -98,7 +100,7 @@ class Dying:
             os.kill(os.getpid(), signal.SIGKILL)
     def __getattr__(self, name):
         return getattr(real, name)
-checkpointing._dcp = lambda: Dying()
+checkpointer._dcp = lambda: Dying()
 sys.exit(pretrain.main(sys.argv[1:]))
 """
 

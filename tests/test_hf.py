@@ -14,14 +14,14 @@ transformers = pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 import convert_hf  # noqa: E402
 
-from megatron_sp.models.hf import ConversionError, from_hf, to_hf  # noqa: E402
-from megatron_sp.models.reference import ReferenceGPT  # noqa: E402
-from megatron_sp.training.full_state import (  # noqa: E402
+from megatron_sp.checkpointing.full_state import (  # noqa: E402
     checkpoint_path,
     config_from_dict,
     read_full_state,
     write_full_checkpoint,
 )
+from megatron_sp.models.hf import ConversionError, from_hf, to_hf  # noqa: E402
+from megatron_sp.models.reference import ReferenceGPT  # noqa: E402
 
 VOCAB, SEQ = 97, 24
 

@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_sp.training.full_state import (
+from megatron_sp.checkpointing.full_state import (
     checkpoint_path,
     read_full_state,  # noqa: E402
     write_full_checkpoint,

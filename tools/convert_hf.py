@@ -22,13 +22,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_sp.models.hf import from_hf, to_hf  # noqa: E402
-from megatron_sp.training.full_state import (
+from megatron_sp.checkpointing.full_state import (
     checkpoint_path,
     config_from_dict,  # noqa: E402
     read_full_state,
     write_full_checkpoint,
 )
+from megatron_sp.models.hf import from_hf, to_hf  # noqa: E402
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_sp import parallel_state
+from megatron_sp import checkpointing, parallel_state
 from megatron_sp.config import GPTConfig
 from megatron_sp.data.errors import DataError
-from megatron_sp.training import checkpointing, failures
+from megatron_sp.training import failures
 from megatron_sp.training.arguments import ArgumentError, config_kwargs, parse_args
 from megatron_sp.training.grad_sync import OverlappedGradSync
 from megatron_sp.training.logger import TrainingLogger

@@ -13,9 +13,9 @@ import warnings
 
 import torch
 
+from megatron_sp.checkpointing import checkpointer as checkpointing
+from megatron_sp.checkpointing.canonical import canonical_to_full, full_to_canonical
 from megatron_sp.config import config_from_dict
-from megatron_sp.training import checkpointing
-from megatron_sp.training.canonical import canonical_to_full, full_to_canonical
 
 
 def model_specs(config: dict) -> dict:

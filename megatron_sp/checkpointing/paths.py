@@ -19,7 +19,7 @@ import os
 import shutil
 from typing import Optional
 
-from megatron_sp.training import safe_dcp
+from megatron_sp.checkpointing import safe_dcp
 
 LATEST = "latest_checkpointed_iteration.txt"
 METADATA_JSON = "metadata.json"

@@ -14,7 +14,7 @@ Loading is safe (safe_dcp.py: nothing in a checkpoint is unpickled beyond DCP's 
 classes) and agreed: rank 0 reads the marker and broadcasts the iteration, every rank checks that
 it sees the same metadata.json (which records the size and sha256 of every file) before reading
 tensors, and that all ranks restored the same training state afterwards. Path checks that need
-no process group are in checkpoint_paths.py.
+no process group are in paths.py.
 
 Resharding: each TP-sharded tensor is stored as its slice of one canonical global tensor (see
 canonical.py), declared to DCP with its global offsets (a ShardedTensor), so DCP reads back any
@@ -36,11 +36,9 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_sp.config import config_from_dict
-from megatron_sp.fields import mismatch
-from megatron_sp.training import failures, safe_dcp
-from megatron_sp.training.canonical import empty_dcp_target, from_canonical_local, to_dcp_tensor
-from megatron_sp.training.checkpoint_paths import (  # noqa: F401 - re-exported: tools and tests use them
+from megatron_sp.checkpointing import safe_dcp
+from megatron_sp.checkpointing.canonical import empty_dcp_target, from_canonical_local, to_dcp_tensor
+from megatron_sp.checkpointing.paths import (  # noqa: F401 - re-exported: tools and tests use them
     LATEST,
     METADATA_JSON,
     CheckpointError,
@@ -52,6 +50,9 @@ from megatron_sp.training.checkpoint_paths import (  # noqa: F401 - re-exported:
     read_metadata_json,
     same_path,
 )
+from megatron_sp.config import config_from_dict
+from megatron_sp.fields import mismatch
+from megatron_sp.training import failures
 from megatron_sp.training.optimizer import local_optimizer, owned_parameters
 
 
