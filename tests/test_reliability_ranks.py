@@ -232,9 +232,9 @@ argv = sys.argv[1:]
 if rank == 1 and mode == "stale marker":
     checkpoint_paths.read_latest = lambda root: 2        # this rank's view of the marker is stale
     real_load = checkpointing.load
-    def load(args, trainer):
+    def load(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGUSR1)             # SIGUSR1 before the training loop
-        real_load(args, trainer)
+        return real_load(*args, **kwargs)
     checkpointing.load = load
 if rank == 1 and mode == "input error here only":
     argv[argv.index("--load") + 1] += "_missing_on_this_node"

@@ -1,8 +1,11 @@
-"""Checkpoints in torch.distributed.checkpoint (DCP) format that load at any TP size.
+"""Checkpoints in torch.distributed.checkpoint (DCP) format that load at any TP size, of the states a
+run gives (states.py: model, optimizer, train state, loss scaler, RNG; torchtitan's checkpointer
+takes its `states={...}` the same way): `save(root, states, cfg, ps)`, `load(root, states, cfg)`.
 
 Layout of --save DIR:
-    DIR/iter_0000010/            one checkpoint: DCP shards (*.distcp, .metadata), rng_rank*.pt,
-                                 metadata.json (config, TP/DP sizes, iteration, tokens seen)
+    DIR/iter_0000010/            one checkpoint: DCP shards (*.distcp, .metadata) of the tensor states,
+                                 <key>_rank<r>.pt of the per-rank states (rng_rank*.pt), metadata.json
+                                 (metadata.py: config, layout, iteration, JSON states, integrity record)
     DIR/latest_checkpointed_iteration.txt   the iteration of the newest complete checkpoint
 
 Atomicity: a checkpoint is written into `iter_N.tmp` and renamed to `iter_N` only after every rank
@@ -31,36 +34,25 @@ import json
 import os
 import shutil
 import warnings
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
-from megatron_sp.checkpointing import safe_dcp
-from megatron_sp.checkpointing.canonical import empty_dcp_target, from_canonical_local, to_dcp_tensor
-from megatron_sp.checkpointing.paths import (  # noqa: F401 - re-exported: tools and tests use them
+from megatron_sp.checkpointing import metadata, safe_dcp
+from megatron_sp.checkpointing.paths import (
     LATEST,
-    METADATA_JSON,
     CheckpointError,
     check_files_present,
     check_save_dir,
     checkpoint_dir,
     locate,
-    read_latest,
     read_metadata_json,
     same_path,
+    write_latest,
 )
 from megatron_sp.config import config_from_dict
 from megatron_sp.fields import mismatch
 from megatron_sp.training import failures
-from megatron_sp.training.optimizer import local_optimizer, owned_parameters
-
-
-@dataclass
-class TrainState:
-    iteration: int = 0
-    consumed_train_samples: int = 0
-    consumed_valid_samples: int = 0
 
 
 class CheckpointSaveError(RuntimeError):
@@ -89,68 +81,38 @@ def _barrier():
         dist.barrier()
 
 
-# ---- state dicts -------------------------------------------------------------------------------
+def _kinds(states: dict) -> tuple[dict, dict, dict]:
+    """(tensor, per-rank, JSON) states, as states.py's protocol tells them apart (None: JSON null)."""
+    tensors = {k: s for k, s in states.items() if hasattr(s, "load_target")}
+    per_rank = {k: s for k, s in states.items() if getattr(s, "per_rank", False)}
+    rest = {k: s for k, s in states.items() if k not in tensors and k not in per_rank}
+    return tensors, per_rank, rest
 
 
-def _model_items(trainer):
-    ps = trainer.ps
-    for name, p in trainer.model.named_parameters():
-        yield name, p, ps
+def _label(key, state) -> str:
+    return getattr(state, "label", key)
 
 
-def build_state(trainer, with_optim: bool):
-    """The DCP state dict of this rank: model (and optimizer) tensors in canonical layout. With the
-    distributed optimizer a rank writes the AdamW state of the parameters it owns; the entries are
-    the same as the replicated optimizer's, so either kind of run, at any layout, reads them."""
-    state = {"model": {}, "optim": {}}
-    owned = owned_parameters(trainer.optimizer) if with_optim else set()
-    for name, p, ps in _model_items(trainer):
-        state["model"][name] = to_dcp_tensor(p.detach(), p, ps)
-        if id(p) in owned:
-            st = local_optimizer(trainer.optimizer).state.get(p, {})
-            state["optim"][name] = {
-                "exp_avg": to_dcp_tensor(st.get("exp_avg", torch.zeros_like(p)), p, ps),
-                "exp_avg_sq": to_dcp_tensor(st.get("exp_avg_sq", torch.zeros_like(p)), p, ps),
-                "step": torch.as_tensor(st.get("step", 0.0), dtype=torch.float32).cpu().clone(),
-            }
-    if not with_optim:
-        del state["optim"]
-    return state
-
-
-def _target_state(trainer, with_optim: bool):
-    """Empty tensors shaped like this rank's slices, for DCP to fill."""
-    state = {"model": {n: empty_dcp_target(p, ps) for n, p, ps in _model_items(trainer)}}
-    if with_optim:
-        owned = owned_parameters(trainer.optimizer)
-        state["optim"] = {
-            n: {
-                "exp_avg": empty_dcp_target(p, ps),
-                "exp_avg_sq": empty_dcp_target(p, ps),
-                "step": torch.zeros((), dtype=torch.float32),
-            }
-            for n, p, ps in _model_items(trainer)
-            if id(p) in owned
-        }
-    return state
+def _rank_file(path, key) -> str:
+    return os.path.join(path, f"{key}_rank{_rank()}.pt")
 
 
 # ---- start-up checks ---------------------------------------------------------------------------
 
 
-def check_inputs(args, cfg) -> None:
+def check_inputs(load_dir, save_dir, cfg) -> None:
     """What --load and --save need, checked on every rank before the model is built (no collectives):
     the checkpoint to resume from (path, marker, metadata.json, model flags, file sizes) and a
     writable --save with room for one more checkpoint."""
-    if args.load:
-        iteration = locate(args.load, is_save_dir=same_path(args.load, args.save))
+    if load_dir:
+        iteration = locate(load_dir, is_save_dir=same_path(load_dir, save_dir))
         if iteration is not None:
-            path = checkpoint_dir(args.load, iteration)
+            path = checkpoint_dir(load_dir, iteration)
             meta = read_metadata_json(path)
             _check_compatible(meta, cfg, path)
             check_files_present(path, meta)
-    if args.save:
-        check_save_dir(args.save, checkpoint_bytes(cfg))
+    if save_dir:
+        check_save_dir(save_dir, checkpoint_bytes(cfg))
 
 
 def checkpoint_bytes(cfg) -> int:
@@ -161,18 +123,19 @@ def checkpoint_bytes(cfg) -> int:
 # ---- save --------------------------------------------------------------------------------------
 
 
-def save(args, trainer) -> str:
-    """Collective. Writes iter_N atomically and then moves the latest marker to it."""
-    root, it = args.save, trainer.state.iteration
+def save(root: str, states: dict, cfg, ps, log=print, extra=None) -> str:
+    """Collective. Writes `states` (states["train_state"] says the iteration) as iter_N of `root`,
+    atomically, and then moves the latest marker to it. extra: more metadata.json entries (tools)."""
+    it = states["train_state"].iteration
     final, tmp = checkpoint_dir(root, it), checkpoint_dir(root, it) + ".tmp"
     try:
-        _write(args, trainer, tmp)
+        _write(tmp, states, cfg, ps, extra or {})
         if _rank() == 0:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            _write_text_atomic(os.path.join(root, LATEST), str(it))
+            write_latest(root, it)
     except (OSError, _checkpoint_exception()) as err:
-        reason = _save_failure(err, root, checkpoint_bytes(trainer.cfg))
+        reason = _save_failure(err, root, checkpoint_bytes(cfg))
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # give the space back
         raise CheckpointSaveError(
@@ -180,25 +143,25 @@ def save(args, trainer) -> str:
             f"checkpoint and {LATEST} are intact: free space or fix --save, then resume."
         ) from None
     _barrier()
-    trainer.log.info(f" saved checkpoint at iteration {it} to {final}")
+    log(f" saved checkpoint at iteration {it} to {final}")
     return final
 
 
-def _write(args, trainer, tmp) -> None:
-    """Every rank's shards and RNG state, then metadata.json with the integrity record (rank 0)."""
+def _write(tmp, states, cfg, ps, extra) -> None:
+    """Every rank's shards and per-rank files, then metadata.json with the integrity record (rank 0)."""
     if _rank() == 0:
         os.makedirs(os.path.dirname(tmp), exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a killed save
         os.makedirs(tmp)
     _barrier()
-    state = build_state(trainer, with_optim=True)
+    tensors, per_rank, rest = _kinds(states)
     with warnings.catch_warnings():  # DCP warns that a single process saves without a process group
         warnings.simplefilter("ignore")
-        _dcp().save(state, checkpoint_id=tmp)
-    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{_rank()}.pt"))
-    files = safe_dcp.integrity_record(tmp)
-    if _rank() == 0:
-        _write_json(os.path.join(tmp, METADATA_JSON), {**_metadata(args, trainer), "files": files})
+        _dcp().save({k: s.state_dict() for k, s in tensors.items()}, checkpoint_id=tmp)
+    for key, state in per_rank.items():
+        torch.save(state.state_dict(), _rank_file(tmp, key))
+    entries = {k: (s.state_dict() if s is not None else None) for k, s in rest.items()}
+    metadata.write(tmp, {**metadata.describe(cfg, ps, entries.pop("train_state"), entries), **extra})
     _barrier()
 
 
@@ -222,86 +185,55 @@ def _root_cause(err) -> str:
     return getattr(err, "strerror", None) or failures.one_sentence(err)
 
 
-def _metadata(args, trainer) -> dict:
-    return {
-        "iteration": trainer.state.iteration,
-        "train_state": asdict(trainer.state),
-        "tokens_seen": trainer.state.consumed_train_samples * args.seq_length,
-        "tensor_model_parallel_size": trainer.ps.tp_size,
-        "data_parallel_size": trainer.ps.dp_size,
-        "sequence_parallel": trainer.cfg.sequence_parallel,
-        "config": asdict(trainer.cfg),
-        "loss_scale": trainer.scaler.state_dict() if trainer.scaler else None,
-        "format": "megatron_sp-dcp-1",
-    }
-
-
-def _write_json(path, obj):
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-
-
-def _write_text_atomic(path, text):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _rng_state():
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
 # ---- load --------------------------------------------------------------------------------------
 
 
-def load(args, trainer) -> None:
-    """Collective. Restores model, optimizer, LR schedule position, RNG and data position from the
-    latest checkpoint in --load (weights only with --finetune); every rank loads the same one."""
-    iteration = _agreed_iteration(args)
+def load(root: str, states: dict, cfg, is_save_dir: bool = False, log=print):
+    """Collective. Restores `states` in place from the latest checkpoint in `root` (every rank loads
+    the same one); a tensor state the checkpoint lacks (converted weights hold no optimizer state)
+    keeps its value. Returns the checkpoint's metadata, or None when there is none to load (root
+    missing or empty, allowed when it is also the save directory: is_save_dir)."""
+    iteration = _agreed_iteration(root, is_save_dir)
     if iteration is None:
-        trainer.log.info(f" no checkpoint in {args.load} (also --save): starting from scratch")
-        return
-    path = checkpoint_dir(args.load, iteration)
+        log(f" no checkpoint in {root} (also --save): starting from scratch")
+        return None
+    path = checkpoint_dir(root, iteration)
+    meta = _verified_metadata(path, cfg)
+    tensors, per_rank, rest = _kinds(states)
+    stored = _collectively(_stored_keys, path)
+    for key, state in list(tensors.items()):
+        if key not in stored:
+            log(f" {path} holds no {_label(key, state)} (converted weights?): it starts fresh")
+            del tensors[key]
+    _load_tensors(tensors, path)
+    for key, state in rest.items():
+        if state is not None and meta.get(key) is not None:
+            state.load_state_dict(meta[key])
+    for key, state in per_rank.items():
+        _collectively(_load_rank_file, path, key, state)
+    _check_same_everywhere(
+        path, {k: s.state_dict() for k, s in rest.items() if s is not None}, "restored training state"
+    )
+    return meta
+
+
+def _verified_metadata(path, cfg) -> dict:
+    """Collective: metadata.json, the same on every rank, of a model like cfg, every file of its
+    record present and unchanged (sha256) before anything in it is unpickled."""
     meta = _collectively(read_metadata_json, path)
     _check_same_everywhere(path, meta)
-    _check_compatible(meta, trainer.cfg, path)
+    _check_compatible(meta, cfg, path)
     _collectively(check_files_present, path, meta)
     _verify_digests(path, meta)
-    with_optim = not (args.finetune or args.no_load_optim)
-    if with_optim and not _collectively(_has_optimizer_state, path):
-        trainer.log.info(f" {path} holds no optimizer state (converted weights?): the optimizer starts fresh")
-        with_optim = False
-    state = _target_state(trainer, with_optim)
-    _read_tensors(state, path)
-    _restore_model(trainer, state["model"])
-    if with_optim:
-        _restore_optim(trainer, state["optim"])
-    if not args.finetune:
-        trainer.state = TrainState(**meta["train_state"])
-        if trainer.scaler and meta.get("loss_scale"):
-            trainer.scaler.load_state_dict(meta["loss_scale"])
-        rng = None if args.no_load_rng else _collectively(_read_rng, path)
-        if rng is not None:
-            _restore_rng(rng)
-    _check_same_everywhere(path, asdict(trainer.state), what="restored training state")
-    trainer.log.info(
-        f" loaded checkpoint {path} (saved at TP={meta['tensor_model_parallel_size']}, "
-        f"iteration {meta['iteration']}){' for finetuning' if args.finetune else ''}"
-    )
+    return meta
 
 
-def _agreed_iteration(args):
+def _agreed_iteration(root, is_save_dir):
     """Collective: rank 0 reads the marker and decides; every rank gets its answer (or its error)."""
     answer = [None, None]
     if _rank() == 0:
         try:
-            answer[0] = locate(args.load, is_save_dir=same_path(args.load, args.save))
+            answer[0] = locate(root, is_save_dir=is_save_dir)
         except CheckpointError as err:
             answer[1] = str(err)
     if dist.is_initialized():
@@ -356,9 +288,11 @@ def _verify_digests(path, meta) -> None:
         )
 
 
-def _read_tensors(state, path) -> None:
+def _load_tensors(tensors: dict, path) -> None:
+    """DCP reads into each state's target (this rank's slices); then each state takes its tensors."""
+    target = {k: s.load_target() for k, s in tensors.items()}
     try:
-        safe_dcp.load(state, path, no_dist=not dist.is_initialized())
+        safe_dcp.load(target, path, no_dist=not dist.is_initialized())
     except (Exception, _checkpoint_exception()) as err:  # noqa: BLE001 - DCP wraps any reader error
         if failures.is_collective_failure(err):  # a peer died while reading: not the files' fault
             raise
@@ -366,32 +300,26 @@ def _read_tensors(state, path) -> None:
             f"checkpoint {path} cannot be read ({_root_cause(err)}); it is damaged or not "
             f"a megatron_sp checkpoint: load an earlier iteration."
         ) from None
+    for key, state in tensors.items():
+        state.load_state_dict(target[key])
 
 
-def _has_optimizer_state(path) -> bool:
-    return any(key.startswith("optim.") for key in safe_dcp.read_metadata(path).state_dict_metadata)
+def _stored_keys(path) -> set:
+    """The top-level keys of the tensor states a checkpoint holds ("model", "optim")."""
+    return {key.split(".")[0] for key in safe_dcp.read_metadata(path).state_dict_metadata}
 
 
-def _read_rng(path):
-    """This rank's RNG state (weights_only: tensors and plain containers only), or None if not saved."""
-    file = os.path.join(path, f"rng_rank{_rank()}.pt")
+def _load_rank_file(path, key, state) -> None:
+    """This rank's file of a per-rank state (weights_only: tensors and plain containers), if saved."""
+    file = _rank_file(path, key)
     if not os.path.exists(file):
-        return None
+        return
     try:
-        state = torch.load(file, weights_only=True)
-        ok = (
-            isinstance(state, dict)
-            and isinstance(state.get("torch"), torch.Tensor)
-            and state["torch"].dtype == torch.uint8
-            and state["torch"].shape == torch.get_rng_state().shape
-        )
-    except Exception as err:  # noqa: BLE001 - truncated zip, foreign pickle, ...: all mean "not ours"
-        ok, state = False, failures.one_sentence(err)
-    if not ok:
+        state.load_state_dict(torch.load(file, weights_only=True))
+    except Exception:  # noqa: BLE001 - truncated zip, foreign pickle, wrong content: all mean "not ours"
         raise CheckpointError(
-            f"{file} is not a readable RNG state; resume with --no-load-rng or from an earlier iteration."
-        )
-    return state
+            f"{file} is not a readable {_label(key, state)}; resume with --no-load-{key} or from an earlier iteration."
+        ) from None
 
 
 def _check_compatible(meta, cfg, path):
@@ -409,31 +337,3 @@ def _check_compatible(meta, cfg, path):
             f"checkpoint {path} has {name}={getattr(saved, name)} but the model has "
             f"{getattr(cfg, name)}; use the same model flags as the saved run."
         )
-
-
-@torch.no_grad()
-def _restore_model(trainer, tensors):
-    for name, p, ps in _model_items(trainer):
-        p.copy_(from_canonical_local(tensors[name], p, ps))
-
-
-@torch.no_grad()
-def _restore_optim(trainer, tensors):
-    optimizer = local_optimizer(trainer.optimizer)
-    fused = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
-    for name, p, ps in _model_items(trainer):
-        if name not in tensors:  # distributed optimizer: another rank's parameter
-            continue
-        saved = tensors[name]
-        step_device = p.device if fused else "cpu"
-        optimizer.state[p] = {
-            "step": saved["step"].to(step_device),
-            "exp_avg": from_canonical_local(saved["exp_avg"], p, ps).to(p.dtype),
-            "exp_avg_sq": from_canonical_local(saved["exp_avg_sq"], p, ps).to(p.dtype),
-        }
-
-
-def _restore_rng(state):
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])

@@ -77,7 +77,7 @@ def check_inputs(argv) -> Setup:
         prefixes, _ = parse_data_path(args.data_path)
         for prefix in prefixes:
             check_train_split(validate_indexed_prefix(prefix, vocab_size=tokenizer.vocab_size), args.split)
-    checkpointing.check_inputs(args, cfg)
+    checkpointing.check_inputs(args.load, args.save, cfg)
     return Setup(args, cfg, tokenizer, prefixes)
 
 
@@ -209,10 +209,40 @@ class Trainer:
         self.schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup, args.lr_decay, args.lr_decay_style)
         self.state = checkpointing.TrainState()
         if args.load:
-            checkpointing.load(args, self)
+            self._load()
         self.train_ds, self.valid_ds = build_data(setup, self.ps)
         precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
         self.peak, self.peak_source = peak_tflops(args.device, precision, args.peak_tflops)
+
+    def _checkpoint_states(self) -> dict:
+        """What a checkpoint of this run holds (megatron_sp/checkpointing/states.py)."""
+        return {
+            "model": checkpointing.ModelState(self.model, self.ps),
+            "optim": checkpointing.OptimizerState(local_optimizer(self.optimizer), self.model, self.ps),
+            "train_state": self.state,
+            "loss_scale": self.scaler,  # None without --fp16
+            "rng": checkpointing.RNGState(),
+        }
+
+    def _save(self):
+        checkpointing.save(self.args.save, self._checkpoint_states(), self.cfg, self.ps, log=self.log.info)
+
+    def _load(self):
+        """--load: everything (weights only with --finetune, less the optimizer or the RNG state with
+        --no-load-optim / --no-load-rng)."""
+        args = self.args
+        skip = {"optim", "train_state", "loss_scale", "rng"} if args.finetune else set()
+        skip |= {"optim"} if args.no_load_optim else set()
+        skip |= {"rng"} if args.no_load_rng else set()
+        states = {k: v for k, v in self._checkpoint_states().items() if k not in skip}
+        is_save_dir = checkpointing.same_path(args.load, args.save)
+        meta = checkpointing.load(args.load, states, self.cfg, is_save_dir=is_save_dir, log=self.log.info)
+        if meta is not None:
+            self.log.info(
+                f" loaded checkpoint {checkpointing.checkpoint_dir(args.load, meta['iteration'])} (saved at "
+                f"TP={meta['tensor_model_parallel_size']}, iteration {meta['iteration']})"
+                f"{' for finetuning' if args.finetune else ''}"
+            )
 
     def run(self, signals=None) -> int:
         """Trains from the current state; returns 0. signals: an installed ExitSignalHandler."""
@@ -249,19 +279,19 @@ class Trainer:
             if args.eval_interval and state.iteration % args.eval_interval == 0:
                 self._evaluate()
             if args.save and args.save_interval and state.iteration % args.save_interval == 0:
-                checkpointing.save(args, self)
+                self._save()
             if signals.should_exit():
                 self.log.info(f" exit signal received: saving at iteration {state.iteration} and exiting")
                 if args.save:
-                    checkpointing.save(args, self)
+                    self._save()
                 return
             if args.exit_interval and state.iteration % args.exit_interval == 0:
                 if args.save:
-                    checkpointing.save(args, self)
+                    self._save()
                 self.log.info(f" exiting at iteration {state.iteration} (--exit-interval {args.exit_interval})")
                 return
         if args.save and (not args.save_interval or state.iteration % args.save_interval != 0):
-            checkpointing.save(args, self)
+            self._save()
 
     def _train_one(self, train_iter):
         args, state = self.args, self.state
