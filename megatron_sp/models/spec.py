@@ -7,7 +7,7 @@ builds both the serial oracle (ReferenceGPT) and the tensor + sequence parallel 
 Every class is called with the config and a builder (models/builders.py); the contracts are in
 models/blocks.py. `defaults` fills the GPTConfig fields a user left at None (the family's
 normalisation, activation, positions, ...). A new block variant is one file with its classes and a
-`SPEC = ModelSpec(...)`, plus one line in models/registry.py (README: "Write your own model").
+`SPEC = ModelSpec(...)`, plus one line in megatron_sp/families.py (README: "Write your own model").
 """
 
 from __future__ import annotations
