@@ -4,8 +4,8 @@ match the checkpoint, and its name in Hugging Face config.json files.
 config.py declares every field with `model_field(...)`, so each fact is written once, beside the field;
 the copies are derived (docs/model_fields.md):
 
-    training/arguments.py   the argparse flags, their defaults and help; build_config; the flags that
-                            rebuild a given config (tools/convert_hf.py prints them)
+    training/config_flags   the argparse flags, their defaults and help; build_config's fields; the
+                            flags that rebuild a given config (tools/convert_hf.py prints them)
     checkpointing           the resume check: each field with a `resume` rule is compared with the
                             checkpoint's (a field a checkpoint lacks takes its default)
     models/hf.py            the config.json keys that map one to one onto a field

@@ -8,7 +8,8 @@ import pytest
 
 from megatron_sp.config import GPTConfig, config_from_dict
 from megatron_sp.fields import cli_default, info, mismatch
-from megatron_sp.training.arguments import build_parser, model_flags, parse_args
+from megatron_sp.training.arguments import build_parser, parse_args
+from megatron_sp.training.config_flags import model_flags
 from megatron_sp.training.pretrain import build_config
 
 # What users type, frozen: a flag taking a value -> its default; a switch -> (the constant it stores,).

@@ -21,7 +21,8 @@ from megatron_sp import checkpointing, parallel_state
 from megatron_sp.config import GPTConfig
 from megatron_sp.data.errors import DataError
 from megatron_sp.training import failures
-from megatron_sp.training.arguments import ArgumentError, config_kwargs, parse_args
+from megatron_sp.training.arguments import ArgumentError, parse_args
+from megatron_sp.training.config_flags import config_kwargs
 from megatron_sp.training.grad_sync import OverlappedGradSync
 from megatron_sp.training.logger import TrainingLogger
 from megatron_sp.training.loop import GradientUnderflowError, NonFiniteError, evaluate, train_step
