@@ -41,6 +41,8 @@ def _measure(tp, cp, hidden, layers, steps):
         seq_length=64,
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
     )
     out = {}
     for distributed in (False, True):

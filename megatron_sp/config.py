@@ -1,19 +1,33 @@
-"""GPTConfig: the model's shape, family, regularisation and parallel layout, validated on construction."""
+"""GPTConfig: the model's shape, family, regularisation and parallel layout, validated on construction.
+
+The dataclass fields are the one table of model fields: each carries its command-line flags, its
+resume rule and its Hugging Face name (`model_field`, megatron_sp/fields.py); the CLI, build_config,
+the resume check and the HF conversion derive from it (docs/model_fields.md). A GPTConfig is frozen
+and is given its parallel sizes (default 1); it imports no model code (a family's defaults are looked
+up by name, megatron_sp/families.py).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
 from typing import Optional
+
+from megatron_sp import config_checks as checks
+from megatron_sp import families
+from megatron_sp.fields import ALWAYS, IF_ROPE_SCALED, IF_ROTARY, Switch, model_field
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "openai_gelu", "swiglu")  # gelu: erf; openai_gelu: tanh approximation (GPT-2)
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 CP_COMM_TYPES = ("p2p", "a2a")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
 
-# What a field left at None becomes when the model family (registry spec) does not say: GPT-2.
+# What a field left at None becomes when the model family (its ModelSpec.defaults) does not say: GPT-2.
 FAMILY_FIELDS = {
     "normalization": "LayerNorm",
     "activation": "gelu",
@@ -21,247 +35,292 @@ FAMILY_FIELDS = {
     "untie_embeddings_and_output_weights": False,
     "add_bias_linear": True,
 }
+_SCALED = "with --use-rope-scaling: "
+_PARALLEL = "parallelism"  # the --help group of the layout flags
 
 
-@dataclass
+@dataclass(frozen=True)
 class GPTConfig:
     """A decoder-only transformer. Defaults follow Megatron-LM where it has one; fields left at None
-    take the model family's value (`model`, see models/registry.py), then GPT-2's."""
+    take the model family's value (`model`, see megatron_sp/families.py), then GPT-2's."""
 
-    num_layers: int  # transformer layers
-    hidden_size: int  # model width h
-    num_attention_heads: int  # query heads n
-    vocab_size: int  # tokenizer's vocabulary; padded internally (see padded_vocab_size)
-    seq_length: int  # tokens per sample s
-    ffn_hidden_size: Optional[int] = None  # MLP width; 4*h (SwiGLU: Megatron's 8h/3 rounded to 64)
-    max_position_embeddings: Optional[int] = None  # longest sequence; learned positions; seq_length when None
-    hidden_dropout: float = 0.1  # dropout after embeddings, attention projection and MLP
-    attention_dropout: float = 0.1  # dropout on the attention probabilities
-    init_method_std: float = 0.02  # std of the normal init; output projections use std/sqrt(2L)
-    layernorm_epsilon: float = 1e-5  # epsilon of LayerNorm / RMSNorm (Megatron's --norm-epsilon)
-    seed: int = 1234  # weights and dropout masks are pure functions of this seed
-    tensor_model_parallel_size: Optional[int] = None  # TP size t (heads, MLP, vocab split t ways);
-    #                                                   None: the current parallel_state's TP size
-    context_parallel_size: Optional[int] = None  # CP size c: each sample's sequence split over c ranks;
-    #                                              None: the current parallel_state's CP size
-    cp_comm_type: str = "p2p"  # context parallel attention: p2p (ring) or a2a (Ulysses all-to-all)
-    sequence_parallel: bool = False  # shard LayerNorm/dropout/residual along the sequence (needs t > 1)
-    make_vocab_size_divisible_by: int = 128  # vocab padded to a multiple of this times t (Megatron)
-    use_fused_kernels: bool = True  # use megatron_sp._C ops when built; references otherwise
-    model: str = "gpt2"  # family: a models/registry.py name or "package.module:SPEC"
-    normalization: Optional[str] = None  # LayerNorm | RMSNorm
-    activation: Optional[str] = None  # gelu | openai_gelu | swiglu (fused gate/up projection)
-    position_embedding_type: Optional[str] = None  # learned_absolute | rope | none
-    rotary_base: float = 10000.0  # RoPE theta
-    rotary_percent: float = 1.0  # fraction of each head's channels that RoPE rotates
-    rotary_seq_len_interpolation_factor: Optional[float] = None  # linear RoPE scaling: theta / factor
-    rope_scaling: bool = False  # Llama 3.1 RoPE frequency scaling (models/rope.py), with:
-    rope_scaling_factor: float = 8.0  # low frequencies' theta / factor
-    rope_scaling_low_freq_factor: float = 1.0  # wavelengths over original / low: scaled
-    rope_scaling_high_freq_factor: float = 4.0  # wavelengths under original / high: kept
-    rope_scaling_original_max_position_embeddings: int = 8192  # the context the model was trained at
-    num_query_groups: Optional[int] = None  # key/value heads (GQA); None: one per query head
-    kv_channels: Optional[int] = None  # head dim d; None: hidden_size / num_attention_heads
-    untie_embeddings_and_output_weights: Optional[bool] = None  # separate output layer
-    add_bias_linear: Optional[bool] = None  # biases in the linear layers
-    add_qkv_bias: Optional[bool] = None  # bias of the QKV projection; None: add_bias_linear
-    attention_backend: str = "auto"  # unfused/local: explicit softmax; else SDPA when dropout allows
-    recompute_granularity: Optional[str] = None  # full (whole layers) | selective (attention core) | None
-    recompute_method: Optional[str] = None  # full: uniform (chunks of recompute_num_layers) | block (first N)
-    recompute_num_layers: Optional[int] = None  # full: layers per chunk (uniform, default 1) or N (block)
+    num_layers: int = model_field(
+        help="transformer layers",
+        flags=("--num-layers",),
+        cli_default=4,
+        resume=ALWAYS,
+        hf={"gpt2": "n_layer", "llama": "num_hidden_layers"},
+    )
+    hidden_size: int = model_field(
+        help="model width h",
+        flags=("--hidden-size",),
+        cli_default=128,
+        resume=ALWAYS,
+        hf={"gpt2": "n_embd", "llama": "hidden_size"},
+    )
+    num_attention_heads: int = model_field(
+        help="query heads n",
+        flags=("--num-attention-heads",),
+        cli_default=4,
+        resume=ALWAYS,
+        hf={"gpt2": "n_head", "llama": "num_attention_heads"},
+    )
+    vocab_size: int = model_field(  # no flag: the program takes it from the tokenizer
+        help="the tokenizer's vocabulary; padded internally (see padded_vocab_size)",
+        resume=ALWAYS,
+        hf={"gpt2": "vocab_size", "llama": "vocab_size"},
+    )
+    seq_length: int = model_field(help="tokens per sample s", flags=("--seq-length",), cli_default=128)
+    model: str = model_field(
+        "gpt2",
+        help="model family: gpt2, llama (megatron_sp/families.py) or package.module:SPEC; sets the "
+        "defaults of the architecture flags below",
+        flags=("--model",),
+    )
+    ffn_hidden_size: Optional[int] = model_field(
+        None,
+        help="MLP width; default 4 * hidden size (SwiGLU: Megatron's 8h/3, rounded down to a multiple of 64)",
+        flags=("--ffn-hidden-size",),
+        resume=ALWAYS,
+        hf={"gpt2": "n_inner", "llama": "intermediate_size"},
+    )
+    kv_channels: Optional[int] = model_field(
+        None,
+        help="head dim d; default hidden size / heads",
+        flags=("--kv-channels",),
+        resume=ALWAYS,
+        hf={"llama": "head_dim"},
+    )
+    num_query_groups: Optional[int] = model_field(
+        None,
+        help="key/value heads (grouped-query attention); default one per query head, 1 with "
+        "--group-query-attention alone",
+        flags=("--num-query-groups",),
+        switches=(Switch("--group-query-attention", 1, "grouped-query attention", if_unset=True),),
+        resume=ALWAYS,
+        hf={"llama": "num_key_value_heads"},
+    )
+    max_position_embeddings: Optional[int] = model_field(
+        None,
+        help="longest sequence (learned positions); default seq length",
+        flags=("--max-position-embeddings",),
+        resume=ALWAYS,
+        hf={"gpt2": "n_positions", "llama": "max_position_embeddings"},
+    )
+    position_embedding_type: Optional[str] = model_field(
+        None,
+        help="positions: learned_absolute, rope or none; default: the family's",
+        flags=("--position-embedding-type",),
+        switches=(
+            Switch("--use-rotary-position-embeddings", "rope", "same as --position-embedding-type rope"),
+            Switch("--no-position-embedding", "none", "same as --position-embedding-type none"),
+        ),
+        choices=POSITION_EMBEDDINGS,
+        resume=ALWAYS,
+    )
+    rotary_base: float = model_field(10000.0, help="RoPE theta", flags=("--rotary-base",), resume=IF_ROTARY)
+    rotary_percent: float = model_field(
+        1.0, help="fraction of each head's channels that RoPE rotates", flags=("--rotary-percent",), resume=IF_ROTARY
+    )
+    rotary_seq_len_interpolation_factor: Optional[float] = model_field(
+        None,
+        help="linear RoPE scaling: positions / factor (HF rope_type linear)",
+        flags=("--rotary-seq-len-interpolation-factor",),
+        resume=IF_ROTARY,
+    )
+    rope_scaling: bool = model_field(
+        False,
+        help="Llama 3.1 RoPE frequency scaling (models/rope.py; HF rope_type llama3)",
+        switches=(Switch("--use-rope-scaling", True),),
+        resume=IF_ROTARY,
+    )
+    rope_scaling_factor: float = model_field(
+        8.0, help=_SCALED + "low frequencies' theta / factor", flags=("--rope-scaling-factor",), resume=IF_ROPE_SCALED
+    )
+    rope_scaling_low_freq_factor: float = model_field(
+        1.0,
+        help=_SCALED + "wavelengths over original / low are scaled",
+        flags=("--rope-scaling-low-freq-factor",),
+        resume=IF_ROPE_SCALED,
+    )
+    rope_scaling_high_freq_factor: float = model_field(
+        4.0,
+        help=_SCALED + "wavelengths under original / high are kept",
+        flags=("--rope-scaling-high-freq-factor",),
+        resume=IF_ROPE_SCALED,
+    )
+    rope_scaling_original_max_position_embeddings: int = model_field(
+        8192,
+        help=_SCALED + "the context length the model was pretrained at",
+        flags=("--rope-scaling-original-max-position-embeddings",),
+        resume=IF_ROPE_SCALED,
+    )
+    normalization: Optional[str] = model_field(
+        None,
+        help="LayerNorm or RMSNorm; default: the family's",
+        flags=("--normalization",),
+        choices=NORMALIZATIONS,
+        resume=ALWAYS,
+    )
+    layernorm_epsilon: float = model_field(
+        1e-5,
+        help="epsilon of LayerNorm / RMSNorm",
+        flags=("--norm-epsilon", "--layernorm-epsilon"),
+        hf={"gpt2": "layer_norm_epsilon", "llama": "rms_norm_eps"},
+    )
+    activation: Optional[str] = model_field(
+        None,
+        help="MLP activation: gelu, openai_gelu or swiglu; default: the family's",
+        switches=(
+            Switch("--swiglu", "swiglu", "SwiGLU MLP (fused gate/up projection)"),
+            Switch("--openai-gelu", "openai_gelu", "GPT-2's tanh approximation of GELU"),
+        ),
+        choices=ACTIVATIONS,
+        resume=ALWAYS,
+    )
+    untie_embeddings_and_output_weights: Optional[bool] = model_field(
+        None,
+        help="an output layer of its own instead of the word embeddings; default: the family's",
+        switches=(Switch("--untie-embeddings-and-output-weights", True),),
+        resume=ALWAYS,
+    )
+    add_bias_linear: Optional[bool] = model_field(
+        None,
+        help="biases in the linear layers; default: the family's",
+        switches=(Switch("--disable-bias-linear", False, "no biases in the linear layers"),),
+        resume=ALWAYS,
+    )
+    add_qkv_bias: Optional[bool] = model_field(
+        None,
+        help="bias of the QKV projection; default: as the other linear layers",
+        switches=(Switch("--add-qkv-bias", True),),
+        resume=ALWAYS,
+    )
+    attention_backend: str = model_field(
+        "auto",
+        help="unfused/local: explicit softmax; otherwise PyTorch SDPA whenever dropout allows",
+        flags=("--attention-backend",),
+        choices=ATTENTION_BACKENDS,
+    )
+    make_vocab_size_divisible_by: int = model_field(
+        128,
+        help="vocab padded to a multiple of this times TP size (Megatron)",
+        flags=("--make-vocab-size-divisible-by",),
+    )
+    hidden_dropout: float = model_field(
+        0.1,
+        help="dropout after embeddings, attention projection and MLP",
+        flags=("--hidden-dropout",),
+        hf={"gpt2": "resid_pdrop"},
+    )
+    attention_dropout: float = model_field(
+        0.1,
+        help="dropout on the attention probabilities",
+        flags=("--attention-dropout",),
+        hf={"gpt2": "attn_pdrop", "llama": "attention_dropout"},
+    )
+    init_method_std: float = model_field(
+        0.02,
+        help="std of the normal init; output projections use std / sqrt(2 * layers)",
+        flags=("--init-method-std",),
+        hf={"gpt2": "initializer_range", "llama": "initializer_range"},
+    )
+    seed: int = model_field(1234, help="weights and dropout masks are pure functions of this seed", flags=("--seed",))
+    use_fused_kernels: bool = model_field(
+        True,
+        help="use megatron_sp._C ops when built; references otherwise",
+        switches=(Switch("--no-fused-kernels", False, "use the PyTorch references instead of megatron_sp._C ops"),),
+    )
+    recompute_granularity: Optional[str] = model_field(
+        None,
+        help="activation recomputation: whole layers (full) or the attention core (selective)",
+        flags=("--recompute-granularity",),
+        choices=RECOMPUTE_GRANULARITIES,
+    )
+    recompute_method: Optional[str] = model_field(
+        None,
+        help="full: checkpoint chunks of --recompute-num-layers (uniform, the default) or the first N layers (block)",
+        flags=("--recompute-method",),
+        choices=RECOMPUTE_METHODS,
+    )
+    recompute_num_layers: Optional[int] = model_field(
+        None,
+        help="full: layers per chunk (uniform, default 1) or N (block, default all)",
+        flags=("--recompute-num-layers",),
+    )
+    tensor_model_parallel_size: int = model_field(
+        1,
+        help="TP size t: heads, MLP and vocab split t ways",
+        flags=("--tensor-model-parallel-size",),
+        group=_PARALLEL,
+    )
+    context_parallel_size: int = model_field(
+        1,
+        help="split each sequence over this many ranks (world = TP × CP × DP)",
+        flags=("--context-parallel-size",),
+        group=_PARALLEL,
+    )
+    cp_comm_type: str = model_field(
+        "p2p",
+        help="context-parallel attention: p2p ring attention or a2a (Ulysses all-to-all)",
+        flags=("--cp-comm-type",),
+        choices=CP_COMM_TYPES,
+        group=_PARALLEL,
+    )
+    sequence_parallel: bool = model_field(
+        False,
+        help="shard norms, dropout and the residual along the sequence (needs TP > 1)",
+        switches=(Switch("--sequence-parallel", True),),
+        group=_PARALLEL,
+    )
 
     def __post_init__(self):
-        if self.tensor_model_parallel_size is None or self.context_parallel_size is None:
-            from megatron_sp import parallel_state
-
-            ps = parallel_state.get()
-            self.tensor_model_parallel_size = self.tensor_model_parallel_size or ps.tp_size
-            self.context_parallel_size = self.context_parallel_size or ps.cp_size
         self._fill_family_defaults()
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = (
-                int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.activation == "swiglu" else 4 * self.hidden_size
-            )
+            swiglu = int(4 * self.hidden_size * 2 / 3 / 64) * 64
+            self._set("ffn_hidden_size", swiglu if self.activation == "swiglu" else 4 * self.hidden_size)
         if self.max_position_embeddings is None:
-            self.max_position_embeddings = self.seq_length
-        self._check_choices()
-        self._check_positive()
+            self._set("max_position_embeddings", self.seq_length)
+        checks.check_choices(self)
+        checks.check_positive(self)
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads == 0:
-            self.kv_channels = self.hidden_size // self.num_attention_heads
+            self._set("kv_channels", self.hidden_size // self.num_attention_heads)
         if self.num_query_groups is None:
-            self.num_query_groups = self.num_attention_heads
-        self._check_divisibility()
-        self._check_ranges()
-        self._check_recompute()
+            self._set("num_query_groups", self.num_attention_heads)
+        checks.check_divisibility(self)
+        checks.check_ranges(self)
+        self._fill_recompute()
+        checks.check_recompute(self)
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             warnings.warn(
                 "GPTConfig.sequence_parallel has no effect with tensor_model_parallel_size=1; turning it off.",
                 stacklevel=3,
             )
-            self.sequence_parallel = False
+            self._set("sequence_parallel", False)
+
+    def _set(self, name, value):
+        """Fills a derived field during construction (the config is frozen afterwards)."""
+        object.__setattr__(self, name, value)
+
+    def _fill_recompute(self):
+        """Full recomputation's defaults: uniform chunks of one layer; block: every layer."""
+        if self.recompute_granularity != "full":
+            return
+        if self.recompute_method is None:
+            self._set("recompute_method", "uniform")
+        if self.recompute_num_layers is None:
+            self._set("recompute_num_layers", 1 if self.recompute_method == "uniform" else self.num_layers)
 
     def _fill_family_defaults(self):
-        from megatron_sp.models.registry import get_spec
-
         try:
-            spec = get_spec(self.model)
+            defaults = families.family_defaults(self.model)
         except ValueError as err:
             raise ValueError(f"GPTConfig.model: {err}") from None
-        for name, value in {**FAMILY_FIELDS, **spec.defaults}.items():
+        for name, value in {**FAMILY_FIELDS, **defaults}.items():
             if getattr(self, name) is None:
-                setattr(self, name, value)
+                self._set(name, value)
         if self.add_qkv_bias is None:
-            self.add_qkv_bias = self.add_bias_linear
-
-    def _check_choices(self):
-        for name, choices in (
-            ("normalization", NORMALIZATIONS),
-            ("activation", ACTIVATIONS),
-            ("position_embedding_type", POSITION_EMBEDDINGS),
-            ("attention_backend", ATTENTION_BACKENDS),
-            ("cp_comm_type", CP_COMM_TYPES),
-        ):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"GPTConfig.{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}.")
-
-    def _check_positive(self):
-        for name in (
-            "num_layers",
-            "hidden_size",
-            "num_attention_heads",
-            "vocab_size",
-            "seq_length",
-            "ffn_hidden_size",
-            "max_position_embeddings",
-            "tensor_model_parallel_size",
-            "context_parallel_size",
-            "make_vocab_size_divisible_by",
-            "num_query_groups",
-            "kv_channels",
-        ):
-            value = getattr(self, name)
-            if value is None and name in ("num_query_groups", "kv_channels"):
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}.")
-        if self.init_method_std <= 0 or self.layernorm_epsilon <= 0:
-            raise ValueError("GPTConfig.init_method_std and layernorm_epsilon must be positive.")
-
-    def _check_divisibility(self):
-        h, n, t = self.hidden_size, self.num_attention_heads, self.tensor_model_parallel_size
-        g = self.num_query_groups
-        if self.kv_channels is None:
-            raise ValueError(
-                f"GPTConfig.hidden_size ({h}) must be divisible by num_attention_heads ({n}), or give kv_channels."
-            )
-        if n % t != 0:
-            raise ValueError(
-                f"GPTConfig.num_attention_heads ({n}) must be divisible by tensor_model_parallel_size ({t})."
-            )
-        if n % g != 0:
-            raise ValueError(f"GPTConfig.num_query_groups ({g}) must divide num_attention_heads ({n}).")
-        if g % t != 0 and t % g != 0:
-            raise ValueError(
-                f"GPTConfig.num_query_groups ({g}) must be divisible by tensor_model_parallel_size "
-                f"({t}), or divide it (then each key/value head is replicated on {t} // {g} ranks)."
-            )
-        if self.ffn_hidden_size % t != 0:
-            raise ValueError(
-                f"GPTConfig.ffn_hidden_size ({self.ffn_hidden_size}) must be divisible by "
-                f"tensor_model_parallel_size ({t})."
-            )
-        c = self.context_parallel_size
-        if self.sequence_parallel and self.seq_length % (t * c) != 0:
-            raise ValueError(
-                f"GPTConfig.seq_length ({self.seq_length}) must be divisible by "
-                f"tensor_model_parallel_size ({t}){f' × context_parallel_size ({c})' if c > 1 else ''} "
-                f"with sequence_parallel on."
-            )
-        if c > 1:
-            self._check_context_parallel(t, c)
-
-    def _check_context_parallel(self, t, c):
-        parts = 2 * c if self.cp_comm_type == "p2p" else c
-        if self.seq_length % parts != 0:
-            raise ValueError(
-                f"GPTConfig.seq_length ({self.seq_length}) must be divisible by {parts} "
-                + (
-                    "(2 × context_parallel_size: ring attention's zigzag chunks)."
-                    if self.cp_comm_type == "p2p"
-                    else "(context_parallel_size)."
-                )
-            )
-        heads = self.num_attention_heads // t
-        if self.cp_comm_type == "a2a" and heads % c != 0:
-            raise ValueError(
-                f"GPTConfig.num_attention_heads per TP rank ({heads}) must be divisible by "
-                f"context_parallel_size ({c}) for cp_comm_type a2a (Ulysses); use p2p."
-            )
-
-    def _check_ranges(self):
-        for name in ("hidden_dropout", "attention_dropout"):
-            p = getattr(self, name)
-            if not 0.0 <= p < 1.0:
-                raise ValueError(f"GPTConfig.{name} must be in [0, 1), got {p}.")
-        if self.max_position_embeddings < self.seq_length:
-            raise ValueError(
-                f"GPTConfig.max_position_embeddings ({self.max_position_embeddings}) is smaller than "
-                f"seq_length ({self.seq_length}); raise it or shorten the sequence."
-            )
-        if self.position_embedding_type == "rope":
-            if not 0.0 < self.rotary_percent <= 1.0:
-                raise ValueError(f"GPTConfig.rotary_percent must be in (0, 1], got {self.rotary_percent}.")
-            if self.rotary_dim % 2 != 0 or self.rotary_dim == 0:
-                raise ValueError(
-                    f"GPTConfig.rotary_percent ({self.rotary_percent}) × kv_channels "
-                    f"({self.kv_channels}) must be a positive even number of channels."
-                )
-            if not self.rotary_base > 0:
-                raise ValueError(f"GPTConfig.rotary_base must be positive, got {self.rotary_base}.")
-            self._check_rope_scaling()
-        elif self.rope_scaling or self.rotary_seq_len_interpolation_factor is not None:
-            raise ValueError(
-                f"GPTConfig.rope_scaling / rotary_seq_len_interpolation_factor need "
-                f"position_embedding_type rope, not {self.position_embedding_type}."
-            )
-
-    def _check_rope_scaling(self):
-        f = self.rotary_seq_len_interpolation_factor
-        if f is not None and not f > 0:
-            raise ValueError(f"GPTConfig.rotary_seq_len_interpolation_factor must be positive, got {f}.")
-        if not self.rope_scaling:
-            return
-        if not self.rope_scaling_factor > 0:
-            raise ValueError(f"GPTConfig.rope_scaling_factor must be positive, got {self.rope_scaling_factor}.")
-        low, high = self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor
-        if not 0 < low < high:
-            raise ValueError(
-                f"GPTConfig.rope_scaling_low_freq_factor ({low}) must be positive and smaller than "
-                f"rope_scaling_high_freq_factor ({high})."
-            )
-        if not self.rope_scaling_original_max_position_embeddings > 0:
-            raise ValueError(
-                f"GPTConfig.rope_scaling_original_max_position_embeddings must be positive, got "
-                f"{self.rope_scaling_original_max_position_embeddings}."
-            )
-
-    def _check_recompute(self):
-        g, m = self.recompute_granularity, self.recompute_method
-        if g not in (None, "full", "selective"):
-            raise ValueError(f"GPTConfig.recompute_granularity must be full, selective or None, got {g!r}.")
-        if g != "full":
-            if m is not None or self.recompute_num_layers is not None:
-                raise ValueError("GPTConfig.recompute_method / recompute_num_layers need recompute_granularity full.")
-            return
-        if m is None:
-            self.recompute_method = m = "uniform"
-        if m not in ("uniform", "block"):
-            raise ValueError(f"GPTConfig.recompute_method must be uniform or block, got {m!r}.")
-        if self.recompute_num_layers is None:
-            self.recompute_num_layers = 1 if m == "uniform" else self.num_layers
-        n = self.recompute_num_layers
-        if not isinstance(n, int) or not 1 <= n <= self.num_layers:
-            raise ValueError(f"GPTConfig.recompute_num_layers must be in [1, num_layers={self.num_layers}], got {n!r}.")
+            self._set("add_qkv_bias", self.add_bias_linear)
 
     @property
     def head_dim(self) -> int:
@@ -304,3 +363,12 @@ class GPTConfig:
         matmul_params = L * weights + self.vocab_size * self.hidden_size
         attention = L * 2 * s * self.num_attention_heads * self.kv_channels  # QK^T and PV, causal half
         return 3 * 2 * (matmul_params + attention)  # not discounted (Megatron)
+
+
+def config_from_dict(config: dict, **overrides) -> GPTConfig:
+    """A serial GPTConfig (TP = CP = 1, no SP) from a saved config dict: fields this version does not
+    know are ignored, fields the dict lacks take their defaults (what older checkpoints computed)."""
+    known = {f.name for f in dataclasses.fields(GPTConfig)}
+    fields = {k: v for k, v in config.items() if k in known}
+    fields.update(tensor_model_parallel_size=1, context_parallel_size=1, sequence_parallel=False, **overrides)
+    return GPTConfig(**fields)

@@ -1,5 +1,6 @@
 """Checkpoints: exact resume (bit for bit), resharding TP=2+SP -> TP=1 and TP=4, to and from the
-distributed optimizer, atomic save under kill -9, --finetune / --no-load-optim, and the safetensors conversion tool."""
+distributed optimizer, atomic save under kill -9, --finetune / --no-load-optim, the safetensors conversion
+tool, and save/load restoring the states they are given in place."""
 
 import json
 import os
@@ -10,7 +11,8 @@ import pytest
 import torch
 from launch_helpers import REPO, TINY, check, losses, torchrun
 
-from megatron_sp.training import checkpointing, pretrain
+from megatron_sp import checkpointing
+from megatron_sp.training import pretrain
 
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 RUN = TINY + ["--train-iters", "20", "--global-batch-size", "4"]
@@ -89,8 +91,9 @@ EVERY2 = ["--save-interval", "2"]
 KILLER = """
 import os, signal, sys
 sys.path.insert(0, {repo!r})
-from megatron_sp.training import checkpointing, pretrain
-real = checkpointing._dcp()
+from megatron_sp.checkpointing import checkpointer
+from megatron_sp.training import pretrain
+real = checkpointer._dcp()
 class Dying:
     def save(self, state, checkpoint_id):          # the shards are written, then the process dies
         real.save(state, checkpoint_id=checkpoint_id)
@@ -98,7 +101,7 @@ class Dying:
             os.kill(os.getpid(), signal.SIGKILL)
     def __getattr__(self, name):
         return getattr(real, name)
-checkpointing._dcp = lambda: Dying()
+checkpointer._dcp = lambda: Dying()
 sys.exit(pretrain.main(sys.argv[1:]))
 """
 
@@ -191,5 +194,75 @@ def test_safetensors_round_trip(tmp_path):
         ["from-safetensors", "--input", str(tmp_path / "m.safetensors"), "--save", str(tmp_path / "back")]
     )
     again, _ = convert_checkpoint.read_full_state(checkpointing.checkpoint_dir(str(tmp_path / "back"), 0))
+    converted = json.load(open(tmp_path / "back" / "iter_0000000" / "metadata.json"))
+    assert {".metadata", "__0_0.distcp"} <= set(converted["files"])  # the tools' checkpoints carry the record too
     assert again.keys() == full.keys() and all(torch.equal(again[k], full[k]) for k in full)
     assert pretrain.main(SMALL + ["--train-iters", "1", "--load", str(tmp_path / "back"), "--finetune"]) == 0
+
+
+def _run_states(cfg, seed, step: bool):
+    """A serial GPTModel and AdamW (one step taken or not), as the states a run gives checkpointing."""
+    from megatron_sp.models.gpt import GPTModel
+    from megatron_sp.parallel_state import ParallelState
+    from megatron_sp.training.optimizer import DynamicLossScaler
+
+    torch.manual_seed(seed)
+    ps = ParallelState()
+    model = GPTModel(cfg, ps)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if step:
+        tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
+        model(tokens, tokens).backward()
+        opt.step()
+    return (
+        model,
+        opt,
+        {
+            "model": checkpointing.ModelState(model, ps),
+            "optim": checkpointing.OptimizerState(opt, model, ps),
+            "train_state": checkpointing.TrainState(),
+            "loss_scale": DynamicLossScaler(2.0**16),
+            "rng": checkpointing.RNGState(),
+        },
+    )
+
+
+def test_save_and_load_restore_the_given_states_in_place(tmp_path):
+    """save/load take the states (not a trainer) and restore the caller's own objects; a tensor state
+    the checkpoint lacks (no optimizer state) is left as it was."""
+    from megatron_sp.config import GPTConfig
+    from megatron_sp.parallel_state import ParallelState
+
+    cfg = GPTConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=50,
+        seq_length=8,
+        model="llama",
+        num_query_groups=2,
+    )
+    model, opt, states = _run_states(cfg, seed=0, step=True)
+    states["train_state"].load_state_dict({"iteration": 3, "consumed_train_samples": 12, "consumed_valid_samples": 4})
+    states["loss_scale"].scale = 1024.0
+    rng = torch.get_rng_state()
+    checkpointing.save(str(tmp_path / "a"), states, cfg, ParallelState(), log=lambda message: None)
+    del states["optim"]
+    checkpointing.save(str(tmp_path / "b"), states, cfg, ParallelState(), log=lambda message: None)
+
+    model2, opt2, given = _run_states(cfg, seed=1, step=False)
+    train_state, scaler = given["train_state"], given["loss_scale"]
+    torch.manual_seed(99)
+    meta = checkpointing.load(str(tmp_path / "a"), given, cfg, log=lambda message: None)
+    assert meta["iteration"] == 3 and given["train_state"] is train_state and given["loss_scale"] is scaler
+    assert (train_state.iteration, train_state.consumed_train_samples, scaler.scale) == (3, 12, 1024.0)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for (name, p), p2 in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(p, p2), name
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][key], opt2.state[p2][key]), (name, key)
+
+    _, opt3, given = _run_states(cfg, seed=1, step=False)
+    said = []
+    checkpointing.load(str(tmp_path / "b"), given, cfg, log=said.append)
+    assert any("holds no optimizer state" in line for line in said) and not opt3.state

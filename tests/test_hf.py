@@ -14,14 +14,10 @@ transformers = pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 import convert_hf  # noqa: E402
 
+from megatron_sp.checkpointing.full_state import checkpoint_path, read_full_state, write_full_checkpoint  # noqa: E402
+from megatron_sp.config import config_from_dict  # noqa: E402
 from megatron_sp.models.hf import ConversionError, from_hf, to_hf  # noqa: E402
 from megatron_sp.models.reference import ReferenceGPT  # noqa: E402
-from megatron_sp.training.full_state import (  # noqa: E402
-    checkpoint_path,
-    config_from_dict,
-    read_full_state,
-    write_full_checkpoint,
-)
 
 VOCAB, SEQ = 97, 24
 
@@ -201,8 +197,7 @@ def test_export_loads_in_transformers_offline(fields, tmp_path, monkeypatch):
     )
     ref = ReferenceGPT(cfg).eval()
     _randomise(ref)
-    config = {k: getattr(cfg, k) for k in GPTConfig.__dataclass_fields__}
-    write_full_checkpoint(ref.state_dict(), config, str(tmp_path / "ckpt"), "test")
+    write_full_checkpoint(ref.state_dict(), cfg, str(tmp_path / "ckpt"), "test")
     assert convert_hf.main(["export", "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf")]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
     tokens = _tokens()

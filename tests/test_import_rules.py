@@ -175,18 +175,11 @@ def test_cycles_are_found():
 # The two below are kept apart so that they are enabled (the marker removed) when GPTConfig is given
 # its sizes and defaults (issue 16, item 3: config imports no models); strict, so they fail loudly
 # (XPASS) once that holds and the marker is still there.
-CONFIG_PENDING = pytest.mark.xfail(
-    strict=True, reason="config still imports models.registry and parallel_state (GPTConfig given its sizes)"
-)
-
-
-@CONFIG_PENDING
 def test_config_rule(graph):
     found = violations(graph, CONFIG_RULE)
     assert not found, "\n".join(found)
 
 
-@CONFIG_PENDING
 def test_no_import_cycle_between_packages(graph):
     cycles = package_cycles(graph)
     assert not cycles, "import cycles: " + "; ".join(cycles)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from megatron_sp import families
 from megatron_sp.config import GPTConfig
 from megatron_sp.models import registry
 from megatron_sp.models.attention import CausalAttention
@@ -47,17 +48,17 @@ def test_families_set_defaults_and_flags_override():
 def test_registry_names_paths_and_errors():
     assert registry.get_spec("llama").name == "llama"
     assert registry.get_spec("example_parallel_residual:SPEC").name == "parallel-residual"
-    registry.register_model("parallel-residual", "example_parallel_residual:SPEC")
+    families.register_model("parallel-residual", "example_parallel_residual:SPEC")
     try:
         assert GPTConfig(**BASE, model="parallel-residual").activation == "openai_gelu"
     finally:
-        del registry.MODELS["parallel-residual"]
+        del families.MODELS["parallel-residual"]
     with pytest.raises(ValueError, match="GPTConfig.model: unknown model 'nope'; registered: gpt2, llama"):
         GPTConfig(**BASE, model="nope")
     with pytest.raises(ValueError, match="cannot load"):
         GPTConfig(**BASE, model="no_such_module:SPEC")
     with pytest.raises(ValueError, match="not a ModelSpec"):
-        GPTConfig(**BASE, model="megatron_sp.models.registry:MODELS")
+        GPTConfig(**BASE, model="megatron_sp.families:MODELS")
 
 
 class _UntaggedMLP(nn.Module):

@@ -15,7 +15,9 @@ import pytest
 import torch
 from launch_helpers import REPO
 
-from megatron_sp.training import checkpointing, pretrain
+from megatron_sp import checkpointing
+from megatron_sp.checkpointing import safe_dcp
+from megatron_sp.training import pretrain
 
 TINY = [
     "--device",
@@ -172,7 +174,7 @@ def _rewrite_record(ckpt, name):
     """An attacker who can write the directory can also rewrite the integrity record."""
     meta_path = ckpt / "iter_0000004" / "metadata.json"
     meta = json.loads(meta_path.read_text())
-    meta["files"][name] = checkpointing.safe_dcp.file_digest(str(ckpt / "iter_0000004" / name))
+    meta["files"][name] = safe_dcp.file_digest(str(ckpt / "iter_0000004" / name))
     meta_path.write_text(json.dumps(meta))
 
 

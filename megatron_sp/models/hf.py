@@ -7,15 +7,59 @@ The architecture follows from the config, not the family name: LayerNorm + GELU 
 is GPT-2, RMSNorm + SwiGLU + RoPE is Llama; anything neither can express (e.g. GQA in GPT-2, partial
 RoPE, a Llama with biases on q/k/v only) is refused with one sentence. GPT-2's Conv1D weights are
 stored [in, out], ours [out, in]; Llama's q/k/v and gate/up projections are our fused rows.
+The config.json keys that map one to one onto a GPTConfig field are named in config.py's table
+(`hf=`); the rest (activation, tying, biases, RoPE) is spelled out here.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+
+from megatron_sp.config import GPTConfig
+from megatron_sp.fields import hf_names
 
 
 class ConversionError(ValueError):
     """The model or config cannot be expressed on the other side: one sentence."""
+
+
+# HF's own defaults (GPT2Config, LlamaConfig) for the table's keys a config.json may omit; None: the
+# field's GPTConfig default. A key not listed is required.
+_HF_DEFAULTS = {
+    "gpt2": {
+        "n_inner": None,
+        "layer_norm_epsilon": 1e-5,
+        "resid_pdrop": 0.1,
+        "attn_pdrop": 0.1,
+        "initializer_range": 0.02,
+    },
+    "llama": {
+        "num_key_value_heads": None,
+        "head_dim": None,
+        "rms_norm_eps": 1e-6,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+    },
+}
+
+
+def _named_keys(cfg, arch: str) -> dict:
+    """The config.json entries of the fields the table names for `arch`."""
+    return {key: getattr(cfg, name) for name, key in hf_names(dataclasses.fields(GPTConfig), arch).items()}
+
+
+def _named_fields(c: dict, arch: str) -> dict:
+    """The GPTConfig fields of the config.json keys the table names (an omitted key: HF's default)."""
+    fields = {}
+    for name, key in hf_names(dataclasses.fields(GPTConfig), arch).items():
+        if key not in c and key not in _HF_DEFAULTS[arch]:
+            raise ConversionError(f"the {arch} config.json lacks {key}.")
+        value = c.get(key, _HF_DEFAULTS[arch].get(key))
+        if value is not None:
+            fields[name] = value
+    return fields
 
 
 def architecture(cfg) -> str:
@@ -83,18 +127,9 @@ def _gpt2_config(cfg) -> dict:
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
-        "n_layer": cfg.num_layers,
-        "n_embd": cfg.hidden_size,
-        "n_head": cfg.num_attention_heads,
-        "n_inner": cfg.ffn_hidden_size,
-        "n_positions": cfg.max_position_embeddings,
-        "vocab_size": cfg.vocab_size,
-        "layer_norm_epsilon": cfg.layernorm_epsilon,
+        **_named_keys(cfg, "gpt2"),
         "activation_function": "gelu_new" if cfg.activation == "openai_gelu" else "gelu",
-        "resid_pdrop": cfg.hidden_dropout,
         "embd_pdrop": cfg.hidden_dropout,
-        "attn_pdrop": cfg.attention_dropout,
-        "initializer_range": cfg.init_method_std,
         "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
         "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False,
@@ -119,19 +154,10 @@ def _gpt2_fields(c: dict) -> dict:
             "GPT-2 configs with scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn or "
             "without scale_attn_weights are not supported."
         )
-    h = c["n_embd"]
     return dict(
         model="gpt2",
-        num_layers=c["n_layer"],
-        hidden_size=h,
-        num_attention_heads=c["n_head"],
-        ffn_hidden_size=c.get("n_inner") or 4 * h,
-        max_position_embeddings=c["n_positions"],
-        vocab_size=c["vocab_size"],
-        layernorm_epsilon=c.get("layer_norm_epsilon", 1e-5),
+        **_named_fields(c, "gpt2"),
         activation=act,
-        hidden_dropout=c.get("resid_pdrop", 0.1),
-        attention_dropout=c.get("attn_pdrop", 0.1),
         untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", True),
     )
 
@@ -144,22 +170,12 @@ def _llama_config(cfg) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "num_hidden_layers": cfg.num_layers,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.ffn_hidden_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_query_groups,
-        "head_dim": cfg.kv_channels,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "vocab_size": cfg.vocab_size,
-        "rms_norm_eps": cfg.layernorm_epsilon,
+        **_named_keys(cfg, "llama"),
         "hidden_act": "silu",
         "rope_theta": float(cfg.rotary_base),
         **_rope_config(cfg),
         "attention_bias": bias,
         "mlp_bias": bias,
-        "attention_dropout": cfg.attention_dropout,
-        "initializer_range": cfg.init_method_std,
         "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
     }
 
@@ -217,21 +233,13 @@ def _llama_fields(c: dict) -> dict:
     attention_bias, mlp_bias = bool(c.get("attention_bias", False)), bool(c.get("mlp_bias", False))
     if attention_bias != mlp_bias:
         raise ConversionError("Llama configs with attention_bias != mlp_bias are not supported.")
-    n = c["num_attention_heads"]
+    fields = _named_fields(c, "llama")
+    fields.setdefault("kv_channels", fields["hidden_size"] // fields["num_attention_heads"])  # LlamaConfig's
     return dict(
         model="llama",
-        num_layers=c["num_hidden_layers"],
-        hidden_size=c["hidden_size"],
-        num_attention_heads=n,
-        num_query_groups=c.get("num_key_value_heads") or n,
-        kv_channels=c.get("head_dim") or c["hidden_size"] // n,
-        ffn_hidden_size=c["intermediate_size"],
-        max_position_embeddings=c["max_position_embeddings"],
-        vocab_size=c["vocab_size"],
-        layernorm_epsilon=c.get("rms_norm_eps", 1e-6),
+        **fields,
         **_rope_fields(c),
-        attention_dropout=c.get("attention_dropout", 0.0),
-        hidden_dropout=0.0,
+        hidden_dropout=0.0,  # Llama has none
         add_bias_linear=attention_bias,
         add_qkv_bias=attention_bias,
         untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False),
@@ -302,8 +310,6 @@ def to_hf(state: dict, cfg) -> tuple[dict, dict]:
 
 def from_hf(tensors: dict, config: dict) -> tuple[dict, dict]:
     """(ReferenceGPT state dict, GPTConfig fields) from HF tensors and config.json."""
-    from megatron_sp.config import GPTConfig
-
     kind = config.get("model_type")
     if kind not in ("gpt2", "llama"):
         raise ConversionError(

@@ -10,6 +10,8 @@ import argparse
 import importlib.util
 import math
 
+from megatron_sp.training.config_flags import add_config_flags
+
 
 class ArgumentError(ValueError):
     """A bad command line: one clear sentence."""
@@ -21,133 +23,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _model_args(p):
-    g = p.add_argument_group("model")
-    g.add_argument(
-        "--model",
-        default="gpt2",
-        help="model family: gpt2, llama (models/registry.py) or package.module:SPEC; sets the "
-        "defaults of the architecture flags below",
-    )
-    g.add_argument("--num-layers", type=int, default=4)
-    g.add_argument("--hidden-size", type=int, default=128)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden size (SwiGLU: 8h/3)")
-    g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--kv-channels", type=int, default=None, help="head dim; default hidden / heads")
-    g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument(
-        "--num-query-groups",
-        type=int,
-        default=None,
-        help="key/value heads (grouped-query attention; 1 with --group-query-attention alone)",
-    )
-    g.add_argument("--seq-length", type=int, default=128)
-    g.add_argument("--max-position-embeddings", type=int, default=None, help="default seq length")
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"], default=None)
-    g.add_argument(
-        "--use-rotary-position-embeddings",
-        dest="position_embedding_type",
-        action="store_const",
-        const="rope",
-        help="same as --position-embedding-type rope",
-    )
-    g.add_argument(
-        "--no-position-embedding",
-        dest="position_embedding_type",
-        action="store_const",
-        const="none",
-        help="same as --position-embedding-type none",
-    )
-    g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE theta")
-    g.add_argument("--rotary-percent", type=float, default=1.0)
-    g.add_argument(
-        "--rotary-seq-len-interpolation-factor",
-        type=float,
-        default=None,
-        help="linear RoPE scaling: positions / factor (HF rope_type linear)",
-    )
-    g.add_argument(
-        "--use-rope-scaling", action="store_true", help="Llama 3.1 RoPE frequency scaling (HF rope_type llama3)"
-    )
-    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling")
-    g.add_argument("--rope-scaling-low-freq-factor", type=float, default=1.0, help="with --use-rope-scaling")
-    g.add_argument("--rope-scaling-high-freq-factor", type=float, default=4.0, help="with --use-rope-scaling")
-    g.add_argument(
-        "--rope-scaling-original-max-position-embeddings",
-        type=int,
-        default=8192,
-        help="with --use-rope-scaling: the context length the model was pretrained at",
-    )
-    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default=None)
-    g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
-    g.add_argument(
-        "--swiglu",
-        dest="activation",
-        action="store_const",
-        const="swiglu",
-        help="SwiGLU MLP (fused gate/up projection)",
-    )
-    g.add_argument(
-        "--openai-gelu",
-        dest="activation",
-        action="store_const",
-        const="openai_gelu",
-        help="GPT-2's tanh approximation of GELU",
-    )
-    g.add_argument(
-        "--untie-embeddings-and-output-weights",
-        dest="untie_embeddings_and_output_weights",
-        action="store_const",
-        const=True,
-        default=None,
-    )
-    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_const", const=False, default=None)
-    g.add_argument("--add-qkv-bias", dest="add_qkv_bias", action="store_const", const=True, default=None)
-    g.add_argument(
-        "--attention-backend",
-        choices=["auto", "flash", "fused", "unfused", "local"],
-        default="auto",
-        help="unfused/local: explicit softmax; otherwise PyTorch SDPA whenever dropout allows",
-    )
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument(
-        "--no-fused-kernels", action="store_true", help="use the PyTorch references instead of megatron_sp._C ops"
-    )
-    g.add_argument(
-        "--recompute-granularity",
-        choices=["full", "selective"],
-        default=None,
-        help="activation recomputation: whole layers (full) or the attention core (selective)",
-    )
-    g.add_argument(
-        "--recompute-method",
-        choices=["uniform", "block"],
-        default=None,
-        help="full: checkpoint chunks of --recompute-num-layers (uniform) or the first N layers (block)",
-    )
-    g.add_argument("--recompute-num-layers", type=int, default=None)
+    add_config_flags(p.add_argument_group("model"), "model")
 
 
 def _parallel_args(p):
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    add_config_flags(g, "parallelism")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="only 1 (no pipeline parallelism)")
-    g.add_argument(
-        "--context-parallel-size",
-        type=int,
-        default=1,
-        help="split each sequence over this many ranks (world = TP × CP × DP)",
-    )
-    g.add_argument(
-        "--cp-comm-type",
-        choices=["p2p", "a2a"],
-        default="p2p",
-        help="context-parallel attention: p2p ring attention or a2a (Ulysses all-to-all)",
-    )
-    g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument(
         "--distributed-backend", choices=["nccl", "gloo"], default=None, help="default: nccl on cuda, gloo on cpu"
     )

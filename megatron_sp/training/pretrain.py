@@ -17,11 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_sp import parallel_state
+from megatron_sp import checkpointing, parallel_state
 from megatron_sp.config import GPTConfig
 from megatron_sp.data.errors import DataError
-from megatron_sp.training import checkpointing, failures
+from megatron_sp.training import failures
 from megatron_sp.training.arguments import ArgumentError, parse_args
+from megatron_sp.training.config_flags import config_kwargs
 from megatron_sp.training.grad_sync import OverlappedGradSync
 from megatron_sp.training.logger import TrainingLogger
 from megatron_sp.training.loop import GradientUnderflowError, NonFiniteError, evaluate, train_step
@@ -77,55 +78,13 @@ def check_inputs(argv) -> Setup:
         prefixes, _ = parse_data_path(args.data_path)
         for prefix in prefixes:
             check_train_split(validate_indexed_prefix(prefix, vocab_size=tokenizer.vocab_size), args.split)
-    checkpointing.check_inputs(args, cfg)
+    checkpointing.check_inputs(args.load, args.save, cfg)
     return Setup(args, cfg, tokenizer, prefixes)
 
 
 def build_config(args, vocab_size: int) -> GPTConfig:
-    groups = args.num_query_groups
-    if groups is None and args.group_query_attention:
-        groups = 1  # Megatron's default with --group-query-attention
-    return GPTConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        vocab_size=vocab_size,
-        seq_length=args.seq_length,
-        ffn_hidden_size=args.ffn_hidden_size,
-        max_position_embeddings=args.max_position_embeddings,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
-        seed=args.seed,
-        layernorm_epsilon=args.norm_epsilon,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        use_fused_kernels=not args.no_fused_kernels,
-        model=args.model,
-        normalization=args.normalization,
-        activation=args.activation,
-        position_embedding_type=args.position_embedding_type,
-        rotary_base=float(args.rotary_base),
-        rotary_percent=args.rotary_percent,
-        rotary_seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
-        rope_scaling=args.use_rope_scaling,
-        rope_scaling_factor=args.rope_scaling_factor,
-        rope_scaling_low_freq_factor=args.rope_scaling_low_freq_factor,
-        rope_scaling_high_freq_factor=args.rope_scaling_high_freq_factor,
-        rope_scaling_original_max_position_embeddings=args.rope_scaling_original_max_position_embeddings,
-        num_query_groups=groups,
-        kv_channels=args.kv_channels,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        add_bias_linear=args.add_bias_linear,
-        add_qkv_bias=args.add_qkv_bias,
-        attention_backend=args.attention_backend,
-        context_parallel_size=args.context_parallel_size,
-        cp_comm_type=args.cp_comm_type,
-        recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
-    )
+    """The model the command line describes (every GPTConfig field with flags; see config.py)."""
+    return GPTConfig(vocab_size=vocab_size, **config_kwargs(args))
 
 
 def build_data(setup: Setup, ps):
@@ -251,10 +210,40 @@ class Trainer:
         self.schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup, args.lr_decay, args.lr_decay_style)
         self.state = checkpointing.TrainState()
         if args.load:
-            checkpointing.load(args, self)
+            self._load()
         self.train_ds, self.valid_ds = build_data(setup, self.ps)
         precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
         self.peak, self.peak_source = peak_tflops(args.device, precision, args.peak_tflops)
+
+    def _checkpoint_states(self) -> dict:
+        """What a checkpoint of this run holds (megatron_sp/checkpointing/states.py)."""
+        return {
+            "model": checkpointing.ModelState(self.model, self.ps),
+            "optim": checkpointing.OptimizerState(local_optimizer(self.optimizer), self.model, self.ps),
+            "train_state": self.state,
+            "loss_scale": self.scaler,  # None without --fp16
+            "rng": checkpointing.RNGState(),
+        }
+
+    def _save(self):
+        checkpointing.save(self.args.save, self._checkpoint_states(), self.cfg, self.ps, log=self.log.info)
+
+    def _load(self):
+        """--load: everything (weights only with --finetune, less the optimizer or the RNG state with
+        --no-load-optim / --no-load-rng)."""
+        args = self.args
+        skip = {"optim", "train_state", "loss_scale", "rng"} if args.finetune else set()
+        skip |= {"optim"} if args.no_load_optim else set()
+        skip |= {"rng"} if args.no_load_rng else set()
+        states = {k: v for k, v in self._checkpoint_states().items() if k not in skip}
+        is_save_dir = checkpointing.same_path(args.load, args.save)
+        meta = checkpointing.load(args.load, states, self.cfg, is_save_dir=is_save_dir, log=self.log.info)
+        if meta is not None:
+            self.log.info(
+                f" loaded checkpoint {checkpointing.checkpoint_dir(args.load, meta['iteration'])} (saved at "
+                f"TP={meta['tensor_model_parallel_size']}, iteration {meta['iteration']})"
+                f"{' for finetuning' if args.finetune else ''}"
+            )
 
     def run(self, signals=None) -> int:
         """Trains from the current state; returns 0. signals: an installed ExitSignalHandler."""
@@ -291,19 +280,19 @@ class Trainer:
             if args.eval_interval and state.iteration % args.eval_interval == 0:
                 self._evaluate()
             if args.save and args.save_interval and state.iteration % args.save_interval == 0:
-                checkpointing.save(args, self)
+                self._save()
             if signals.should_exit():
                 self.log.info(f" exit signal received: saving at iteration {state.iteration} and exiting")
                 if args.save:
-                    checkpointing.save(args, self)
+                    self._save()
                 return
             if args.exit_interval and state.iteration % args.exit_interval == 0:
                 if args.save:
-                    checkpointing.save(args, self)
+                    self._save()
                 self.log.info(f" exiting at iteration {state.iteration} (--exit-interval {args.exit_interval})")
                 return
         if args.save and (not args.save_interval or state.iteration % args.save_interval != 0):
-            checkpointing.save(args, self)
+            self._save()
 
     def _train_one(self, train_iter):
         args, state = self.args, self.state

@@ -14,16 +14,18 @@ start-up instead of a traceback or a silent start from scratch. What --load may 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 from typing import Optional
 
-from megatron_sp.training import safe_dcp
+from megatron_sp.checkpointing import safe_dcp
+from megatron_sp.checkpointing.states import TrainState
 
 LATEST = "latest_checkpointed_iteration.txt"
 METADATA_JSON = "metadata.json"
-_TRAIN_STATE_KEYS = ("iteration", "consumed_train_samples", "consumed_valid_samples")
+_TRAIN_STATE_KEYS = tuple(f.name for f in dataclasses.fields(TrainState))
 
 
 class CheckpointError(ValueError):
@@ -52,6 +54,16 @@ def read_latest(root: str) -> Optional[int]:
             f"from into it (one of the iter_N directories beside it)."
         )
     return int(text)
+
+
+def write_latest(root: str, iteration: int) -> None:
+    """Points the latest marker at `iteration`, atomically (a crash leaves the old marker)."""
+    path, tmp = os.path.join(root, LATEST), os.path.join(root, LATEST) + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def same_path(a: Optional[str], b: Optional[str]) -> bool:

@@ -1,0 +1,25 @@
+"""Checkpoints that load at any TP/CP/DP layout (torch.distributed.checkpoint), of the states a run
+gives: checkpointer.py (save / load), states.py (the stateful objects), metadata.py (metadata.json
+and its integrity record), paths.py (where checkpoints live; start-up checks), canonical.py (the
+layout-independent tensor layout), safe_dcp.py (reading without running code), full_state.py (whole
+models for the conversion tools)."""
+
+from megatron_sp.checkpointing.checkpointer import CheckpointSaveError, check_inputs, load, save
+from megatron_sp.checkpointing.paths import LATEST, CheckpointError, checkpoint_dir, read_latest, same_path
+from megatron_sp.checkpointing.states import ModelState, OptimizerState, RNGState, TrainState
+
+__all__ = [
+    "LATEST",
+    "CheckpointError",
+    "CheckpointSaveError",
+    "ModelState",
+    "OptimizerState",
+    "RNGState",
+    "TrainState",
+    "check_inputs",
+    "checkpoint_dir",
+    "load",
+    "read_latest",
+    "same_path",
+    "save",
+]

@@ -1,0 +1,339 @@
+"""Checkpoints in torch.distributed.checkpoint (DCP) format that load at any TP size, of the states a
+run gives (states.py: model, optimizer, train state, loss scaler, RNG; torchtitan's checkpointer
+takes its `states={...}` the same way): `save(root, states, cfg, ps)`, `load(root, states, cfg)`.
+
+Layout of --save DIR:
+    DIR/iter_0000010/            one checkpoint: DCP shards (*.distcp, .metadata) of the tensor states,
+                                 <key>_rank<r>.pt of the per-rank states (rng_rank*.pt), metadata.json
+                                 (metadata.py: config, layout, iteration, JSON states, integrity record)
+    DIR/latest_checkpointed_iteration.txt   the iteration of the newest complete checkpoint
+
+Atomicity: a checkpoint is written into `iter_N.tmp` and renamed to `iter_N` only after every rank
+has finished; the `latest` marker is replaced (os.replace) last. A process killed during a save
+leaves the previous checkpoint and marker untouched; a save that fails (disk full) removes its
+`iter_N.tmp` and stops the run with CheckpointSaveError.
+
+Loading is safe (safe_dcp.py: nothing in a checkpoint is unpickled beyond DCP's own metadata
+classes) and agreed: rank 0 reads the marker and broadcasts the iteration, every rank checks that
+it sees the same metadata.json (which records the size and sha256 of every file) before reading
+tensors, and that all ranks restored the same training state afterwards. Path checks that need
+no process group are in paths.py.
+
+Resharding: each TP-sharded tensor is stored as its slice of one canonical global tensor (see
+canonical.py), declared to DCP with its global offsets (a ShardedTensor), so DCP reads back any
+other slicing: save at TP=2, load at TP=1 or TP=4. Replicated tensors are plain tensors (DCP
+writes one copy). Data-parallel replicas declare the same slices; DCP de-duplicates them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import hashlib
+import json
+import os
+import shutil
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from megatron_sp.checkpointing import metadata, safe_dcp
+from megatron_sp.checkpointing.paths import (
+    LATEST,
+    CheckpointError,
+    check_files_present,
+    check_save_dir,
+    checkpoint_dir,
+    locate,
+    read_metadata_json,
+    same_path,
+    write_latest,
+)
+from megatron_sp.config import config_from_dict
+from megatron_sp.fields import mismatch
+from megatron_sp.training import failures
+
+
+class CheckpointSaveError(RuntimeError):
+    """Writing a checkpoint failed (disk full, directory gone): a runtime fault, one sentence."""
+
+
+def _dcp():
+    """torch.distributed.checkpoint, its reading made safe (safe_dcp.py): use it for every load."""
+    return safe_dcp.safe_module()
+
+
+def _checkpoint_exception():
+    """DCP's CheckpointException (a BaseException: `except Exception` does not catch it)."""
+    _dcp()
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
+
+
+def _rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _kinds(states: dict) -> tuple[dict, dict, dict]:
+    """(tensor, per-rank, JSON) states, as states.py's protocol tells them apart (None: JSON null)."""
+    tensors = {k: s for k, s in states.items() if hasattr(s, "load_target")}
+    per_rank = {k: s for k, s in states.items() if getattr(s, "per_rank", False)}
+    rest = {k: s for k, s in states.items() if k not in tensors and k not in per_rank}
+    return tensors, per_rank, rest
+
+
+def _label(key, state) -> str:
+    return getattr(state, "label", key)
+
+
+def _rank_file(path, key) -> str:
+    return os.path.join(path, f"{key}_rank{_rank()}.pt")
+
+
+# ---- start-up checks ---------------------------------------------------------------------------
+
+
+def check_inputs(load_dir, save_dir, cfg) -> None:
+    """What --load and --save need, checked on every rank before the model is built (no collectives):
+    the checkpoint to resume from (path, marker, metadata.json, model flags, file sizes) and a
+    writable --save with room for one more checkpoint."""
+    if load_dir:
+        iteration = locate(load_dir, is_save_dir=same_path(load_dir, save_dir))
+        if iteration is not None:
+            path = checkpoint_dir(load_dir, iteration)
+            meta = read_metadata_json(path)
+            _check_compatible(meta, cfg, path)
+            check_files_present(path, meta)
+    if save_dir:
+        check_save_dir(save_dir, checkpoint_bytes(cfg))
+
+
+def checkpoint_bytes(cfg) -> int:
+    """About one checkpoint's size: fp32 weights and two AdamW moments per parameter."""
+    return 3 * 4 * cfg.num_parameters()
+
+
+# ---- save --------------------------------------------------------------------------------------
+
+
+def save(root: str, states: dict, cfg, ps, log=print, extra=None) -> str:
+    """Collective. Writes `states` (states["train_state"] says the iteration) as iter_N of `root`,
+    atomically, and then moves the latest marker to it. extra: more metadata.json entries (tools)."""
+    it = states["train_state"].iteration
+    final, tmp = checkpoint_dir(root, it), checkpoint_dir(root, it) + ".tmp"
+    try:
+        _write(tmp, states, cfg, ps, extra or {})
+        if _rank() == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            write_latest(root, it)
+    except (OSError, _checkpoint_exception()) as err:
+        reason = _save_failure(err, root, checkpoint_bytes(cfg))
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # give the space back
+        raise CheckpointSaveError(
+            f"saving iteration {it} to {root} failed on rank {_rank()} ({reason}); the previous "
+            f"checkpoint and {LATEST} are intact: free space or fix --save, then resume."
+        ) from None
+    _barrier()
+    log(f" saved checkpoint at iteration {it} to {final}")
+    return final
+
+
+def _write(tmp, states, cfg, ps, extra) -> None:
+    """Every rank's shards and per-rank files, then metadata.json with the integrity record (rank 0)."""
+    if _rank() == 0:
+        os.makedirs(os.path.dirname(tmp), exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a killed save
+        os.makedirs(tmp)
+    _barrier()
+    tensors, per_rank, rest = _kinds(states)
+    with warnings.catch_warnings():  # DCP warns that a single process saves without a process group
+        warnings.simplefilter("ignore")
+        _dcp().save({k: s.state_dict() for k, s in tensors.items()}, checkpoint_id=tmp)
+    for key, state in per_rank.items():
+        torch.save(state.state_dict(), _rank_file(tmp, key))
+    entries = {k: (s.state_dict() if s is not None else None) for k, s in rest.items()}
+    metadata.write(tmp, {**metadata.describe(cfg, ps, entries.pop("train_state"), entries), **extra})
+    _barrier()
+
+
+def _save_failure(err, root, needed: int) -> str:
+    """Why a save failed, in words: torch.save reports a full disk as 'unexpected pos 704 vs 598'."""
+    reason = _root_cause(err)
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return reason
+    if getattr(err, "errno", None) == errno.ENOSPC or free < needed:
+        return f"No space left on device: {free / 1e6:.1f} MB free, a checkpoint needs about {needed / 1e6:.1f} MB"
+    return reason
+
+
+def _root_cause(err) -> str:
+    """The first rank's OSError inside DCP's CheckpointException, as 'No space left on device'."""
+    for failure in getattr(err, "failures", {}).values():
+        err = failure[0] if isinstance(failure, tuple) else failure
+        break
+    return getattr(err, "strerror", None) or failures.one_sentence(err)
+
+
+# ---- load --------------------------------------------------------------------------------------
+
+
+def load(root: str, states: dict, cfg, is_save_dir: bool = False, log=print):
+    """Collective. Restores `states` in place from the latest checkpoint in `root` (every rank loads
+    the same one); a tensor state the checkpoint lacks (converted weights hold no optimizer state)
+    keeps its value. Returns the checkpoint's metadata, or None when there is none to load (root
+    missing or empty, allowed when it is also the save directory: is_save_dir)."""
+    iteration = _agreed_iteration(root, is_save_dir)
+    if iteration is None:
+        log(f" no checkpoint in {root} (also --save): starting from scratch")
+        return None
+    path = checkpoint_dir(root, iteration)
+    meta = _verified_metadata(path, cfg)
+    tensors, per_rank, rest = _kinds(states)
+    stored = _collectively(_stored_keys, path)
+    for key, state in list(tensors.items()):
+        if key not in stored:
+            log(f" {path} holds no {_label(key, state)} (converted weights?): it starts fresh")
+            del tensors[key]
+    _load_tensors(tensors, path)
+    for key, state in rest.items():
+        if state is not None and meta.get(key) is not None:
+            state.load_state_dict(meta[key])
+    for key, state in per_rank.items():
+        _collectively(_load_rank_file, path, key, state)
+    _check_same_everywhere(
+        path, {k: s.state_dict() for k, s in rest.items() if s is not None}, "restored training state"
+    )
+    return meta
+
+
+def _verified_metadata(path, cfg) -> dict:
+    """Collective: metadata.json, the same on every rank, of a model like cfg, every file of its
+    record present and unchanged (sha256) before anything in it is unpickled."""
+    meta = _collectively(read_metadata_json, path)
+    _check_same_everywhere(path, meta)
+    _check_compatible(meta, cfg, path)
+    _collectively(check_files_present, path, meta)
+    _verify_digests(path, meta)
+    return meta
+
+
+def _agreed_iteration(root, is_save_dir):
+    """Collective: rank 0 reads the marker and decides; every rank gets its answer (or its error)."""
+    answer = [None, None]
+    if _rank() == 0:
+        try:
+            answer[0] = locate(root, is_save_dir=is_save_dir)
+        except CheckpointError as err:
+            answer[1] = str(err)
+    if dist.is_initialized():
+        dist.broadcast_object_list(answer, src=0)
+    if answer[1]:
+        raise CheckpointError(answer[1])
+    return answer[0]
+
+
+def _collectively(fn, *args):
+    """fn(*args) on every rank; if it fails on any rank, every rank raises that rank's CheckpointError."""
+    result, error = None, None
+    try:
+        result = fn(*args)
+    except CheckpointError as err:
+        error = str(err)
+    except safe_dcp.UnsafeCheckpointError as err:
+        error = f"{err}; megatron_sp loads only the checkpoints it writes."
+    except OSError as err:
+        error = f"{getattr(err, 'filename', None) or args[0]} cannot be read ({err.strerror or err})."
+    failure = failures.agree(error)
+    if failure:
+        raise CheckpointError(failure[1])
+    return result
+
+
+def _check_same_everywhere(path, value, what="metadata.json"):
+    """Collective: every rank holds the same `value` (a JSON-able dict), or all raise."""
+    if not dist.is_initialized():
+        return
+    digest = hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, digest)
+    differ = [rank for rank, view in enumerate(views) if view != views[0]]
+    if differ:
+        raise CheckpointError(
+            f"ranks {differ} see a different {what} of {path} than rank 0; --load must be one "
+            f"directory that every node reads the same (a shared file system)."
+        )
+
+
+def _verify_digests(path, meta) -> None:
+    """Collective: the files' sha256 against the record, each rank hashing its share, before unpickling."""
+    record = sorted((meta.get("files") or {}).items())
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    problem = safe_dcp.check_digests(path, record[_rank() :: world])
+    failure = failures.agree(problem)
+    if failure:
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: {failure[1]}; load an earlier iteration by "
+            f"writing its number into {LATEST}."
+        )
+
+
+def _load_tensors(tensors: dict, path) -> None:
+    """DCP reads into each state's target (this rank's slices); then each state takes its tensors."""
+    target = {k: s.load_target() for k, s in tensors.items()}
+    try:
+        safe_dcp.load(target, path, no_dist=not dist.is_initialized())
+    except (Exception, _checkpoint_exception()) as err:  # noqa: BLE001 - DCP wraps any reader error
+        if failures.is_collective_failure(err):  # a peer died while reading: not the files' fault
+            raise
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read ({_root_cause(err)}); it is damaged or not "
+            f"a megatron_sp checkpoint: load an earlier iteration."
+        ) from None
+    for key, state in tensors.items():
+        state.load_state_dict(target[key])
+
+
+def _stored_keys(path) -> set:
+    """The top-level keys of the tensor states a checkpoint holds ("model", "optim")."""
+    return {key.split(".")[0] for key in safe_dcp.read_metadata(path).state_dict_metadata}
+
+
+def _load_rank_file(path, key, state) -> None:
+    """This rank's file of a per-rank state (weights_only: tensors and plain containers), if saved."""
+    file = _rank_file(path, key)
+    if not os.path.exists(file):
+        return
+    try:
+        state.load_state_dict(torch.load(file, weights_only=True))
+    except Exception:  # noqa: BLE001 - truncated zip, foreign pickle, wrong content: all mean "not ours"
+        raise CheckpointError(
+            f"{file} is not a readable {_label(key, state)}; resume with --no-load-{key} or from an earlier iteration."
+        ) from None
+
+
+def _check_compatible(meta, cfg, path):
+    """The model against the checkpoint's on every field with a resume rule (config.py's table); a
+    field the checkpoint lacks takes its default, resolved as GPTConfig resolves it for the saved shape."""
+    try:
+        saved = config_from_dict(meta["config"])
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(
+            f"checkpoint {path} holds a model config this version cannot build ({failures.one_sentence(err)})."
+        ) from None
+    name = mismatch(dataclasses.fields(cfg), cfg, saved)
+    if name is not None:
+        raise CheckpointError(
+            f"checkpoint {path} has {name}={getattr(saved, name)} but the model has "
+            f"{getattr(cfg, name)}; use the same model flags as the saved run."
+        )
