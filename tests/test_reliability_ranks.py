@@ -312,7 +312,7 @@ def _disagree_then_report():
 
     import torch.distributed as dist
 
-    from megatron_sp.training import failures
+    from megatron_sp import failures
 
     try:
         checkpointer._check_same_everywhere("ckpt/iter_0000004", {"iteration": 4, "seen_by": min(dist.get_rank(), 1)})

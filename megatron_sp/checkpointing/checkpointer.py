@@ -52,7 +52,7 @@ from megatron_sp.checkpointing.paths import (
 )
 from megatron_sp.config import config_from_dict
 from megatron_sp.fields import mismatch
-from megatron_sp.training import failures
+from megatron_sp import failures
 
 
 class CheckpointSaveError(RuntimeError):
