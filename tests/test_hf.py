@@ -4,24 +4,21 @@ and transformers loads our exports offline with the same logits (RoPE scaling: L
 included); what cannot be expressed is refused; imported models train with the printed flags."""
 
 import json
-import os
-import sys
 
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-import convert_hf  # noqa: E402
-
-from megatron_sp.models.hf import ConversionError, from_hf, to_hf  # noqa: E402
-from megatron_sp.models.reference import ReferenceGPT  # noqa: E402
-from megatron_sp.training.full_state import (  # noqa: E402
+from megatron_sp.models.hf import ConversionError, from_hf, to_hf
+from megatron_sp.models.reference import ReferenceGPT
+from megatron_sp.training.full_state import (
     checkpoint_path,
     config_from_dict,
     read_full_state,
     write_full_checkpoint,
 )
+from tools import convert_hf
+
+transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ = 97, 24
 
@@ -312,7 +309,7 @@ def test_imported_scaled_llama_trains_with_the_printed_flags(tmp_path, capsys):
 def test_greedy_generation_matches_transformers(name, tmp_path, capsys):
     """tools/generate.py on an imported model: greedy decoding picks transformers' tokens (its
     generate(), no sampling); top-k 1 and a tiny top-p sample the same tokens; it stops at eod."""
-    import generate as gen
+    from tools import generate as gen
 
     torch.manual_seed(0)
     hf = HF_MODELS[name]()

@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_sp.training.full_state import (
     checkpoint_path,
-    read_full_state,  # noqa: E402
+    read_full_state,
     write_full_checkpoint,
 )
 

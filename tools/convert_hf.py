@@ -20,12 +20,10 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_sp.models.hf import from_hf, to_hf  # noqa: E402
+from megatron_sp.models.hf import from_hf, to_hf
 from megatron_sp.training.full_state import (
     checkpoint_path,
-    config_from_dict,  # noqa: E402
+    config_from_dict,
     read_full_state,
     write_full_checkpoint,
 )
