@@ -45,9 +45,10 @@ import time
 import traceback
 from collections import OrderedDict
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import World, add_shape_args  # noqa: E402  (also puts the repo root on sys.path)
-from _dist import table as _table
+from _cli import add_shape_args
+from _cli import table as _table
+
+from megatron_sp.testing import LocalWorld
 
 # ---- the measurement machinery (importable; tests/test_bench_memory.py checks it) --------------
 
@@ -295,7 +296,7 @@ def _breakdown(res_tp, res_sp, t):
     rows = []
     for k in list(a) + [k for k in b if k not in a]:
         ra, rb = a.get(k), b.get(k)
-        fmt = lambda r: (f"{list(r['shape'])} {r['dtype']}", r["nbytes"]) if r else ("-", 0)  # noqa: E731
+        fmt = lambda r: (f"{list(r['shape'])} {r['dtype']}", r["nbytes"]) if r else ("-", 0)
         sa, ba = fmt(ra)
         sb_, bb = fmt(rb)
         row = [k[0], k[1], sa, ba]
@@ -448,7 +449,7 @@ def main(argv=None):
         f"{os.cpu_count()} CPU cores, world of {world_size} processes, fused ops: {args.fused}"
     )
     ok = True
-    with World(world_size) as world:
+    with LocalWorld(world_size) as world:
         for dropout in dropouts:
             results = OrderedDict()
             for t in tps:
@@ -466,6 +467,6 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except Exception:  # noqa: BLE001
+    except Exception:  # any failure: the traceback, then exit 2
         traceback.print_exc()
         sys.exit(2)

@@ -38,9 +38,10 @@ import time
 import traceback
 from collections import OrderedDict
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import World, add_shape_args  # noqa: E402  (also puts the repo root on sys.path)
-from _dist import table as _table
+from _cli import add_shape_args
+from _cli import table as _table
+
+from megatron_sp.testing import LocalWorld
 
 # torch.distributed attribute -> (kind, how to size it)
 WRAPPED = OrderedDict(
@@ -372,7 +373,7 @@ def main(argv=None):
         f"world of {world_size} processes"
     )
     results = OrderedDict()
-    with World(world_size) as world:
+    with LocalWorld(world_size) as world:
         for t in tps:
             for sp in (False, True):
                 per_rank = world.run(_step_worker, args, t, sp)
@@ -396,6 +397,6 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except Exception:  # noqa: BLE001
+    except Exception:  # any failure: the traceback, then exit 2
         traceback.print_exc()
         sys.exit(2)

@@ -15,6 +15,8 @@ OUT_DIR="${OUT:-/tmp/megatron_sp_gpu_check}"
 mkdir -p "$OUT_DIR"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
+# The extension is built in place, not installed: the scripts under bench/ import megatron_sp from here.
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 unset MEGATRON_SP_SKIP_CUDA_BUILD

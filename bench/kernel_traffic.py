@@ -1,8 +1,8 @@
 """Global-memory bytes each CUDA kernel moves, counted on the CPU emulator (no GPU needed).
 
-    python bench/kernel_traffic.py                 # bf16, an H200's launch geometry (132 SMs)
-    python bench/kernel_traffic.py --sms 66 --dtype float32
-    python bench/kernel_traffic.py --csrc /path/to/other/checkout/csrc   # compare kernel versions
+    PYTHONPATH=tests python bench/kernel_traffic.py      # bf16, an H200's launch geometry (132 SMs)
+    PYTHONPATH=tests python bench/kernel_traffic.py --sms 66 --dtype float32
+    PYTHONPATH=tests python bench/kernel_traffic.py --csrc /path/to/other/checkout/csrc   # other kernels
 
 The unmodified csrc/cuda/*.cu are built for tests/cuda_emulator/ with every load and store of the
 kernel files routed to a counter (build mode "traffic"); each op then runs once on the shapes below
@@ -19,21 +19,18 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
-import sys
 import tempfile
 import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-sys.path.insert(0, ROOT)
+from megatron_sp.testing import random_index
 
-from cuda_emulator import build as emulator_build  # noqa: E402
-from cuda_emulator.run_cases import DTYPE_CODE, load  # noqa: E402
-
-from megatron_sp.ops.testing import random_index  # noqa: E402
+try:  # the emulator harness lives in tests/, outside the package
+    from cuda_emulator import build as emulator_build
+    from cuda_emulator.run_cases import DTYPE_CODE, load
+except ModuleNotFoundError as err:
+    raise SystemExit(f"{err}: run this bench as `PYTHONPATH=tests python bench/kernel_traffic.py`") from err
 
 
 class Traffic:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import platform
 import statistics
 import sys
@@ -33,20 +32,16 @@ from typing import Callable, Dict, List
 import torch
 import torch.nn.functional as F
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:  # runs without installing the package
-    sys.path.insert(0, REPO_ROOT)
-
-from megatron_sp import ops  # noqa: E402
-from megatron_sp.models.attention import causal_attention  # noqa: E402
-from megatron_sp.ops import layout  # noqa: E402
-from megatron_sp.ops.flash_attention import (  # noqa: E402
+from megatron_sp import ops
+from megatron_sp.models.attention import causal_attention
+from megatron_sp.ops import layout
+from megatron_sp.ops.flash_attention import (
     AttentionDropout,
     flash_attention_bwd_reference,
     flash_attention_fwd_reference,
 )
-from megatron_sp.ops.philox import DropoutIndex  # noqa: E402
-from megatron_sp.ops.testing import assert_close_dtype  # noqa: E402
+from megatron_sp.ops.philox import DropoutIndex
+from megatron_sp.testing import assert_close_dtype
 
 MSP = torch.ops.megatron_sp
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

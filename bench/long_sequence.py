@@ -31,8 +31,9 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import World, table  # noqa: E402
+from _cli import table
+
+from megatron_sp.testing import LocalWorld
 
 
 def _config(a, layers, cp, comm, s, dropout, tp=1):
@@ -226,7 +227,7 @@ def section_budget(a, world, cps):
     rows = []
     for c in cps:
         step = 2 * c * 64
-        fits = lambda s: max(r[0] for r in world.run(budget_worker, a, c, "p2p", s, False)) <= budget  # noqa: E731
+        fits = lambda s: max(r[0] for r in world.run(budget_worker, a, c, "p2p", s, False)) <= budget
         lo, hi = 0, step
         while fits(hi):
             lo, hi = hi, hi * 2
@@ -259,7 +260,7 @@ def main(argv=None):
         f"long sequences — torch {torch.__version__}, gloo, {os.cpu_count()} CPU cores, world of {max(cps)}; "
         f"s={a.seq_length} b={a.micro_batch_size} h={a.hidden_size} a={a.num_attention_heads}, fp32"
     )
-    with World(max(cps)) as world:
+    with LocalWorld(max(cps)) as world:
         print("\n1. bytes sent per rank per layer per step (forward + backward), dropout off")
         ok = section_comm(a, world, cps)
         print("\n2. activation bytes saved per layer per rank, dropout 0.1 (TP=1)")

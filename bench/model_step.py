@@ -13,13 +13,12 @@ figures are printed as a table; the script has no pass/fail criterion.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import World, add_shape_args, table  # noqa: E402
+from _cli import add_shape_args, table
+
+from megatron_sp.testing import LocalWorld
 
 
 def _config(a, tp):
@@ -118,7 +117,7 @@ def main(argv=None):
         if tp == 1:
             res = measure(a, 1)
         else:
-            with World(tp) as world:
+            with LocalWorld(tp) as world:
                 res = world.run(measure, a, tp)[0]
         rows.append(
             [

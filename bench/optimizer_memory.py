@@ -17,7 +17,9 @@ import argparse
 import statistics
 import time
 
-import _dist
+from _cli import table
+
+from megatron_sp.testing import LocalWorld
 
 
 def _measure(tp, cp, hidden, layers, steps):
@@ -87,7 +89,7 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     rows = []
-    with _dist.World(4) as world:
+    with LocalWorld(4) as world:
         for tp, cp in [(1, 1), (2, 1), (1, 2)]:
             ranks = world.run(_measure, tp, cp, args.hidden_size, args.num_layers, args.steps)
             plain = ranks[0][False][0]
@@ -113,7 +115,7 @@ def main():
         f"layers, world 4 (gloo, CPU); time: gradient sync + optimizer step"
     )
     print(
-        _dist.table(
+        table(
             [
                 "layout",
                 "replicas",

@@ -1,11 +1,9 @@
-"""Shared pytest configuration: markers and the persistent multi-process gloo pools."""
+"""Shared pytest configuration: the markers (cuda, extension, slow) and a clean environment per test."""
 
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
@@ -21,6 +19,11 @@ def _restore_environ():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line(
+        "markers",
+        "extension(op=None): needs megatron_sp._C (and torch.ops.megatron_sp.op); skipped without it, "
+        "failed under MEGATRON_SP_REQUIRE_EXTENSION=1",
+    )
     config.addinivalue_line("markers", "slow: multi-process end-to-end test")
 
 
@@ -35,3 +38,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords and not has_cuda:
             item.add_marker(skip)
+
+
+def pytest_runtest_setup(item):
+    """Tests marked `extension` skip without megatron_sp._C, or fail under MEGATRON_SP_REQUIRE_EXTENSION=1."""
+    mark = item.get_closest_marker("extension")
+    if mark is None:
+        return
+    from megatron_sp.testing import extension_missing, extension_required, required_message
+
+    missing = extension_missing(*mark.args)
+    if missing and extension_required():
+        pytest.fail(required_message(missing), pytrace=False)
+    if missing:
+        pytest.skip(missing)

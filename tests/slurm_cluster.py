@@ -329,17 +329,6 @@ def read_losses(path: str | os.PathLike) -> list[tuple[int, float]]:
     return out
 
 
-def wait_until(predicate, timeout: float, what: str, poll_s: float = 0.05):
-    """Polls `predicate()` until it is truthy and returns its value; TimeoutError naming `what`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise TimeoutError(f"{what}: not after {timeout:.0f} s")
-
-
 def tail(path: str | os.PathLike, chars: int = 4000) -> str:
     try:
         return Path(path).read_text(errors="replace")[-chars:]

@@ -18,7 +18,6 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 from megatron_sp.training.dist_env import destroy_distributed, init_distributed
 from megatron_sp.training.signals import ExitSignalHandler
 

@@ -3,16 +3,10 @@
 save_for_backward included) and bench/comm_volume.py's collective counter (ring costs, no double count
 of the deprecated aliases that forward to the *_single collectives)."""
 
-import os
-import sys
-
 import pytest
 import torch
+from activation_memory import SavedTensorCounter
 from torch import nn
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-
-from activation_memory import SavedTensorCounter  # noqa: E402
 
 
 def test_views_of_one_storage_count_once():
@@ -111,9 +105,9 @@ def _comm_worker():
 
 
 def test_collective_counter_ring_costs():
-    from _dist import World
+    from megatron_sp.testing import LocalWorld
 
-    with World(2) as world:
+    with LocalWorld(2) as world:
         calls = world.run(_comm_worker)
     for per_rank in calls:
         assert per_rank == [("all_reduce", 128, 128.0), ("all_gather", 256, 128.0), ("reduce_scatter", 128, 64.0)]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from launch_helpers import REPO, TINY, check, losses, torchrun
+from launch_helpers import TINY, check, losses, torchrun
 
 from megatron_sp import checkpointing
 from megatron_sp.training import pretrain
@@ -90,7 +90,6 @@ EVERY2 = ["--save-interval", "2"]
 
 KILLER = """
 import os, signal, sys
-sys.path.insert(0, {repo!r})
 from megatron_sp.checkpointing import checkpointer
 from megatron_sp.training import pretrain
 real = checkpointer._dcp()
@@ -109,7 +108,7 @@ sys.exit(pretrain.main(sys.argv[1:]))
 def test_save_killed_midway_keeps_previous_checkpoint(tmp_path, capsys):
     save = tmp_path / "ckpt"
     driver = tmp_path / "driver.py"
-    driver.write_text(KILLER.format(repo=REPO))
+    driver.write_text(KILLER)
     proc = subprocess.run(
         [sys.executable, str(driver), *SMALL, *EVERY2, "--train-iters", "6", "--save", str(save)],
         cwd=tmp_path,
@@ -177,10 +176,8 @@ def test_finetune_and_no_load_optim(tmp_path):
 def test_safetensors_round_trip(tmp_path):
     from safetensors.torch import load_file
 
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    import convert_checkpoint
-
     from megatron_sp.models.reference import ReferenceGPT
+    from tools import convert_checkpoint
 
     save = tmp_path / "ckpt"
     assert pretrain.main(SMALL + ["--train-iters", "2", "--save", str(save)]) == 0

@@ -28,7 +28,7 @@ import pytest
 from cuda_emulator import build as emulator_build
 from cuda_emulator.run_cases import CASES
 
-RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emulator", "run_cases.py")
+TESTS = os.path.dirname(os.path.abspath(__file__))  # where the runner finds its package, cuda_emulator
 # One case per kernel (and barrier structure) for the slower ThreadSanitizer run; the long-row
 # LayerNorm variants have the same barriers as the short ones and take ~30 s there.
 RACE_CASES = [
@@ -53,8 +53,13 @@ def _require(sanitizer):
 def _run(library, sanitizer, out_json, cases=()):
     env = emulator_build.sanitizer_env(sanitizer)
     env["OMP_NUM_THREADS"] = "1"  # torch's OpenMP threads are not ThreadSanitizer-aware
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS, env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, RUNNER, library, str(out_json), *cases], env=env, capture_output=True, text=True, timeout=1200
+        [sys.executable, "-m", "cuda_emulator.run_cases", library, str(out_json), *cases],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     return proc.returncode, proc.stdout + proc.stderr
 
@@ -153,7 +158,6 @@ def test_planted_launch_over_launch_bounds_is_caught(tmp_path, object_cache):
 def test_kernel_traffic(tmp_path, object_cache):
     if emulator_build.compiler() is None:
         pytest.skip("no host C++ compiler")
-    sys.path.insert(0, os.path.join(emulator_build.ROOT, "bench"))
     import torch
     from cuda_emulator.run_cases import load
     from kernel_traffic import run_ops

@@ -14,7 +14,7 @@ from megatron_sp.ops.bias_dropout_add import bias_dropout_add, bias_dropout_add_
 from megatron_sp.ops.layer_norm import layer_norm, layer_norm_reference
 from megatron_sp.ops.philox import DropoutIndex, hidden_keep_mask
 from megatron_sp.ops.rms_norm import rms_norm, rms_norm_reference
-from megatron_sp.ops.testing import FLOAT_DTYPES, assert_close_dtype, random_index
+from megatron_sp.testing import FLOAT_DTYPES, assert_close_dtype, random_index
 
 pytestmark = pytest.mark.cuda
 MSP = torch.ops.megatron_sp

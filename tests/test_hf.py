@@ -4,20 +4,17 @@ and transformers loads our exports offline with the same logits (RoPE scaling: L
 included); what cannot be expressed is refused; imported models train with the printed flags."""
 
 import json
-import os
-import sys
 
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-import convert_hf  # noqa: E402
+from megatron_sp.checkpointing.full_state import checkpoint_path, read_full_state, write_full_checkpoint
+from megatron_sp.config import config_from_dict
+from megatron_sp.models.hf import ConversionError, from_hf, to_hf
+from megatron_sp.models.reference import ReferenceGPT
+from tools import convert_hf
 
-from megatron_sp.checkpointing.full_state import checkpoint_path, read_full_state, write_full_checkpoint  # noqa: E402
-from megatron_sp.config import config_from_dict  # noqa: E402
-from megatron_sp.models.hf import ConversionError, from_hf, to_hf  # noqa: E402
-from megatron_sp.models.reference import ReferenceGPT  # noqa: E402
+transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ = 97, 24
 
@@ -307,7 +304,7 @@ def test_imported_scaled_llama_trains_with_the_printed_flags(tmp_path, capsys):
 def test_greedy_generation_matches_transformers(name, tmp_path, capsys):
     """tools/generate.py on an imported model: greedy decoding picks transformers' tokens (its
     generate(), no sampling); top-k 1 and a tiny top-p sample the same tokens; it stops at eod."""
-    import generate as gen
+    from tools import generate as gen
 
     torch.manual_seed(0)
     hf = HF_MODELS[name]()

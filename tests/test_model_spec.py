@@ -162,10 +162,6 @@ def test_gqa_shapes_and_kv_channels():
 
 
 def _saved_bytes(cfg):
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     from activation_memory import SavedTensorCounter
 
     model = ReferenceGPT(cfg).train()

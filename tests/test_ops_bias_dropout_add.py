@@ -7,12 +7,11 @@ import sys
 import pytest
 import torch
 
-from megatron_sp import ops
 from megatron_sp.ops.bias_dropout_add import bias_dropout_add, bias_dropout_add_reference
 from megatron_sp.ops.philox import dropout, hidden_keep_mask
-from megatron_sp.ops.testing import FLOAT_DTYPES, assert_close_dtype, randn, random_index
+from megatron_sp.testing import FLOAT_DTYPES, assert_close_dtype, randn, random_index
 
-pytestmark = pytest.mark.skipif(not ops.extension_available(), reason="megatron_sp._C not built")
+pytestmark = pytest.mark.extension
 
 SHAPES = [(1, 1, 1), (5, 3, 7), (16, 2, 64), (9, 4, 130)]  # [s, b, h], odd sizes included
 OFFSETS = [0, 3, 128]  # global index of local feature 0
@@ -160,7 +159,7 @@ VARIANT_SCRIPT = r"""
 import torch
 from megatron_sp.ops.bias_dropout_add import bias_dropout_add, bias_dropout_add_reference
 from megatron_sp.ops.layer_norm import layer_norm, layer_norm_reference
-from megatron_sp.ops.testing import random_index
+from megatron_sp.testing import random_index
 for (s, b, h), off in [((5, 3, 7), 3), ((4, 2, 96), 0), ((3, 2, 130), 6)]:
     x, res, bias = torch.randn(s, b, h), torch.randn(s, b, h), torch.randn(h)
     index = random_index(s, b)

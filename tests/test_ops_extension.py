@@ -1,11 +1,15 @@
-"""The ops package without the compiled extension: import works, references run, one notice."""
+"""The ops package without the compiled extension: import works, references run, one notice; the op
+tests skip then, and fail instead under MEGATRON_SP_REQUIRE_EXTENSION=1 (as scripts/test.sh runs them)."""
 
+import os
 import subprocess
 import sys
 
+import pytest
 import torch
+from launch_helpers import REPO
 
-from megatron_sp import ops
+from megatron_sp.testing import extension_missing
 
 NO_EXTENSION = r"""
 import sys, logging, torch
@@ -18,6 +22,8 @@ x, w, b = torch.randn(4, 2, 8), torch.ones(8), torch.zeros(8)
 ops.layer_norm(x, w, b, 1e-5)
 ops.bias_dropout_add(x, b, x, 0.1, 1, 0, 2, default_index(4, 2))
 ops.zigzag_reorder(x, 2)
+w = torch.randn(8)
+assert torch.equal(ops.rms_norm(x, w, 1e-6), ops.rms_norm_reference(x, w, 1e-6))
 print("OK")
 """
 
@@ -30,10 +36,45 @@ def test_import_and_ops_work_without_extension():
     assert len(notices) == 1, proc.stderr
 
 
+@pytest.mark.extension
 def test_extension_builds_cpu_kernels():
     # scripts/env.sh builds the extension; when it is present its CPU kernels must be registered.
-    if ops.extension_available():
-        from megatron_sp.ops._extension import BUILT_DEVICES
+    from megatron_sp.ops._extension import BUILT_DEVICES
 
-        assert "cpu" in BUILT_DEVICES
-        assert hasattr(torch.ops.megatron_sp, "bias_dropout_add_fwd")
+    assert "cpu" in BUILT_DEVICES
+    assert hasattr(torch.ops.megatron_sp, "bias_dropout_add_fwd")
+
+
+@pytest.mark.extension
+def test_extension_missing_says_why(monkeypatch):
+    from megatron_sp.ops import _extension
+
+    assert extension_missing() == "" and extension_missing("layer_norm_fwd") == ""
+    assert extension_missing("no_such_op") == "megatron_sp._C has no no_such_op (built from older sources)"
+    monkeypatch.setattr(_extension, "_LOAD_ERROR", "ImportError: libc10.so: cannot open shared object file")
+    assert extension_missing() == "megatron_sp._C did not load (ImportError: libc10.so: cannot open shared object file)"
+
+
+# pytest in a process where megatron_sp._C does not load: the test needing it must fail, not skip.
+REQUIRED_BUT_HIDDEN = r"""
+import sys
+import pytest
+sys.modules["megatron_sp._C"] = None          # makes `import megatron_sp._C` raise ImportError
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "{test}::test_extension_builds_cpu_kernels"]))
+"""
+
+
+def test_required_extension_fails_the_op_tests_when_missing():
+    env = dict(os.environ, MEGATRON_SP_REQUIRE_EXTENSION="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", REQUIRED_BUT_HIDDEN.format(test=__file__)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "1 error" in proc.stdout and "skipped" not in proc.stdout, proc.stdout
+    assert "megatron_sp._C did not load (ModuleNotFoundError: import of megatron_sp._C halted" in proc.stdout
+    assert "MEGATRON_SP_REQUIRE_EXTENSION=1 requires it: rebuild it with" in proc.stdout, proc.stdout

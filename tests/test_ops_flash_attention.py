@@ -7,7 +7,6 @@ reference against the explicit softmax of models/attention.py."""
 import pytest
 import torch
 
-from megatron_sp import ops
 from megatron_sp.models.attention import causal_attention
 from megatron_sp.ops.flash_attention import (
     AttentionDropout,
@@ -19,13 +18,10 @@ from megatron_sp.ops.flash_attention import (
     merge_partials,
 )
 from megatron_sp.ops.philox import DropoutIndex
-from megatron_sp.ops.testing import FLOAT_DTYPES, assert_close_dtype
+from megatron_sp.testing import FLOAT_DTYPES, assert_close_dtype
 
 MSP = torch.ops.megatron_sp
-needs_op = pytest.mark.skipif(
-    not (ops.extension_available() and hasattr(MSP, "flash_attention_fwd")),
-    reason="megatron_sp._C without flash_attention",
-)
+needs_op = pytest.mark.extension("flash_attention_fwd")
 
 
 def _qkv(b, nq, nkv, sq, sk, d, dtype, gen, strided=False):

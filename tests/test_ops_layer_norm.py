@@ -3,11 +3,10 @@
 import pytest
 import torch
 
-from megatron_sp import ops
 from megatron_sp.ops.layer_norm import layer_norm, layer_norm_reference
-from megatron_sp.ops.testing import FLOAT_DTYPES, assert_close_dtype, randn
+from megatron_sp.testing import FLOAT_DTYPES, assert_close_dtype, randn
 
-pytestmark = pytest.mark.skipif(not ops.extension_available(), reason="megatron_sp._C not built")
+pytestmark = pytest.mark.extension
 
 SHAPES = [(1, 1), (3, 5, 7), (17, 33), (4, 2, 256), (2, 1000)]
 

@@ -4,10 +4,9 @@ on one process with p virtual ranks."""
 import pytest
 import torch
 
-from megatron_sp import ops
 from megatron_sp.ops import layout
 
-pytestmark = pytest.mark.skipif(not ops.extension_available(), reason="megatron_sp._C not built")
+pytestmark = pytest.mark.extension
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
 

@@ -9,7 +9,8 @@ in copies by pairs of ranks at TP=4), both built from their spec; the same harne
 
 import pytest
 import torch
-from dist_pool import WorkerPool
+
+from megatron_sp.testing import LocalWorld
 
 VOCAB, SEQ, BATCH, STEPS = 97, 32, 2, 3  # 97: not divisible by any TP size
 FUSED = False  # the reference ops (test_fused_parity covers megatron_sp._C)
@@ -17,7 +18,7 @@ FUSED = False  # the reference ops (test_fused_parity covers megatron_sp._C)
 
 @pytest.fixture(scope="module")
 def pool():
-    p = WorkerPool(4)
+    p = LocalWorld(4)
     yield p
     p.close()
 
@@ -186,13 +187,10 @@ def test_llama_gqa_parity_with_reference(pool, tp, sp, dropout):
         ("gpt2", 2, True, 2, "a2a"),
     ],
 )
+@pytest.mark.extension
 def test_parity_with_fused_kernels(pool, family, tp, sp, cp, comm):
     """The same contract with megatron_sp._C's bias-dropout-add, LayerNorm, RMSNorm, blockwise
     attention (ring partial blocks included) and Ulysses pack/unpack in the model."""
-    from megatron_sp.ops import extension_available
-
-    if not extension_available():
-        pytest.skip("megatron_sp._C is not built")
     check_parity(pool, tp, sp, 0.1, fused=True, family=family, cp=cp, comm=comm)
 
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launch_helpers import PROGRAM, REPO, free_port
+from launch_helpers import PROGRAM, REPO, environ_without_launcher, free_port, torchrun_command, wait_until
 
 from megatron_sp import checkpointing
 from megatron_sp.checkpointing import checkpointer
@@ -50,21 +50,11 @@ TINY = [
     "--no-progress-bar",
     "--mock-data",
 ]
-LAUNCH_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "GROUP_RANK",
-    "TORCHELASTIC_RESTART_COUNT",
-    "MEGATRON_SP_EXIT_STATUS_FILE",
-)
 
 
 def start_ranks(tmp_path, program_argv, world=2):
     """`world` ranks of a program (list of argv after the interpreter), as torchrun would start them."""
-    base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
+    base = environ_without_launcher(drop_slurm=True)
     port, procs = free_port(), []
     for rank in range(world):
         env = dict(
@@ -97,15 +87,6 @@ def stop_all(procs):
         p.wait()
 
 
-def wait_for(predicate, timeout, what):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
 def logged_iterations(path: Path) -> int:
     return sum(1 for line in path.read_text().splitlines() if '"lm_loss"' in line) if path.exists() else 0
 
@@ -134,7 +115,7 @@ def test_sigstopped_rank_fails_its_tp_peer_after_the_timeout(tmp_path):
         ],
     )
     try:
-        wait_for(lambda: logged_iterations(log) >= 3 or procs[0].poll() is not None, 120, "three iterations")
+        wait_until(lambda: logged_iterations(log) >= 3 or procs[0].poll() is not None, 120, "three iterations")
         assert procs[0].poll() is None, (tmp_path / "rank0.err").read_text()
         procs[1].send_signal(signal.SIGSTOP)  # alive, never joins the next collective
         start = time.monotonic()
@@ -153,26 +134,8 @@ def test_sigstopped_rank_fails_its_tp_peer_after_the_timeout(tmp_path):
 # ---- signals --------------------------------------------------------------------------------------
 def test_sigint_to_torchrun_saves_and_exits_like_sigterm(tmp_path):
     log, save = tmp_path / "log.jsonl", tmp_path / "ckpt"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        PROGRAM,
-        *TINY,
-        "--train-iters",
-        "100000",
-        "--save",
-        str(save),
-        "--log-jsonl",
-        str(log),
-    ]
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    cmd = torchrun_command(2, [*TINY, "--train-iters", "100000", "--save", str(save), "--log-jsonl", str(log)])
+    env = environ_without_launcher()
     with open(tmp_path / "out.txt", "w") as out:
         agent = subprocess.Popen(
             cmd,
@@ -182,7 +145,7 @@ def test_sigint_to_torchrun_saves_and_exits_like_sigterm(tmp_path):
             stderr=subprocess.STDOUT,
         )
     try:
-        wait_for(lambda: logged_iterations(log) >= 2 or agent.poll() is not None, 120, "two iterations")
+        wait_until(lambda: logged_iterations(log) >= 2 or agent.poll() is not None, 120, "two iterations")
         agent.send_signal(signal.SIGINT)  # Ctrl-C; torchrun forwards it to the ranks
         start = time.monotonic()
         agent.wait(timeout=60)
@@ -201,7 +164,7 @@ def test_sigint_to_torchrun_saves_and_exits_like_sigterm(tmp_path):
 def test_usr1_during_startup_does_not_kill_the_real_program(tmp_path):
     """pretrain_gpt_sp.py installs its handler before importing torch: a SIGUSR1 (Slurm's time-limit
     warning) while torch loads or the model is built stops the run at its first boundary, exit 0."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env = environ_without_launcher()
     proc = subprocess.Popen(
         [sys.executable, PROGRAM, *TINY, "--train-iters", "5"],
         cwd=tmp_path,
@@ -211,7 +174,7 @@ def test_usr1_during_startup_does_not_kill_the_real_program(tmp_path):
         stderr=subprocess.PIPE,
     )
     maps = Path(f"/proc/{proc.pid}/maps")
-    wait_for(lambda: proc.poll() is not None or "libtorch" in maps.read_text(), 60, "torch to load")
+    wait_until(lambda: proc.poll() is not None or "libtorch" in maps.read_text(), 60, "torch to load")
     proc.send_signal(signal.SIGUSR1)  # torch is loading: long before the loop
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
@@ -221,7 +184,6 @@ def test_usr1_during_startup_does_not_kill_the_real_program(tmp_path):
 
 DRIVER = """
 import os, signal, sys
-sys.path.insert(0, {repo!r})
 from megatron_sp.training.signals import ExitSignalHandler
 signals = ExitSignalHandler().install()                  # as pretrain_gpt_sp.py does
 from megatron_sp import checkpointing
@@ -257,7 +219,7 @@ def checkpoint(tmp_path_factory):
 
 def _driver(tmp_path, mode):
     path = tmp_path / "driver.py"
-    path.write_text(DRIVER.format(repo=str(REPO), mode=mode))
+    path.write_text(DRIVER.format(mode=mode))
     return str(path)
 
 
@@ -326,9 +288,9 @@ def _disagree_then_report():
 
 
 def test_ranks_that_see_different_checkpoints_stop_and_report_once():
-    from dist_pool import WorkerPool
+    from megatron_sp.testing import LocalWorld
 
-    with WorkerPool(2) as world:
+    with LocalWorld(2) as world:
         results = world.run(_disagree_then_report)
     messages, codes, printed = zip(*results)
     assert messages[0] == messages[1] and "ranks [1] see a different metadata.json" in messages[0]
@@ -370,7 +332,7 @@ def test_usr1_requeues_only_unfinished_training(tmp_path, status, requeued):
     shell = subprocess.Popen(
         ["bash", "-c", REQUEUE_SCRIPT], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
-    wait_for(ready.exists, 30, "the step to start")
+    wait_until(ready.exists, 30, "the step to start")
     shell.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@120 does
     out, _ = shell.communicate(timeout=30)
     assert "rc=0" in out, out

@@ -5,14 +5,14 @@ import signal
 
 import pytest
 import torch.distributed as dist
-from dist_pool import WorkerPool
 
+from megatron_sp.testing import LocalWorld
 from megatron_sp.training.signals import ExitSignalHandler
 
 
 @pytest.fixture(scope="module")
 def pool():
-    p = WorkerPool(2)
+    p = LocalWorld(2)
     yield p
     p.close()
 

@@ -16,7 +16,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from slurm_cluster import read_losses, slurm_cluster, tail, wait_until  # noqa: F401 (fixture)
+from launch_helpers import wait_until
+from slurm_cluster import read_losses, slurm_cluster, tail  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = "tests/slurm_probe.py"

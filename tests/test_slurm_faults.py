@@ -10,38 +10,21 @@ Each test prints how long the survivors took to exit (`pytest -s` shows it).
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from slurm_cluster import read_losses, tail, wait_until
+from launch_helpers import REPO, environ_without_launcher, free_port, wait_until
+from slurm_cluster import read_losses, tail
 from test_slurm import PROBE, PROGRAM, TINY, probe_losses, program_missing, program_reference_losses
-
-REPO = Path(__file__).resolve().parents[1]
-LAUNCH_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "GROUP_RANK",
-    "TORCHELASTIC_RESTART_COUNT",
-)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_probe_ranks(tmp_path, extra_args, world=2):
     """`world` probe processes that find each other through Slurm-style variables, as srun starts them."""
-    base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
-    port, log = _free_port(), tmp_path / "probe.jsonl"
+    base = environ_without_launcher(drop_slurm=True)
+    port, log = free_port(), tmp_path / "probe.jsonl"
     procs = []
     for rank in range(world):
         env = dict(
@@ -182,7 +165,7 @@ def kill_rank_and_time_survivor(agent, log: Path, after_iterations: int) -> floa
 
 
 def run_local_torchrun(program, args, out: Path, max_restarts: int) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env = environ_without_launcher()
     env.update(PYTHON=sys.executable, PROGRAM=program, MAX_RESTARTS=str(max_restarts), OMP_NUM_THREADS="1")
     with open(out, "w") as f:
         return subprocess.Popen(

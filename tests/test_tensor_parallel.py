@@ -4,14 +4,15 @@ backward, against the plain math on the full tensor."""
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_pool import WorkerPool
+
+from megatron_sp.testing import LocalWorld
 
 S, B, H = 8, 2, 12
 
 
 @pytest.fixture(scope="module")
 def pool():
-    p = WorkerPool(4)
+    p = LocalWorld(4)
     yield p
     p.close()
 

@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_sp.checkpointing import CheckpointSaveError  # noqa: E402
-from megatron_sp.checkpointing.full_state import checkpoint_path, read_full_state, write_full_checkpoint  # noqa: E402
-from megatron_sp.config import config_from_dict  # noqa: E402
+from megatron_sp.checkpointing import CheckpointSaveError
+from megatron_sp.checkpointing.full_state import checkpoint_path, read_full_state, write_full_checkpoint
+from megatron_sp.config import config_from_dict
 
 
 def to_safetensors(load: str, iteration, output: str) -> None:

@@ -21,13 +21,11 @@ import os
 import shlex
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_sp.checkpointing import CheckpointSaveError  # noqa: E402
-from megatron_sp.checkpointing.full_state import checkpoint_path, read_full_state, write_full_checkpoint  # noqa: E402
-from megatron_sp.config import config_from_dict  # noqa: E402
-from megatron_sp.models.hf import from_hf, to_hf  # noqa: E402
-from megatron_sp.training.config_flags import model_flags  # noqa: E402
+from megatron_sp.checkpointing import CheckpointSaveError
+from megatron_sp.checkpointing.full_state import checkpoint_path, read_full_state, write_full_checkpoint
+from megatron_sp.config import config_from_dict
+from megatron_sp.models.hf import from_hf, to_hf
+from megatron_sp.training.config_flags import model_flags
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 

@@ -16,12 +16,9 @@ the tokenizer's end-of-document id unless --ignore-eod.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
+import torch
 
 TOKENIZERS = ["ByteLevelTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"]
 

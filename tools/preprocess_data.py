@@ -19,12 +19,9 @@ import multiprocessing
 import os
 import sys
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_sp.data.errors import DataError  # noqa: E402
-from megatron_sp.data.indexed import token_dtype  # noqa: E402
-from megatron_sp.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron_sp.data.errors import DataError
+from megatron_sp.data.indexed import token_dtype
+from megatron_sp.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 
 _worker = {}  # per-process state: the tokenizer and options (set by _init_worker)
 

@@ -13,10 +13,7 @@ import json
 import os
 import sys
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_sp.data.errors import DataError  # noqa: E402
+from megatron_sp.data.errors import DataError
 
 EOD_TOKEN = "<|endoftext|>"
 

@@ -38,6 +38,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from megatron_sp import failures
 from megatron_sp.checkpointing import metadata, safe_dcp
 from megatron_sp.checkpointing.paths import (
     LATEST,
@@ -52,7 +53,6 @@ from megatron_sp.checkpointing.paths import (
 )
 from megatron_sp.config import config_from_dict
 from megatron_sp.fields import mismatch
-from megatron_sp import failures
 
 
 class CheckpointSaveError(RuntimeError):

@@ -17,10 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_sp import checkpointing, parallel_state
+from megatron_sp import checkpointing, failures, parallel_state
 from megatron_sp.config import GPTConfig
 from megatron_sp.data.errors import DataError
-from megatron_sp import failures
 from megatron_sp.training.arguments import ArgumentError, parse_args
 from megatron_sp.training.config_flags import config_kwargs
 from megatron_sp.training.grad_sync import OverlappedGradSync

@@ -13,7 +13,7 @@ import importlib
 import torch
 
 from megatron_sp import ops
-from megatron_sp.ops.testing import assert_close_dtype, assert_same_error
+from megatron_sp.testing import assert_close_dtype, assert_same_error
 
 fa = importlib.import_module("megatron_sp.ops.flash_attention")  # ops.flash_attention is the function
 

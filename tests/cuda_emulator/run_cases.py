@@ -7,7 +7,7 @@ C++ CPU kernel), LayerNorm and the gradient sums within the dtype tolerances of 
 layouts exactly. The SM count the emulator reports is part of each case: 1 SM makes the persistent
 grids small so every grid-stride loop runs several times; 132 is an H200's launch geometry.
 
-    LD_PRELOAD=$(g++ -print-file-name=libasan.so) python tests/cuda_emulator/run_cases.py LIB OUT.json
+    LD_PRELOAD=$(g++ -print-file-name=libasan.so) PYTHONPATH=tests python -m cuda_emulator.run_cases LIB OUT.json
 
 tests/test_cuda_emulated.py builds the library (build.py), runs this once and asserts per case.
 """
@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import sys
 import time
 import traceback
 
 import torch
+from cuda_emulator import flash_cases  # the blockwise attention cases, in a file of their own
 
 from megatron_sp import ops
 from megatron_sp.ops import layout
@@ -29,10 +29,7 @@ from megatron_sp.ops.bias_dropout_add import bias_dropout_add_reference
 from megatron_sp.ops.layer_norm import layer_norm_reference
 from megatron_sp.ops.philox import hidden_keep_mask
 from megatron_sp.ops.rms_norm import rms_norm_reference
-from megatron_sp.ops.testing import assert_close_dtype, assert_same_error, random_index
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import flash_cases  # noqa: E402  (the blockwise attention cases, in a file of their own)
+from megatron_sp.testing import assert_close_dtype, assert_same_error, random_index
 
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 DTYPE_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

@@ -33,7 +33,7 @@ def _worker(rank, world_size, init_file, tasks, results):
             fn, args, kwargs = item
             try:
                 results.put((rank, True, fn(*args, **kwargs)))
-            except BaseException:  # noqa: BLE001 - forwarded to the caller
+            except BaseException:  # forwarded to the caller, whatever it is
                 results.put((rank, False, traceback.format_exc()))
             finally:
                 from megatron_sp import parallel_state
