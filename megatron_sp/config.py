@@ -20,7 +20,8 @@ from megatron_sp import families
 from megatron_sp.fields import ALWAYS, IF_ROPE_SCALED, IF_ROTARY, Switch, model_field
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-ACTIVATIONS = ("gelu", "openai_gelu", "swiglu")  # gelu: erf; openai_gelu: tanh approximation (GPT-2)
+# gelu: erf; openai_gelu: tanh approximation (GPT-2); squared_relu: relu(x)² (Primer, Nemotron)
+ACTIVATIONS = ("gelu", "openai_gelu", "swiglu", "squared_relu")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 CP_COMM_TYPES = ("p2p", "a2a")
@@ -174,9 +175,27 @@ class GPTConfig:
         switches=(
             Switch("--swiglu", "swiglu", "SwiGLU MLP (fused gate/up projection)"),
             Switch("--openai-gelu", "openai_gelu", "GPT-2's tanh approximation of GELU"),
+            Switch("--squared-relu", "squared_relu", "relu(x)² MLP activation"),
         ),
         choices=ACTIVATIONS,
         resume=ALWAYS,
+    )
+    layernorm_zero_centered_gamma: bool = model_field(
+        False,
+        help="norm weights stored as gamma - 1 (initialised to 0, applied as 1 + weight; LayerNorm and RMSNorm)",
+        switches=(Switch("--apply-layernorm-1p", True),),
+        resume=ALWAYS,
+    )
+    qk_layernorm: bool = model_field(
+        False,
+        help="normalise each head's queries and keys (--normalization's kind, over the head dim) before RoPE",
+        switches=(Switch("--qk-layernorm", True),),
+        resume=ALWAYS,
+    )
+    apply_query_key_layer_scaling: bool = model_field(
+        False,
+        help="compute Q·K^T scaled by 1/layer and undo it in the fp32 softmax (fp16 range; same function)",
+        switches=(Switch("--apply-query-key-layer-scaling", True),),
     )
     untie_embeddings_and_output_weights: Optional[bool] = model_field(
         None,
@@ -225,6 +244,16 @@ class GPTConfig:
         flags=("--init-method-std",),
         hf={"gpt2": "initializer_range", "llama": "initializer_range"},
     )
+    embedding_init_method_std: Optional[float] = model_field(
+        None,
+        help="std of the word and position embeddings' normal init; default --init-method-std",
+        flags=("--embedding-init-method-std",),
+    )
+    init_method_xavier_uniform: bool = model_field(
+        False,
+        help="Xavier-uniform init (on the full serial shape) instead of the normal ones",
+        switches=(Switch("--init-method-xavier-uniform", True),),
+    )
     seed: int = model_field(1234, help="weights and dropout masks are pure functions of this seed", flags=("--seed",))
     use_fused_kernels: bool = model_field(
         True,
@@ -235,6 +264,7 @@ class GPTConfig:
         None,
         help="activation recomputation: whole layers (full) or the attention core (selective)",
         flags=("--recompute-granularity",),
+        switches=(Switch("--recompute-activations", "selective", "same as --recompute-granularity selective"),),
         choices=RECOMPUTE_GRANULARITIES,
     )
     recompute_method: Optional[str] = model_field(
@@ -354,7 +384,8 @@ class GPTConfig:
         embeddings = self.vocab_size * h * (2 if self.untie_embeddings_and_output_weights else 1)
         if self.position_embedding_type == "learned_absolute":
             embeddings += self.max_position_embeddings * h
-        return embeddings + L * (weights + biases + 2 * norm) + norm
+        qk_norms = (2 * norm // h * self.kv_channels) if self.qk_layernorm else 0  # one q and one k norm of d
+        return embeddings + L * (weights + biases + 2 * norm + qk_norms) + norm
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token (forward + backward = 3× forward), attention scores included."""

@@ -39,6 +39,8 @@ def check_positive(cfg):
             raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}.")
     if cfg.init_method_std <= 0 or cfg.layernorm_epsilon <= 0:
         raise ValueError("GPTConfig.init_method_std and layernorm_epsilon must be positive.")
+    if cfg.embedding_init_method_std is not None and not cfg.embedding_init_method_std > 0:
+        raise ValueError(f"GPTConfig.embedding_init_method_std must be positive, got {cfg.embedding_init_method_std}.")
 
 
 def check_divisibility(cfg):

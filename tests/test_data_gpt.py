@@ -11,13 +11,13 @@ from megatron_sp.data import DataError, build_data_iterator, build_gpt_datasets,
 
 pytest.importorskip("megatron.core")
 
-VOCAB = 100  # NullTokenizer(100): data ids < 100, EOD = 100
+VOCAB = 100  # data ids < 100, EOD = 100: megatron-core 0.16's NullTokenizer(100), read as ours with 101 ids
 EOD = VOCAB
 SEQ = 8
 
 
 def _tok():
-    return build_tokenizer("NullTokenizer", vocab_size=VOCAB)
+    return build_tokenizer("NullTokenizer", vocab_size=VOCAB + 1)
 
 
 def _doc(d, length):

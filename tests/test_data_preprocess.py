@@ -90,7 +90,7 @@ def test_preprocess_script_with_null_tokenizer_and_two_keys(tmp_path, monkeypatc
             "--tokenizer-type",
             "NullTokenizer",
             "--vocab-size",
-            "10",
+            "11",  # ids 0..10, EOD 10 (Megatron-LM's N - 1)
             "--append-eod",
         ],
     )

@@ -18,13 +18,18 @@ def test_byte_level_round_trip_and_ids():
     assert tok.detokenize(ids + [tok.eod]) == TEXT  # EOD has no text
 
 
-def test_null_tokenizer_follows_megatron_core():
+def test_null_tokenizer_follows_megatron_lm():
+    """Megatron-LM since 2026-04: --vocab-size N is N ids with EOD N - 1 (--null-tokenizer-eod-id
+    another). megatron-core 0.16.1 (installed) has N + 1 ids with EOD N: --vocab-size N + 1 reads
+    its data with the same EOD."""
     tok = build_tokenizer("NullTokenizer", vocab_size=100)
     assert tok.tokenize("3 1 4 1 5") == [3, 1, 4, 1, 5]
     assert tok.detokenize([3, 1, 4]) == "3 1 4"
+    assert (tok.vocab_size, tok.eod) == (100, 99)
+    assert build_tokenizer("NullTokenizer", vocab_size=100, null_eod_id=0).eod == 0
     mc = pytest.importorskip("megatron.core.tokenizers.text.libraries.null_tokenizer")
-    reference = mc.NullTokenizer(100)
-    assert (tok.vocab_size, tok.eod) == (reference.vocab_size, reference.eod) == (101, 100)
+    reference, old_data = mc.NullTokenizer(100), build_tokenizer("NullTokenizer", vocab_size=101)
+    assert (old_data.vocab_size, old_data.eod) == (reference.vocab_size, reference.eod) == (101, 100)
 
 
 @pytest.mark.parametrize(

@@ -68,8 +68,7 @@ FLAG_CASES = {
     "loss scale 0": (["--fp16", "--initial-loss-scale", "0"], "--initial-loss-scale must be"),
     "loss scale <0": (["--fp16", "--initial-loss-scale", "-4"], "--initial-loss-scale must be"),
     "weight decay <0": (["--weight-decay", "-0.1"], "--weight-decay must be"),
-    "eval-iters 0": (["--eval-iters", "0"], "--eval-iters must be positive"),
-    "eval-iters <0": (["--eval-iters", "-3"], "--eval-iters must be positive"),
+    "eval-iters <0": (["--eval-iters", "-3"], "--eval-iters must be >= 0 (0: no evaluation)"),
     "timeout 0": (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes"),
     "peak tflops nan": (["--peak-tflops", "nan"], "--peak-tflops"),
 }

@@ -4,11 +4,20 @@ and its integrity record), paths.py (where checkpoints live; start-up checks), c
 layout-independent tensor layout), safe_dcp.py (reading without running code), full_state.py (whole
 models for the conversion tools)."""
 
-from megatron_sp.checkpointing.checkpointer import CheckpointSaveError, check_inputs, load, save
+from megatron_sp.checkpointing.checkpointer import (
+    CheckpointSaveError,
+    check_inputs,
+    finalize_async_save,
+    load,
+    save,
+    wait_for_saves,
+)
 from megatron_sp.checkpointing.paths import LATEST, CheckpointError, checkpoint_dir, read_latest, same_path
 from megatron_sp.checkpointing.states import ModelState, OptimizerState, RNGState, TrainState
 
 __all__ = [
+    "finalize_async_save",
+    "wait_for_saves",
     "LATEST",
     "CheckpointError",
     "CheckpointSaveError",

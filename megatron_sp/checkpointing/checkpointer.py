@@ -123,46 +123,200 @@ def checkpoint_bytes(cfg) -> int:
 # ---- save --------------------------------------------------------------------------------------
 
 
-def save(root: str, states: dict, cfg, ps, log=print, extra=None) -> str:
+def save(root: str, states: dict, cfg, ps, log=print, extra=None, async_save=False, retain_interval=None) -> str:
     """Collective. Writes `states` (states["train_state"] says the iteration) as iter_N of `root`,
-    atomically, and then moves the latest marker to it. extra: more metadata.json entries (tools)."""
+    atomically, and then moves the latest marker to it. extra: more metadata.json entries (tools).
+    async_save (--async-save): the shards are copied to memory now and written by a background thread;
+    the record, the rename and the marker follow once every rank has written (`finalize_async_save`).
+    retain_interval (--save-retain-interval): older checkpoints not at a multiple of it are deleted."""
+    finalize_async_save(blocking=True)  # one save in flight at a time
     it = states["train_state"].iteration
     final, tmp = checkpoint_dir(root, it), checkpoint_dir(root, it) + ".tmp"
+    job = _SaveJob(root, it, tmp, final, cfg, log, retain_interval)
     try:
-        _write(tmp, states, cfg, ps, extra or {})
-        if _rank() == 0:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            write_latest(root, it)
+        pending = _write(tmp, states, cfg, ps, extra or {}, async_save)
     except (OSError, _checkpoint_exception()) as err:
-        reason = _save_failure(err, root, checkpoint_bytes(cfg))
-        if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # give the space back
-        raise CheckpointSaveError(
-            f"saving iteration {it} to {root} failed on rank {_rank()} ({reason}); the previous "
-            f"checkpoint and {LATEST} are intact: free space or fix --save, then resume."
-        ) from None
-    _barrier()
-    log(f" saved checkpoint at iteration {it} to {final}")
+        job.fail(err)
+    if pending is None:
+        job.finish()
+    else:
+        job.future, job.meta = pending, pending.meta
+        _PENDING.append(job)
+        log(f" saving checkpoint at iteration {it} to {final} in the background")
     return final
 
 
-def _write(tmp, states, cfg, ps, extra) -> None:
-    """Every rank's shards and per-rank files, then metadata.json with the integrity record (rank 0)."""
+_PENDING = []  # the one asynchronous save in flight, if any
+
+
+class _SaveJob:
+    """One save's ending: the integrity record, the rename, the marker (and the retain rule)."""
+
+    def __init__(self, root, it, tmp, final, cfg, log, retain_interval):
+        self.root, self.it, self.tmp, self.final, self.cfg, self.log = root, it, tmp, final, cfg, log
+        self.retain_interval, self.future, self.meta = retain_interval, None, None
+
+    def finish(self) -> None:
+        """Collective: every rank has written its files."""
+        try:
+            if self.meta is not None:  # asynchronous: the record of the files now complete
+                metadata.write(self.tmp, self.meta)
+                _barrier()
+            if _rank() == 0:
+                shutil.rmtree(self.final, ignore_errors=True)
+                os.replace(self.tmp, self.final)
+                write_latest(self.root, self.it)
+        except OSError as err:
+            self.fail(err)
+        _barrier()
+        if self.retain_interval and _rank() == 0:
+            _drop_unretained(self.root, self.it, self.retain_interval)
+        self.log(f" saved checkpoint at iteration {self.it} to {self.final}")
+
+    def fail(self, err):
+        reason = _save_failure(err, self.root, checkpoint_bytes(self.cfg))
+        if _rank() == 0:
+            shutil.rmtree(self.tmp, ignore_errors=True)  # give the space back
+        raise CheckpointSaveError(
+            f"saving iteration {self.it} to {self.root} failed on rank {_rank()} ({reason}); the previous "
+            f"checkpoint and {LATEST} are intact: free space or fix --save, then resume."
+        ) from None
+
+
+def finalize_async_save(blocking: bool = False) -> bool:
+    """Collective. Ends the asynchronous save in flight once every rank's thread is done (blocking:
+    waits for it). Returns True when none is left in flight."""
+    if not _PENDING:
+        return True
+    job = _PENDING[0]
+    if not blocking:
+        done = torch.tensor([float(job.future.done())], device=_collective_device())
+        if dist.is_initialized():
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if done.item() == 0:
+            return False
+    _PENDING.clear()
+    try:
+        job.future.result()
+    except (OSError, _checkpoint_exception()) as err:
+        job.fail(err)
+    job.finish()
+    return True
+
+
+def wait_for_saves() -> None:
+    """Collective: the asynchronous save in flight, finished (the end of a run)."""
+    finalize_async_save(blocking=True)
+
+
+def _drop_unretained(root, latest: int, interval: int) -> None:
+    """Megatron's --save-retain-interval: keep checkpoints at multiples of it and the latest."""
+    for name in os.listdir(root):
+        it = _iteration_of(name)
+        if it is not None and it != latest and it % interval != 0:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _iteration_of(name: str):
+    head, _, number = name.partition("_")
+    return int(number) if head == "iter" and number.isdigit() else None
+
+
+def _collective_device():
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _write(tmp, states, cfg, ps, extra, async_save=False):
+    """Every rank's shards and per-rank files, then metadata.json with the integrity record (rank 0).
+    async_save: the shards are staged in memory and written by DCP's thread; returns the write in
+    flight (with the metadata to record once it is done) instead of finishing."""
     if _rank() == 0:
         os.makedirs(os.path.dirname(tmp), exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a killed save
         os.makedirs(tmp)
     _barrier()
     tensors, per_rank, rest = _kinds(states)
+    state_dict = {k: s.state_dict() for k, s in tensors.items()}
+    future = None
     with warnings.catch_warnings():  # DCP warns that a single process saves without a process group
         warnings.simplefilter("ignore")
-        _dcp().save({k: s.state_dict() for k, s in tensors.items()}, checkpoint_id=tmp)
+        if async_save:
+            future = _background_save(_snapshot(state_dict), tmp)
+        else:
+            _dcp().save(state_dict, checkpoint_id=tmp)
     for key, state in per_rank.items():
         torch.save(state.state_dict(), _rank_file(tmp, key))
     entries = {k: (s.state_dict() if s is not None else None) for k, s in rest.items()}
-    metadata.write(tmp, {**metadata.describe(cfg, ps, entries.pop("train_state"), entries), **extra})
+    meta = {**metadata.describe(cfg, ps, entries.pop("train_state"), entries), **extra}
+    if future is not None:
+        return _Async(future, meta)
+    metadata.write(tmp, meta)
     _barrier()
+    return None
+
+
+class _Async:
+    """A DCP write in flight and the metadata.json to write when it is done."""
+
+    def __init__(self, future, meta):
+        self._future, self.meta = future, meta
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self):
+        return self._future.result()
+
+
+def _snapshot(value):
+    """A CPU copy of a state dict that training may go on changing (ShardedTensors rebuilt from their
+    copied shards without a collective)."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    if isinstance(value, ShardedTensor):
+        shards = [Shard(_snapshot(s.tensor), s.metadata) for s in value.local_shards()]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, value.metadata(), process_group=value._process_group
+        )
+    if torch.is_tensor(value):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _snapshot(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_snapshot(v) for v in value)
+    return value
+
+
+def _background_save(state_dict, tmp):
+    """DCP's save of the snapshot in a thread, over a process group of its own."""
+    import concurrent.futures
+
+    group = _save_group()
+    executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="async-save")
+
+    def write():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _dcp().save(state_dict, checkpoint_id=tmp, process_group=group)
+
+    future = executor.submit(write)
+    executor.shutdown(wait=False)
+    return future
+
+
+_SAVE_GROUP = []
+
+
+def _save_group():
+    """A gloo group of its own for the background writer's collectives, so they never interleave
+    with the training's on the default group (created once, by every rank at the same save)."""
+    if not dist.is_initialized():
+        return None
+    if not _SAVE_GROUP:
+        _SAVE_GROUP.append(dist.new_group(backend="gloo"))
+    return _SAVE_GROUP[0]
 
 
 def _save_failure(err, root, needed: int) -> str:

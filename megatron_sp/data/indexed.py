@@ -132,7 +132,12 @@ def _check_token_ids(bin_path: str, dtype, vocab_size: int) -> int:
         raise DataError(
             f"{bin_path} holds token id {bad}, outside the model's vocabulary "
             f"[0, {vocab_size}); preprocess it with the tokenizer you train with "
-            f"(same --tokenizer-type/--tokenizer-model/--vocab-size)."
+            f"(same --tokenizer-type/--tokenizer-model/--vocab-size)"
+            + (
+                f"; NullTokenizer data of megatron-core <= 0.16 uses EOD = --vocab-size: pass --vocab-size {bad + 1}."
+                if bad == vocab_size
+                else "."
+            )
         )
     return high
 

@@ -153,20 +153,21 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
 
 
 class NullTokenizer(_Tokenizer):
-    """Megatron's NullTokenizer: the "text" already is space-separated token ids.
+    """Megatron-LM's NullTokenizer: the "text" already is space-separated token ids.
 
-    Exactly as megatron-core's: with `--vocab-size N`, text ids are < N, `eod = N` and
-    `vocab_size = N + 1` (so id N, an explicit EOD, is accepted too). `pad` equals `eod`
-    (Megatron's has no pad id).
+    As Megatron-LM since 2026-04: with `--vocab-size N` the vocabulary is N ids and `eod = N - 1`
+    (`--null-tokenizer-eod-id` sets another). megatron-core 0.16.1 and earlier used eod = N and
+    N + 1 ids: data written that way has ids up to N, which `--vocab-size N + 1` reads with the
+    same EOD (the data check says so). `pad` equals `eod` (Megatron's pad id -1 is no id).
     """
 
-    def __init__(self, vocab_size: int | None):
+    def __init__(self, vocab_size: int | None, eod_id: int | None = None):
         if vocab_size is None or int(vocab_size) <= 0:
-            raise DataError(
-                "NullTokenizer needs a positive --vocab-size (data ids must be below it; EOD is vocab_size)."
-            )
-        self.eod = int(vocab_size)
-        self.vocab_size = self.eod + 1
+            raise DataError("NullTokenizer needs a positive --vocab-size (data ids must be below it; EOD is N - 1).")
+        self.vocab_size = int(vocab_size)
+        self.eod = self.vocab_size - 1 if eod_id is None else int(eod_id)
+        if not 0 <= self.eod < self.vocab_size:
+            raise DataError(f"--null-tokenizer-eod-id {self.eod} is outside the vocabulary [0, {self.vocab_size}).")
         self.pad = self.eod
 
     def tokenize(self, text) -> list[int]:
@@ -195,6 +196,7 @@ def build_tokenizer(
     vocab_size: int | None = None,
     vocab_file: str | None = None,
     merge_file: str | None = None,
+    null_eod_id: int | None = None,
 ):
     """Build a tokenizer by Megatron-style name.
 
@@ -209,7 +211,7 @@ def build_tokenizer(
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
-        return NullTokenizer(vocab_size)
+        return NullTokenizer(vocab_size, null_eod_id)
     raise DataError(f"Unknown --tokenizer-type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}.")
 
 

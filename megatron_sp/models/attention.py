@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from megatron_sp.models.blocks import Norm
 from megatron_sp.models.rope import RotaryEmbedding
 from megatron_sp.ops.flash_attention import AttentionDropout, flash_attention
 from megatron_sp.ops.philox import DropoutIndex, apply_keep_mask, attention_keep_mask
@@ -49,9 +50,12 @@ def causal_attention(
     index: Optional[DropoutIndex] = None,
     head_offset: int = 0,
     explicit: bool = False,
+    qk_scale_divisor: float = 1.0,
 ):
     """Causal attention; attention_mask [b, 1, s, s] bool with True = masked out (documents).
-    head_offset: global index of local query head 0 (keys the dropout mask)."""
+    head_offset: global index of local query head 0 (keys the dropout mask). qk_scale_divisor
+    (--apply-query-key-layer-scaling: the layer number): Q·K^T is computed divided by it, and
+    multiplied back in fp32 before the softmax, so low-precision scores stay in range."""
     b, nq, s, d = q.shape
     rep = nq // k.shape[1]
     allowed = allowed_mask(attention_mask, s, q.device)
@@ -64,8 +68,9 @@ def causal_attention(
         allowed = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
     if rep > 1:  # grouped: broadcast each key/value head over its rep query heads, no copies
         q, k, v = q.view(b, nq // rep, rep, s, d), k.unsqueeze(2), v.unsqueeze(2)  # [b, n_kv, rep|1, s, d]
-    scores = torch.matmul(q, k.transpose(-1, -2)).view(b, nq, s, s) * (1.0 / math.sqrt(d))  # [b, n_q, s, s]
-    scores = scores.float().masked_fill(~allowed, float("-inf"))
+    scores = torch.matmul(q * (1.0 / (math.sqrt(d) * qk_scale_divisor)), k.transpose(-1, -2))
+    scores = scores.view(b, nq, s, s).float() * qk_scale_divisor  # [b, n_q, s, s]
+    scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     if dropout_p > 0.0:
         keep = attention_keep_mask(
@@ -109,6 +114,7 @@ class CausalAttention(nn.Module):
                 index=index,
                 head_offset=head_offset,
                 explicit=explicit,
+                qk_scale_divisor=float(self.layer) if self.cfg.apply_query_key_layer_scaling else 1.0,
             )
         drop = AttentionDropout(p, self.cfg.seed, self.layer, head_offset)
         positions, documents = index.token_positions, seq.document_ids
@@ -155,6 +161,10 @@ class SelfAttention(nn.Module):
         )
         self.proj = builder.row(nq * d, h, init="scaled_normal", bias=cfg.add_bias_linear)
         self.rope = RotaryEmbedding(cfg) if cfg.position_embedding_type == "rope" else None
+        self.q_norm = self.k_norm = None
+        if cfg.qk_layernorm:  # over the head dim; each rank sees its heads: gradients partial over TP
+            norm = dict(layer=layer, builder=builder, block_spec=block_spec, size=d, partial_tp=tp > 1)
+            self.q_norm, self.k_norm = Norm(cfg, **norm), Norm(cfg, **norm)
         core = block_spec.core_attention(cfg, layer=layer, builder=builder, block_spec=block_spec)
         self.core = builder.wrap_core_attention(core, cfg, layer=layer)
         self.recompute = cfg.recompute_granularity == "selective"
@@ -171,6 +181,8 @@ class SelfAttention(nn.Module):
         q = q.view(s, batch, nq, d).permute(1, 2, 0, 3)  # [b, n_q, s, d]
         k = k.view(s, batch, nkv, d).permute(1, 2, 0, 3)  # [b, n_kv, s, d]
         v = v.view(s, batch, nkv, d).permute(1, 2, 0, 3)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         if self.rope is not None:
             q, k = self.rope(q, seq.position_ids), self.rope(k, seq.position_ids)
         if self.recompute:  # selective recomputation: the core runs again in the backward

@@ -38,25 +38,34 @@ from megatron_sp.tensor_parallel.layers import mark
 
 class Norm(nn.Module):
     """LayerNorm (weight, bias) or RMSNorm (weight) over the last dim, fp32 statistics. In the SP
-    region: each rank normalises its own tokens, so the parameters' gradients are partial sums."""
+    region: each rank normalises its own tokens, so the parameters' gradients are partial sums.
+    With --apply-layernorm-1p the weight holds gamma - 1 (starts at 0; the norm applies 1 + weight).
+    size: the normalised width (default h; the head dim for --qk-layernorm); partial_tp: the weight's
+    gradient is a partial sum over TP (SP region, or heads split over the ranks)."""
 
-    def __init__(self, cfg, *, layer, builder, block_spec):
+    def __init__(self, cfg, *, layer, builder, block_spec, size=None, partial_tp=None):
         super().__init__()
-        h, sp = cfg.hidden_size, builder.sequence_parallel
+        h = size or cfg.hidden_size
+        sp = builder.sequence_parallel if partial_tp is None else partial_tp
         self.eps, self.fused, self.rms = cfg.layernorm_epsilon, cfg.use_fused_kernels, cfg.normalization == "RMSNorm"
-        self.weight = mark(nn.Parameter(torch.ones(h)), sequence_parallel=sp, init="ones")
+        self.one_plus = cfg.layernorm_zero_centered_gamma
+        weight = torch.zeros(h) if self.one_plus else torch.ones(h)
+        self.weight = mark(nn.Parameter(weight), sequence_parallel=sp, init="zeros" if self.one_plus else "ones")
         if not self.rms:
             self.bias = mark(nn.Parameter(torch.zeros(h)), sequence_parallel=sp, init="zeros")
 
     def forward(self, x):
+        weight = self.weight + 1.0 if self.one_plus else self.weight
         if self.rms:
-            return ops.rms_norm(x, self.weight, self.eps, fused=self.fused)
-        return ops.layer_norm(x, self.weight, self.bias, self.eps, fused=self.fused)
+            return ops.rms_norm(x, weight, self.eps, fused=self.fused)
+        return ops.layer_norm(x, weight, self.bias, self.eps, fused=self.fused)
 
 
 def _activation(cfg):
     if cfg.activation == "openai_gelu":
         return lambda x: F.gelu(x, approximate="tanh")
+    if cfg.activation == "squared_relu":
+        return lambda x: torch.square(F.relu(x))
     return F.gelu
 
 
@@ -143,7 +152,7 @@ class Embedding(nn.Module):
         self.position_embeddings = None
         if cfg.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
-            mark(self.position_embeddings.weight, sequence_parallel=builder.sequence_parallel, init="normal")
+            mark(self.position_embeddings.weight, sequence_parallel=builder.sequence_parallel, init="embedding")
 
     def forward(self, tokens, seq):
         x = self.word_embeddings(tokens)  # [s_sp, b, h]

@@ -38,7 +38,7 @@ class SerialBuilder:
         return Linear(in_features, out_features, init=init, bias=bias, shard_spec=ShardSpec(1))
 
     def word_embedding(self, cfg):
-        return WordEmbedding(cfg.vocab_size, cfg.hidden_size)
+        return WordEmbedding(cfg.vocab_size, cfg.hidden_size, init="embedding")
 
     def output_layer(self, cfg):
         return OutputLayer(cfg.vocab_size, cfg.hidden_size, cfg.vocab_size)
@@ -85,6 +85,7 @@ class ParallelBuilder:
             cfg.hidden_size,
             group=self.group,
             sequence_parallel=self.sequence_parallel,
+            init="embedding",
         )
 
     def output_layer(self, cfg):

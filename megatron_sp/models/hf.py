@@ -63,6 +63,9 @@ def _named_fields(c: dict, arch: str) -> dict:
 
 
 def architecture(cfg) -> str:
+    if cfg.qk_layernorm or cfg.layernorm_zero_centered_gamma:
+        flag = "--qk-layernorm" if cfg.qk_layernorm else "--apply-layernorm-1p"
+        raise ConversionError(f"neither GPT2LMHeadModel nor LlamaForCausalLM can express {flag}.")
     if (cfg.normalization, cfg.position_embedding_type) == ("LayerNorm", "learned_absolute") and cfg.activation in (
         "gelu",
         "openai_gelu",

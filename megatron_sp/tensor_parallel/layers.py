@@ -22,7 +22,7 @@ from torch import nn
 from megatron_sp.tensor_parallel import mappings
 from megatron_sp.tensor_parallel.sharding import ShardSpec, local_dim_size
 
-INIT_TAGS = ("normal", "scaled_normal", "ones", "zeros")
+INIT_TAGS = ("normal", "scaled_normal", "embedding", "ones", "zeros")
 
 
 def mark(

@@ -1,25 +1,44 @@
 """Command line of pretrain_gpt_sp.py: Megatron-LM's flag names and meanings.
 
 `parse_args(argv)` returns an argparse.Namespace, validated; any error a user can cause raises
-`ArgumentError` with one sentence (the entry point prints it and exits 2, no traceback).
+`ArgumentError` with one sentence (the entry point prints it and exits 2, no traceback). Defaults are
+Megatron-LM's (main, 2026) wherever a script may rely on them by leaving a flag out; no abbreviated
+flags. Flags accepted without effect and flags refused for a missing feature: training/megatron_flags.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import math
 
+from megatron_sp.training import megatron_flags
+from megatron_sp.training.argument_checks import ArgumentError, validate
 from megatron_sp.training.config_flags import add_config_flags
 
+__all__ = ["ArgumentError", "build_parser", "parse_args"]
 
-class ArgumentError(ValueError):
-    """A bad command line: one clear sentence."""
+TOKENIZERS = ("ByteLevelTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+STRICTNESS = (
+    "assume_ok_unexpected",
+    "log_unexpected",
+    "log_all",
+    "raise_unexpected",
+    "raise_all",
+    "return_unexpected",
+    "return_all",
+    "ignore_all",
+)
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one sentence instead of usage + traceback
         raise ArgumentError(f"{message} (see --help)")
+
+
+class _JoinWords(argparse.Action):
+    """A value given as several words (a script's unquoted "0:16 2.4B:320 ...") joined by spaces."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, " ".join(values))
 
 
 def _model_args(p):
@@ -29,7 +48,10 @@ def _model_args(p):
 def _parallel_args(p):
     g = p.add_argument_group("parallelism")
     add_config_flags(g, "parallelism")
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="only 1 (no pipeline parallelism)")
+    g.add_argument(
+        "--pipeline-model-parallel-size", type=int, default=1, help="only 1 (pipeline parallelism: issue 18)"
+    )
+    g.add_argument("--expert-model-parallel-size", type=int, default=1, help="only 1 (no mixture of experts)")
     g.add_argument(
         "--distributed-backend", choices=["nccl", "gloo"], default=None, help="default: nccl on cuda, gloo on cpu"
     )
@@ -57,6 +79,21 @@ def _training_args(p):
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=8)
     g.add_argument("--global-batch-size", type=int, default=None, help="default micro batch × DP")
+    g.add_argument(
+        "--rampup-batch-size",
+        nargs=3,
+        type=int,
+        default=None,
+        metavar=("START", "INCREMENT", "SAMPLES"),
+        help="global batch from START up by INCREMENT in equal steps over SAMPLES samples (Megatron's)",
+    )
+    g.add_argument(
+        "--step-batch-size-schedule",
+        nargs="+",
+        action=_JoinWords,
+        default=None,
+        help='"SAMPLES:BATCH ..." global batch by samples consumed (suffixes K M B T), e.g. "0:16 2.4B:320"',
+    )
     g.add_argument("--train-iters", type=int, default=None, help="default 300 (or from --train-samples)")
     g.add_argument(
         "--train-samples",
@@ -65,23 +102,59 @@ def _training_args(p):
         help="train on this many samples (iterations = samples / global batch); LR flags in samples",
     )
     g.add_argument("--exit-interval", type=int, default=None, help="exit after an iteration divisible by this")
+    g.add_argument(
+        "--exit-duration-in-mins", type=float, default=None, help="save and exit before this many minutes of training"
+    )
     g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--min-lr", type=float, default=1e-4)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--decoupled-lr", type=float, default=None, help="LR of the embedding and output layer")
+    g.add_argument("--decoupled-min-lr", type=float, default=None, help="their --min-lr (default --min-lr)")
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default train iters")
     g.add_argument("--lr-decay-samples", type=int, default=None, help="with --train-samples; default train samples")
-    g.add_argument("--lr-warmup-iters", type=int, default=None, help="default 20")
+    g.add_argument("--lr-warmup-iters", type=int, default=None, help="default 0")
     g.add_argument("--lr-warmup-samples", type=int, default=None, help="with --train-samples")
     g.add_argument("--lr-warmup-fraction", type=float, default=None, help="warmup as a fraction of the decay span")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="the LR warmup starts at this value")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+    g.add_argument(
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="the loss is the sum over the global batch's tokens divided by their number (not a mean of means)",
+    )
     prec = g.add_mutually_exclusive_group()
     prec.add_argument("--bf16", action="store_true")
     prec.add_argument("--fp16", action="store_true")
     g.add_argument("--initial-loss-scale", type=float, default=2.0**16, help="fp16 dynamic loss scale start")
+    g.add_argument(
+        "--disable-bf16-reduced-precision-matmul",
+        action="store_true",
+        help="CUDA: no reduced-precision reductions in bf16 GEMMs",
+    )
+    _runtime_args(g)
+
+
+def _runtime_args(g):
+    g.add_argument("--deterministic-mode", action="store_true", help="torch.use_deterministic_algorithms(True)")
+    g.add_argument("--manual-gc", action="store_true", help="no automatic garbage collection; collect every interval")
+    g.add_argument("--manual-gc-interval", type=int, default=0, help="with --manual-gc: steps between collections")
+    g.add_argument(
+        "--empty-unused-memory-level",
+        type=int,
+        choices=[0, 1, 2],
+        default=0,
+        help="CUDA: empty the cache after each step (1) and also after the forward-backward (2)",
+    )
+    g.add_argument(
+        "--activations-checkpoint-method",
+        choices=["uniform", "block"],
+        default=None,
+        help="older Megatron-LM spelling of --recompute-granularity full --recompute-method",
+    )
 
 
 def _data_args(p):
@@ -97,16 +170,15 @@ def _data_args(p):
         action="store_true",
         help="random tokens instead of a dataset (speed runs; needs no data and no megatron-core)",
     )
-    g.add_argument("--split", default="969,30,1")
-    g.add_argument(
-        "--tokenizer-type",
-        default="ByteLevelTokenizer",
-        choices=["ByteLevelTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"],
-    )
+    g.add_argument("--split", default="969,30,1", help="train,valid,test weights (quotes around them are ignored)")
+    g.add_argument("--tokenizer-type", default="ByteLevelTokenizer", help=f"one of {', '.join(TOKENIZERS)}")
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json")
     g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt")
-    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer's vocabulary")
+    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer's vocabulary (EOD = N - 1)")
+    g.add_argument(
+        "--null-tokenizer-eod-id", type=int, default=None, help="NullTokenizer's EOD id (default vocab size - 1)"
+    )
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
@@ -115,10 +187,29 @@ def _data_args(p):
 
 def _logging_args(p):
     g = p.add_argument_group("logging and evaluation")
-    g.add_argument("--log-interval", type=int, default=10)
-    g.add_argument("--eval-interval", type=int, default=100)
-    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--eval-interval", type=int, default=None, help="default: no evaluation during training")
+    g.add_argument("--eval-iters", type=int, default=100, help="0: no evaluation")
     g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-log-interval", type=int, default=1)
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    for flag, what in (
+        ("--log-params-norm", "the parameters' global L2 norm (log line and TensorBoard)"),
+        ("--log-num-zeros-in-grad", "the number of zero gradient elements (log line and TensorBoard)"),
+        ("--log-throughput", "TFLOP/s per device in the log line"),
+        ("--log-timers-to-tensorboard", "the step's timers (forward-backward, optimizer, ...)"),
+        ("--log-validation-ppl-to-tensorboard", "validation perplexity"),
+        ("--log-memory-to-tensorboard", "allocated / reserved / peak device memory (CUDA) or RSS (CPU)"),
+        ("--log-world-size-to-tensorboard", "the world size"),
+    ):
+        g.add_argument(flag, action="store_true", help=what)
+    g.add_argument(
+        "--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard", action="store_false", default=True
+    )
+    g.add_argument(
+        "--timing-log-level", type=int, choices=[0, 1, 2], default=0, help="0: iteration time; 1, 2: the step's timers"
+    )
+    g.add_argument("--logging-level", type=int, default=None, help="Python logging level (e.g. 20 = INFO)")
     g.add_argument("--log-jsonl", default=None, help="one JSON object per logged iteration")
     g.add_argument("--loss-curve", default=None, help="PNG written at the end (default: next to the JSONL/TB logs)")
     g.add_argument(
@@ -128,6 +219,15 @@ def _logging_args(p):
         help="per-device peak for MFU; default: from the GPU model, or measured on CPU",
     )
     g.add_argument("--no-progress-bar", action="store_true")
+    g.add_argument("--wandb-project", default=None, help="log to Weights & Biases (wandb package; offline works)")
+    g.add_argument("--wandb-exp-name", default=None)
+    g.add_argument("--wandb-save-dir", default=None, help="default: <--save>/wandb")
+    g.add_argument("--wandb-entity", default=None)
+    g.add_argument("--profile", action="store_true", help="torch profiler trace of steps [start, end)")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
+    g.add_argument("--profile-dir", default=None, help="default: <--tensorboard-dir or --save or .>/profile")
 
 
 def _checkpoint_args(p):
@@ -138,181 +238,45 @@ def _checkpoint_args(p):
     g.add_argument("--finetune", action="store_true", help="load weights only and start at iteration 0")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--ckpt-format", default="torch_dist", help="torch_dist: torch.distributed.checkpoint (only)")
+    g.add_argument("--async-save", action="store_true", help="write checkpoints in the background (still atomic)")
+    g.add_argument(
+        "--save-retain-interval",
+        type=int,
+        default=None,
+        help="keep only the checkpoints at multiples of this (and the latest)",
+    )
+    g.add_argument(
+        "--dist-ckpt-strictness",
+        choices=STRICTNESS,
+        default="assume_ok_unexpected",
+        help="checkpoint entries the model does not have: ignored, logged or an error (missing ones always are)",
+    )
+
+
+def _compat_args(p):
+    megatron_flags.add_no_effect_flags(p.add_argument_group("accepted without effect (see README)"))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="pretrain_gpt_sp.py", description="GPT pretraining with tensor + sequence parallelism.")
-    for add in (_model_args, _parallel_args, _training_args, _data_args, _logging_args, _checkpoint_args):
+    p = _Parser(
+        prog="pretrain_gpt_sp.py",
+        description="GPT pretraining with tensor + sequence parallelism.",
+        allow_abbrev=False,  # Megatron-LM's: --lr never means --lr-decay-style
+    )
+    for add in (_model_args, _parallel_args, _training_args, _data_args, _logging_args, _checkpoint_args, _compat_args):
         add(p)
     return p
 
 
 def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
     """world_size: the number of processes the launcher started (dist_env.detect_env)."""
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    refused = megatron_flags.refusal(unknown)
+    if refused:
+        raise ArgumentError(refused)
+    if unknown:
+        raise ArgumentError(f"unrecognized arguments: {' '.join(unknown)} (see --help)")
     args.world_size = world_size
     validate(args)
     return args
-
-
-def validate(args) -> None:
-    """Checks that need no data and no devices; fills derived defaults (dp size, batch sizes...)."""
-    if args.pipeline_model_parallel_size != 1:
-        raise ArgumentError(
-            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} is not supported: "
-            f"megatron_sp has no pipeline parallelism; use tensor, sequence, context and data "
-            f"parallelism (--pipeline-model-parallel-size 1)."
-        )
-    _train_length(args)
-    for name in (
-        "micro_batch_size",
-        "train_iters",
-        "log_interval",
-        "eval_interval",
-        "num_layers",
-        "hidden_size",
-        "num_attention_heads",
-        "seq_length",
-        "tensor_model_parallel_size",
-    ):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
-    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
-    if cp <= 0:
-        raise ArgumentError(f"--context-parallel-size must be positive, got {cp}.")
-    if args.world_size % (tp * cp) != 0:
-        raise ArgumentError(
-            f"world size {args.world_size} is not divisible by --tensor-model-parallel-size {tp}"
-            + (f" × --context-parallel-size {cp}" if cp > 1 else "")
-            + "."
-        )
-    args.data_parallel_size = args.world_size // (tp * cp)
-    per_step = args.micro_batch_size * args.data_parallel_size
-    if args.global_batch_size is None:
-        args.global_batch_size = per_step
-    if args.global_batch_size % per_step != 0:
-        raise ArgumentError(
-            f"--global-batch-size {args.global_batch_size} is not divisible by micro batch size × "
-            f"data-parallel size ({args.micro_batch_size} × {args.data_parallel_size})."
-        )
-    args.num_micro_batches = args.global_batch_size // per_step
-    if args.save_interval is not None and args.save is None:
-        raise ArgumentError("--save-interval needs --save DIR.")
-    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
-        raise ArgumentError("--tokenizer-type NullTokenizer needs --vocab-size.")
-    if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
-        raise ArgumentError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH/tokenizer.json.")
-    if args.tokenizer_type == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file):
-        raise ArgumentError(
-            "--tokenizer-type GPT2BPETokenizer needs --vocab-file vocab.json and --merge-file merges.txt."
-        )
-    for flag, value, module, package in (
-        ("--loss-curve", args.loss_curve, "matplotlib", "matplotlib"),
-        ("--tensorboard-dir", args.tensorboard_dir, "tensorboard", "tensorboard"),
-    ):
-        if value and importlib.util.find_spec(module) is None:
-            raise ArgumentError(f"{flag} needs the {package} package, which is not installed (pip install {package}).")
-    _schedule_units(args)
-    if args.min_lr > args.lr:
-        raise ArgumentError("--min-lr must not exceed --lr.")
-    _check_numbers(args)
-    _check_intervals(args)
-    _check_data_flags(args)
-
-
-def _train_length(args) -> None:
-    """--train-iters or --train-samples (Megatron: one of them; samples make the LR flags sample-based)."""
-    if args.train_samples is not None and args.train_iters is not None:
-        raise ArgumentError("give --train-iters or --train-samples, not both.")
-    if args.train_samples is None:
-        for flag in ("lr_decay_samples", "lr_warmup_samples"):
-            if getattr(args, flag) is not None:
-                raise ArgumentError(
-                    f"--{flag.replace('_', '-')} needs --train-samples (with --train-iters use "
-                    f"--{flag.replace('_samples', '_iters').replace('_', '-')})."
-                )
-        if args.train_iters is None:
-            args.train_iters = 300
-        return
-    for flag in ("lr_decay_iters", "lr_warmup_iters"):
-        if getattr(args, flag) is not None:
-            raise ArgumentError(
-                f"--{flag.replace('_', '-')} does not go with --train-samples; use "
-                f"--{flag.replace('_iters', '_samples').replace('_', '-')}."
-            )
-    if args.train_samples <= 0:
-        raise ArgumentError(f"--train-samples must be positive, got {args.train_samples}.")
-    args.train_iters = None  # set once the global batch size is known (_schedule_units)
-
-
-def _schedule_units(args) -> None:
-    """LR schedule span in iterations or samples: args.lr_unit, args.lr_warmup, args.lr_decay."""
-    samples = args.train_samples is not None
-    if samples:
-        args.train_iters = max(1, args.train_samples // args.global_batch_size)
-        decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
-        warmup = args.lr_warmup_samples
-    else:
-        decay = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
-        warmup = args.lr_warmup_iters
-    if args.lr_warmup_fraction is not None:
-        if warmup is not None:
-            raise ArgumentError("give --lr-warmup-fraction or --lr-warmup-iters/--lr-warmup-samples, not both.")
-        if not 0.0 <= args.lr_warmup_fraction <= 1.0:
-            raise ArgumentError(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}.")
-        warmup = int(args.lr_warmup_fraction * decay)
-    if warmup is None:
-        warmup = 0 if samples else 20
-    if warmup < 0 or decay <= 0:
-        raise ArgumentError("the LR warmup must be >= 0 and the decay span positive.")
-    args.lr_unit, args.lr_warmup, args.lr_decay = ("samples" if samples else "iterations"), warmup, decay
-    args.lr_decay_iters = decay if not samples else args.lr_decay_iters
-    args.lr_warmup_iters = warmup if not samples else args.lr_warmup_iters
-
-
-# (flag, attribute, predicate on a finite value, what it must be); None values (unset) are skipped.
-_NUMBER_RULES = (
-    ("--lr", "lr", lambda v: v >= 0, "a finite number >= 0"),
-    ("--min-lr", "min_lr", lambda v: v >= 0, "a finite number >= 0"),
-    ("--weight-decay", "weight_decay", lambda v: v >= 0, "a finite number >= 0"),
-    ("--adam-beta1", "adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("--adam-beta2", "adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("--adam-eps", "adam_eps", lambda v: v > 0, "a finite number > 0"),
-    ("--clip-grad", "clip_grad", lambda v: v >= 0, "a finite number >= 0 (0 disables clipping)"),
-    ("--initial-loss-scale", "initial_loss_scale", lambda v: v > 0, "a finite number > 0, e.g. 65536"),
-    ("--init-method-std", "init_method_std", lambda v: v > 0, "a finite number > 0"),
-    ("--distributed-timeout-minutes", "distributed_timeout_minutes", lambda v: v > 0, "a finite number > 0"),
-    ("--peak-tflops", "peak_tflops", lambda v: v > 0, "a finite number > 0"),
-)
-
-
-def _check_numbers(args) -> None:
-    """Values argparse accepts but training cannot use: nan/inf, betas >= 1, negative decay..."""
-    for flag, name, ok, must_be in _NUMBER_RULES:
-        value = getattr(args, name, None)
-        if value is not None and not (math.isfinite(value) and ok(value)):
-            raise ArgumentError(f"{flag} must be {must_be}, got {value}.")
-
-
-def _check_intervals(args) -> None:
-    if args.eval_iters <= 0:
-        raise ArgumentError(
-            f"--eval-iters must be positive, got {args.eval_iters} (to evaluate less often, raise --eval-interval)."
-        )
-    for flag, value in (("--save-interval", args.save_interval), ("--exit-interval", args.exit_interval)):
-        if value is not None and value <= 0:
-            raise ArgumentError(f"{flag} must be positive, got {value}.")
-
-
-def _check_data_flags(args) -> None:
-    """--data-path and --split syntax (plain Python: --mock-data runs import no numpy)."""
-    from megatron_sp.data.blend import check_train_share, parse_data_path
-    from megatron_sp.data.errors import DataError
-
-    try:
-        if args.data_path:
-            parse_data_path(args.data_path)
-        if not args.mock_data:
-            check_train_share(args.split)
-    except DataError as err:
-        raise ArgumentError(str(err)) from None

@@ -1,5 +1,6 @@
 """What a training run reports, on the first rank only: a Megatron-style line every log interval, a
-progress bar when attached to a terminal (with tqdm), TensorBoard event files, a JSON-lines file and a
+progress bar when attached to a terminal (with tqdm), TensorBoard event files and Weights & Biases
+(every --tensorboard-log-interval, under our names and Megatron-LM's), a JSON-lines file and a
 loss-curve PNG at the end (with matplotlib; --loss-curve without it is refused at start-up). JSON numbers
 are written at full float precision (parity checks read them)."""
 
@@ -16,13 +17,17 @@ class TrainingLogger:
     def __init__(self, args, enabled: bool):
         self.enabled, self.args = enabled, args
         self.records, self.eval_records = [], []
-        self._tb = self._jsonl = self._bar = None
+        self._tb = self._jsonl = self._bar = self._wandb = None
         if not enabled:
             return
         if args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=args.tensorboard_dir)
+            self._tb = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size)
+        if args.wandb_project:
+            from megatron_sp.training.reporting import WandbWriter
+
+            self._wandb = WandbWriter(args)
         if args.log_jsonl:
             os.makedirs(os.path.dirname(os.path.abspath(args.log_jsonl)), exist_ok=True)
             self._jsonl = open(args.log_jsonl, "a", buffering=1)
@@ -50,23 +55,43 @@ class TrainingLogger:
             self._bar.refresh()
 
     def step(self, record: dict):
-        """One training iteration's figures; printed/written every log interval."""
+        """One training iteration's figures; printed/written every log interval, to TensorBoard and
+        wandb every --tensorboard-log-interval."""
         if not self.enabled:
             return
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{record['lm_loss']:.4f}")
         it = record["iteration"]
+        if it % self.args.tensorboard_log_interval == 0:
+            self._scalars(record, it)
         if it % self.args.log_interval != 0 and it not in (1, self.args.train_iters):
             return
         self.records.append(record)
-        self._write(_megatron_line(record, self.args.train_iters))
+        self._write(_megatron_line(record, self.args.train_iters, self.args.timing_log_level))
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
+
+    def _scalars(self, record: dict, it: int):
+        values = {f"train/{k}": record.get(k) for k in _OURS}
+        values.update({name: record.get(key) for name, key in _MEGATRON.items()})
+        a = self.args
+        if a.log_loss_scale_to_tensorboard:
+            values["loss-scale"] = record.get("loss_scale")
+        if a.log_world_size_to_tensorboard:
+            values["world-size"] = a.world_size
+        if a.log_throughput:
+            values["throughput"] = record.get("tflops")
+        if a.log_memory_to_tensorboard:
+            values.update(record.get("memory") or {})
+        if a.log_timers_to_tensorboard:
+            values.update({f"{k}-time": v for k, v in (record.get("timers") or {}).items()})
+        values = {k: v for k, v in values.items() if v is not None}
         if self._tb is not None:
-            for key in ("lm_loss", "lr", "grad_norm", "tokens_per_sec", "tflops", "mfu", "loss_scale"):
-                if record.get(key) is not None:
-                    self._tb.add_scalar(f"train/{key}", record[key], it)
+            for key, value in values.items():
+                self._tb.add_scalar(key, value, it)
+        if self._wandb is not None:
+            self._wandb.log(values, it)
 
     def evaluation(self, iteration: int, loss: float, ppl: float, split: str = "validation"):
         if not self.enabled:
@@ -77,9 +102,14 @@ class TrainingLogger:
             self._jsonl.write(
                 json.dumps({"iteration": iteration, f"{split}_lm_loss": loss, f"{split}_ppl": ppl}) + "\n"
             )
+        values = {f"{split}/lm_loss": loss, f"lm loss {split}": loss}
+        if self.args.log_validation_ppl_to_tensorboard:
+            values.update({f"{split}/ppl": ppl, f"lm loss {split} ppl": ppl})
         if self._tb is not None:
-            self._tb.add_scalar(f"{split}/lm_loss", loss, iteration)
-            self._tb.add_scalar(f"{split}/ppl", ppl, iteration)
+            for key, value in values.items():
+                self._tb.add_scalar(key, value, iteration)
+        if self._wandb is not None:
+            self._wandb.log(values, iteration)
 
     def close(self):
         if not self.enabled:
@@ -90,6 +120,8 @@ class TrainingLogger:
             self._tb.close()
         if self._jsonl is not None:
             self._jsonl.close()
+        if self._wandb is not None:
+            self._wandb.close()
         path = self.loss_curve_path()
         if path and self.records:
             if importlib.util.find_spec("matplotlib") is None:  # only the implicit PNG gets here
@@ -108,7 +140,21 @@ class TrainingLogger:
         return None
 
 
-def _megatron_line(r: dict, total: int) -> str:
+# TensorBoard / wandb scalars: ours (train/<record key>) and Megatron-LM's names (name -> record key).
+_OURS = ("lm_loss", "lr", "grad_norm", "tokens_per_sec", "tflops", "mfu", "loss_scale")
+_MEGATRON = {
+    "lm loss": "lm_loss",
+    "learning-rate": "lr",
+    "decoupled-learning-rate": "decoupled_lr",
+    "batch-size": "global_batch_size",
+    "grad-norm": "grad_norm",
+    "params-norm": "params_norm",
+    "num-zeros": "num_zeros",
+    "iteration-time": "elapsed_s",
+}
+
+
+def _megatron_line(r: dict, total: int, timing_level: int = 0) -> str:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     loss_scale = r.get("loss_scale")
     scale = (
@@ -123,11 +169,18 @@ def _megatron_line(r: dict, total: int) -> str:
         if r.get("mfu") is not None
         else "MFU: n/a (no known peak; set --peak-tflops)"
     )
+    extras = "".join(
+        f" {label}: {fmt.format(r[key])} |"
+        for key, label, fmt in (("num_zeros", "num zeros", "{:d}"), ("params_norm", "params norm", "{:.3f}"))
+        if r.get(key) is not None
+    )
+    if timing_level >= 1 and r.get("timers"):
+        extras += "".join(f" {k} (ms): {1000 * v:.1f} |" for k, v in r["timers"].items())
     return (
         f" [{stamp}] iteration {r['iteration']:8d}/{total:8d} | consumed samples: {r['consumed_samples']:12d}"
         f" | elapsed time per iteration (ms): {r['elapsed_ms']:.1f} | learning rate: {r['lr']:.6E}"
         f" | global batch size: {r['global_batch_size']:5d} | lm loss: {r['lm_loss']:.6E} |{scale}"
-        f" grad norm: {r['grad_norm']:.3f} | tokens/s: {r['tokens_per_sec']:.1f}"
+        f" grad norm: {r['grad_norm']:.3f} |{extras} tokens/s: {r['tokens_per_sec']:.1f}"
         f" | TFLOP/s/device: {r['tflops']:.3f} | {mfu} |"
     )
 

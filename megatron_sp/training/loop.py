@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -30,6 +31,7 @@ class StepResult:
     grad_norm: float  # before clipping
     skipped: bool  # fp16 overflow or underflow: no update this step
     underflow: bool = False  # fp16: every gradient was zero (the loss scale was raised)
+    timers: dict = field(default_factory=dict)  # seconds: forward-backward, grads-all-reduce, optimizer
 
 
 def autocast(device: str, dtype: Optional[torch.dtype]):
@@ -62,6 +64,50 @@ def mean_over_data_parallel(values, ps: ParallelState, device) -> float:
     return total.item() / (len(values) * ps.dp_size)
 
 
+def token_count(batch: dict) -> torch.Tensor:
+    """The tokens a micro-batch's loss averages over (its loss mask's sum; all of them without one)."""
+    mask = batch.get("loss_mask")
+    return (mask.sum() if mask is not None else torch.tensor(batch["labels"].numel())).float()
+
+
+def sum_over_data_parallel(values, ps: ParallelState, device) -> float:
+    total = torch.stack([v.float().to(device) for v in values]).sum().reshape(1)
+    if ps.dp_size > 1:
+        dist.all_reduce(total, group=ps.dp_group)
+    return total.item()
+
+
+class _Stopwatch:
+    """Wall-clock seconds per phase of a step (synchronised on CUDA so a phase holds its kernels)."""
+
+    def __init__(self, device: str):
+        self.device, self.times, self._last = device, {}, time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.times[name], self._last = now - self._last, now
+
+
+def _accumulate(model, data_iter, num_micro_batches, device, dtype, scale, grad_sync, per_token):
+    """Forward and backward of every micro-batch; returns (losses, token counts). Per-token loss:
+    each backward is of the micro-batch's loss *sum* (rescaled by the global token count later)."""
+    losses, counts = [], []
+    for micro in range(num_micro_batches):
+        if grad_sync is not None and micro == num_micro_batches - 1:
+            grad_sync.arm()  # DP all-reduces start during this backward
+        batch = to_device(next(data_iter), device)
+        with autocast(device, dtype):
+            loss = forward_loss(model, batch)
+        count = token_count(batch).to(loss.device)
+        weight = count if per_token else 1.0 / num_micro_batches
+        (loss * (scale * weight)).backward()
+        losses.append(loss.detach() * count if per_token else loss.detach())
+        counts.append(count)
+    return losses, counts
+
+
 def train_step(
     model,
     optimizer,
@@ -75,20 +121,25 @@ def train_step(
     iteration: int,
     scaler: Optional[DynamicLossScaler] = None,
     grad_sync: Optional[OverlappedGradSync] = None,
+    per_token_loss: bool = False,
+    empty_cache: bool = False,
 ) -> StepResult:
-    """Accumulates gradients over the micro-batches, syncs them, clips and steps."""
+    """Accumulates gradients over the micro-batches, syncs them, clips and steps.
+    per_token_loss (--calculate-per-token-loss): the loss is the global batch's token sum divided by
+    its token count (over micro-batches and DP ranks), not the mean of the micro-batch means.
+    empty_cache (--empty-unused-memory-level 2): empty the CUDA cache after the backward."""
     optimizer.zero_grad(set_to_none=True)
-    losses = []
+    watch = _Stopwatch(device)
     scale = scaler.scale if scaler is not None else 1.0
-    for micro in range(num_micro_batches):
-        if grad_sync is not None and micro == num_micro_batches - 1:
-            grad_sync.arm()  # DP all-reduces start during this backward
-        batch = to_device(next(data_iter), device)
-        with autocast(device, dtype):
-            loss = forward_loss(model, batch)
-        (loss * (scale / num_micro_batches)).backward()
-        losses.append(loss.detach())
-    loss_value = mean_over_data_parallel(losses, ps, device)
+    losses, counts = _accumulate(model, data_iter, num_micro_batches, device, dtype, scale, grad_sync, per_token_loss)
+    if per_token_loss:
+        tokens = max(sum_over_data_parallel(counts, ps, device), 1.0)
+        loss_value = sum_over_data_parallel(losses, ps, device) / tokens
+    else:
+        loss_value = mean_over_data_parallel(losses, ps, device)
+    watch.lap("forward-backward")
+    if empty_cache and device == "cuda":
+        torch.cuda.empty_cache()
     if not math.isfinite(loss_value):
         raise NonFiniteError(
             f"the training loss is {loss_value} at iteration {iteration}; lower --lr, "
@@ -97,6 +148,17 @@ def train_step(
     partition = getattr(optimizer, "partition", None)  # distributed optimizer: reduce to owners
     finalize_model_grads(model, ps, grad_sync, partition)
     params = [p for p in model.parameters() if p.grad is not None]  # (then only the owned ones)
+    if per_token_loss and params:  # the DP average divided by dp size; the loss wants the token count
+        torch._foreach_mul_([p.grad for p in params], ps.dp_size / tokens)
+    watch.lap("grads-all-reduce")
+    result = _update(optimizer, params, scaler, clip_grad, ps, partition, loss_value, iteration)
+    watch.lap("optimizer")
+    result.timers = watch.times
+    return result
+
+
+def _update(optimizer, params, scaler, clip_grad, ps, partition, loss_value, iteration) -> StepResult:
+    """fp16 checks, clipping and the optimizer step (or the reason to skip it)."""
     if scaler is not None and not scaler.unscale_and_check(params):
         return StepResult(loss_value, float("nan"), skipped=True)
     grad_norm = clip_grads(params, clip_grad, ps, partition)
@@ -117,15 +179,22 @@ def train_step(
 
 
 @torch.no_grad()
-def evaluate(model, data_iter, iters: int, num_micro_batches: int, ps: ParallelState, *, device: str, dtype) -> float:
-    """Mean loss over `iters` global batches of the validation split."""
+def evaluate(
+    model, data_iter, iters: int, num_micro_batches: int, ps: ParallelState, *, device: str, dtype, per_token_loss=False
+) -> float:
+    """Mean loss over `iters` global batches of the validation split (per token: over their tokens)."""
     model.eval()
-    losses = []
+    losses, counts = [], []
     try:
         for _ in range(iters * num_micro_batches):
             batch = to_device(next(data_iter), device)
             with autocast(device, dtype):
-                losses.append(forward_loss(model, batch))
+                loss = forward_loss(model, batch)
+            count = token_count(batch).to(loss.device)
+            losses.append(loss * count if per_token_loss else loss)
+            counts.append(count)
     finally:
         model.train()
+    if per_token_loss:
+        return sum_over_data_parallel(losses, ps, device) / max(sum_over_data_parallel(counts, ps, device), 1.0)
     return mean_over_data_parallel(losses, ps, device)

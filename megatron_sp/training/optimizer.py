@@ -20,20 +20,27 @@ from megatron_sp.parallel_state import ParallelState
 from megatron_sp.tensor_parallel.sharding import split_local
 from megatron_sp.training.distributed_optimizer import DistributedOptimizer, Partition, replica_group  # noqa: F401
 
+# Megatron-LM's "embedding or output" parameters, which --decoupled-lr trains with an LR of their own.
+DECOUPLED = ("embedding.word_embeddings.weight", "output_layer.weight")
 
-def param_groups(model, weight_decay: float):
-    """Weight decay on matrices only: no decay on biases and LayerNorm parameters (1-D tensors)."""
-    decay, no_decay = [], []
-    for p in model.parameters():
+
+def param_groups(model, weight_decay: float, decoupled: bool = False):
+    """Weight decay on matrices only: no decay on biases and LayerNorm parameters (1-D tensors).
+    decoupled: the word embedding and output layer in a group of their own ("decoupled": True)."""
+    decay, no_decay, own = [], [], []
+    for name, p in model.named_parameters():
         if p.requires_grad:
-            (no_decay if p.dim() < 2 else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            (own if decoupled and name in DECOUPLED else no_decay if p.dim() < 2 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if own:
+        groups.append({"params": own, "weight_decay": weight_decay, "decoupled": True})
+    return groups
 
 
 def build_optimizer(model, args, device: str, ps: ParallelState | None = None):
     """AdamW; apex's FusedAdam (decoupled weight decay) when apex is installed and we run on CUDA.
     With args.use_distributed_optimizer and replicas (ps), the moments are sharded over them."""
-    groups = param_groups(model, args.weight_decay)
+    groups = param_groups(model, args.weight_decay, decoupled=getattr(args, "decoupled_lr", None) is not None)
     kw = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
     if ps is not None and getattr(args, "use_distributed_optimizer", False) and replica_group(ps) is not None:
         extra = {"fused": True} if device == "cuda" else {"foreach": True}
@@ -80,25 +87,49 @@ def global_grad_norm(params, ps: ParallelState, partition: Partition | None = No
     """L2 norm of the full (serial) gradient: each parameter counted once. With a distributed
     optimizer's `partition`, each replica holds (and passes) only the gradients it owns."""
     grads = [p for p in params if p.grad is not None]
-    device = grads[0].grad.device if grads else _collective_device()
+    return _global_sum(grads, lambda p: p.grad.detach(), _sum_of_squares, ps, partition).sqrt()
+
+
+def global_param_norm(params, ps: ParallelState) -> float:
+    """L2 norm of the full (serial) parameters, each counted once (--log-params-norm)."""
+    return _global_sum(list(params), lambda p: p.detach(), _sum_of_squares, ps, None).sqrt().item()
+
+
+def count_zero_grads(params, ps: ParallelState, partition: Partition | None = None) -> int:
+    """Zero elements of the full (serial) gradient, each parameter counted once (--log-num-zeros-in-grad)."""
+    grads = [p for p in params if p.grad is not None]
+    return int(_global_sum(grads, lambda p: p.grad.detach(), _count_zeros, ps, partition).item())
+
+
+def _count_zeros(tensors, device) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for t in tensors:
+        total += (t == 0).sum()
+    return total
+
+
+def _global_sum(params, tensor_of, measure, ps: ParallelState, partition) -> torch.Tensor:
+    """measure(tensors) summed over the full (serial) model: TP shards summed over the group,
+    replicated tensors and copies counted once (with a partition: what each replica owns)."""
+    device = tensor_of(params[0]).device if params else _collective_device()
     split, replicated = [], []
-    for p in grads:
+    for p in params:
         spec = getattr(p, "shard_spec", None)
         if spec is None or spec.dim is None:
-            replicated.append(p.grad.detach())
+            replicated.append(tensor_of(p))
         elif not spec.segments:
-            split.append(p.grad.detach())
+            split.append(tensor_of(p))
         else:  # segments held in copies (GQA key/value heads): only the first copy counts
             split += [
-                view for shard, view in split_local(p.grad.detach(), spec, ps.tp_rank, ps.tp_size) if shard.first_copy
+                view for shard, view in split_local(tensor_of(p), spec, ps.tp_rank, ps.tp_size) if shard.first_copy
             ]
-    sharded, whole = _sum_of_squares(split, device), _sum_of_squares(replicated, device)
+    sharded, whole = measure(split, device), measure(replicated, device)
     if partition is not None:  # every shard has one owner in the world,
         dist.all_reduce(sharded)  # every whole parameter one per replica group
         dist.all_reduce(whole, group=partition.group)
     elif ps.tp_size > 1:
         dist.all_reduce(sharded, group=ps.tp_group)  # TP shards: sum over the group
-    return (sharded + whole).sqrt()  # replicas: this rank's copy
+    return sharded + whole  # replicas: this rank's copy
 
 
 def clip_grads(params, max_norm: float, ps: ParallelState, partition: Partition | None = None) -> float:

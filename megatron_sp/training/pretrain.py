@@ -9,6 +9,7 @@ Exit codes: 0 done or stopped by a signal after saving, 1 a fault while running,
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -25,7 +26,14 @@ from megatron_sp.training.config_flags import config_kwargs
 from megatron_sp.training.grad_sync import OverlappedGradSync
 from megatron_sp.training.logger import TrainingLogger
 from megatron_sp.training.loop import GradientUnderflowError, NonFiniteError, evaluate, train_step
-from megatron_sp.training.optimizer import DynamicLossScaler, build_optimizer, local_optimizer
+from megatron_sp.training.optimizer import (
+    DynamicLossScaler,
+    build_optimizer,
+    count_zero_grads,
+    global_param_norm,
+    local_optimizer,
+)
+from megatron_sp.training.runtime import Runtime
 from megatron_sp.training.schedules import LRSchedule
 from megatron_sp.training.throughput import peak_tflops, throughput
 
@@ -67,7 +75,12 @@ def check_inputs(argv) -> Setup:
 
     args = argv if hasattr(argv, "world_size") else parse_inputs(argv)
     tokenizer = build_tokenizer(
-        args.tokenizer_type, args.tokenizer_model, args.vocab_size, args.vocab_file, args.merge_file
+        args.tokenizer_type,
+        args.tokenizer_model,
+        args.vocab_size,
+        args.vocab_file,
+        args.merge_file,
+        args.null_tokenizer_eod_id,
     )
     cfg = build_config(args, tokenizer.vocab_size)
     prefixes = []
@@ -89,13 +102,16 @@ def build_config(args, vocab_size: int) -> GPTConfig:
 def build_data(setup: Setup, ps):
     """Train/valid datasets (megatron-core GPTDataset over .bin/.idx, or the embedded corpus)."""
     args = setup.args
-    evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters
+    evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters if evaluates(args) else 0
+    train_samples = args.batch_schedule.samples(args.train_iters)
     if args.mock_data:
         from megatron_sp.data.mock import MockGPTDataset
 
         return (
-            MockGPTDataset(args.train_iters * args.global_batch_size, args.seq_length, setup.cfg.vocab_size, args.seed),
-            MockGPTDataset(evals * args.global_batch_size, args.seq_length, setup.cfg.vocab_size, args.seed + 1),
+            MockGPTDataset(train_samples, args.seq_length, setup.cfg.vocab_size, args.seed),
+            MockGPTDataset(
+                max(evals, 1) * args.global_batch_size, args.seq_length, setup.cfg.vocab_size, args.seed + 1
+            ),
         )
     from megatron_sp.data import build_gpt_datasets
 
@@ -107,15 +123,20 @@ def build_data(setup: Setup, ps):
             args.seq_length,
             args.seed,
             setup.tokenizer,
-            train_samples=args.train_iters * args.global_batch_size,
-            valid_samples=evals * args.global_batch_size,
-            test_samples=args.eval_iters * args.global_batch_size,
+            train_samples=train_samples,
+            valid_samples=max(evals, 1) * args.global_batch_size,
+            test_samples=max(args.eval_iters, 1) * args.global_batch_size,
             reset_position_ids=args.reset_position_ids,
             reset_attention_mask=args.reset_attention_mask,
             eod_mask_loss=args.eod_mask_loss,
             cache_dir=args.data_cache_path,
         )
     return train, valid
+
+
+def evaluates(args) -> bool:
+    """Megatron-LM's rule: evaluation every --eval-interval, none without one or with --eval-iters 0."""
+    return bool(args.eval_interval) and args.eval_iters > 0
 
 
 def data_iterator(dataset, consumed: int, args, ps):
@@ -206,7 +227,14 @@ class Trainer:
             if args.overlap_grad_reduce and self.ps.dp_size * self.ps.cp_size > 1
             else None
         )
-        self.schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup, args.lr_decay, args.lr_decay_style)
+        self.schedule = LRSchedule(
+            args.lr, args.min_lr, args.lr_warmup, args.lr_decay, args.lr_decay_style, args.lr_warmup_init
+        )
+        self.decoupled = None
+        if args.decoupled_lr is not None:  # Megatron-LM: the embedding and output layer's own LR
+            min_lr = args.decoupled_min_lr if args.decoupled_min_lr is not None else args.min_lr
+            self.decoupled = dataclasses.replace(self.schedule, lr=args.decoupled_lr, min_lr=min_lr)
+        self.runtime = Runtime(args, self.ps)
         self.state = checkpointing.TrainState()
         if args.load:
             self._load()
@@ -225,7 +253,16 @@ class Trainer:
         }
 
     def _save(self):
-        checkpointing.save(self.args.save, self._checkpoint_states(), self.cfg, self.ps, log=self.log.info)
+        a = self.args
+        checkpointing.save(
+            a.save,
+            self._checkpoint_states(),
+            self.cfg,
+            self.ps,
+            log=self.log.info,
+            async_save=a.async_save,
+            retain_interval=a.save_retain_interval,
+        )
 
     def _load(self):
         """--load: everything (weights only with --finetune, less the optimizer or the RNG state with
@@ -266,6 +303,8 @@ class Trainer:
             )
         else:
             self._train_loop(train_iter, signals)
+        self.runtime.close()
+        checkpointing.wait_for_saves()
         write_exit_status(finished=state.iteration >= args.train_iters, iteration=state.iteration)
         if own:
             signals.uninstall()
@@ -276,12 +315,20 @@ class Trainer:
         args, state = self.args, self.state
         while state.iteration < args.train_iters:
             self._train_one(train_iter)
-            if args.eval_interval and state.iteration % args.eval_interval == 0:
+            if evaluates(args) and state.iteration % args.eval_interval == 0:
                 self._evaluate()
             if args.save and args.save_interval and state.iteration % args.save_interval == 0:
                 self._save()
             if signals.should_exit():
                 self.log.info(f" exit signal received: saving at iteration {state.iteration} and exiting")
+                if args.save:
+                    self._save()
+                return
+            if self.runtime.out_of_time():
+                self.log.info(
+                    f" exiting at iteration {state.iteration}: --exit-duration-in-mins {args.exit_duration_in_mins} "
+                    f"would be passed by the next steps{' (saved)' if args.save else ''}"
+                )
                 if args.save:
                     self._save()
                 return
@@ -295,14 +342,17 @@ class Trainer:
 
     def _train_one(self, train_iter):
         args, state = self.args, self.state
-        unit = args.global_batch_size if args.lr_unit == "samples" else 1  # Megatron's sample-based LR
-        lr = self.schedule.apply(self.optimizer, (state.iteration + 1) * unit)
+        batch = args.batch_schedule.at(state.consumed_train_samples)
+        # Megatron's sample-based LR is a function of the samples seen once this step is done
+        units = state.consumed_train_samples + batch if args.lr_unit == "samples" else state.iteration + 1
+        lr = self.schedule.apply(self.optimizer, units, self.decoupled)
+        self.runtime.before_step(state.iteration + 1)
         start = time.perf_counter()
         result = train_step(
             self.model,
             self.optimizer,
             train_iter,
-            args.num_micro_batches,
+            batch // (args.micro_batch_size * args.data_parallel_size),
             self.ps,
             device=args.device,
             dtype=self.dtype,
@@ -310,6 +360,8 @@ class Trainer:
             iteration=state.iteration + 1,
             scaler=self.scaler,
             grad_sync=self.grad_sync,
+            per_token_loss=args.calculate_per_token_loss,
+            empty_cache=args.empty_unused_memory_level >= 2,
         )
         if args.device == "cuda":
             torch.cuda.synchronize()
@@ -320,22 +372,38 @@ class Trainer:
                 f"loss scale raised to {self.scaler.scale:.3g}"
             )
         state.iteration += 1
-        state.consumed_train_samples += args.global_batch_size
-        tokens = args.global_batch_size * args.seq_length
-        record = {
+        state.consumed_train_samples += batch
+        self.log.step(self._record(result, lr, batch, elapsed))
+        self.runtime.after_step(state.iteration)
+        if args.async_save:
+            checkpointing.finalize_async_save()  # the one in flight, once every rank has written it
+
+    def _record(self, result, lr, batch, elapsed) -> dict:
+        """The figures of one step: what the log line, the JSONL file, TensorBoard and wandb show."""
+        args, state = self.args, self.state
+        params = list(self.model.parameters())
+        partition = getattr(self.optimizer, "partition", None)
+        return {
             "iteration": state.iteration,
             "lm_loss": result.loss,
             "lr": lr,
+            "decoupled_lr": self.decoupled.at(state.iteration)
+            if self.decoupled and args.lr_unit != "samples"
+            else None,
             "grad_norm": result.grad_norm,
             "consumed_samples": state.consumed_train_samples,
-            "global_batch_size": args.global_batch_size,
+            "global_batch_size": batch,
             "elapsed_ms": 1000 * elapsed,
+            "elapsed_s": elapsed,
             "skipped": result.skipped,
             "peak_tflops": self.peak,
             "loss_scale": self.scaler.scale if self.scaler else None,
-            **throughput(self.cfg.flops_per_token(), tokens, elapsed, args.world_size, self.peak),
+            "params_norm": global_param_norm(params, self.ps) if args.log_params_norm else None,
+            "num_zeros": count_zero_grads(params, self.ps, partition) if args.log_num_zeros_in_grad else None,
+            "timers": result.timers,
+            "memory": self.runtime.memory() if args.log_memory_to_tensorboard else None,
+            **throughput(self.cfg.flops_per_token(), batch * args.seq_length, elapsed, args.world_size, self.peak),
         }
-        self.log.step(record)
 
     def _evaluate(self):
         if self.valid_iter is None:
@@ -349,6 +417,7 @@ class Trainer:
             self.ps,
             device=args.device,
             dtype=self.dtype,
+            per_token_loss=args.calculate_per_token_loss,
         )
         self.state.consumed_valid_samples += args.eval_iters * args.global_batch_size
         self.log.evaluation(self.state.iteration, loss, math.exp(min(loss, 20.0)))

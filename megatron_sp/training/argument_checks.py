@@ -1,0 +1,261 @@
+"""Validation of pretrain_gpt_sp.py's command line (training/arguments.py parses it): every check that
+needs no data and no device, each failure one sentence (`ArgumentError`); and the derived values the
+run uses (data-parallel size, the batch schedule, micro-batches, the LR schedule's unit and spans).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+from megatron_sp.training import megatron_flags
+from megatron_sp.training.batch_schedule import BatchSchedule
+
+OUR_TOKENIZERS = ("ByteLevelTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+
+
+class ArgumentError(ValueError):
+    """A bad command line: one clear sentence."""
+
+
+def validate(args) -> None:
+    """Checks that need no data and no devices; fills derived defaults (dp size, batch sizes...)."""
+    _check_features(args)
+    _train_length(args)
+    _train_length(args)
+    for name in (
+        "micro_batch_size",
+        "train_iters",
+        "log_interval",
+        "eval_interval",
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "seq_length",
+        "tensor_model_parallel_size",
+    ):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    if cp <= 0:
+        raise ArgumentError(f"--context-parallel-size must be positive, got {cp}.")
+    if args.world_size % (tp * cp) != 0:
+        raise ArgumentError(
+            f"world size {args.world_size} is not divisible by --tensor-model-parallel-size {tp}"
+            + (f" × --context-parallel-size {cp}" if cp > 1 else "")
+            + "."
+        )
+    args.data_parallel_size = args.world_size // (tp * cp)
+    _batch_schedule(args)
+    if args.save_interval is not None and args.save is None:
+        raise ArgumentError("--save-interval needs --save DIR.")
+    _check_tokenizer(args)
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
+        raise ArgumentError("--tokenizer-type NullTokenizer needs --vocab-size.")
+    if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
+        raise ArgumentError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH/tokenizer.json.")
+    if args.tokenizer_type == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file):
+        raise ArgumentError(
+            "--tokenizer-type GPT2BPETokenizer needs --vocab-file vocab.json and --merge-file merges.txt."
+        )
+    for flag, value, module, package in (
+        ("--loss-curve", args.loss_curve, "matplotlib", "matplotlib"),
+        ("--tensorboard-dir", args.tensorboard_dir, "tensorboard", "tensorboard"),
+    ):
+        if value and importlib.util.find_spec(module) is None:
+            raise ArgumentError(f"{flag} needs the {package} package, which is not installed (pip install {package}).")
+    _schedule_units(args)
+    if args.min_lr > args.lr:
+        raise ArgumentError("--min-lr must not exceed --lr.")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        raise ArgumentError("--decoupled-min-lr needs --decoupled-lr.")
+    if args.decoupled_lr is not None and (args.decoupled_min_lr or args.min_lr) > args.decoupled_lr:
+        raise ArgumentError("--decoupled-min-lr (default --min-lr) must not exceed --decoupled-lr.")
+    _check_numbers(args)
+    _check_intervals(args)
+    _check_data_flags(args)
+
+
+def _train_length(args) -> None:
+    """--train-iters or --train-samples (Megatron: one of them; samples make the LR flags sample-based)."""
+    if args.train_samples is not None and args.train_iters is not None:
+        raise ArgumentError("give --train-iters or --train-samples, not both.")
+    if args.train_samples is None:
+        for flag in ("lr_decay_samples", "lr_warmup_samples"):
+            if getattr(args, flag) is not None:
+                raise ArgumentError(
+                    f"--{flag.replace('_', '-')} needs --train-samples (with --train-iters use "
+                    f"--{flag.replace('_samples', '_iters').replace('_', '-')})."
+                )
+        if args.train_iters is None:
+            args.train_iters = 300
+        return
+    for flag in ("lr_decay_iters", "lr_warmup_iters"):
+        if getattr(args, flag) is not None:
+            raise ArgumentError(
+                f"--{flag.replace('_', '-')} does not go with --train-samples; use "
+                f"--{flag.replace('_iters', '_samples').replace('_', '-')}."
+            )
+    if args.train_samples <= 0:
+        raise ArgumentError(f"--train-samples must be positive, got {args.train_samples}.")
+    args.train_iters = None  # set once the global batch size is known (_schedule_units)
+
+
+def _schedule_units(args) -> None:
+    """LR schedule span in iterations or samples: args.lr_unit, args.lr_warmup, args.lr_decay."""
+    samples = args.train_samples is not None
+    if samples:
+        args.train_iters = max(1, args.batch_schedule.iterations(args.train_samples))
+        decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
+        warmup = args.lr_warmup_samples
+    else:
+        decay = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
+        warmup = args.lr_warmup_iters
+    if args.lr_warmup_fraction is not None:
+        if warmup is not None:
+            raise ArgumentError("give --lr-warmup-fraction or --lr-warmup-iters/--lr-warmup-samples, not both.")
+        if not 0.0 <= args.lr_warmup_fraction <= 1.0:
+            raise ArgumentError(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}.")
+        warmup = int(args.lr_warmup_fraction * decay)
+    if warmup is None:
+        warmup = 0
+    if warmup < 0 or decay <= 0:
+        raise ArgumentError("the LR warmup must be >= 0 and the decay span positive.")
+    args.lr_unit, args.lr_warmup, args.lr_decay = ("samples" if samples else "iterations"), warmup, decay
+    args.lr_decay_iters = decay if not samples else args.lr_decay_iters
+    args.lr_warmup_iters = warmup if not samples else args.lr_warmup_iters
+
+
+# (flag, attribute, predicate on a finite value, what it must be); None values (unset) are skipped.
+_NUMBER_RULES = (
+    ("--lr", "lr", lambda v: v >= 0, "a finite number >= 0"),
+    ("--min-lr", "min_lr", lambda v: v >= 0, "a finite number >= 0"),
+    ("--weight-decay", "weight_decay", lambda v: v >= 0, "a finite number >= 0"),
+    ("--adam-beta1", "adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("--adam-beta2", "adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("--adam-eps", "adam_eps", lambda v: v > 0, "a finite number > 0"),
+    ("--clip-grad", "clip_grad", lambda v: v >= 0, "a finite number >= 0 (0 disables clipping)"),
+    ("--decoupled-lr", "decoupled_lr", lambda v: v >= 0, "a finite number >= 0"),
+    ("--decoupled-min-lr", "decoupled_min_lr", lambda v: v >= 0, "a finite number >= 0"),
+    ("--lr-warmup-init", "lr_warmup_init", lambda v: v >= 0, "a finite number >= 0"),
+    ("--exit-duration-in-mins", "exit_duration_in_mins", lambda v: v > 0, "a finite number > 0"),
+    ("--initial-loss-scale", "initial_loss_scale", lambda v: v > 0, "a finite number > 0, e.g. 65536"),
+    ("--init-method-std", "init_method_std", lambda v: v > 0, "a finite number > 0"),
+    ("--distributed-timeout-minutes", "distributed_timeout_minutes", lambda v: v > 0, "a finite number > 0"),
+    ("--peak-tflops", "peak_tflops", lambda v: v > 0, "a finite number > 0"),
+)
+
+
+def _check_numbers(args) -> None:
+    """Values argparse accepts but training cannot use: nan/inf, betas >= 1, negative decay..."""
+    for flag, name, ok, must_be in _NUMBER_RULES:
+        value = getattr(args, name, None)
+        if value is not None and not (math.isfinite(value) and ok(value)):
+            raise ArgumentError(f"{flag} must be {must_be}, got {value}.")
+
+
+def _check_intervals(args) -> None:
+    if args.eval_iters < 0:
+        raise ArgumentError(f"--eval-iters must be >= 0 (0: no evaluation), got {args.eval_iters}.")
+    for flag, value in (
+        ("--save-interval", args.save_interval),
+        ("--exit-interval", args.exit_interval),
+        ("--save-retain-interval", args.save_retain_interval),
+        ("--tensorboard-log-interval", args.tensorboard_log_interval),
+    ):
+        if value is not None and value <= 0:
+            raise ArgumentError(f"{flag} must be positive, got {value}.")
+    if args.profile and not 0 <= args.profile_step_start < args.profile_step_end:
+        raise ArgumentError("--profile needs 0 <= --profile-step-start < --profile-step-end.")
+
+
+def _check_data_flags(args) -> None:
+    """--data-path and --split syntax (plain Python: --mock-data runs import no numpy)."""
+    from megatron_sp.data.blend import check_train_share, parse_data_path
+    from megatron_sp.data.errors import DataError
+
+    args.split = args.split.strip().strip("'\"")  # a script's --split "'99,1,0'": megatron-core reads the numbers
+    try:
+        if args.data_path:
+            parse_data_path(args.data_path)
+        if not args.mock_data:
+            check_train_share(args.split)
+    except DataError as err:
+        raise ArgumentError(str(err)) from None
+
+
+def _check_features(args) -> None:
+    """Flags whose value asks for a feature megatron_sp lacks (pipeline, experts, other checkpoint
+    formats) or for another flag (Megatron-LM's own rules), and the older recompute spelling."""
+    if args.pipeline_model_parallel_size != 1:
+        raise ArgumentError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: {megatron_flags.PP}.")
+    if args.expert_model_parallel_size != 1:
+        raise ArgumentError(f"--expert-model-parallel-size {args.expert_model_parallel_size}: {megatron_flags.MOE}.")
+    if args.ckpt_format != "torch_dist":
+        raise ArgumentError(
+            f"--ckpt-format {args.ckpt_format} is not supported: checkpoints are torch.distributed.checkpoint "
+            f"directories (--ckpt-format torch_dist)."
+        )
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer (as in Megatron-LM).")
+    if args.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ArgumentError("--wandb-project needs the wandb package, which is not installed (pip install wandb).")
+    if args.activations_checkpoint_method is not None:  # Megatron-LM before 2022: full recomputation
+        if args.recompute_granularity not in (None, "full"):
+            raise ArgumentError("--activations-checkpoint-method means full recomputation; drop one of the two.")
+        args.recompute_granularity = "full"
+        args.recompute_method = args.recompute_method or args.activations_checkpoint_method
+
+
+def _check_tokenizer(args) -> None:
+    if args.tokenizer_type not in OUR_TOKENIZERS:
+        raise ArgumentError(
+            f"--tokenizer-type {args.tokenizer_type} is not supported (only {', '.join(OUR_TOKENIZERS)}); "
+            f"save the tokenizer as a tokenizer.json and use HuggingFaceTokenizer."
+        )
+    if args.null_tokenizer_eod_id is not None and args.tokenizer_type != "NullTokenizer":
+        raise ArgumentError(
+            "--null-tokenizer-eod-id is NullTokenizer's; drop it or use --tokenizer-type NullTokenizer."
+        )
+
+
+def _batch_schedule(args) -> None:
+    """args.batch_schedule and args.global_batch_size (its final batch); every batch a multiple of
+    micro batch × DP. A schedule and --global-batch-size must agree on the final batch."""
+    per_step = args.micro_batch_size * args.data_parallel_size
+    ramp, steps = args.rampup_batch_size, args.step_batch_size_schedule
+    if ramp is not None and steps is not None:
+        raise ArgumentError("give --rampup-batch-size or --step-batch-size-schedule, not both.")
+    try:
+        schedule = _schedule(args, ramp, steps, per_step)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
+    for _, batch in schedule.steps:
+        if batch % per_step != 0:
+            raise ArgumentError(
+                f"global batch size {batch} is not divisible by micro batch size × data-parallel size "
+                f"({args.micro_batch_size} × {args.data_parallel_size})."
+            )
+    args.batch_schedule, args.global_batch_size = schedule, schedule.final
+    args.num_micro_batches = schedule.final // per_step
+
+
+def _schedule(args, ramp, steps, per_step) -> BatchSchedule:
+    if steps is not None:
+        schedule = BatchSchedule.parse(steps, args.seq_length)
+        if args.global_batch_size not in (None, schedule.final):
+            raise ValueError(
+                f"--step-batch-size-schedule ends at batch {schedule.final} but --global-batch-size is "
+                f"{args.global_batch_size}; drop --global-batch-size or make them agree."
+            )
+        return schedule
+    final = args.global_batch_size or per_step
+    if ramp is None:
+        return BatchSchedule.constant(final)
+    start, increment, samples = ramp
+    if start <= 0 or increment <= 0 or samples < 0 or start > final or (final - start) % increment != 0:
+        raise ValueError(
+            f"--rampup-batch-size {start} {increment} {samples}: need 0 < START <= --global-batch-size ({final}), "
+            f"INCREMENT > 0 dividing the difference, SAMPLES >= 0."
+        )
+    return BatchSchedule.rampup(start, increment, samples, final) if final > start else BatchSchedule.constant(final)

@@ -1,0 +1,154 @@
+"""Megatron-LM flags that pretrain_gpt_sp.py accepts although they change nothing here, and those it
+refuses because they need a feature megatron_sp does not have. Both tables are read by
+training/arguments.py (the parser) and by the README's flag table (`flag_table()`), so a flag's
+treatment is written once, here; the flags that do something are in arguments.py and config.py.
+
+    NO_EFFECT   (flags, value, reason)      parsed and ignored; the reason is what the README says
+    REFUSED     (prefix or flag, feature)   one sentence naming the missing feature, before any check
+                                            of the other flags (a Mixtral script is told "mixture of
+                                            experts", not about its first unknown flag)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+# What a no-effect flag takes: a switch (no value), one value, or one value of a few choices.
+SWITCH, VALUE = "switch", "value"
+
+_KERNELS = "GPU kernel-fusion switch: the fused ops are chosen by megatron_sp (--no-fused-kernels turns ours off)"
+_IMPL = "implementation switch: there is one implementation here"
+_LOADER = "data-loader knob: samples are read in the training process from memory-mapped files"
+_CKPT_IO = "checkpoint I/O knob: every rank writes and reads its own shards of one DCP checkpoint"
+_ALWAYS_TB = "always written with --tensorboard-dir (older Megatron-LM flag)"
+
+
+@dataclass(frozen=True)
+class NoEffect:
+    flags: tuple
+    takes: object  # SWITCH, VALUE, or a tuple of the values accepted
+    reason: str
+
+
+NO_EFFECT = (
+    NoEffect(("--use-mcore-models",), SWITCH, "deprecated in Megatron-LM too: the model is megatron_sp's"),
+    NoEffect(("--transformer-impl",), ("local", "transformer_engine", "inference_optimized"), _IMPL),
+    NoEffect(("--use-flash-attn",), SWITCH, "attention kernels are chosen per call (models/attention.py)"),
+    NoEffect(("--use-cpu-initialization",), SWITCH, "weights are always initialised on CPU, the same at any TP"),
+    NoEffect(("--DDP-impl",), ("local", "torch"), "older Megatron-LM flag: one data-parallel implementation here"),
+    NoEffect(("--no-gradient-accumulation-fusion",), SWITCH, _KERNELS),
+    NoEffect(("--no-masked-softmax-fusion",), SWITCH, _KERNELS),
+    NoEffect(("--no-bias-dropout-fusion",), SWITCH, _KERNELS),
+    NoEffect(("--no-bias-gelu-fusion",), SWITCH, _KERNELS),
+    NoEffect(("--no-bias-swiglu-fusion",), SWITCH, _KERNELS),
+    NoEffect(("--no-rope-fusion",), SWITCH, _KERNELS),
+    NoEffect(("--no-persist-layer-norm",), SWITCH, _KERNELS),
+    NoEffect(("--cross-entropy-loss-fusion",), SWITCH, _KERNELS),
+    NoEffect(("--cross-entropy-fusion-impl",), ("native", "te"), _KERNELS),
+    NoEffect(("--num-workers",), VALUE, _LOADER),
+    NoEffect(("--no-mmap-bin-files",), SWITCH, _LOADER),
+    NoEffect(
+        ("--no-create-attention-mask-in-dataloader",),
+        SWITCH,
+        "causal masks are never materialised; document masks only with --reset-attention-mask",
+    ),
+    NoEffect(("--tiktoken-pattern",), ("v1", "v2"), "TikTokenizer's only, which is refused"),
+    NoEffect(("--use-persistent-ckpt-worker",), SWITCH, "--async-save runs in a background thread of its own"),
+    NoEffect(("--ckpt-fully-parallel-load",), SWITCH, _CKPT_IO),
+    NoEffect(("--no-ckpt-fully-parallel-save",), SWITCH, _CKPT_IO),
+    NoEffect(("--ckpt-fully-parallel-save",), SWITCH, _CKPT_IO),
+    NoEffect(("--ckpt-assume-constant-structure",), SWITCH, _CKPT_IO),
+    NoEffect(
+        ("--dist-ckpt-optim-fully-reshardable",),
+        SWITCH,
+        "optimizer state is always stored in the canonical, TP/DP-independent layout",
+    ),
+    NoEffect(
+        ("--no-check-for-nan-in-loss-and-grad",),
+        SWITCH,
+        "the non-finite check always runs (the loss and norm are reduced anyway); a NaN stops the run",
+    ),
+    NoEffect(("--test-mode",), SWITCH, "Megatron-LM's in-run self tests; the suite tests megatron_sp"),
+    NoEffect(("--use-pytorch-profiler",), SWITCH, "--profile always uses the PyTorch profiler (no nsys here)"),
+    NoEffect(("--log-learning-rate-to-tensorboard",), SWITCH, _ALWAYS_TB),
+    NoEffect(("--log-batch-size-to-tensorboard",), SWITCH, _ALWAYS_TB),
+    NoEffect(
+        ("--overlap-param-gather",),
+        SWITCH,
+        "with --use-distributed-optimizer (required, as in Megatron-LM) the owners' broadcast follows the "
+        "step: same weights, not overlapped with the next forward",
+    ),
+)
+
+MOE = (
+    "mixture of experts is not implemented in megatron_sp (dense GPT/Llama models only); "
+    "remove the MoE flags or use Megatron-LM"
+)
+_GPT_OSS = (
+    "gpt-oss's attention and MLP variants (sliding windows, learnable softmax, clamped GEGLU) are not implemented"
+)
+_FP8 = "FP8 training needs Transformer Engine, which megatron_sp does not use; train in --bf16"
+_MFSDP = "Megatron-FSDP is not implemented; use --use-distributed-optimizer (ZeRO-1) for sharded optimizer state"
+PP = "pipeline parallelism is not implemented yet (issue 18); use --pipeline-model-parallel-size 1"
+
+# (flag, or prefix ending in "-", the missing feature): in this order, the first match is reported.
+REFUSED = (
+    ("--num-experts", MOE),
+    ("--moe-", MOE),
+    ("--expert-tensor-parallel-size", MOE),
+    ("--enable-gpt-oss", _GPT_OSS),
+    ("--quick-geglu", _GPT_OSS),
+    ("--glu-linear-offset", _GPT_OSS),
+    ("--activation-func-clamp-value", _GPT_OSS),
+    ("--window-size", _GPT_OSS),
+    ("--window-attn-skip-freq", _GPT_OSS),
+    ("--export-force-local-attention", _GPT_OSS),
+    ("--fp8-", _FP8),
+    ("--fp8", _FP8),
+    ("--use-megatron-fsdp", _MFSDP),
+    ("--data-parallel-sharding-strategy", _MFSDP),
+    ("--fsdp-", _MFSDP),
+    ("--use-nccl-ub", _MFSDP),
+    ("--multi-latent-attention", "multi-latent attention (DeepSeek's MLA) is not implemented"),
+    ("--num-layers-per-virtual-pipeline-stage", PP),
+    ("--num-virtual-stages-per-pipeline-rank", PP),
+    ("--pipeline-model-parallel-layout", PP),
+)
+
+
+def _matches(token: str, flag: str) -> bool:
+    name = token.split("=", 1)[0]
+    return name.startswith(flag) if flag.endswith("-") else name == flag
+
+
+def refusal(unknown_tokens) -> Optional[str]:
+    """The sentence for the first refused feature among the command line's unknown tokens, or None."""
+    flags = [t for t in unknown_tokens if t.startswith("--")]
+    for flag, feature in REFUSED:
+        hits = [t.split("=", 1)[0] for t in flags if _matches(t, flag)]
+        if hits:
+            return f"{hits[0]}: {feature}."
+    return None
+
+
+def add_no_effect_flags(group) -> None:
+    """Every NO_EFFECT flag, parsed into args.<name> and otherwise unused."""
+    for entry in NO_EFFECT:
+        help = f"accepted, no effect: {entry.reason}"
+        if entry.takes == SWITCH:
+            group.add_argument(*entry.flags, action="store_true", help=help)
+        elif entry.takes == VALUE:
+            group.add_argument(*entry.flags, default=None, help=help)
+        else:
+            group.add_argument(*entry.flags, default=None, choices=entry.takes, help=help)
+
+
+def flag_table() -> str:
+    """The README's table of the flags accepted without effect and refused (markdown rows)."""
+    rows = ["| flag | here |", "| --- | --- |"]
+    for entry in NO_EFFECT:
+        rows.append(f"| `{'`, `'.join(entry.flags)}` | accepted, no effect: {entry.reason} |")
+    for flag, feature in REFUSED:
+        rows.append(f"| `{flag}{'*' if flag.endswith('-') else ''}` | refused: {feature} |")
+    return "\n".join(rows)

@@ -1,0 +1,188 @@
+"""A Megatron-LM user's script runs as it is: the 19 flag sets of tests/assets/megatron_flag_sets.json
+(Megatron-LM's examples and GPT functional tests, as their scripts expand them), shrunk to CPU size,
+each train 2 iterations or are refused in one sentence naming the missing feature.
+
+Shrinking changes sizes, never meanings: 2 layers × 64 wide, 4 heads (2 key/value groups where the
+set has GQA), 32 tokens, 2 iterations, micro batch 1 and 2 micro-batches per step (a batch schedule
+becomes 0:DP then 2·DP); TP 8 becomes 4; data and tokenizer files (none exist here) become mock data
+with NullTokenizer --vocab-size 512; paths go to a temporary directory; nccl becomes gloo. Sets whose
+TP × CP is 1 train in this process; the others in one 4-rank gloo world shared by the module.
+
+Precision flags of the scale issue (W2-17) that this tree does not know yet are dropped after checking
+that the refusal names them; once they exist they stay in and the sets train with them.
+"""
+
+import json
+import math
+import os
+import shutil
+
+import pytest
+from launch_helpers import REPO, records
+
+from megatron_sp.testing import LocalWorld
+from megatron_sp.training import pretrain
+from megatron_sp.training.arguments import ArgumentError, build_parser, parse_args
+
+FIXTURE = json.load(open(os.path.join(REPO, "tests", "assets", "megatron_flag_sets.json")))
+SETS = {s["name"]: s for s in FIXTURE["sets"]}
+WORLD = 4
+PENDING_PRECISION = (  # W2-17's flags (precision): refused as unknown until they land
+    "--attention-softmax-in-fp32",
+    "--grad-reduce-in-bf16",
+    "--accumulate-allreduce-grads-in-fp32",
+    "--loss-scale",
+    "--init-model-with-meta-device",
+)
+DATA_FLAGS = ("--data-path", "--vocab-file", "--merge-file", "--tokenizer-model", "--tokenizer-type", "--vocab-size")
+
+
+@pytest.fixture(scope="module")
+def world():
+    w = LocalWorld(WORLD)
+    yield w
+    w.close()
+
+
+def _values(argv, i):
+    """Index past flag argv[i] and its values."""
+    j = i + 1
+    while j < len(argv) and not argv[j].startswith("--"):
+        j += 1
+    return j
+
+
+def drop(argv, flags):
+    out, i = [], 0
+    while i < len(argv):
+        j = _values(argv, i) if argv[i].startswith("--") else i + 1
+        if argv[i] not in flags:
+            out += argv[i:j]
+        i = j
+    return out
+
+
+def replace(argv, values: dict):
+    """Each flag of `values` set to its value (None: dropped), in place where the set has it."""
+    out, i = [], 0
+    while i < len(argv):
+        j = _values(argv, i)
+        flag = argv[i]
+        if flag in values:
+            if values[flag] is not None:
+                out += [flag, *([values[flag]] if values[flag] != "" else [])]
+        else:
+            out += argv[i:j]
+        i = j
+    return out
+
+
+def _get(argv, flag, default=None):
+    return argv[argv.index(flag) + 1] if flag in argv else default
+
+
+def shrink(argv, tmp):
+    """The set at CPU size (see the module docstring)."""
+    tp = min(int(_get(argv, "--tensor-model-parallel-size", 1)), WORLD)
+    cp = int(_get(argv, "--context-parallel-size", 1))
+    dp = WORLD // (tp * cp) if tp * cp > 1 else 1
+    sizes = {"--num-layers": "2", "--hidden-size": "64", "--num-attention-heads": "4", "--seq-length": "32"}
+    sizes.update({f: v for f, v in (("--ffn-hidden-size", "128"), ("--kv-channels", "16")) if f in argv})
+    sizes.update({f: v for f, v in (("--num-query-groups", "2"), ("--max-position-embeddings", "32")) if f in argv})
+    sizes.update({"--tensor-model-parallel-size": str(tp), "--micro-batch-size": "1"})
+    schedule = "--step-batch-size-schedule" in argv
+    if schedule:
+        sizes["--step-batch-size-schedule"] = f"0:{dp} {32 * dp}:{2 * dp}"  # tokens: batch dp, then 2 dp
+    if "--global-batch-size" in argv or not schedule:
+        sizes["--global-batch-size"] = str(2 * dp)
+    if "--train-samples" in argv:
+        sizes["--train-samples"] = str(3 * dp if schedule else 4 * dp)
+    else:
+        sizes["--train-iters"] = "2"
+    if "--eval-interval" in argv and _get(argv, "--eval-iters") != "0":
+        sizes.update({"--eval-interval": "2", "--eval-iters": "1"})
+    if "--profile" in argv:
+        sizes.update({"--profile-step-start": "1", "--profile-step-end": "2"})
+    sizes.update({"--distributed-backend": "gloo", "--split": _get(argv, "--split")})
+    argv = replace(drop(argv, DATA_FLAGS + ("--mock-data",)), sizes)
+    argv += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--device", "cpu"]
+    argv += ["--log-jsonl", str(tmp / "log.jsonl"), "--no-progress-bar"]
+    paths = {"$CKPT": tmp / "ckpt", "$TB": tmp / "tb", "$CACHE": tmp / "cache", "$WANDB": tmp / "wandb"}
+    for key, path in paths.items():
+        argv = [a.replace(key, str(path)) for a in argv]
+    return argv, tp * cp
+
+
+def _known(flag) -> bool:
+    return flag in build_parser()._option_string_actions
+
+
+def _refusal(argv) -> str:
+    with pytest.raises(ArgumentError) as err:
+        parse_args(argv, world_size=WORLD)
+    return str(err.value)
+
+
+def _train_in_world(argv):
+    """One rank of a set's run in the shared world (pretrain_gpt_sp.py less its process-group start)."""
+    import torch.distributed as dist
+
+    args = parse_args(argv, world_size=dist.get_world_size())
+    args.distributed_backend, args.data_cache_path = "gloo", args.data_cache_path or "data_cache"
+    return pretrain.Trainer(pretrain.check_inputs(args)).run()
+
+
+def train(argv, model_parallel, world, tmp):
+    """Trains the shrunk set: its two iterations' losses (finite) from rank 0's log."""
+    shutil.rmtree(tmp / "ckpt", ignore_errors=True)  # a fresh run, not a resume of the last one
+    (tmp / "log.jsonl").unlink(missing_ok=True)
+    if model_parallel == 1:
+        assert pretrain.main(argv) == 0
+    else:
+        assert world.run(_train_in_world, argv) == [0] * WORLD
+    steps = [r for r in records(tmp / "log.jsonl") if "lm_loss" in r]
+    assert len(steps) == 2 and all(math.isfinite(r["lm_loss"]) for r in steps), steps
+    return steps
+
+
+def check(argv, expect, model_parallel, world, tmp):
+    if expect != "train":
+        message = _refusal(argv)
+        assert expect in message and len(message.splitlines()) == 1, message
+        return None
+    return train(argv, model_parallel, world, tmp)
+
+
+@pytest.mark.parametrize("name", list(SETS))
+def test_megatron_flag_set(name, world, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    spec = SETS[name]
+    argv, model_parallel = shrink(spec["argv"], tmp_path)
+    pending = [f for f in PENDING_PRECISION if f in argv and not _known(f)]
+    if pending:  # (a refused feature is named first)
+        if spec["expect"] in ("train", "pipeline parallelism"):
+            assert f"unrecognized arguments: {pending[0]}" in _refusal(argv)
+        argv = drop(argv, pending)
+    if "--wandb-project" in argv and not _has_wandb():
+        assert "needs the wandb package" in _refusal(argv)
+        argv = drop(argv, [f for f in argv if f.startswith("--wandb-")])
+    check(argv, spec["expect"], model_parallel, world, tmp_path)
+    for variant in spec["variants"]:
+        changed = replace(drop(argv, variant.get("drop", ())), variant.get("set", {}))
+        check(changed, variant["expect"], model_parallel, world, tmp_path)
+
+
+def _has_wandb() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("wandb") is not None
+
+
+def test_the_fixture_is_what_the_issue_lists():
+    """19 sets, each with its source file and commit; the refused ones name MoE, FP8 or pipelines."""
+    assert len(SETS) == 19
+    assert all(s["source"] and len(s["commit"]) == 40 for s in SETS.values())
+    refused = {n for n, s in SETS.items() if s["expect"] != "train"}
+    trains_eventually = {n for n in refused if any(v["expect"] == "train" for v in SETS[n]["variants"])}
+    assert refused - trains_eventually == {"mixtral_8x7b", "gpt_oss"}  # mixture of experts only
