@@ -111,11 +111,7 @@ class GPTConfig:
     position_embedding_type: Optional[str] = model_field(
         None,
         help="positions: learned_absolute, rope or none; default: the family's",
-        flags=("--position-embedding-type",),
-        switches=(
-            Switch("--use-rotary-position-embeddings", "rope", "same as --position-embedding-type rope"),
-            Switch("--no-position-embedding", "none", "same as --position-embedding-type none"),
-        ),
+        flags=("--position-embedding-type",),  # Megatron's older switches: training/arguments.py
         choices=POSITION_EMBEDDINGS,
         resume=ALWAYS,
     )

@@ -48,9 +48,9 @@ def test_tokenizer_errors_are_one_clear_sentence(kwargs, needle):
 
 def test_null_tokenizer_rejects_out_of_range_and_text():
     tok = build_tokenizer("NullTokenizer", vocab_size=10)
-    assert tok.tokenize("9 10") == [9, 10]  # 10 is the EOD id, allowed in data
-    with pytest.raises(DataError, match="11"):
-        tok.tokenize("1 11")
+    assert tok.tokenize("8 9") == [8, 9]  # 9 is the EOD id, allowed in data
+    with pytest.raises(DataError, match="10"):
+        tok.tokenize("1 10")
     with pytest.raises(DataError, match="integer ids"):
         tok.tokenize("hello world")
 

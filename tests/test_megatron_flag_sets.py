@@ -186,3 +186,43 @@ def test_the_fixture_is_what_the_issue_lists():
     refused = {n for n, s in SETS.items() if s["expect"] != "train"}
     trains_eventually = {n for n in refused if any(v["expect"] == "train" for v in SETS[n]["variants"])}
     assert refused - trains_eventually == {"mixtral_8x7b", "gpt_oss"}  # mixture of experts only
+
+
+@pytest.mark.parametrize(
+    "flags,position",
+    [
+        (["--position-embedding-type", "rope", "--no-position-embedding"], "rope"),  # Mixtral's script
+        (["--no-position-embedding", "--position-embedding-type", "rope"], "rope"),
+        (["--use-rotary-position-embeddings", "--position-embedding-type", "learned_absolute"], "rope"),
+        (["--position-embedding-type", "learned_absolute", "--use-rotary-position-embeddings"], "rope"),
+        (["--no-position-embedding"], "none"),
+        ([], None),
+    ],
+)
+def test_legacy_position_flags_read_as_megatron_lm(flags, position):
+    assert parse_args(["--mock-data"] + flags).position_embedding_type == position
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--lr-decay"], "unrecognized arguments: --lr-decay"),  # no abbreviations (--lr-decay-style)
+        (["--moe-router-topk", "2", "--bogus"], "mixture of experts"),  # the feature first
+        (["--pipeline-model-parallel-size", "2"], "pipeline parallelism is not implemented yet (issue 18)"),
+        (["--ckpt-format", "torch"], "--ckpt-format torch_dist"),
+        (["--overlap-param-gather"], "needs --use-distributed-optimizer"),
+        (["--tokenizer-type", "GPTSentencePieceTokenizer"], "HuggingFaceTokenizer"),
+        (["--no-position-embedding", "--position-embedding-type", "learned_absolute"], "contradicts"),
+        (["--step-batch-size-schedule", "0:8", "1280:16", "--global-batch-size", "8"], "make them agree"),
+    ],
+)
+def test_refusals_are_one_sentence(flags, needle):
+    message = _refusal(["--mock-data", "--micro-batch-size", "1"] + flags)
+    assert needle in message and len(message.splitlines()) == 1, message
+
+
+def test_quoted_split_and_unquoted_schedule_read_as_megatron():
+    argv = ["--split", "'99,1,0'", "--step-batch-size-schedule", "0:2", "64:4", "--micro-batch-size", "1"]
+    args = parse_args(argv + ["--seq-length", "32"])  # (the words of an unquoted "0:2 64:4")
+    assert args.split == "99,1,0" and args.global_batch_size == 4
+    assert [args.batch_schedule.at(n) for n in (0, 1, 2, 100)] == [2, 2, 4, 4]  # 64 tokens: 2 samples of 32

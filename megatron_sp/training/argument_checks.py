@@ -200,6 +200,7 @@ def _check_features(args) -> None:
         raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer (as in Megatron-LM).")
     if args.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ArgumentError("--wandb-project needs the wandb package, which is not installed (pip install wandb).")
+    _position_flags(args)
     if args.activations_checkpoint_method is not None:  # Megatron-LM before 2022: full recomputation
         if args.recompute_granularity not in (None, "full"):
             raise ArgumentError("--activations-checkpoint-method means full recomputation; drop one of the two.")
@@ -259,3 +260,17 @@ def _schedule(args, ramp, steps, per_step) -> BatchSchedule:
             f"INCREMENT > 0 dividing the difference, SAMPLES >= 0."
         )
     return BatchSchedule.rampup(start, increment, samples, final) if final > start else BatchSchedule.constant(final)
+
+
+def _position_flags(args) -> None:
+    """Megatron-LM's deprecated position switches: --use-rotary-position-embeddings means rope in any
+    order; --no-position-embedding beside rope keeps rope (Mixtral's script passes both)."""
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if args.no_position_embedding and args.position_embedding_type != "rope":
+        if args.position_embedding_type not in (None, "none"):
+            raise ArgumentError(
+                f"--no-position-embedding contradicts --position-embedding-type {args.position_embedding_type}; "
+                f"give one of them."
+            )
+        args.position_embedding_type = "none"

@@ -42,7 +42,16 @@ class _JoinWords(argparse.Action):
 
 
 def _model_args(p):
-    add_config_flags(p.add_argument_group("model"), "model")
+    g = p.add_argument_group("model")
+    add_config_flags(g, "model")
+    g.add_argument(  # read after parsing, whatever the order (Megatron-LM's legacy RoPE rule)
+        "--use-rotary-position-embeddings", action="store_true", help="same as --position-embedding-type rope"
+    )
+    g.add_argument(
+        "--no-position-embedding",
+        action="store_true",
+        help="no learned positions: --position-embedding-type none, unless it is rope (kept)",
+    )
 
 
 def _parallel_args(p):
