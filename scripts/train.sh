@@ -20,11 +20,11 @@ python -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_
     --tensor-model-parallel-size "$NPROC" --sequence-parallel \
     --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
     --hidden-dropout 0.0 --attention-dropout 0.0 \
-    --micro-batch-size 16 --global-batch-size 32 --train-iters 400 \
-    --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 30 --lr-decay-style cosine --adam-beta2 0.95 \
+    --micro-batch-size 16 --global-batch-size 32 --train-iters 500 \
+    --lr 4e-3 --min-lr 2e-4 --lr-warmup-iters 40 --lr-decay-style cosine --adam-beta2 0.95 \
     --log-interval 20 --eval-interval 100 --eval-iters 5 \
     --tensorboard-dir "$OUT/tensorboard" --log-jsonl "$OUT/log.jsonl" --loss-curve "$OUT/loss_curve.png" \
-    --save "$OUT/checkpoints" --save-interval 200 \
+    --save "$OUT/checkpoints" --save-interval 250 \
     "$@"
 echo "--- what it learnt: tools/generate.py --load $OUT/checkpoints --prompt 'def main(' (sampled, T=0.7)"
 python tools/generate.py --load "$OUT/checkpoints" --prompt "def main(" --max-new-tokens 160 \

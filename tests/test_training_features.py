@@ -101,6 +101,20 @@ def test_async_save_is_atomic_and_retains_the_interval(tmp_path):
     log.unlink()
     assert pretrain.main(argv[: argv.index("--profile")] + ["--load", str(save), "--train-iters", "4"]) == 0
     assert [r["iteration"] for r in records(log) if "lm_loss" in r] == [4]
+    _strictness_of(save / "iter_0000004")
+
+
+def _strictness_of(path):
+    """--dist-ckpt-strictness: an entry the model lacks is logged (log_*) or refused (raise_*)."""
+    from megatron_sp.checkpointing import CheckpointError, checkpointer, safe_dcp
+
+    names = sorted(k for k in safe_dcp.read_metadata(str(path)).state_dict_metadata if k.startswith("model."))
+    target = {"model": {name.split(".", 1)[1]: None for name in names[1:]}}  # the model lacks names[0]
+    with pytest.raises(CheckpointError, match="1 entries this model does not have"):
+        checkpointer._report_unexpected(str(path), target, "raise_unexpected", print)
+    logged = []
+    checkpointer._report_unexpected(str(path), target, "log_all", logged.append)
+    assert names[0] in logged[0] and "not loaded" in logged[0]
 
 
 def test_exit_duration_saves_and_stops_before_the_limit(tmp_path, capsys):
@@ -122,3 +136,32 @@ def test_null_tokenizer_data_of_megatron_core_016_names_the_fix(tmp_path):
     with pytest.raises(DataError, match=r"pass --vocab-size 101"):
         validate_indexed_prefix(prefix, vocab_size=100)
     validate_indexed_prefix(prefix, vocab_size=101)  # read with the same EOD
+
+
+def test_decoupled_lr_drives_the_embedding_and_output_layer():
+    """--decoupled-lr: the word embedding and the output layer follow a schedule of their own."""
+    from megatron_sp.config import GPTConfig
+    from megatron_sp.models.reference import ReferenceGPT
+    from megatron_sp.training.optimizer import param_groups
+    from megatron_sp.training.schedules import LRSchedule
+
+    cfg = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=50, seq_length=8)
+    model = ReferenceGPT(GPTConfig(**{**dataclass_fields(cfg), "untie_embeddings_and_output_weights": True}))
+    optimizer = torch.optim.AdamW(param_groups(model, 0.1, decoupled=True))
+    main = LRSchedule(1e-3, 0.0, 10, 100, "cosine", init=1e-4)
+    own = LRSchedule(5e-3, 1e-4, 10, 100, "cosine", init=1e-4)
+    main.apply(optimizer, 5, own)
+    decoupled = [g for g in optimizer.param_groups if g.get("decoupled")]
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert sorted(names[id(p)] for p in decoupled[0]["params"]) == [
+        "embedding.word_embeddings.weight",
+        "output_layer.weight",
+    ]
+    assert decoupled[0]["lr"] == 1e-4 + (5e-3 - 1e-4) * 5 / 10  # warmup from --lr-warmup-init
+    assert all(g["lr"] == 1e-4 + (1e-3 - 1e-4) * 5 / 10 for g in optimizer.param_groups if not g.get("decoupled"))
+
+
+def dataclass_fields(cfg) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp import failures
+from megatron_sp.checkpointing import async_save as async_save_module
 from megatron_sp.checkpointing import metadata, safe_dcp
 from megatron_sp.checkpointing.paths import (
     LATEST,
@@ -46,6 +47,7 @@ from megatron_sp.checkpointing.paths import (
     check_files_present,
     check_save_dir,
     checkpoint_dir,
+    drop_unretained,
     locate,
     read_metadata_json,
     same_path,
@@ -170,7 +172,7 @@ class _SaveJob:
             self.fail(err)
         _barrier()
         if self.retain_interval and _rank() == 0:
-            _drop_unretained(self.root, self.it, self.retain_interval)
+            drop_unretained(self.root, self.it, self.retain_interval)
         self.log(f" saved checkpoint at iteration {self.it} to {self.final}")
 
     def fail(self, err):
@@ -209,19 +211,6 @@ def wait_for_saves() -> None:
     finalize_async_save(blocking=True)
 
 
-def _drop_unretained(root, latest: int, interval: int) -> None:
-    """Megatron's --save-retain-interval: keep checkpoints at multiples of it and the latest."""
-    for name in os.listdir(root):
-        it = _iteration_of(name)
-        if it is not None and it != latest and it % interval != 0:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-
-
-def _iteration_of(name: str):
-    head, _, number = name.partition("_")
-    return int(number) if head == "iter" and number.isdigit() else None
-
-
 def _collective_device():
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -243,7 +232,7 @@ def _write(tmp, states, cfg, ps, extra, async_save=False):
     with warnings.catch_warnings():  # DCP warns that a single process saves without a process group
         warnings.simplefilter("ignore")
         if async_save:
-            future = _background_save(_snapshot(state_dict), tmp)
+            future = async_save_module.background_save(async_save_module.snapshot(state_dict), tmp, _dcp())
         else:
             _dcp().save(state_dict, checkpoint_id=tmp)
     for key, state in per_rank.items():
@@ -270,55 +259,6 @@ class _Async:
         return self._future.result()
 
 
-def _snapshot(value):
-    """A CPU copy of a state dict that training may go on changing (ShardedTensors rebuilt from their
-    copied shards without a collective)."""
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-
-    if isinstance(value, ShardedTensor):
-        shards = [Shard(_snapshot(s.tensor), s.metadata) for s in value.local_shards()]
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards, value.metadata(), process_group=value._process_group
-        )
-    if torch.is_tensor(value):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _snapshot(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_snapshot(v) for v in value)
-    return value
-
-
-def _background_save(state_dict, tmp):
-    """DCP's save of the snapshot in a thread, over a process group of its own."""
-    import concurrent.futures
-
-    group = _save_group()
-    executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="async-save")
-
-    def write():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _dcp().save(state_dict, checkpoint_id=tmp, process_group=group)
-
-    future = executor.submit(write)
-    executor.shutdown(wait=False)
-    return future
-
-
-_SAVE_GROUP = []
-
-
-def _save_group():
-    """A gloo group of its own for the background writer's collectives, so they never interleave
-    with the training's on the default group (created once, by every rank at the same save)."""
-    if not dist.is_initialized():
-        return None
-    if not _SAVE_GROUP:
-        _SAVE_GROUP.append(dist.new_group(backend="gloo"))
-    return _SAVE_GROUP[0]
-
-
 def _save_failure(err, root, needed: int) -> str:
     """Why a save failed, in words: torch.save reports a full disk as 'unexpected pos 704 vs 598'."""
     reason = _root_cause(err)
@@ -342,11 +282,13 @@ def _root_cause(err) -> str:
 # ---- load --------------------------------------------------------------------------------------
 
 
-def load(root: str, states: dict, cfg, is_save_dir: bool = False, log=print):
+def load(root: str, states: dict, cfg, is_save_dir: bool = False, log=print, strictness="assume_ok_unexpected"):
     """Collective. Restores `states` in place from the latest checkpoint in `root` (every rank loads
     the same one); a tensor state the checkpoint lacks (converted weights hold no optimizer state)
     keeps its value. Returns the checkpoint's metadata, or None when there is none to load (root
-    missing or empty, allowed when it is also the save directory: is_save_dir)."""
+    missing or empty, allowed when it is also the save directory: is_save_dir). strictness
+    (--dist-ckpt-strictness): entries of the checkpoint that the states do not ask for are ignored
+    (assume_ok_*, ignore_all, return_*), logged (log_*) or refused (raise_*)."""
     iteration = _agreed_iteration(root, is_save_dir)
     if iteration is None:
         log(f" no checkpoint in {root} (also --save): starting from scratch")
@@ -359,7 +301,7 @@ def load(root: str, states: dict, cfg, is_save_dir: bool = False, log=print):
         if key not in stored:
             log(f" {path} holds no {_label(key, state)} (converted weights?): it starts fresh")
             del tensors[key]
-    _load_tensors(tensors, path)
+    _load_tensors(tensors, path, strictness, log)
     for key, state in rest.items():
         if state is not None and meta.get(key) is not None:
             state.load_state_dict(meta[key])
@@ -442,9 +384,11 @@ def _verify_digests(path, meta) -> None:
         )
 
 
-def _load_tensors(tensors: dict, path) -> None:
+def _load_tensors(tensors: dict, path, strictness="assume_ok_unexpected", log=print) -> None:
     """DCP reads into each state's target (this rank's slices); then each state takes its tensors."""
     target = {k: s.load_target() for k, s in tensors.items()}
+    if strictness.startswith(("log_", "raise_")):
+        _report_unexpected(path, target, strictness, log)
     try:
         safe_dcp.load(target, path, no_dist=not dist.is_initialized())
     except (Exception, _checkpoint_exception()) as err:  # noqa: BLE001 - DCP wraps any reader error
@@ -456,6 +400,28 @@ def _load_tensors(tensors: dict, path) -> None:
         ) from None
     for key, state in tensors.items():
         state.load_state_dict(target[key])
+
+
+def _report_unexpected(path, target: dict, strictness: str, log) -> None:
+    """The checkpoint's entries under the loaded states that `target` does not ask for."""
+    wanted = set(_flat_keys(target))
+    stored = {k for k in safe_dcp.read_metadata(path).state_dict_metadata if k.split(".")[0] in target}
+    unexpected = sorted(stored - wanted)
+    if not unexpected:
+        return
+    words = f"{path} holds {len(unexpected)} entries this model does not have (first: {unexpected[0]})"
+    if strictness.startswith("raise_"):
+        raise CheckpointError(f"{words}; load it with the model it was saved from, or --dist-ckpt-strictness log_all.")
+    log(f" {words}: not loaded (--dist-ckpt-strictness {strictness})")
+
+
+def _flat_keys(value, prefix=""):
+    """DCP's flattened names of a nested state dict (dicts joined by '.')."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _flat_keys(item, f"{prefix}{key}.")
+    else:
+        yield prefix[:-1]
 
 
 def _stored_keys(path) -> set:

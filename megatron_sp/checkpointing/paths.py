@@ -191,3 +191,16 @@ def check_save_dir(root: str, checkpoint_bytes: int) -> None:
             f"--save {root} has {free / 1e6:.1f} MB free but one checkpoint needs about "
             f"{checkpoint_bytes / 1e6:.1f} MB; free space or choose another directory."
         )
+
+
+def drop_unretained(root, latest: int, interval: int) -> None:
+    """Megatron's --save-retain-interval: keep checkpoints at multiples of it and the latest."""
+    for name in os.listdir(root):
+        it = iteration_of(name)
+        if it is not None and it != latest and it % interval != 0:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def iteration_of(name: str):
+    head, _, number = name.partition("_")
+    return int(number) if head == "iter" and number.isdigit() else None

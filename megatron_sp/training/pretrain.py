@@ -21,6 +21,7 @@ import torch
 from megatron_sp import checkpointing, failures, parallel_state
 from megatron_sp.config import GPTConfig
 from megatron_sp.data.errors import DataError
+from megatron_sp.training import trainer_report
 from megatron_sp.training.arguments import ArgumentError, parse_args
 from megatron_sp.training.config_flags import config_kwargs
 from megatron_sp.training.grad_sync import OverlappedGradSync
@@ -29,13 +30,11 @@ from megatron_sp.training.loop import GradientUnderflowError, NonFiniteError, ev
 from megatron_sp.training.optimizer import (
     DynamicLossScaler,
     build_optimizer,
-    count_zero_grads,
-    global_param_norm,
     local_optimizer,
 )
 from megatron_sp.training.runtime import Runtime
 from megatron_sp.training.schedules import LRSchedule
-from megatron_sp.training.throughput import peak_tflops, throughput
+from megatron_sp.training.throughput import peak_tflops
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -273,7 +272,14 @@ class Trainer:
         skip |= {"rng"} if args.no_load_rng else set()
         states = {k: v for k, v in self._checkpoint_states().items() if k not in skip}
         is_save_dir = checkpointing.same_path(args.load, args.save)
-        meta = checkpointing.load(args.load, states, self.cfg, is_save_dir=is_save_dir, log=self.log.info)
+        meta = checkpointing.load(
+            args.load,
+            states,
+            self.cfg,
+            is_save_dir=is_save_dir,
+            log=self.log.info,
+            strictness=args.dist_ckpt_strictness,
+        )
         if meta is not None:
             self.log.info(
                 f" loaded checkpoint {checkpointing.checkpoint_dir(args.load, meta['iteration'])} (saved at "
@@ -289,7 +295,7 @@ class Trainer:
         own = signals is None
         if own:
             signals = ExitSignalHandler(args.device).install()
-        self._describe()
+        trainer_report.describe(self)
         train_iter = data_iterator(self.train_ds, state.consumed_train_samples, args, self.ps)
         self.valid_iter = data_iterator(self.valid_ds, state.consumed_valid_samples, args, self.ps)
         self.log.start_at(state.iteration)
@@ -373,37 +379,10 @@ class Trainer:
             )
         state.iteration += 1
         state.consumed_train_samples += batch
-        self.log.step(self._record(result, lr, batch, elapsed))
+        self.log.step(trainer_report.record(self, result, lr, batch, elapsed))
         self.runtime.after_step(state.iteration)
         if args.async_save:
             checkpointing.finalize_async_save()  # the one in flight, once every rank has written it
-
-    def _record(self, result, lr, batch, elapsed) -> dict:
-        """The figures of one step: what the log line, the JSONL file, TensorBoard and wandb show."""
-        args, state = self.args, self.state
-        params = list(self.model.parameters())
-        partition = getattr(self.optimizer, "partition", None)
-        return {
-            "iteration": state.iteration,
-            "lm_loss": result.loss,
-            "lr": lr,
-            "decoupled_lr": self.decoupled.at(state.iteration)
-            if self.decoupled and args.lr_unit != "samples"
-            else None,
-            "grad_norm": result.grad_norm,
-            "consumed_samples": state.consumed_train_samples,
-            "global_batch_size": batch,
-            "elapsed_ms": 1000 * elapsed,
-            "elapsed_s": elapsed,
-            "skipped": result.skipped,
-            "peak_tflops": self.peak,
-            "loss_scale": self.scaler.scale if self.scaler else None,
-            "params_norm": global_param_norm(params, self.ps) if args.log_params_norm else None,
-            "num_zeros": count_zero_grads(params, self.ps, partition) if args.log_num_zeros_in_grad else None,
-            "timers": result.timers,
-            "memory": self.runtime.memory() if args.log_memory_to_tensorboard else None,
-            **throughput(self.cfg.flops_per_token(), batch * args.seq_length, elapsed, args.world_size, self.peak),
-        }
 
     def _evaluate(self):
         if self.valid_iter is None:
@@ -421,30 +400,3 @@ class Trainer:
         )
         self.state.consumed_valid_samples += args.eval_iters * args.global_batch_size
         self.log.evaluation(self.state.iteration, loss, math.exp(min(loss, 20.0)))
-
-    def _optimizer_words(self) -> str:
-        replicas = self.ps.dp_size * self.ps.cp_size
-        if local_optimizer(self.optimizer) is self.optimizer:
-            return "AdamW"
-        mine = sum(p.numel() for g in local_optimizer(self.optimizer).param_groups for p in g["params"])
-        total = sum(p.numel() for p in self.model.parameters())
-        return f"AdamW state sharded over {replicas} replicas (this rank: {mine / total:.0%} of its parameters)"
-
-    def _describe(self):
-        a, c = self.args, self.cfg
-        self.log.info(
-            f" megatron_sp: world {a.world_size} = TP {a.tensor_model_parallel_size}"
-            f"{f' × CP {c.context_parallel_size} ({c.cp_comm_type})' if c.context_parallel_size > 1 else ''}"
-            f" × DP {a.data_parallel_size}"
-            f"{' + SP' if c.sequence_parallel else ''} | device {a.device} ({a.distributed_backend}) | "
-            f"model {c.model}: {c.normalization}, {c.activation}, {c.position_embedding_type} positions, "
-            f"{c.num_attention_heads} heads / {c.num_query_groups} kv | "
-            f"{c.num_parameters() / 1e6:.2f}M parameters | vocab {c.vocab_size} (padded {c.padded_vocab_size}) | "
-            f"{a.num_micro_batches} micro-batches of {a.micro_batch_size} per DP rank | "
-            f"{self._optimizer_words()} | "
-            f"MFU peak {f'{self.peak:.3g} TFLOP/s' if self.peak else 'n/a'} ({self.peak_source})"
-        )
-        if self.state.iteration:
-            self.log.info(
-                f" resuming at iteration {self.state.iteration}, {self.state.consumed_train_samples} samples consumed"
-            )

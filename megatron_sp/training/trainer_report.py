@@ -1,0 +1,65 @@
+"""What a Trainer (training/pretrain.py) reports: each step's record (the log line, JSON lines,
+TensorBoard and wandb read it) and the start-up description."""
+
+from __future__ import annotations
+
+from megatron_sp.training.optimizer import count_zero_grads, global_param_norm, local_optimizer
+from megatron_sp.training.throughput import throughput
+
+
+def record(trainer, result, lr, batch, elapsed) -> dict:
+    """The figures of one step: what the log line, the JSONL file, TensorBoard and wandb show."""
+    args, state = trainer.args, trainer.state
+    params = list(trainer.model.parameters())
+    partition = getattr(trainer.optimizer, "partition", None)
+    return {
+        "iteration": state.iteration,
+        "lm_loss": result.loss,
+        "lr": lr,
+        "decoupled_lr": trainer.decoupled.at(state.iteration)
+        if trainer.decoupled and args.lr_unit != "samples"
+        else None,
+        "grad_norm": result.grad_norm,
+        "consumed_samples": state.consumed_train_samples,
+        "global_batch_size": batch,
+        "elapsed_ms": 1000 * elapsed,
+        "elapsed_s": elapsed,
+        "skipped": result.skipped,
+        "peak_tflops": trainer.peak,
+        "loss_scale": trainer.scaler.scale if trainer.scaler else None,
+        "params_norm": global_param_norm(params, trainer.ps) if args.log_params_norm else None,
+        "num_zeros": count_zero_grads(params, trainer.ps, partition) if args.log_num_zeros_in_grad else None,
+        "timers": result.timers,
+        "memory": trainer.runtime.memory() if args.log_memory_to_tensorboard else None,
+        **throughput(trainer.cfg.flops_per_token(), batch * args.seq_length, elapsed, args.world_size, trainer.peak),
+    }
+
+
+def _optimizer_words(trainer) -> str:
+    replicas = trainer.ps.dp_size * trainer.ps.cp_size
+    if local_optimizer(trainer.optimizer) is trainer.optimizer:
+        return "AdamW"
+    mine = sum(p.numel() for g in local_optimizer(trainer.optimizer).param_groups for p in g["params"])
+    total = sum(p.numel() for p in trainer.model.parameters())
+    return f"AdamW state sharded over {replicas} replicas (this rank: {mine / total:.0%} of its parameters)"
+
+
+def describe(trainer) -> None:
+    """The start-up line: layout, model, batch, optimizer, MFU peak (and where a resume starts)."""
+    a, c = trainer.args, trainer.cfg
+    trainer.log.info(
+        f" megatron_sp: world {a.world_size} = TP {a.tensor_model_parallel_size}"
+        f"{f' × CP {c.context_parallel_size} ({c.cp_comm_type})' if c.context_parallel_size > 1 else ''}"
+        f" × DP {a.data_parallel_size}"
+        f"{' + SP' if c.sequence_parallel else ''} | device {a.device} ({a.distributed_backend}) | "
+        f"model {c.model}: {c.normalization}, {c.activation}, {c.position_embedding_type} positions, "
+        f"{c.num_attention_heads} heads / {c.num_query_groups} kv | "
+        f"{c.num_parameters() / 1e6:.2f}M parameters | vocab {c.vocab_size} (padded {c.padded_vocab_size}) | "
+        f"{a.num_micro_batches} micro-batches of {a.micro_batch_size} per DP rank | "
+        f"{_optimizer_words(trainer)} | "
+        f"MFU peak {f'{trainer.peak:.3g} TFLOP/s' if trainer.peak else 'n/a'} ({trainer.peak_source})"
+    )
+    if trainer.state.iteration:
+        trainer.log.info(
+            f" resuming at iteration {trainer.state.iteration}, {trainer.state.consumed_train_samples} samples consumed"
+        )
