@@ -349,10 +349,9 @@ def test_recompute_parity(pool, mode, tp, cp):
 # Megatron-LM's model variants of its flag sets (tests/test_megatron_flag_sets.py): the 15B release's
 # (--apply-layernorm-1p --squared-relu, partial RoPE) and the qk-layernorm, layer-scaling and init ones.
 VARIANTS = {
-    "1p": {"layernorm_zero_centered_gamma": True},
-    "squared-relu": {"activation": "squared_relu"},
-    "qk-norm-llama": {"qk_layernorm": True, "layernorm_zero_centered_gamma": True},
-    "qk-norm-scaling-xavier": {
+    "qk-norm-1p-llama": {"qk_layernorm": True, "layernorm_zero_centered_gamma": True},
+    "squared-relu-qk-norm-scaling-xavier": {
+        "activation": "squared_relu",
         "qk_layernorm": True,
         "apply_query_key_layer_scaling": True,
         "attention_backend": "unfused",
@@ -364,22 +363,17 @@ VARIANTS = {
 
 @pytest.mark.parametrize(
     "variant,family,tp,cp",
-    [
-        ("1p", "gpt2", 4, 1),
-        ("squared-relu", "gpt2", 4, 1),
-        ("qk-norm-llama", "llama", 4, 1),
-        ("qk-norm-scaling-xavier", "gpt2", 2, 2),
-    ],
+    [("qk-norm-1p-llama", "llama", 4, 1), ("squared-relu-qk-norm-scaling-xavier", "gpt2", 2, 2)],
 )
 def test_megatron_model_variants_parity(pool, variant, family, tp, cp):
-    """Zero-centred norm weights, squared ReLU, per-head q/k norms (their weights' gradients are
-    partial over the TP ranks' heads, and over the key/value copies at TP=4 with 2 groups),
-    query-key layer scaling, Xavier and embedding init keep the contract, dropout on. Squared ReLU's
-    gradient vanishes smoothly at 0, so AdamW's first steps (sign(g)·lr for tiny g) turn 4e-7 gradient
-    differences into 1.5e-5 on the final weights; a LayerNorm k-norm's bias has no gradient (it shifts
-    every key alike) but AdamW steps it by ±lr on rounding noise, a function-neutral change that still
-    moves the rounding (1.1e-5 after 3 steps): those final weights are held to 5e-5."""
-    rtol = 5e-5 if variant in ("squared-relu", "qk-norm-scaling-xavier") else 1e-5
+    """Zero-centred norm weights, squared ReLU, per-head q/k norms (RMSNorm and LayerNorm; their
+    weights' gradients are partial over the TP ranks' heads, and over the key/value copies at TP=4
+    with 2 groups), query-key layer scaling, Xavier and embedding init keep the contract, dropout on.
+    Final weights after the AdamW steps: squared ReLU's gradient vanishes smoothly at 0, so AdamW's
+    first steps (sign(g)·lr for tiny g) turn 4e-7 gradient differences into 1.5e-5; a LayerNorm
+    k-norm's bias has no gradient (it shifts every key alike) but AdamW steps it by ±lr on rounding
+    noise, a function-neutral change that still moves the rounding: those are held to 5e-5."""
+    rtol = 5e-5 if "squared-relu" in variant else 1e-5
     check_parity(pool, tp, tp > 1, 0.1, fused=False, family=family, cp=cp, extra=VARIANTS[variant], final_rtol=rtol)
 
 
