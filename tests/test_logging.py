@@ -42,5 +42,9 @@ def test_logs_tensorboard_jsonl_and_loss_curve(tmp_path, capsys):
     acc.Reload()
     scalars = acc.Tags()["scalars"]
     assert "train/lm_loss" in scalars and "validation/lm_loss" in scalars
-    assert [e.value for e in acc.Scalars("train/lm_loss")] == [r["lm_loss"] for r in train]
+    assert {"lm loss", "learning-rate", "batch-size", "grad-norm", "lm loss validation"} <= set(scalars)  # Megatron's
+    by_step = {e.step: e.value for e in acc.Scalars("train/lm_loss")}  # every --tensorboard-log-interval (1)
+    assert sorted(by_step) == [1, 2, 3, 4, 5, 6]
+    assert [by_step[r["iteration"]] for r in train] == [r["lm_loss"] for r in train]
+    assert [e.value for e in acc.Scalars("lm loss")] == [by_step[i] for i in range(1, 7)]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -233,8 +233,9 @@ def _batch_schedule(args) -> None:
         raise ArgumentError(str(err)) from None
     for _, batch in schedule.steps:
         if batch % per_step != 0:
+            what = "--global-batch-size" if len(schedule.steps) == 1 else "the batch schedule's global batch"
             raise ArgumentError(
-                f"global batch size {batch} is not divisible by micro batch size × data-parallel size "
+                f"{what} {batch} is not divisible by micro batch size × data-parallel size "
                 f"({args.micro_batch_size} × {args.data_parallel_size})."
             )
     args.batch_schedule, args.global_batch_size = schedule, schedule.final
