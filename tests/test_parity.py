@@ -194,10 +194,14 @@ def test_parity_with_fused_kernels(pool, family, tp, sp, cp, comm):
     check_parity(pool, tp, sp, 0.1, fused=True, family=family, cp=cp, comm=comm)
 
 
-def check_parity(pool, tp, sp, dropout, fused, family="gpt2", cp=1, comm="p2p", extra=None, final_rtol=1e-5):
-    """The parallel model (extra: more GPTConfig fields, e.g. recomputation) against the plain reference.
-    final_rtol: the weights after the AdamW steps (the losses and first gradients are held to 1e-5)."""
-    init, ref_losses, ref_grads, ref_final = _reference(dropout, family, extra)
+def check_parity(
+    pool, tp, sp, dropout, fused, family="gpt2", cp=1, comm="p2p", extra=None, shared=None, final_rtol=1e-5
+):
+    """The parallel model (extra: more GPTConfig fields, e.g. recomputation) against the plain reference
+    (shared: fields of both, the model variant). final_rtol: the weights after the AdamW steps (the
+    losses and first gradients are held to 1e-5)."""
+    init, ref_losses, ref_grads, ref_final = _reference(dropout, family, shared)
+    extra = {**(shared or {}), **(extra or {})}
     results = [r for r in pool.run(_parity_worker, tp, sp, dropout, fused, family, cp, comm, extra) if r is not None]
     assert len(results) == tp
     for res in results:
@@ -374,7 +378,7 @@ def test_megatron_model_variants_parity(pool, variant, family, tp, cp):
     k-norm's bias has no gradient (it shifts every key alike) but AdamW steps it by ±lr on rounding
     noise, a function-neutral change that still moves the rounding: those are held to 5e-5."""
     rtol = 5e-5 if "squared-relu" in variant else 1e-5
-    check_parity(pool, tp, tp > 1, 0.1, fused=False, family=family, cp=cp, extra=VARIANTS[variant], final_rtol=rtol)
+    check_parity(pool, tp, tp > 1, 0.1, fused=False, family=family, cp=cp, shared=VARIANTS[variant], final_rtol=rtol)
 
 
 def _cp_logits_worker(cp, comm):
