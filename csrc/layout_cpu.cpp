@@ -99,14 +99,12 @@ template <typename Runs>
 MSP_CPU_INLINE void copy_items(const CopyPlan& c, Runs runs, int64_t t0, int64_t t1) {
   if (c.pieces == 1) {
     runs.seek(t0);
-    for (int64_t o = t0; o < t1; ++o, runs.next())
-      copy_piece(c, o * c.bytes, runs.source() * c.bytes, c.bytes);
+    for (int64_t o = t0; o < t1; ++o, runs.next()) copy_piece(c, o * c.bytes, runs.source() * c.bytes, c.bytes);
   } else {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t o = t / c.pieces, off = (t % c.pieces) * c.piece;
       runs.seek(o);
-      copy_piece(c, o * c.bytes + off, runs.source() * c.bytes + off,
-                 std::min(c.piece, c.bytes - off));
+      copy_piece(c, o * c.bytes + off, runs.source() * c.bytes + off, std::min(c.piece, c.bytes - off));
     }
   }
 #if MSP_HAS_STREAM
@@ -126,19 +124,19 @@ int64_t stream_threshold() {
 }
 
 template <typename Runs>
-void parallel_copy_runs(const at::Tensor& x, at::Tensor& out, int64_t runs, int64_t run_elems,
-                        Runs iter) {
+void parallel_copy_runs(const at::Tensor& x, at::Tensor& out, int64_t runs, int64_t run_elems, Runs iter) {
   const int64_t bytes = run_elems * x.element_size();
   if (bytes == 0 || runs == 0) return;
-  CopyPlan c{static_cast<char*>(out.data_ptr()), static_cast<const char*>(x.const_data_ptr()),
-             bytes, std::min<int64_t>(bytes, 1 << 16), 0, false};
+  CopyPlan c{static_cast<char*>(out.data_ptr()),
+             static_cast<const char*>(x.const_data_ptr()),
+             bytes,
+             std::min<int64_t>(bytes, 1 << 16),
+             0,
+             false};
   c.pieces = (bytes + c.piece - 1) / c.piece;
-  c.stream = MSP_HAS_STREAM && runs * bytes >= stream_threshold() &&
-             simd_level() != SimdLevel::kBaseline;
+  c.stream = MSP_HAS_STREAM && runs * bytes >= stream_threshold() && simd_level() != SimdLevel::kBaseline;
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / c.piece);
-  at::parallel_for(0, runs * c.pieces, grain, [&](int64_t t0, int64_t t1) {
-    copy_items_simd<Runs>(c, iter, t0, t1);
-  });
+  at::parallel_for(0, runs * c.pieces, grain, [&](int64_t t0, int64_t t1) { copy_items_simd<Runs>(c, iter, t0, t1); });
 }
 
 constexpr int64_t kShortRunBytes = 16 << 10;
@@ -155,9 +153,7 @@ at::Tensor run_block_transpose(const at::Tensor& x_in, const BlockTranspose& pla
   return out;
 }
 
-at::Tensor ulysses_pack_cpu(const at::Tensor& x, int64_t p) {
-  return run_block_transpose(x, ulysses_pack_plan(x, p));
-}
+at::Tensor ulysses_pack_cpu(const at::Tensor& x, int64_t p) { return run_block_transpose(x, ulysses_pack_plan(x, p)); }
 
 at::Tensor ulysses_unpack_cpu(const at::Tensor& x, int64_t p) {
   return run_block_transpose(x, ulysses_unpack_plan(x, p));

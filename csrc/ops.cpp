@@ -19,15 +19,19 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(megatron_sp, m) {
-  m.def("bias_dropout_add_fwd(Tensor x, Tensor? bias, Tensor residual, Tensor token_positions, "
-        "Tensor sample_ids, float p, int seed, int layer, int site, int feature_offset) -> Tensor");
-  m.def("bias_dropout_add_bwd(Tensor grad_out, Tensor token_positions, Tensor sample_ids, "
-        "float p, int seed, int layer, int site, int feature_offset, bool bias_grad) "
-        "-> (Tensor, Tensor)");
-  m.def("layer_norm_fwd(Tensor x, Tensor weight, Tensor bias, float eps) "
-        "-> (Tensor, Tensor, Tensor)");
-  m.def("layer_norm_bwd(Tensor grad_out, Tensor x, Tensor weight, Tensor mean, Tensor rstd) "
-        "-> (Tensor, Tensor, Tensor)");
+  m.def(
+      "bias_dropout_add_fwd(Tensor x, Tensor? bias, Tensor residual, Tensor token_positions, "
+      "Tensor sample_ids, float p, int seed, int layer, int site, int feature_offset) -> Tensor");
+  m.def(
+      "bias_dropout_add_bwd(Tensor grad_out, Tensor token_positions, Tensor sample_ids, "
+      "float p, int seed, int layer, int site, int feature_offset, bool bias_grad) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "layer_norm_fwd(Tensor x, Tensor weight, Tensor bias, float eps) "
+      "-> (Tensor, Tensor, Tensor)");
+  m.def(
+      "layer_norm_bwd(Tensor grad_out, Tensor x, Tensor weight, Tensor mean, Tensor rstd) "
+      "-> (Tensor, Tensor, Tensor)");
   m.def("rms_norm_fwd(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rms_norm_bwd(Tensor grad_out, Tensor x, Tensor weight, Tensor rstd) -> (Tensor, Tensor)");
   m.def("ulysses_pack(Tensor x, int p) -> Tensor");
@@ -35,13 +39,15 @@ TORCH_LIBRARY(megatron_sp, m) {
   m.def("gather_to_last_dim(Tensor x, int t) -> Tensor");
   m.def("last_dim_to_gather(Tensor x, int t) -> Tensor");
   m.def("zigzag_reorder(Tensor x, int p, int dim, bool inverse) -> Tensor");
-  m.def("flash_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor q_positions, "
-        "Tensor k_positions, Tensor? q_segments, Tensor? k_segments, Tensor sample_ids, float p, "
-        "int seed, int layer, int head_offset) -> (Tensor, Tensor)");
-  m.def("flash_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-        "Tensor q_positions, Tensor k_positions, Tensor? q_segments, Tensor? k_segments, "
-        "Tensor sample_ids, float p, int seed, int layer, int head_offset) "
-        "-> (Tensor, Tensor, Tensor)");
+  m.def(
+      "flash_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor q_positions, "
+      "Tensor k_positions, Tensor? q_segments, Tensor? k_segments, Tensor sample_ids, float p, "
+      "int seed, int layer, int head_offset) -> (Tensor, Tensor)");
+  m.def(
+      "flash_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor q_positions, Tensor k_positions, Tensor? q_segments, Tensor? k_segments, "
+      "Tensor sample_ids, float p, int seed, int layer, int head_offset) "
+      "-> (Tensor, Tensor, Tensor)");
 }
 
 // `import megatron_sp._C` loads this library (running the registrations above); no Python API.

@@ -25,8 +25,8 @@ int sm_count = 2;
   fprintf(stderr,
           "msp_cuda_emulator: %s (block (%u, %u, %u) of (%u, %u, %u), thread (%u, %u, %u) of "
           "(%u, %u, %u))\n",
-          what, c.block.x, c.block.y, c.block.z, c.grid_dim.x, c.grid_dim.y, c.grid_dim.z,
-          c.thread.x, c.thread.y, c.thread.z, c.block_dim.x, c.block_dim.y, c.block_dim.z);
+          what, c.block.x, c.block.y, c.block.z, c.grid_dim.x, c.grid_dim.y, c.grid_dim.z, c.thread.x, c.thread.y,
+          c.thread.z, c.block_dim.x, c.block_dim.y, c.block_dim.z);
   fflush(stderr);
   abort();
 }
@@ -85,12 +85,10 @@ uint32_t shfl_xor(uint32_t bits, unsigned int mask, int lane_mask, int width) {
 
 void set_sm_count(int sms) { sm_count = sms > 0 ? sms : 1; }
 
-void launch(const std::function<void()>& body, dim3 grid, dim3 block, size_t shared_bytes,
-            cudaStream_t) {
+void launch(const std::function<void()>& body, dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t) {
   const uint64_t threads = uint64_t(block.x) * block.y * block.z;
-  if (threads == 0 || threads > 1024 || block.z > 64 || grid.x == 0 || grid.y == 0 ||
-      grid.z == 0 || grid.x > 0x7FFFFFFFu || grid.y > 65535 || grid.z > 65535 ||
-      shared_bytes > 48 * 1024) {
+  if (threads == 0 || threads > 1024 || block.z > 64 || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
+      grid.x > 0x7FFFFFFFu || grid.y > 65535 || grid.z > 65535 || shared_bytes > 48 * 1024) {
     last_error = cudaErrorInvalidConfiguration;
     return;
   }
@@ -134,8 +132,8 @@ void launch(const std::function<void()>& body, dim3 grid, dim3 block, size_t sha
   for (auto& th : pool) th.join();
 }
 
-void launch_bounded(int max_threads, const std::function<void()>& body, dim3 grid, dim3 block,
-                    size_t shared_bytes, cudaStream_t stream) {
+void launch_bounded(int max_threads, const std::function<void()>& body, dim3 grid, dim3 block, size_t shared_bytes,
+                    cudaStream_t stream) {
   if (uint64_t(block.x) * block.y * block.z > uint64_t(max_threads)) {
     last_error = cudaErrorLaunchOutOfResources;
     return;
@@ -213,8 +211,8 @@ void traffic_clear() { region_count.store(0); }
 // asan-instrumentation-with-call-threshold=0 (the kernel files in "traffic" builds) for every
 // memory access.
 extern "C" {
-#define MSP_EMU_ACCESS(n)                                                                     \
-  void __asan_load##n##_noabort(uintptr_t addr) { msp_emu::count(addr, n, false); }          \
+#define MSP_EMU_ACCESS(n)                                                           \
+  void __asan_load##n##_noabort(uintptr_t addr) { msp_emu::count(addr, n, false); } \
   void __asan_store##n##_noabort(uintptr_t addr) { msp_emu::count(addr, n, true); }
 MSP_EMU_ACCESS(1)
 MSP_EMU_ACCESS(2)
@@ -250,10 +248,14 @@ cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t) {
 
 const char* cudaGetErrorString(cudaError_t err) {
   switch (err) {
-    case cudaSuccess: return "no error";
-    case cudaErrorInvalidValue: return "invalid argument";
-    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
-    case cudaErrorLaunchOutOfResources: return "too many resources requested for launch";
+    case cudaSuccess:
+      return "no error";
+    case cudaErrorInvalidValue:
+      return "invalid argument";
+    case cudaErrorInvalidConfiguration:
+      return "invalid configuration argument";
+    case cudaErrorLaunchOutOfResources:
+      return "too many resources requested for launch";
   }
   return "unknown error";
 }
