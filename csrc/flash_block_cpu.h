@@ -1,4 +1,4 @@
-// Building blocks of the CPU blockwise attention (flash_attention_cpu.cpp): one 64 x 64 block pair
+// Building blocks of the CPU blockwise attention (flash_attention.cpp): one 64 x 64 block pair
 // at a time, in fp32 buffers that the caller packs from the strided inputs.
 //
 // Design: every block product is a small GEMM C (+)= op(A) * B with B row-major and its columns

@@ -1,5 +1,5 @@
-// Visibility and dropout bookkeeping of the CPU blockwise attention (flash_attention_cpu.cpp,
-// flash_attention_bwd_cpu.cpp): per-block summaries of the positions and document segments that
+// Visibility and dropout bookkeeping of the CPU blockwise attention (flash_attention.cpp,
+// flash_attention_bwd.cpp): per-block summaries of the positions and document segments that
 // let a block pair be skipped (nothing visible) or left unmasked (everything visible), the row
 // mask, and the attention-dropout words (random.py's attention_keep_mask, bit for bit).
 #pragma once

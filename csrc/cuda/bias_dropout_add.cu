@@ -12,6 +12,7 @@
 // finishes the bias gradient.
 // Fallback (h or feature_offset not a multiple of the vector, unaligned pointers): VEC = 1.
 #include "../philox.h"
+#include "bias_dropout_add.h"
 #include "common.cuh"
 
 namespace msp {

@@ -1,5 +1,5 @@
 // Device helpers shared by the kernel files: dtype conversion, 128-bit vector access, block sums,
-// launch sizing. Torch-free (see launchers.h).
+// launch sizing. Torch-free (see dtype.h).
 //
 // torch builds .cu files with -D__CUDA_NO_HALF_OPERATORS__ / __CUDA_NO_BFLOAT16_CONVERSIONS__, so
 // all conversions here are the explicit intrinsics; fp32 arithmetic uses __fadd_rn/__fmul_rn
@@ -11,7 +11,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "launchers.h"
+#include "dtype.h"
 
 namespace msp {
 namespace cuda {

@@ -28,6 +28,7 @@
 
 #include "../philox.h"
 #include "common.cuh"
+#include "flash_attention.h"
 
 namespace msp {
 namespace cuda {

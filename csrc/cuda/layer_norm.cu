@@ -14,6 +14,7 @@
 // and each thread accumulates dw += dy*xhat, db += dy for its own columns in registers, written
 // once as the block's partial row (about two per SM); column_sum adds the partials (this rank's
 // partial sums; under sequence parallelism the model then sums them over the TP group).
+#include "layer_norm.h"
 #include "row_norm.cuh"
 
 namespace msp {

@@ -10,6 +10,7 @@
 // stores to keep enough bytes in flight for HBM.
 #include "../layout_index.h"
 #include "common.cuh"
+#include "layout.h"
 
 namespace msp {
 namespace cuda {

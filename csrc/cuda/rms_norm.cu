@@ -13,6 +13,7 @@
 // and each thread accumulates dw += dy*xhat for its own columns in registers, written once as the
 // block's partial row (about two per SM); column_sum adds the partials (this rank's partial sum;
 // under sequence parallelism the model then sums it over the TP group).
+#include "rms_norm.h"
 #include "row_norm.cuh"
 
 namespace msp {

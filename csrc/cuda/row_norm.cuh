@@ -1,6 +1,6 @@
 // Building blocks of the row-normalisation kernels (layer_norm.cu, rms_norm.cu): launch plans,
 // per-thread walks over a row's 128-bit vectors, group sums, and the backward's hand-off of
-// per-thread weight-gradient accumulators to one partial row per block. Torch-free (launchers.h).
+// per-thread weight-gradient accumulators to one partial row per block. Torch-free (dtype.h).
 //
 // Design (shared by both norms): the forward runs one block of up to kMaxThreads threads per row,
 // each thread keeping its vectors of the row in registers; the backward runs a persistent grid of

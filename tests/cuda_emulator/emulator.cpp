@@ -147,11 +147,12 @@ namespace {
 
 struct Region {
   uintptr_t begin = 0, end = 0;
+  bool live = false;  // false once its memory was freed (traffic_release): a new allocation may reuse it
   std::atomic<uint64_t> loaded{0}, stored{0};
   std::unique_ptr<std::atomic<uint64_t>[]> load_bits, store_bits;  // one bit per byte
 };
 
-constexpr int kMaxRegions = 16;
+constexpr int kMaxRegions = 64;
 Region regions[kMaxRegions];
 std::atomic<int> region_count{0};
 
@@ -164,7 +165,7 @@ void count(uintptr_t addr, uintptr_t size, bool store) {
   const int n = region_count.load(std::memory_order_acquire);
   for (int r = 0; r < n; ++r) {
     Region& g = regions[r];
-    if (addr >= g.begin && addr < g.end) {
+    if (g.live && addr >= g.begin && addr < g.end) {
       if (addr + size > g.end) fail("access straddles the end of a watched region");
       (store ? g.stored : g.loaded).fetch_add(size, std::memory_order_relaxed);
       mark(store ? g.store_bits.get() : g.load_bits.get(), addr - g.begin, size);
@@ -187,6 +188,7 @@ int traffic_watch(const void* begin, size_t bytes) {
   Region& g = regions[r];
   g.begin = reinterpret_cast<uintptr_t>(begin);
   g.end = g.begin + bytes;
+  g.live = true;
   g.loaded = 0;
   g.stored = 0;
   const size_t words = (bytes + 63) / 64;
@@ -197,10 +199,20 @@ int traffic_watch(const void* begin, size_t bytes) {
   return r;
 }
 
+int traffic_region_count() { return region_count.load(); }
+
 Traffic traffic_of(int r) {
   const Region& g = regions[r];
-  return {g.loaded.load(), g.stored.load(), distinct(g.load_bits.get(), g.end - g.begin),
+  return {g.begin,
+          g.end - g.begin,
+          g.loaded.load(),
+          g.stored.load(),
+          distinct(g.load_bits.get(), g.end - g.begin),
           distinct(g.store_bits.get(), g.end - g.begin)};
+}
+
+void traffic_release(int r, const void* begin) {
+  if (r < region_count.load() && regions[r].begin == reinterpret_cast<uintptr_t>(begin)) regions[r].live = false;
 }
 
 void traffic_clear() { region_count.store(0); }

@@ -127,10 +127,14 @@ void set_sm_count(int sms);
 // -fsanitize=kernel-address in call mode, so every load and store they make calls the emulator).
 // Accesses inside a watched region are counted: bytes requested (every access) and distinct bytes
 // touched, for loads and stores separately. Accesses elsewhere (the stack, __shared__) are not.
+// tests/cuda_emulator/control.cpp watches tensors, and the allocations an op makes, through it.
 struct Traffic {
+  uintptr_t begin, bytes;
   uint64_t loaded, stored, distinct_loaded, distinct_stored;
 };
-int traffic_watch(const void* begin, size_t bytes);  // returns the region's index
+int traffic_watch(const void* begin, size_t bytes);   // returns the region's index
+void traffic_release(int region, const void* begin);  // its memory is freed: stop counting there
+int traffic_region_count();
 Traffic traffic_of(int region);
 void traffic_clear();
 

@@ -1,7 +1,7 @@
 // Layout ops for the collectives on the CPU: Ulysses pack/unpack, dim-0 gather -> last-dim
 // concatenation and back, zigzag chunk reorder.
 //
-// Design: each op is a copy of contiguous runs (op_checks.h plans them): a block transpose
+// Design: each op is a copy of contiguous runs (layout.h plans them): a block transpose
 // [a, b, run] -> [b, a, run] or a permutation of 2p chunks of [outer, 2p, run]. The copy is
 // dtype-agnostic (bytes). A task walks consecutive output runs with an incremental run iterator
 // (one division per task, not per run) and copies each run with inlined vector moves (AVX-512/AVX2
@@ -29,8 +29,8 @@
 #endif
 
 #include "cpu_simd.h"
+#include "layout.h"
 #include "layout_index.h"
-#include "op_checks.h"
 
 namespace msp {
 namespace {
@@ -176,6 +176,19 @@ at::Tensor zigzag_reorder_cpu(const at::Tensor& x_in, int64_t p, int64_t dim, bo
 }
 
 }  // namespace
+
+// ulysses_pack        [s/p, b, n, d] -> [p, s/p, b, n/p, d]   (all_to_all send buffer)
+// ulysses_unpack      [p, s/p, b, n/p, d] -> [s/p, b, n, d]   (its inverse)
+// gather_to_last_dim  [t*s, ..., l] -> [s, ..., t*l]           (dim-0 all-gather -> cat(-1))
+// last_dim_to_gather  [s, ..., t*l] -> [t*s, ..., l]           (its inverse)
+// zigzag_reorder      2p chunks along dim: rank r gets chunks r and 2p-1-r (or the inverse)
+TORCH_LIBRARY_FRAGMENT(megatron_sp, m) {
+  m.def("ulysses_pack(Tensor x, int p) -> Tensor");
+  m.def("ulysses_unpack(Tensor x, int p) -> Tensor");
+  m.def("gather_to_last_dim(Tensor x, int t) -> Tensor");
+  m.def("last_dim_to_gather(Tensor x, int t) -> Tensor");
+  m.def("zigzag_reorder(Tensor x, int p, int dim, bool inverse) -> Tensor");
+}
 
 TORCH_LIBRARY_IMPL(megatron_sp, CPU, m) {
   m.impl("ulysses_pack", &ulysses_pack_cpu);

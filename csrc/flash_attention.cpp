@@ -11,7 +11,7 @@
 // probabilities, the accumulator rescaled by exp(m_old - m_new)), the dropout keep words of the
 // block's (sample, head, query, key) coordinates drawn by Philox (several 4-feature groups per
 // vector, philox_cpu.h) and applied to the probabilities, then acc += P V. Memory per thread: one
-// block pair (~100 KiB at d = 64), never s x s. The backward is flash_attention_bwd_cpu.cpp.
+// block pair (~100 KiB at d = 64), never s x s. The backward is flash_attention_bwd.cpp.
 // out is laid out [s, b, n, d] in memory (returned as a [b, n, s, d] view), so the caller's
 // permute back to [s, b, n * d] is free.
 #include <ATen/Dispatch.h>
@@ -26,9 +26,9 @@
 #include <vector>
 
 #include "cpu_simd.h"
+#include "flash_attention.h"
 #include "flash_block_cpu.h"
 #include "flash_index_cpu.h"
-#include "op_checks.h"
 
 namespace msp {
 namespace flash {
@@ -135,6 +135,20 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor
     });
   });
   return {out, lse};
+}
+
+// flash_attention_fwd  q [b, n_q, s_q, d], k, v [b, n_kv, s_k, d] (any strides) -> (out [b, n_q, s_q, d] laid out
+//                      [s_q, b, n_q, d], lse [b, n_q, s_q] fp32)
+// flash_attention_bwd  (dout, q, k, v, out, lse, ...) -> (dq, dk, dv), laid out [s, b, n, d]
+//                      (its CPU kernel: flash_attention_bwd.cpp)
+TORCH_LIBRARY_FRAGMENT(megatron_sp, m) {
+  m.def(
+      "flash_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor q_positions, Tensor k_positions, Tensor? q_segments, "
+      "Tensor? k_segments, Tensor sample_ids, float p, int seed, int layer, int head_offset) -> (Tensor, Tensor)");
+  m.def(
+      "flash_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor q_positions, "
+      "Tensor k_positions, Tensor? q_segments, Tensor? k_segments, Tensor sample_ids, float p, int seed, int layer, "
+      "int head_offset) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(megatron_sp, CPU, m) { m.impl("flash_attention_fwd", &fwd_cpu); }

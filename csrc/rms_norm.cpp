@@ -1,6 +1,6 @@
 // RMSNorm over the last dimension on the CPU, fp32 statistics, fp32/bf16/fp16 in and out.
 //
-// Design (as layer_norm_cpu.cpp): rows are independent, so the forward is one at::parallel_for over
+// Design (as layer_norm.cpp): rows are independent, so the forward is one at::parallel_for over
 // rows; a row stays in L1/L2 between its two vectorised passes (sum of squares, normalise). The
 // backward per row needs one sum,
 //   c = mean(dy * w * xhat),  xhat = x * rstd,  dx = rstd * (dy * w - xhat * c),
@@ -18,7 +18,7 @@
 
 #include "cpu_reduce.h"
 #include "cpu_simd.h"
-#include "op_checks.h"
+#include "rms_norm.h"
 
 namespace msp {
 namespace {
@@ -130,6 +130,12 @@ std::tuple<at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dy_in, const at::Te
 }
 
 }  // namespace
+
+// x [..., h] -> (out [..., h], rstd [rows] fp32); the backward gives (dx, dweight).
+TORCH_LIBRARY_FRAGMENT(megatron_sp, m) {
+  m.def("rms_norm_fwd(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rms_norm_bwd(Tensor grad_out, Tensor x, Tensor weight, Tensor rstd) -> (Tensor, Tensor)");
+}
 
 TORCH_LIBRARY_IMPL(megatron_sp, CPU, m) {
   m.impl("rms_norm_fwd", &fwd_cpu);

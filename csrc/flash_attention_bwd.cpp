@@ -28,9 +28,9 @@
 #include <vector>
 
 #include "cpu_simd.h"
+#include "flash_attention.h"
 #include "flash_block_cpu.h"
 #include "flash_index_cpu.h"
-#include "op_checks.h"
 
 namespace msp {
 namespace flash {

@@ -18,7 +18,7 @@
 
 #include "cpu_reduce.h"
 #include "cpu_simd.h"
-#include "op_checks.h"
+#include "layer_norm.h"
 
 namespace msp {
 namespace {
@@ -152,6 +152,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dy_in, 
 }
 
 }  // namespace
+
+// x [..., h] -> (out [..., h], mean [rows] fp32, rstd [rows] fp32); the backward gives (dx, dweight, dbias).
+TORCH_LIBRARY_FRAGMENT(megatron_sp, m) {
+  m.def("layer_norm_fwd(Tensor x, Tensor weight, Tensor bias, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "layer_norm_bwd(Tensor grad_out, Tensor x, Tensor weight, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor)");
+}
 
 TORCH_LIBRARY_IMPL(megatron_sp, CPU, m) {
   m.impl("layer_norm_fwd", &fwd_cpu);

@@ -16,9 +16,9 @@
 
 #include <vector>
 
+#include "bias_dropout_add.h"
 #include "cpu_reduce.h"
 #include "cpu_simd.h"
-#include "op_checks.h"
 #include "philox.h"
 #include "philox_cpu.h"
 
@@ -113,10 +113,7 @@ at::Tensor fwd_cpu(const at::Tensor& x_in, const c10::optional<at::Tensor>& bias
 std::tuple<at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& grad_in, const at::Tensor& pos_in,
                                            const at::Tensor& samples_in, double p, int64_t seed, int64_t layer,
                                            int64_t site, int64_t feature_offset, bool bias_grad) {
-  TORCH_CHECK(grad_in.dim() == 3 && is_float_type(grad_in.scalar_type()),
-              "bias_dropout_add_bwd expects a float grad_out [s, b, h], got ", grad_in.sizes());
-  check_dropout_index(pos_in, samples_in, grad_in.size(0), grad_in.size(1), grad_in);
-  check_dropout_scalars(p, feature_offset);
+  check_bias_dropout_add_bwd(grad_in, pos_in, samples_in, p, feature_offset);
   at::Tensor g = grad_in.contiguous(), gx = at::empty_like(g);
   at::Tensor positions = pos_in.contiguous(), samples = samples_in.contiguous();
   const int64_t h = g.size(2), rows = g.size(0) * g.size(1);
@@ -139,6 +136,17 @@ std::tuple<at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& grad_in, const at::
 }
 
 }  // namespace
+
+// x, residual [s, b, h]; bias [h] or None; token positions [s]; sample ids [b] -> out [s, b, h]; the backward
+// gives (grad_x [s, b, h], grad_bias [h] fp32, or [0] without bias_grad).
+TORCH_LIBRARY_FRAGMENT(megatron_sp, m) {
+  m.def(
+      "bias_dropout_add_fwd(Tensor x, Tensor? bias, Tensor residual, Tensor token_positions, Tensor sample_ids, float "
+      "p, int seed, int layer, int site, int feature_offset) -> Tensor");
+  m.def(
+      "bias_dropout_add_bwd(Tensor grad_out, Tensor token_positions, Tensor sample_ids, float p, int seed, int layer, "
+      "int site, int feature_offset, bool bias_grad) -> (Tensor, Tensor)");
+}
 
 TORCH_LIBRARY_IMPL(megatron_sp, CPU, m) {
   m.impl("bias_dropout_add_fwd", &fwd_cpu);
