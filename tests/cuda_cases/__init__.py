@@ -12,7 +12,7 @@ attention within the dtype tolerances, layouts exactly. Its SM count is the laun
 emulator reports (1 SM: persistent grids are small, so every grid-stride loop iterates; 132: an
 H200's grid); a GPU has its own. Cases too slow to emulate are `emulate=False` (GPU only).
 
-Adding an op: a module here with a `cases()` function, listed in MODULES.
+Adding an op: a module here with a `cases()` function (every module of the package is collected).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import pkgutil
 from typing import Any, Callable
 
 import torch
 
-MODULES = ("bias_dropout_add", "layer_norm", "rms_norm", "layout", "flash_attention")
 DTYPE_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "uint8"}
 
 
@@ -82,7 +82,7 @@ def run(case: Case, target: Target) -> None:
 
 def _collect() -> dict:
     cases = {}
-    for module in MODULES:
+    for module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
         for case in importlib.import_module(f"cuda_cases.{module}").cases():
             assert case.name not in cases, f"two cases named {case.name}"
             cases[case.name] = case

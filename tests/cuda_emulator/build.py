@@ -136,23 +136,28 @@ def op_names(csrc: str = CSRC) -> list:
     return [schema.split("(", 1)[0] for schema in schemas(csrc)]
 
 
-def _binding_sources(csrc: str, tree: str) -> list:
-    """The CUDA bindings (csrc/cuda/*_binding.cpp) registered as the CPU kernels of the op library
-    NAMESPACE, and that library's schemas (csrc/*.cpp's, renamed), written into `tree`."""
-    targets = []
-    for path in sorted(glob.glob(os.path.join(csrc, "cuda", "*_binding.cpp"))):
+def _binding_source(csrc: str, tree: str) -> str:
+    """One translation unit (written into `tree`) with the CUDA bindings (csrc/cuda/*_binding.cpp)
+    registered as the CPU kernels of the op library NAMESPACE, that library's schemas (csrc/*.cpp's,
+    renamed) and the emulator's own ops (control.cpp): torch's headers, the slowest part of the
+    build, are parsed once. (Each binding compiling alone is checked by tests/test_cuda_compile.py
+    and by the real build.)"""
+    parts = []
+    for path in sorted(glob.glob(os.path.join(csrc, "cuda", "*_binding.cpp"))) + [os.path.join(HERE, "control.cpp")]:
         with open(path) as f:
-            binding = f.read()
-        if binding.count(_CUDA_IMPL) != 1:
-            raise ValueError(f"{path} must contain `{_CUDA_IMPL}` once")
-        targets.append(os.path.join(tree, "cuda", os.path.basename(path)))
-        with open(targets[-1], "w") as f:
-            f.write(f'#line 1 "{path}"\n' + binding.replace(_CUDA_IMPL, f"TORCH_LIBRARY_IMPL({NAMESPACE}, CPU, m)"))
+            text = f.read()
+        if path.endswith("_binding.cpp"):
+            if text.count(_CUDA_IMPL) != 1:
+                raise ValueError(f"{path} must contain `{_CUDA_IMPL}` once")
+            text = text.replace(_CUDA_IMPL, f"TORCH_LIBRARY_IMPL({NAMESPACE}, CPU, m)")
+            text = re.sub(r'#include "([^"]+)"', lambda m: f'#include "{os.path.normpath("cuda/" + m[1])}"', text)
+        parts.append(f'#line 1 "{path}"\n{text}')
     defs = "".join(f'  m.def("{schema}");\n' for schema in schemas(csrc))
-    targets.append(os.path.join(tree, "schemas.cpp"))
-    with open(targets[-1], "w") as f:
-        f.write(f"#include <torch/library.h>\n\nTORCH_LIBRARY({NAMESPACE}, m) {{\n{defs}}}\n")
-    return targets + [os.path.join(HERE, "control.cpp")]
+    parts.append(f"TORCH_LIBRARY({NAMESPACE}, m) {{\n{defs}}}\n")
+    target = os.path.join(tree, "bindings.cpp")
+    with open(target, "w") as f:
+        f.write("\n".join(parts))
+    return target
 
 
 def _torch_flags():
@@ -221,7 +226,7 @@ def build(out_dir: str, sanitizer: str | None = "asan", csrc: str = CSRC, cache_
         raise RuntimeError("no C++ compiler (g++/c++) found")
     tree = os.path.join(out_dir, "src")
     kernel_sources = _kernel_sources(csrc, tree) + [os.path.join(HERE, "emulator.cpp")]
-    torch_sources = _binding_sources(csrc, tree)
+    torch_sources = [_binding_source(csrc, tree)]
     torch_compile, torch_link = _torch_flags()
     base = ["-std=c++20", "-O1", "-g", "-fPIC", "-pthread", "-ffp-contract=off", "-Wall", "-Wno-unknown-pragmas"]
     base += ["-Werror=return-type", "-I", os.path.join(HERE, "include"), "-I", tree]
@@ -234,8 +239,8 @@ def build(out_dir: str, sanitizer: str | None = "asan", csrc: str = CSRC, cache_
             flags = flags + kernel_only
         obj = os.path.join(out_dir, os.path.basename(src) + ".o")
         if cache_dir is not None:
-            with open(src, "rb") as f:  # without the #line of a translated kernel (its source path)
-                text = f.read().split(b"\n", 1)[-1] if src.startswith(tree) else f.read()
+            with open(src, "rb") as f:  # without the #line directives (they name the source's folder)
+                text = re.sub(rb"(?m)^#line .*$", b"", f.read())
             key_flags = " ".join(f for f in flags if f != tree).encode()
             key = hashlib.sha256(key_flags + headers + text).hexdigest()[:24]
             cached = os.path.join(cache_dir, f"{os.path.basename(src)}.{key}.o")
