@@ -5,7 +5,11 @@
 
 #include <atomic>
 #include <barrier>
+#include <condition_variable>
+#include <functional>
+#include <latch>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -85,6 +89,52 @@ uint32_t shfl_xor(uint32_t bits, unsigned int mask, int lane_mask, int width) {
 
 void set_sm_count(int sms) { sm_count = sms > 0 ? sms : 1; }
 
+namespace {
+
+// The OS threads that play a block's threads, kept across launches (creating up to 1024 threads per
+// launch cost more than the kernels): thread t takes part in every launch of more than t threads.
+struct ThreadPool {
+  std::mutex m;
+  std::condition_variable wake;
+  uint64_t generation = 0;  // one per launch
+  int active = 0;
+  const std::function<void(int)>* work = nullptr;
+  int size = 0;
+
+  // Thread t < n runs work(t); the caller keeps `work` alive until every one of them has returned.
+  void start(int n, const std::function<void(int)>& job) {
+    {
+      std::lock_guard<std::mutex> lock(m);
+      for (; size < n; ++size) std::thread([this, t = size] { serve(t); }).detach();
+      work = &job;
+      active = n;
+      ++generation;
+    }
+    wake.notify_all();
+  }
+
+  void serve(int t) {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* job;
+      {
+        std::unique_lock<std::mutex> lock(m);
+        wake.wait(lock, [&] { return generation != seen && t < active; });
+        seen = generation;
+        job = work;
+      }
+      (*job)(t);
+    }
+  }
+};
+
+ThreadPool& pool() {
+  static ThreadPool* p = new ThreadPool;  // never destroyed: its detached threads wait on it until exit
+  return *p;
+}
+
+}  // namespace
+
 void launch(const std::function<void()>& body, dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t) {
   const uint64_t threads = uint64_t(block.x) * block.y * block.z;
   if (threads == 0 || threads > 1024 || block.z > 64 || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
@@ -97,28 +147,27 @@ void launch(const std::function<void()>& body, dim3 grid, dim3 block, size_t sha
   uint3 current{0, 0, 0};
   bool done = false;
   std::barrier<> start(n + 1), finish(n + 1);
-  std::vector<std::thread> pool;
-  pool.reserve(n);
-  for (int t = 0; t < n; ++t) {
-    pool.emplace_back([&, t] {
-      ThreadContext& c = context;
-      const unsigned int u = static_cast<unsigned int>(t);
-      c.thread = {u % block.x, (u / block.x) % block.y, u / (block.x * block.y)};
-      c.block_dim = block;
-      c.grid_dim = grid;
-      c.warp = u / 32;
-      c.lane = u % 32;
-      for (;;) {
-        start.arrive_and_wait();
-        if (done) return;
-        c.block = current;
-        c.live = &live;
-        body();
-        live.leave(c.warp);
-        finish.arrive_and_wait();
-      }
-    });
-  }
+  std::latch returned(n);
+  const std::function<void(int)> work = [&](int t) {
+    ThreadContext& c = context;
+    const unsigned int u = static_cast<unsigned int>(t);
+    c.thread = {u % block.x, (u / block.x) % block.y, u / (block.x * block.y)};
+    c.block_dim = block;
+    c.grid_dim = grid;
+    c.warp = u / 32;
+    c.lane = u % 32;
+    for (;;) {
+      start.arrive_and_wait();
+      if (done) break;
+      c.block = current;
+      c.live = &live;
+      body();
+      live.leave(c.warp);
+      finish.arrive_and_wait();
+    }
+    returned.count_down();
+  };
+  pool().start(n, work);
   for (unsigned int z = 0; z < grid.z; ++z)
     for (unsigned int y = 0; y < grid.y; ++y)
       for (unsigned int x = 0; x < grid.x; ++x) {
@@ -129,7 +178,7 @@ void launch(const std::function<void()>& body, dim3 grid, dim3 block, size_t sha
       }
   done = true;
   start.arrive_and_wait();
-  for (auto& th : pool) th.join();
+  returned.wait();  // this launch's state (on this stack) outlives every use of it
 }
 
 void launch_bounded(int max_threads, const std::function<void()>& body, dim3 grid, dim3 block, size_t shared_bytes,
