@@ -13,16 +13,21 @@ of size t the ring sends to r+1 and receives from r-1:
                          the last step's chunk is r's own, now summed over all t ranks
 
     layer                 forward                     backward
-    ColumnParallelLinear  all-gather x -> GEMM         dgrad GEMM -> reduce-scatter, with x re-gathered
-                          [s/t,b,k] -> [s,b,n/t]       in the same steps and each arrived chunk's wgrad GEMM
-    RowParallelLinear     GEMM -> reduce-scatter       all-gather grad -> dgrad and wgrad GEMMs of each chunk
-                          [s,b,k/t] -> [s/t,b,n]
+    ColumnParallelLinear  all-gather x -> GEMM        dgrad GEMM -> reduce-scatter, x's shards re-gathered
+                          [s/t,b,k] -> [s,b,n/t]      in the same steps; the wgrad GEMM on the gathered x
+                                                      while the last partial sum travels
+    RowParallelLinear     GEMM -> reduce-scatter      all-gather grad -> the dgrad GEMM of each chunk;
+                          [s,b,k/t] -> [s/t,b,n]      then the wgrad GEMM on the gathered gradient
 
-So the weight-gradient GEMMs run while the gradient's reduce-scatter (column) or all-gather (row) is
-in flight, Megatron's ordering. Every rank sends what the collectives would send: (t-1)/t of the
-gathered or reduced tensor. The ring is torch.distributed's isend/irecv: gloo on CPU, NCCL's own
-streams on GPUs (work.wait() makes the compute stream wait, not the host). On CUDA with NCCL,
-torch's symmetric-memory fused ops are used instead where this torch has them (symm_mem.py).
+Megatron's ordering: the weight-gradient GEMM after the dgrad, under the reduce-scatter in the column
+layer. It stays one GEMM per layer, as without the flag (a chunked wgrad sums in another order, and
+AdamW turns that rounding into ±lr steps where a gradient is near zero), and the chunks of the other
+GEMMs are row blocks of the plain GEMMs: only the order of the t-term partial sums differs from the
+plain layers (two terms have one order: bit-identical at t = 2 on CPU). Every rank sends what the
+collectives would send: (t-1)/t of the gathered or reduced tensor. The ring is torch.distributed's
+isend/irecv: gloo on CPU, NCCL's own streams on GPUs (work.wait() makes the compute stream wait, not
+the host). On CUDA with NCCL, torch's symmetric-memory fused ops are used instead where this torch
+has them (symm_mem.py).
 """
 
 from __future__ import annotations
@@ -172,7 +177,7 @@ def column_backward(grad_out, x_shard, weight, group):
 def row_backward(grad_shard, x, weight, group):
     """(grad x, grad weight) of matmul_reduce_scatter, grad_shard [s/t, b, n]: gathered chunk by chunk,
     each chunk's dgrad GEMM running while the next one arrives; then the wgrad GEMM on the gathered
-    gradient (Megatron's order). One wgrad GEMM each, as without the flag: the same sums in the same order."""
+    gradient (Megatron's order)."""
     ring, n = Ring(group), grad_shard.shape[0]
     weight = weight.to(grad_shard.dtype)
     grad_total = grad_shard.new_empty((ring.size * n,) + tuple(grad_shard.shape[1:]))
