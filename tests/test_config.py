@@ -49,6 +49,17 @@ def test_sequence_parallel_without_tp_is_a_warned_no_op():
     assert cfg.sequence_parallel is False
 
 
+def test_a_saved_overlapped_config_rebuilds_serially():
+    """Checkpoint tools rebuild the serial model from a saved config: --tp-comm-overlap goes with SP."""
+    import dataclasses
+
+    from megatron_sp.config import config_from_dict
+
+    saved = GPTConfig(**BASE, tensor_model_parallel_size=2, sequence_parallel=True, tp_comm_overlap=True)
+    serial = config_from_dict(dataclasses.asdict(saved))
+    assert (serial.tensor_model_parallel_size, serial.sequence_parallel, serial.tp_comm_overlap) == (1, False, False)
+
+
 def test_defaults_follow_megatron():
     cfg = GPTConfig(**BASE)
     assert (cfg.hidden_dropout, cfg.attention_dropout, cfg.seed, cfg.sequence_parallel) == (0.1, 0.1, 1234, False)
