@@ -86,7 +86,7 @@ def _parallel_args(p):
 
 def _training_args(p):
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=8)
+    g.add_argument("--micro-batch-size", type=int, default=8, help="samples per micro-batch and data-parallel rank")
     g.add_argument("--global-batch-size", type=int, default=None, help="default micro batch × DP")
     g.add_argument(
         "--rampup-batch-size",
@@ -114,21 +114,26 @@ def _training_args(p):
     g.add_argument(
         "--exit-duration-in-mins", type=float, default=None, help="save and exit before this many minutes of training"
     )
-    g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=0.0, help="the LR decays to this")
     g.add_argument("--decoupled-lr", type=float, default=None, help="LR of the embedding and output layer")
     g.add_argument("--decoupled-min-lr", type=float, default=None, help="their --min-lr (default --min-lr)")
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
+    g.add_argument(
+        "--lr-decay-style",
+        choices=["constant", "linear", "cosine"],
+        default="linear",
+        help="after warmup, to --min-lr over the decay span",
+    )
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default train iters")
     g.add_argument("--lr-decay-samples", type=int, default=None, help="with --train-samples; default train samples")
     g.add_argument("--lr-warmup-iters", type=int, default=None, help="default 0")
     g.add_argument("--lr-warmup-samples", type=int, default=None, help="with --train-samples")
     g.add_argument("--lr-warmup-fraction", type=float, default=None, help="warmup as a fraction of the decay span")
     g.add_argument("--lr-warmup-init", type=float, default=0.0, help="the LR warmup starts at this value")
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's (none on biases and norm weights)")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW's beta1")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="AdamW's beta2")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW's epsilon")
     g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
     g.add_argument(
         "--calculate-per-token-loss",
@@ -181,27 +186,27 @@ def _data_args(p):
     )
     g.add_argument("--split", default="969,30,1", help="train,valid,test weights (quotes around them are ignored)")
     g.add_argument("--tokenizer-type", default="ByteLevelTokenizer", help=f"one of {', '.join(TOKENIZERS)}")
-    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--tokenizer-model", default=None, help="HuggingFaceTokenizer's tokenizer.json or its directory")
     g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json")
     g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt")
     g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer's vocabulary (EOD = N - 1)")
     g.add_argument(
         "--null-tokenizer-eod-id", type=int, default=None, help="NullTokenizer's EOD id (default vocab size - 1)"
     )
-    g.add_argument("--reset-position-ids", action="store_true")
-    g.add_argument("--reset-attention-mask", action="store_true")
-    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--reset-position-ids", action="store_true", help="positions restart after each EOD")
+    g.add_argument("--reset-attention-mask", action="store_true", help="no attention across an EOD (documents)")
+    g.add_argument("--eod-mask-loss", action="store_true", help="no loss on predicting EOD tokens")
     g.add_argument("--data-cache-path", default=None, help="default: <repo>/data_cache")
 
 
 def _logging_args(p):
     g = p.add_argument_group("logging and evaluation")
-    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--log-interval", type=int, default=100, help="iterations between log lines")
     g.add_argument("--eval-interval", type=int, default=None, help="default: no evaluation during training")
     g.add_argument("--eval-iters", type=int, default=100, help="0: no evaluation")
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--tensorboard-log-interval", type=int, default=1)
-    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    g.add_argument("--tensorboard-dir", default=None, help="TensorBoard events (our and Megatron-LM's scalar names)")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1, help="iterations between TensorBoard scalars")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000, help="events buffered before a write")
     for flag, what in (
         ("--log-params-norm", "the parameters' global L2 norm (log line and TensorBoard)"),
         ("--log-num-zeros-in-grad", "the number of zero gradient elements (log line and TensorBoard)"),
@@ -213,7 +218,11 @@ def _logging_args(p):
     ):
         g.add_argument(flag, action="store_true", help=what)
     g.add_argument(
-        "--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard", action="store_false", default=True
+        "--no-log-loss-scale-to-tensorboard",
+        dest="log_loss_scale_to_tensorboard",
+        action="store_false",
+        default=True,
+        help="no loss-scale scalar (fp16)",
     )
     g.add_argument(
         "--timing-log-level", type=int, choices=[0, 1, 2], default=0, help="0: iteration time; 1, 2: the step's timers"
@@ -227,26 +236,26 @@ def _logging_args(p):
         default=None,
         help="per-device peak for MFU; default: from the GPU model, or measured on CPU",
     )
-    g.add_argument("--no-progress-bar", action="store_true")
+    g.add_argument("--no-progress-bar", action="store_true", help="no tqdm bar on a terminal")
     g.add_argument("--wandb-project", default=None, help="log to Weights & Biases (wandb package; offline works)")
-    g.add_argument("--wandb-exp-name", default=None)
+    g.add_argument("--wandb-exp-name", default=None, help="the wandb run's name")
     g.add_argument("--wandb-save-dir", default=None, help="default: <--save>/wandb")
-    g.add_argument("--wandb-entity", default=None)
+    g.add_argument("--wandb-entity", default=None, help="the wandb user or team")
     g.add_argument("--profile", action="store_true", help="torch profiler trace of steps [start, end)")
-    g.add_argument("--profile-step-start", type=int, default=10)
-    g.add_argument("--profile-step-end", type=int, default=12)
-    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
+    g.add_argument("--profile-step-start", type=int, default=10, help="first profiled step")
+    g.add_argument("--profile-step-end", type=int, default=12, help="first step after the profiled ones")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="the ranks traced")
     g.add_argument("--profile-dir", default=None, help="default: <--tensorboard-dir or --save or .>/profile")
 
 
 def _checkpoint_args(p):
     g = p.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--load", default=None)
+    g.add_argument("--save", default=None, help="checkpoint directory (DCP, one per iteration)")
+    g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+    g.add_argument("--load", default=None, help="resume from this directory's latest checkpoint")
     g.add_argument("--finetune", action="store_true", help="load weights only and start at iteration 0")
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true", help="with --load: a fresh optimizer")
+    g.add_argument("--no-load-rng", action="store_true", help="with --load: the RNG states not restored")
     g.add_argument("--ckpt-format", default="torch_dist", help="torch_dist: torch.distributed.checkpoint (only)")
     g.add_argument("--async-save", action="store_true", help="write checkpoints in the background (still atomic)")
     g.add_argument(

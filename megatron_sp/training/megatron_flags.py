@@ -1,7 +1,7 @@
 """Megatron-LM flags that pretrain_gpt_sp.py accepts although they change nothing here, and those it
 refuses because they need a feature megatron_sp does not have. Both tables are read by
-training/arguments.py (the parser) and by the README's flag table (`flag_table()`), so a flag's
-treatment is written once, here; the flags that do something are in arguments.py and config.py.
+training/arguments.py (the parser) and by the README's flag table (tools/megatron_flag_table.py), so a
+flag's treatment is written once, here; the flags that do something are in arguments.py and config.py.
 
     NO_EFFECT   (flags, value, reason)      parsed and ignored; the reason is what the README says
     REFUSED     (prefix or flag, feature)   one sentence naming the missing feature, before any check
@@ -52,6 +52,14 @@ NO_EFFECT = (
         ("--no-create-attention-mask-in-dataloader",),
         SWITCH,
         "causal masks are never materialised; document masks only with --reset-attention-mask",
+    ),
+    NoEffect(
+        ("--rope-type",), ("rope",), "plain RoPE is the only kind here: YaRN (--rope-type yarn) is not implemented"
+    ),
+    NoEffect(
+        ("--softmax-type",),
+        ("vanilla",),
+        "the plain softmax is the only one here: off-by-one and learnable softmaxes (gpt-oss) are not implemented",
     ),
     NoEffect(("--tiktoken-pattern",), ("v1", "v2"), "TikTokenizer's only, which is refused"),
     NoEffect(("--use-persistent-ckpt-worker",), SWITCH, "--async-save runs in a background thread of its own"),
@@ -142,13 +150,3 @@ def add_no_effect_flags(group) -> None:
             group.add_argument(*entry.flags, default=None, help=help)
         else:
             group.add_argument(*entry.flags, default=None, choices=entry.takes, help=help)
-
-
-def flag_table() -> str:
-    """The README's table of the flags accepted without effect and refused (markdown rows)."""
-    rows = ["| flag | here |", "| --- | --- |"]
-    for entry in NO_EFFECT:
-        rows.append(f"| `{'`, `'.join(entry.flags)}` | accepted, no effect: {entry.reason} |")
-    for flag, feature in REFUSED:
-        rows.append(f"| `{flag}{'*' if flag.endswith('-') else ''}` | refused: {feature} |")
-    return "\n".join(rows)
