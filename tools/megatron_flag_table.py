@@ -70,7 +70,7 @@ def describe(flag: str, parser) -> str:
     action = parser._option_string_actions.get(flag)
     if action is not None:
         text = _help(action)
-        if text.startswith("accepted, no effect"):
+        if "accepted, no effect" in text:
             return text
         return f"implemented: {text}" if text else "implemented"
     if flag in PENDING:

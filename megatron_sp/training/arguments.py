@@ -295,6 +295,9 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
         raise ArgumentError(refused)
     if unknown:
         raise ArgumentError(f"unrecognized arguments: {' '.join(unknown)} (see --help)")
+    refused = megatron_flags.refused_value(args)
+    if refused:
+        raise ArgumentError(refused)
     args.world_size = world_size
     validate(args)
     return args

@@ -29,6 +29,7 @@ class NoEffect:
     flags: tuple
     takes: object  # SWITCH, VALUE, or a tuple of the values accepted
     reason: str
+    only: Optional[str] = None  # of `takes`, the one value without effect; the others: refused, naming `reason`
 
 
 NO_EFFECT = (
@@ -53,13 +54,12 @@ NO_EFFECT = (
         SWITCH,
         "causal masks are never materialised; document masks only with --reset-attention-mask",
     ),
-    NoEffect(
-        ("--rope-type",), ("rope",), "plain RoPE is the only kind here: YaRN (--rope-type yarn) is not implemented"
-    ),
+    NoEffect(("--rope-type",), ("rope", "yarn"), "plain RoPE is the only kind here: YaRN is not implemented", "rope"),
     NoEffect(
         ("--softmax-type",),
-        ("vanilla",),
+        ("vanilla", "off-by-one", "learnable"),
         "the plain softmax is the only one here: off-by-one and learnable softmaxes (gpt-oss) are not implemented",
+        "vanilla",
     ),
     NoEffect(("--tiktoken-pattern",), ("v1", "v2"), "TikTokenizer's only, which is refused"),
     NoEffect(("--use-persistent-ckpt-worker",), SWITCH, "--async-save runs in a background thread of its own"),
@@ -140,10 +140,21 @@ def refusal(unknown_tokens) -> Optional[str]:
     return None
 
 
+def refused_value(args) -> Optional[str]:
+    """The sentence for a no-effect flag given a value other than its `only` one, or None."""
+    for entry in NO_EFFECT:
+        value = getattr(args, entry.flags[0].lstrip("-").replace("-", "_"))
+        if entry.only is not None and value not in (None, entry.only):
+            return f"{entry.flags[0]} {value}: {entry.reason}."
+    return None
+
+
 def add_no_effect_flags(group) -> None:
     """Every NO_EFFECT flag, parsed into args.<name> and otherwise unused."""
     for entry in NO_EFFECT:
         help = f"accepted, no effect: {entry.reason}"
+        if entry.only is not None:
+            help = f"{entry.only}: accepted, no effect; other values refused: {entry.reason}"
         if entry.takes == SWITCH:
             group.add_argument(*entry.flags, action="store_true", help=help)
         elif entry.takes == VALUE:
