@@ -238,3 +238,13 @@ def test_flag_table_refuses_a_flag_nothing_handles(tmp_path):
     fixture.write_text(json.dumps({"sets": [{"argv": ["--lr", "1", "--no-such-flag"], "variants": []}]}))
     with pytest.raises(ValueError, match="--no-such-flag: no handling"):
         megatron_flag_table.table(str(fixture))
+
+
+def test_defaults_a_script_relies_on_are_megatron_lms():
+    args = parse_args(["--mock-data"])
+    defaults = (args.min_lr, args.lr_decay_style, args.adam_beta2, args.eval_iters, args.log_interval)
+    assert defaults == (0.0, "linear", 0.999, 100, 100)
+    assert args.lr_warmup_iters in (None, 0) and args.lr_warmup_fraction is None and args.lr_warmup_samples is None
+    evaluates = [pretrain.evaluates(parse_args(["--mock-data"] + f)) for f in ([], ["--eval-interval", "5"])]
+    assert evaluates == [False, True]  # evaluation only with --eval-interval ...
+    assert not pretrain.evaluates(parse_args(["--mock-data", "--eval-interval", "5", "--eval-iters", "0"]))  # ... > 0
