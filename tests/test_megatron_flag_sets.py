@@ -162,9 +162,20 @@ def test_megatron_flag_set(name, world, tmp_path, monkeypatch):
         assert "needs the wandb package" in _refusal(argv)
         argv = drop(argv, [f for f in argv if f.startswith("--wandb-")])
     check(argv, spec["expect"], model_parallel, world, tmp_path)
+    if spec["expect"] == "train" and "--wandb-project" in argv:  # offline: the run is on disk, to sync later
+        assert list((tmp_path / "wandb").rglob("offline-run-*")), list((tmp_path / "wandb").rglob("*"))
     for variant in spec["variants"]:
         changed = replace(drop(argv, variant.get("drop", ())), variant.get("set", {}))
         check(changed, variant["expect"], model_parallel, world, tmp_path)
+
+
+def test_wandb_without_the_package_is_one_sentence(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    message = _refusal(["--mock-data", "--wandb-project", "p"])
+    assert "--wandb-project needs the wandb package" in message and len(message.splitlines()) == 1
 
 
 def _has_wandb() -> bool:
