@@ -216,6 +216,7 @@ def test_legacy_position_flags_read_as_megatron_lm(flags, position):
         (["--pipeline-model-parallel-size", "2"], "pipeline parallelism is not implemented yet (issue 18)"),
         (["--ckpt-format", "torch"], "--ckpt-format torch_dist"),
         (["--rope-type", "yarn"], "--rope-type yarn: plain RoPE is the only kind here"),  # gpt-oss's is rope
+        (["--optimizer", "sgd"], "--optimizer sgd: AdamW (Megatron-LM's adam"),
         (["--overlap-param-gather"], "needs --use-distributed-optimizer"),
         (["--tokenizer-type", "GPTSentencePieceTokenizer"], "HuggingFaceTokenizer"),
         (["--no-position-embedding", "--position-embedding-type", "learned_absolute"], "contradicts"),

@@ -61,6 +61,28 @@ NO_EFFECT = (
         "the plain softmax is the only one here: off-by-one and learnable softmaxes (gpt-oss) are not implemented",
         "vanilla",
     ),
+    NoEffect(
+        ("--optimizer",),
+        ("adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"),
+        "AdamW (Megatron-LM's adam, decoupled weight decay) is the only optimizer here",
+        "adam",
+    ),
+    NoEffect(
+        ("--dataloader-type",),
+        ("single", "cyclic", "external"),
+        "Megatron-LM's single sampler is the only one here (consecutive positions of the shuffled index, resumable)",
+        "single",
+    ),
+    NoEffect(("--num-dataset-builder-threads",), VALUE, _LOADER),
+    NoEffect(
+        ("--use-dist-ckpt",), SWITCH, "deprecated in Megatron-LM too: checkpoints are DCP (--ckpt-format torch_dist)"
+    ),
+    NoEffect(("--auto-detect-ckpt-format",), SWITCH, "one checkpoint format here (torch_dist)"),
+    NoEffect(
+        ("--exit-signal-handler",),
+        SWITCH,
+        "SIGTERM, SIGUSR1 and SIGINT always stop every rank at one iteration, after a save (training/signals.py)",
+    ),
     NoEffect(("--tiktoken-pattern",), ("v1", "v2"), "TikTokenizer's only, which is refused"),
     NoEffect(("--use-persistent-ckpt-worker",), SWITCH, "--async-save runs in a background thread of its own"),
     NoEffect(("--ckpt-fully-parallel-load",), SWITCH, _CKPT_IO),
