@@ -126,6 +126,14 @@ def test_exit_duration_saves_and_stops_before_the_limit(tmp_path, capsys):
     assert (save / "iter_0000001").is_dir()
 
 
+def test_exit_on_missing_checkpoint_even_in_the_save_dir(tmp_path, capsys):
+    ckpt = str(tmp_path / "ckpt")
+    argv = TINY + MOCK + ["--train-iters", "1", "--save", ckpt, "--load", ckpt, "--exit-on-missing-checkpoint"]
+    assert pretrain.main(argv) == 2
+    assert f"--load {ckpt} holds no latest_checkpointed_iteration.txt" in capsys.readouterr().err
+    assert not [n for n in os.listdir(ckpt) if n.startswith("iter_")]  # nothing trained, nothing saved
+
+
 def test_null_tokenizer_data_of_megatron_core_016_names_the_fix(tmp_path):
     from megatron_sp.data import validate_indexed_prefix
     from megatron_sp.data.errors import DataError

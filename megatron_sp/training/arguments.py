@@ -254,6 +254,11 @@ def _checkpoint_args(p):
     g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
     g.add_argument("--load", default=None, help="resume from this directory's latest checkpoint")
     g.add_argument("--finetune", action="store_true", help="load weights only and start at iteration 0")
+    g.add_argument(
+        "--exit-on-missing-checkpoint",
+        action="store_true",
+        help="a --load without a checkpoint is an error even when it is also --save (else: start from scratch)",
+    )
     g.add_argument("--no-load-optim", action="store_true", help="with --load: a fresh optimizer")
     g.add_argument("--no-load-rng", action="store_true", help="with --load: the RNG states not restored")
     g.add_argument("--ckpt-format", default="torch_dist", help="torch_dist: torch.distributed.checkpoint (only)")

@@ -265,13 +265,14 @@ class Trainer:
 
     def _load(self):
         """--load: everything (weights only with --finetune, less the optimizer or the RNG state with
-        --no-load-optim / --no-load-rng)."""
+        --no-load-optim / --no-load-rng). None to load starts from scratch only when --load is also
+        --save, and never with --exit-on-missing-checkpoint."""
         args = self.args
         skip = {"optim", "train_state", "loss_scale", "rng"} if args.finetune else set()
         skip |= {"optim"} if args.no_load_optim else set()
         skip |= {"rng"} if args.no_load_rng else set()
         states = {k: v for k, v in self._checkpoint_states().items() if k not in skip}
-        is_save_dir = checkpointing.same_path(args.load, args.save)
+        is_save_dir = checkpointing.same_path(args.load, args.save) and not args.exit_on_missing_checkpoint
         meta = checkpointing.load(
             args.load,
             states,
