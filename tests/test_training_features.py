@@ -134,6 +134,22 @@ def test_exit_on_missing_checkpoint_even_in_the_save_dir(tmp_path, capsys):
     assert not [n for n in os.listdir(ckpt) if n.startswith("iter_")]  # nothing trained, nothing saved
 
 
+def test_no_save_optim_and_rng_leave_them_out_and_a_resume_starts_them_fresh(tmp_path, capsys):
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = str(tmp_path / "ckpt")
+    argv = TINY + MOCK + ["--save", ckpt, "--load", ckpt, "--no-save-optim", "--no-save-rng"]
+    assert pretrain.main(argv + ["--train-iters", "1"]) == 0
+    path = os.path.join(ckpt, "iter_0000001")
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    assert any(k.startswith("model") for k in stored) and not any(k.startswith("optim") for k in stored)
+    assert not [n for n in os.listdir(path) if n.startswith("rng")]
+    capsys.readouterr()
+    assert pretrain.main(argv + ["--train-iters", "2"]) == 0
+    assert "holds no optimizer" in capsys.readouterr().out
+    assert os.path.isdir(os.path.join(ckpt, "iter_0000002"))
+
+
 def test_null_tokenizer_data_of_megatron_core_016_names_the_fix(tmp_path):
     from megatron_sp.data import validate_indexed_prefix
     from megatron_sp.data.errors import DataError

@@ -252,6 +252,8 @@ def _checkpoint_args(p):
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None, help="checkpoint directory (DCP, one per iteration)")
     g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+    g.add_argument("--no-save-optim", action="store_true", help="checkpoints without the optimizer state")
+    g.add_argument("--no-save-rng", action="store_true", help="checkpoints without the RNG states")
     g.add_argument("--load", default=None, help="resume from this directory's latest checkpoint")
     g.add_argument("--finetune", action="store_true", help="load weights only and start at iteration 0")
     g.add_argument(

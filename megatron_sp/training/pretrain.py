@@ -252,10 +252,14 @@ class Trainer:
         }
 
     def _save(self):
+        """--save: everything, less the optimizer or the RNG state with --no-save-optim / --no-save-rng
+        (a resume then starts them fresh, as after --no-load-optim / --no-load-rng)."""
         a = self.args
+        skip = {"optim"} if a.no_save_optim else set()
+        skip |= {"rng"} if a.no_save_rng else set()
         checkpointing.save(
             a.save,
-            self._checkpoint_states(),
+            {k: v for k, v in self._checkpoint_states().items() if k not in skip},
             self.cfg,
             self.ps,
             log=self.log.info,
