@@ -182,33 +182,48 @@ struct BwdBlock {
       }
   }
 
-  // keep[n][i] = the dropout multiplier (0 or 1 / (1 - p)) of element i of n-tile n.
-  __device__ void dropout(float (&keep)[8][4], int64_t h) const {
+  // w = the Philox words of the 4 elements of n-tile n.
+  __device__ void words(uint32_t (&w)[4], int n, int64_t h) const {
     const int64_t head = a.head_offset + h, sample = a.samples[bi];
-    const bool aligned = t.sums.k.has(kt, kAligned);
-    const int jj = (lane / 4) % 4, b = jj & 1, hb = jj >> 1;  // this lane's key within its group of 4
+    if (t.sums.k.has(kt, kAligned)) {
+      // call jj = (key group hb: rows +8 hb, query +b); lane jj keeps word jj of each call
+      const int jj = (lane / 4) % 4, b = jj & 1, hb = jj >> 1;  // this lane's key within its group of 4
+      const int64_t kpos = kpos_sh[warp * 16 + 4 * (lane / 16) + 8 * hb];
+      const Words4 x = dropout_words(a.drop, static_cast<uint64_t>(((head << 20) + kpos) >> 2),
+                                     static_cast<uint32_t>(qpos_sh[8 * n + 2 * (lane % 4) + b]), sample);
+      const uint32_t k0w = b ? x.w[1] : x.w[0], k1w = b ? x.w[3] : x.w[2];  // words b, b + 2 of my call
+      const uint32_t r0 = shfl_xor_u32(b ? x.w[0] : x.w[1], 4), r1 = shfl_xor_u32(b ? x.w[2] : x.w[3], 4);
+      const uint32_t u0 = shfl_xor_u32(hb ? k0w : k1w, 8), u1 = shfl_xor_u32(hb ? r0 : r1, 8);
+      const uint32_t own = hb ? k1w : k0w, pair = hb ? r1 : r0;  // calls jj, jj ^ 1; u0, u1: jj ^ 2, jj ^ 3
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int c = i ^ jj;
+        w[i] = c == 0 ? own : c == 1 ? pair : c == 2 ? u0 : u1;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w[i] = a.word(head, qpos_sh[query_of(n, i)], kpos_sh[key_of(i)], sample);
+    }
+  }
+
+  // st: P^T -> P^T keep / (1 - p); dpt: dP^T -> dS^T = P^T (dP^T keep / (1 - p) - D). One n-tile's
+  // multipliers at a time (a [8][4] array of them spills at d = 128).
+  __device__ void combine(float (&st)[8][4], float (&dpt)[8][4], int64_t h) const {
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
-      uint32_t w[4];
-      if (aligned) {  // call jj = (key group hb: rows +8 hb, query +b); lane jj keeps word jj of each call
-        const int64_t kpos = kpos_sh[warp * 16 + 4 * (lane / 16) + 8 * hb];
-        const Words4 x = dropout_words(a.drop, static_cast<uint64_t>(((head << 20) + kpos) >> 2),
-                                       static_cast<uint32_t>(qpos_sh[8 * n + 2 * (lane % 4) + b]), sample);
-        const uint32_t k0w = b ? x.w[1] : x.w[0], k1w = b ? x.w[3] : x.w[2];  // words b, b + 2 of my call
-        const uint32_t r0 = shfl_xor_u32(b ? x.w[0] : x.w[1], 4), r1 = shfl_xor_u32(b ? x.w[2] : x.w[3], 4);
-        const uint32_t u0 = shfl_xor_u32(hb ? k0w : k1w, 8), u1 = shfl_xor_u32(hb ? r0 : r1, 8);
-        const uint32_t own = hb ? k1w : k0w, pair = hb ? r1 : r0;  // calls jj, jj ^ 1; u0, u1: jj ^ 2, jj ^ 3
+      float kf[4] = {1.0f, 1.0f, 1.0f, 1.0f};
+      if (a.dropout) {
+        uint32_t w[4];
+        words(w, n, h);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int c = i ^ jj;
-          w[i] = c == 0 ? own : c == 1 ? pair : c == 2 ? u0 : u1;
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) w[i] = a.word(head, qpos_sh[query_of(n, i)], kpos_sh[key_of(i)], sample);
+        for (int i = 0; i < 4; ++i) kf[i] = keep_scale(a.drop, w[i]);
       }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) keep[n][i] = keep_scale(a.drop, w[i]);
+      for (int i = 0; i < 4; ++i) {
+        const float p = st[n][i];
+        dpt[n][i] = p * (dpt[n][i] * kf[i] - delta_sh[query_of(n, i)]);
+        st[n][i] = p * kf[i];
+      }
     }
   }
 
@@ -302,16 +317,7 @@ __global__ void __launch_bounds__(kMmaThreads) flash_dkdv_mma_kernel(Attn a, Bwd
     float st[8][4], dpt[8][4];
     blk.products(st, dpt);
     blk.probabilities(st, q0, visibility(t.sums.q, at % n, 1, t.sums.k, blk.kt, blk.bi) == Visibility::kSome);
-    float keep[8][4];
-    if (a.dropout) blk.dropout(keep, h);
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {  // st: P^T -> P^T keep; dpt: dP^T -> dS^T
-        const float kf = a.dropout ? keep[j][i] : 1.0f, p = st[j][i];
-        dpt[j][i] = p * (dpt[j][i] * kf - blk.delta_sh[blk.query_of(j, i)]);
-        st[j][i] = p * kf;
-      }
+    blk.combine(st, dpt, h);
     blk.accumulate(st, dpt, dk, dv);
     blk.store_ds(dpt);
     __syncthreads();  // dS^T is in; every warp is done with this Q and dO

@@ -3,7 +3,8 @@
 //
 // Design (FlashAttention-2's forward, mma.sync m16n8k16 with fp32 accumulators):
 //   One block of 4 warps per (query tile of 16 kM x 4 rows, query head, batch); each warp owns 16 kM
-//   query rows (kM = 2: 128-row tiles; kM = 1: 64-row tiles when 128-row tiles would leave SMs idle).
+//   query rows (kM = 2: 128-row tiles for d <= 64; kM = 1: 64-row tiles for d = 128, and for d <= 64
+//   when 128-row tiles would leave SMs idle).
 //   The Q tile and one 64-key K and V tile live in dynamic shared memory (flash_attention_mma.cuh);
 //   per key tile: S = Q K^T (A: Q by ldmatrix, B: K by ldmatrix), scaled to base 2, masked where the
 //   tile pair's summary says some keys are hidden (position, document, past the end), online
@@ -320,10 +321,11 @@ cudaError_t launch_fwd(const FlashAttentionFwd& x, const FlashIndexSummaries& su
                         static_cast<T*>(x.out),
                         x.lse,
                         sums};
-  // 128-row tiles halve the K/V reads per product; 64-row ones when those would not fill the SMs.
+  // d <= 64: 128-row tiles halve the K/V reads per product; 64-row ones when those would not fill
+  // the SMs. d = 128 keeps 64-row tiles: 128 rows need more than 255 registers a thread (ptxas spills).
   const bool wide = int64_t(tiles(x.sq, 128)) * x.nq * x.b >= 2 * sm_count();
   if (x.d <= 64) return wide ? launch<T, 64, 2>(a, t, stream) : launch<T, 64, 1>(a, t, stream);
-  return wide ? launch<T, 128, 2>(a, t, stream) : launch<T, 128, 1>(a, t, stream);
+  return launch<T, 128, 1>(a, t, stream);
 }
 
 }  // namespace

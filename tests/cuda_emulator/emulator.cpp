@@ -44,9 +44,8 @@ void fail(const char* what) {
 
 struct Warp {
   std::unique_ptr<std::barrier<>> barrier;
-  LaneSlot slots[2][32];  // a collective uses set `collectives % 2`: a lane refills a set only after
-                          // every lane has passed the barrier of the collective in between
-  std::atomic<int> exited{0};
+  LaneSlot slots[2][32] = {};  // a collective uses set `seq % 2`: a lane refills a set only after every
+                          // lane has passed the barrier of the collective in between (zeroed per block)
   int size = 0;
 };
 
@@ -68,7 +67,6 @@ struct Block {
 
   // A thread that returned from the kernel no longer takes part in the block's barriers.
   void leave(unsigned int warp) {
-    warps[warp].exited.fetch_add(1);
     warps[warp].barrier->arrive_and_drop();
     barrier->arrive_and_drop();
   }
@@ -85,12 +83,17 @@ void syncwarp(unsigned int mask) {
 const LaneSlot* exchange(const LaneSlot& mine, const char* what) {
   Warp& w = context.live->warps[context.warp];
   if (w.size != 32) fail(what);  // names the operation: only full warps are emulated
-  LaneSlot* set = w.slots[context.collectives++ & 1];
+  const unsigned int seq = ++context.collectives;
+  LaneSlot* set = w.slots[seq & 1];
   set[context.lane] = mine;
+  set[context.lane].seq = seq;
   w.barrier->arrive_and_wait();
-  if (w.exited.load() != 0) fail("a warp-collective operation with exited lanes in the warp (undefined)");
-  for (int l = 0; l < 32; ++l)
+  // A lane that exited before this collective left the barrier and its slot stale (an older seq). The
+  // count of exited lanes is no test: a lane may leave the kernel right after this barrier.
+  for (int l = 0; l < 32; ++l) {
+    if (set[l].seq != seq) fail("a warp-collective operation with exited lanes in the warp (undefined)");
     if (set[l].op != mine.op) fail("the lanes of a warp are in different warp-collective operations (divergence)");
+  }
   return set;
 }
 

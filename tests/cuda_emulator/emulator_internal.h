@@ -12,9 +12,10 @@ namespace msp_emu {
 
 // One lane's part in a warp-collective operation.
 struct LaneSlot {
-  int op;              // which operation (every lane of the warp must be in the same one)
-  uint32_t words[10];  // its registers (a shuffle's value; an mma's A and B fragments)
+  int op;               // which operation (every lane of the warp must be in the same one)
+  uint32_t words[10];   // its registers (a shuffle's value; an mma's A and B fragments)
   const void* address;  // an ldmatrix row address
+  unsigned int seq;     // set by exchange: the lane's count of collectives, this one included
 };
 
 enum CollectiveOp { kShuffle = 1, kMmaBf16 = 2, kMmaF16 = 3, kLdmatrix = 4 };
@@ -23,7 +24,8 @@ enum CollectiveOp { kShuffle = 1, kMmaBf16 = 2, kMmaF16 = 3, kLdmatrix = 4 };
 
 // Publishes `mine` as this lane's slot of the warp's next collective operation and returns the
 // warp's 32 slots once every lane has published (one warp barrier; the slots are valid until this
-// lane's next collective). Fails on an exited lane, a partial warp or lanes in different operations.
+// lane's next collective). Fails on a lane that exited before it, a partial warp or lanes in
+// different operations.
 const LaneSlot* exchange(const LaneSlot& mine, const char* what);
 
 // The live block's dynamic shared memory (begin, bytes).
