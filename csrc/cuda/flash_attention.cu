@@ -37,7 +37,8 @@ __global__ void __launch_bounds__(kSummaryThreads)
   } else if (seg != nullptr && idx < count * (1 + b)) {
     const int64_t r = idx - count, bi = r / count, j0 = (r % count) * kTile, j1 = n - j0 < kTile ? n : j0 + kTile;
     int64_t lo = seg[bi * n + j0], hi = lo;
-    for (int64_t j = j0; j < j1; ++j) lo = seg[bi * n + j] < lo ? seg[bi * n + j] : lo, hi = seg[bi * n + j] > hi ? seg[bi * n + j] : hi;
+    for (int64_t j = j0; j < j1; ++j)
+      lo = seg[bi * n + j] < lo ? seg[bi * n + j] : lo, hi = seg[bi * n + j] > hi ? seg[bi * n + j] : hi;
     out[3 * count + 2 * r] = lo, out[3 * count + 2 * r + 1] = hi;
   }
 }

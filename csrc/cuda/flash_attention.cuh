@@ -72,8 +72,11 @@ __host__ __device__ inline unsigned tiles(int64_t n, int tile) { return static_c
 // smallest and largest document segment. Built once per call (flash_attention.cu), read by every
 // block: a tile pair is skipped when no key is visible to any query, left unmasked when all are.
 
-enum Flags : int64_t { kAligned = 1, kFull = 2 };  // kAligned: every 4 rows 4m..4m+3 hold positions
-                                                   // P..P+3 with P % 4 == 0 (one Philox group)
+enum Flags : int64_t {
+  kAligned = 1,
+  kFull = 2
+};  // kAligned: every 4 rows 4m..4m+3 hold positions
+    // P..P+3 with P % 4 == 0 (one Philox group)
 struct Summary {
   const int64_t* tile;  // [tiles][3]: lo, hi, flags
   const int64_t* seg;   // [b][tiles][2]: lo, hi; nullptr without segments
@@ -106,7 +109,8 @@ __device__ __forceinline__ Visibility visibility(const Summary& q, int64_t qt, i
   for (int64_t t = qt; t < qt + nqt && t < q.tiles; ++t) {
     q_lo = q.lo(t) < q_lo ? q.lo(t) : q_lo, q_hi = q.hi(t) > q_hi ? q.hi(t) : q_hi;
     full = full && q.has(t, kFull);
-    if (q.seg) s_lo = q.seg_lo(bi, t) < s_lo ? q.seg_lo(bi, t) : s_lo, s_hi = q.seg_hi(bi, t) > s_hi ? q.seg_hi(bi, t) : s_hi;
+    if (q.seg)
+      s_lo = q.seg_lo(bi, t) < s_lo ? q.seg_lo(bi, t) : s_lo, s_hi = q.seg_hi(bi, t) > s_hi ? q.seg_hi(bi, t) : s_hi;
   }
   if (k.lo(kt) > q_hi) return Visibility::kNone;
   bool all = full && k.hi(kt) <= q_lo;

@@ -33,7 +33,8 @@ struct BwdShape {
   static constexpr int kKeys = 64, kRows = 64, kPitch = Pitch<kD>::value, kDsPitch = 64 + 8;
   // dynamic shared memory (byte offsets): K, V, Q, dO tiles, dS^T [keys][queries]; key positions and
   // segments; query positions, segments, lse, D
-  static constexpr int kK = 0, kV = kK + 2 * kKeys * kPitch, kQ = kV + 2 * kKeys * kPitch, kDo = kQ + 2 * kRows * kPitch;
+  static constexpr int kK = 0, kV = kK + 2 * kKeys * kPitch, kQ = kV + 2 * kKeys * kPitch,
+                       kDo = kQ + 2 * kRows * kPitch;
   static constexpr int kDs = kDo + 2 * kRows * kPitch, kKPos = kDs + 2 * kKeys * kDsPitch, kKSeg = kKPos + 8 * kKeys;
   static constexpr int kQPos = kKSeg + 8 * kKeys, kQSeg = kQPos + 8 * kRows, kLse = kQSeg + 8 * kRows;
   static constexpr int kDelta = kLse + 4 * kRows, kBytes = kDelta + 4 * kRows;
@@ -81,8 +82,8 @@ __global__ void __launch_bounds__(kMmaThreads) flash_delta_mma_kernel(Attn a, De
 
 // dq = dq_accum * scale in the input dtype (same [sq, b, nq, d] layout).
 template <typename T>
-__global__ void __launch_bounds__(kMmaThreads) flash_dq_convert_kernel(const float* acc, T* dq, int64_t n,
-                                                                        float scale) {
+__global__ void __launch_bounds__(kMmaThreads)
+    flash_dq_convert_kernel(const float* acc, T* dq, int64_t n, float scale) {
   for (int64_t i = int64_t(blockIdx.x) * kMmaThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kMmaThreads)
     dq[i] = from_f32<T>(acc[i] * scale);
 }
@@ -337,8 +338,8 @@ __global__ void __launch_bounds__(kMmaThreads) flash_dkdv_mma_kernel(Attn a, Bwd
 template <typename T, int kD>
 cudaError_t launch_dkdv(const Attn& a, const BwdTensors<T>& t, cudaStream_t stream) {
   using S = BwdShape<kD>;
-  cudaError_t err = cudaFuncSetAttribute(flash_dkdv_mma_kernel<T, kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         S::kBytes);
+  cudaError_t err =
+      cudaFuncSetAttribute(flash_dkdv_mma_kernel<T, kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid(tiles(a.sk, S::kKeys), static_cast<unsigned>(a.nkv), static_cast<unsigned>(a.b));
   flash_dkdv_mma_kernel<T, kD><<<grid, kMmaThreads, S::kBytes, stream>>>(a, t);
@@ -351,8 +352,8 @@ cudaError_t launch_bwd(const FlashAttentionBwd& x, const FlashIndexSummaries& su
   const Attn a = attn_of(x);
   const int64_t rows = x.b * x.nq * x.sq;
   if (rows > 0) {
-    const DeltaTensors<T> dt{static_cast<const T*>(x.dout), static_cast<const T*>(x.out), x.dout_strides,
-                             x.out_strides, delta, dq_accum};
+    const DeltaTensors<T> dt{
+        static_cast<const T*>(x.dout), static_cast<const T*>(x.out), x.dout_strides, x.out_strides, delta, dq_accum};
     flash_delta_mma_kernel<T><<<tiles(rows, kMmaWarps), kMmaThreads, 0, stream>>>(a, dt);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
@@ -382,7 +383,8 @@ cudaError_t launch_bwd(const FlashAttentionBwd& x, const FlashIndexSummaries& su
   }
   const int64_t n = rows * x.d;
   if (n > 0) {
-    const unsigned blocks = static_cast<unsigned>(n / kMmaThreads + 1 < 8 * sm_count() ? n / kMmaThreads + 1 : 8 * sm_count());
+    const unsigned blocks =
+        static_cast<unsigned>(n / kMmaThreads + 1 < 8 * sm_count() ? n / kMmaThreads + 1 : 8 * sm_count());
     flash_dq_convert_kernel<T><<<blocks, kMmaThreads, 0, stream>>>(dq_accum, static_cast<T*>(x.dq), n, a.scale);
   }
   return cudaGetLastError();

@@ -108,7 +108,8 @@ struct FwdBlock {
     for (int kk = 0; kk < kD / 16; ++kk) {
       uint32_t qa[kM][4];
 #pragma unroll
-      for (int mt = 0; mt < kM; ++mt) ldmatrix_x4(qa[mt], a_rows(q_sh, S::kPitch, (warp * kM + mt) * 16, kk * 16, lane));
+      for (int mt = 0; mt < kM; ++mt)
+        ldmatrix_x4(qa[mt], a_rows(q_sh, S::kPitch, (warp * kM + mt) * 16, kk * 16, lane));
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
         uint32_t kb[4];
@@ -143,8 +144,7 @@ struct FwdBlock {
   }
 
   // Online softmax: s becomes P = exp2(s - m) (un-dropped, its sum added to l); o rescaled.
-  __device__ void softmax(float (&s)[kM][8][4], float (&m)[kM][2], float (&l)[kM][2],
-                          float (&o)[kM][kD / 8][4]) const {
+  __device__ void softmax(float (&s)[kM][8][4], float (&m)[kM][2], float (&l)[kM][2], float (&o)[kM][kD / 8][4]) const {
 #pragma unroll
     for (int mt = 0; mt < kM; ++mt)
 #pragma unroll
@@ -184,8 +184,9 @@ struct FwdBlock {
       for (int n = 0; n < 8; ++n) {
         uint32_t w[4];
         if (aligned) {  // one call for (row g + 8 odd, keys 4u..4u+3); swap the pair's halves
-          const Words4 x = dropout_words(a.drop, static_cast<uint64_t>(((head << 20) + kpos_sh[8 * n + 4 * ((lane % 4) / 2)]) >> 2),
-                                         qpos[mt][odd], sample);
+          const Words4 x =
+              dropout_words(a.drop, static_cast<uint64_t>(((head << 20) + kpos_sh[8 * n + 4 * ((lane % 4) / 2)]) >> 2),
+                            qpos[mt][odd], sample);
           const uint32_t r0 = shfl_xor_u32(odd ? x.w[0] : x.w[2], 1), r1 = shfl_xor_u32(odd ? x.w[1] : x.w[3], 1);
           w[0] = odd ? r0 : x.w[0], w[1] = odd ? r1 : x.w[1];  // row g: keys 2(lane%4), +1
           w[2] = odd ? x.w[2] : r0, w[3] = odd ? x.w[3] : r1;  // row g + 8
@@ -298,8 +299,8 @@ __global__ void __launch_bounds__(kMmaThreads) flash_fwd_mma_kernel(Attn a, FwdT
 template <typename T, int kD, int kM>
 cudaError_t launch(const Attn& a, const FwdTensors<T>& t, cudaStream_t stream) {
   using S = FwdShape<kD, kM>;
-  cudaError_t err = cudaFuncSetAttribute(flash_fwd_mma_kernel<T, kD, kM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         S::kBytes);
+  cudaError_t err =
+      cudaFuncSetAttribute(flash_fwd_mma_kernel<T, kD, kM>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid(tiles(a.sq, S::kRows), static_cast<unsigned>(a.nq), static_cast<unsigned>(a.b));
   flash_fwd_mma_kernel<T, kD, kM><<<grid, kMmaThreads, S::kBytes, stream>>>(a, t);

@@ -12,8 +12,8 @@
 //     a[2] = (g, 2t+8..), a[3] = (g+8, 2t+8..)
 //   B 16x8 (k x n), 2 registers: b[0] = (k 2t..2t+1, n g), b[1] = (k 2t+8..2t+9, n g)
 //   C/D 16x8 fp32, 4 registers: c[0..1] = (g, 2t..2t+1), c[2..3] = (g+8, 2t..2t+1)
-// ldmatrix.x4 (PTX ISA, "Warp-level matrix load instruction: ldmatrix"): lanes 8j..8j+7 give the 16-byte rows of 8x8 matrix j; register j
-// of lane l holds row l/4, columns 2(l%4)..+1 of matrix j (.trans: rows 2(l%4)..+1 of column l/4).
+// ldmatrix.x4 (PTX ISA, "Warp-level matrix load instruction: ldmatrix"): lanes 8j..8j+7 give the 16-byte rows of 8x8
+// matrix j; register j of lane l holds row l/4, columns 2(l%4)..+1 of matrix j (.trans: rows 2(l%4)..+1 of column l/4).
 // So an S = Q K^T accumulator (C layout) is, packed to 16 bits, the A fragment of the P V product.
 #pragma once
 

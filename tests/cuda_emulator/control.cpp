@@ -89,13 +89,17 @@ at::Tensor warp_mma(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
   const uint32_t* bp = reinterpret_cast<const uint32_t*>(b.const_data_ptr<int32_t>());
   float* dp = d.data_ptr<float>();
   const int k = static_cast<int>(kind);
-  msp_emu::launch(reinterpret_cast<const void*>(&warp_mma), [&] {
-    const unsigned l = msp_emu::context.lane;
-    const uint32_t ar[4] = {ap[4 * l], ap[4 * l + 1], ap[4 * l + 2], ap[4 * l + 3]}, br[2] = {bp[2 * l], bp[2 * l + 1]};
-    float dr[4] = {dp[4 * l], dp[4 * l + 1], dp[4 * l + 2], dp[4 * l + 3]};
-    msp_emu::mma_m16n8k16(k, dr, ar, br);
-    for (int i = 0; i < 4; ++i) dp[4 * l + i] = dr[i];
-  }, dim3(1), dim3(32));
+  msp_emu::launch(
+      reinterpret_cast<const void*>(&warp_mma),
+      [&] {
+        const unsigned l = msp_emu::context.lane;
+        const uint32_t ar[4] = {ap[4 * l], ap[4 * l + 1], ap[4 * l + 2], ap[4 * l + 3]},
+                       br[2] = {bp[2 * l], bp[2 * l + 1]};
+        float dr[4] = {dp[4 * l], dp[4 * l + 1], dp[4 * l + 2], dp[4 * l + 3]};
+        msp_emu::mma_m16n8k16(k, dr, ar, br);
+        for (int i = 0; i < 4; ++i) dp[4 * l + i] = dr[i];
+      },
+      dim3(1), dim3(32));
   TORCH_CHECK(cudaGetLastError() == cudaSuccess, "warp_mma: the launch failed");
   return d;
 }
@@ -113,15 +117,18 @@ at::Tensor warp_ldmatrix(const at::Tensor& shared, const at::Tensor& rows, int64
   int32_t* out = regs.data_ptr<int32_t>();
   const size_t bytes = shared.numel() * 2;
   const int n = static_cast<int>(count);
-  msp_emu::launch(reinterpret_cast<const void*>(&warp_ldmatrix), [&] {
-    unsigned char* smem = static_cast<unsigned char*>(msp_emu::dynamic_shared_memory());
-    if (msp_emu::context.lane == 0) memcpy(smem, src, bytes);
-    __syncwarp();
-    const unsigned l = msp_emu::context.lane;
-    uint32_t r[4] = {};
-    msp_emu::ldmatrix(n, trans, r, l < 8u * n ? smem + 2 * rp[l] : nullptr);
-    for (int j = 0; j < n; ++j) out[n * l + j] = static_cast<int32_t>(r[j]);
-  }, dim3(1), dim3(32), bytes);
+  msp_emu::launch(
+      reinterpret_cast<const void*>(&warp_ldmatrix),
+      [&] {
+        unsigned char* smem = static_cast<unsigned char*>(msp_emu::dynamic_shared_memory());
+        if (msp_emu::context.lane == 0) memcpy(smem, src, bytes);
+        __syncwarp();
+        const unsigned l = msp_emu::context.lane;
+        uint32_t r[4] = {};
+        msp_emu::ldmatrix(n, trans, r, l < 8u * n ? smem + 2 * rp[l] : nullptr);
+        for (int j = 0; j < n; ++j) out[n * l + j] = static_cast<int32_t>(r[j]);
+      },
+      dim3(1), dim3(32), bytes);
   TORCH_CHECK(cudaGetLastError() == cudaSuccess, "warp_ldmatrix: the launch failed");
   return regs;
 }

@@ -45,7 +45,7 @@ void fail(const char* what) {
 struct Warp {
   std::unique_ptr<std::barrier<>> barrier;
   LaneSlot slots[2][32] = {};  // a collective uses set `seq % 2`: a lane refills a set only after every
-                          // lane has passed the barrier of the collective in between (zeroed per block)
+                               // lane has passed the barrier of the collective in between (zeroed per block)
   int size = 0;
 };
 

@@ -53,7 +53,8 @@ void mma_m16n8k16(int kind, float (&d)[4], const uint32_t (&a)[4], const uint32_
   const LaneSlot* warp = exchange(mine, "mma.sync: only full warps are emulated");
   float A[16][16], B[16][8];
   for (int lane = 0; lane < 32; ++lane) {
-    for (int i = 0; i < 8; ++i) A[a_row(lane, i)][a_col(lane, i)] = element(kind, half_of(warp[lane].words[i / 2], i % 2));
+    for (int i = 0; i < 8; ++i)
+      A[a_row(lane, i)][a_col(lane, i)] = element(kind, half_of(warp[lane].words[i / 2], i % 2));
     for (int i = 0; i < 4; ++i)
       B[b_row(lane, i)][b_col(lane, i)] = element(kind, half_of(warp[lane].words[4 + i / 2], i % 2));
   }
@@ -67,10 +68,10 @@ void mma_m16n8k16(int kind, float (&d)[4], const uint32_t (&a)[4], const uint32_
   }
 }
 
-// PTX ISA, "Warp-level matrix load instruction: ldmatrix": lanes 8j..8j+7 hold the row addresses of matrix j (each row 16
-// bytes, 16-byte aligned, in shared memory; lanes past 8 * count give none). Register j of lane l
-// gets elements (row l / 4, columns 2 (l % 4), 2 (l % 4) + 1) of matrix j; with .trans the matrix is
-// read column-major: elements (rows 2 (l % 4), 2 (l % 4) + 1, column l / 4).
+// PTX ISA, "Warp-level matrix load instruction: ldmatrix": lanes 8j..8j+7 hold the row addresses of matrix j (each row
+// 16 bytes, 16-byte aligned, in shared memory; lanes past 8 * count give none). Register j of lane l gets elements (row
+// l / 4, columns 2 (l % 4), 2 (l % 4) + 1) of matrix j; with .trans the matrix is read column-major: elements (rows 2
+// (l % 4), 2 (l % 4) + 1, column l / 4).
 void ldmatrix(int count, bool trans, uint32_t* regs, const void* row) {
   if (count != 1 && count != 2 && count != 4) fail("ldmatrix: .x1, .x2 or .x4");
   const unsigned lane = context.lane;

@@ -5,12 +5,13 @@
 //
 // Model: a launch runs its blocks one after another; the threads of a block are real OS threads,
 // so __syncthreads is a barrier (__syncwarp one of the warp's lanes), a warp-collective operation (shuffle, mma,
-// ldmatrix) is an exchange through the warp's slots at one warp barrier (two sets of slots, used in turn), and __shared__
-// arrays are static storage (one block is live at a time). Threads that return early leave the barriers (as exited threads do on the GPU). A shuffle over a warp with an
-// exited lane, a partial warp, a mask other than the full warp or lanes in different collectives is reported as an error; an invalid launch
-// configuration, or more threads than the kernel's __launch_bounds__, fails the launch (cudaGetLastError then returns
-// it). fp32 arithmetic is the host's IEEE single precision (build with -ffp-contract=off so `a * b + c` is not fused:
-// the GPU may fuse it, so results are compared with tolerances wherever the kernel does not use the explicitly rounded
+// ldmatrix) is an exchange through the warp's slots at one warp barrier (two sets of slots, used in turn), and
+// __shared__ arrays are static storage (one block is live at a time). Threads that return early leave the barriers (as
+// exited threads do on the GPU). A shuffle over a warp with an exited lane, a partial warp, a mask other than the full
+// warp or lanes in different collectives is reported as an error; an invalid launch configuration, or more threads than
+// the kernel's __launch_bounds__, fails the launch (cudaGetLastError then returns it). fp32 arithmetic is the host's
+// IEEE single precision (build with -ffp-contract=off so `a * b + c` is not fused: the GPU may fuse it, so results are
+// compared with tolerances wherever the kernel does not use the explicitly rounded
 // __fadd_rn/__fmul_rn).
 //
 // Warp-level matrix operations (the tensor-core kernels, csrc/cuda/warp_mma.cuh): mma.sync m16n8k16,
