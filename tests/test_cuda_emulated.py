@@ -7,8 +7,11 @@ reductions, launch sizing and argument handling are checked on machines without 
   fails the run), through the bindings registered for CPU tensors as megatron_sp_emulated::*;
 - the cases marked `race` (one per kernel path) under ThreadSanitizer (a missing __syncthreads is a
   data race between the emulated threads: the emulator's racecheck);
+- the emulator's model of the warp-level matrix operations (mma.sync m16n8k16, ldmatrix) against
+  plain matrix products built from the PTX ISA's fragment layouts (cuda_emulator/warp_checks.py);
 - planted bugs (an out-of-bounds read, a missing barrier, a launch over the kernel's
-  __launch_bounds__) are caught, so these tests can fail;
+  __launch_bounds__, swapped dropout words in the tensor-core forward) are caught, so these tests
+  can fail;
 - the global-memory bytes each kernel moves (build mode "traffic", bench/kernel_traffic.py): the
   forward and layout kernels read each input byte once and write each output byte once, and the
   backward kernels' fp32 partial sums stay a small fraction of their compulsory bytes.
@@ -26,11 +29,12 @@ import sys
 import pytest
 from cuda_cases import CASES, skip_or_fail
 from cuda_emulator import build as emulator_build
+from cuda_emulator.warp_checks import CHECKS
 
 from megatron_sp import ops
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-EMULATED = [name for name, case in CASES.items() if case.emulate]
+EMULATED = [name for name, case in CASES.items() if case.emulate] + list(CHECKS)
 RACE_CASES = [name for name, case in CASES.items() if case.race]
 
 
@@ -141,6 +145,24 @@ def test_planted_launch_over_launch_bounds_is_caught(tmp_path, object_cache):
     results = _results(tmp_path / "results.json")
     assert rc == 0 and not results["bda-33x3x256-off512-fp32-sm132"]["ok"], log[-3000:]
     assert "too many resources requested for launch" in results["bda-33x3x256-off512-fp32-sm132"]["detail"]
+
+
+def test_planted_dropout_word_swap_is_caught(tmp_path, object_cache):
+    """The tensor-core forward's Philox words exchanged between the two lanes of a key group with
+    two words swapped: the mask case reads the mask out of the kernel and finds the differing bits."""
+    _require("asan")
+    rc, log = _planted(
+        tmp_path,
+        object_cache,
+        "asan",
+        "flash_attention_fwd_mma.cu",
+        "w[0] = odd ? r0 : x.w[0], w[1] = odd ? r1 : x.w[1];",
+        "w[0] = odd ? r1 : x.w[0], w[1] = odd ? r0 : x.w[1];",
+        "flash-mask-causal-bf16",
+    )
+    results = _results(tmp_path / "results.json")
+    assert rc == 0 and not results["flash-mask-causal-bf16"]["ok"], log[-3000:]
+    assert "mask bits differ" in results["flash-mask-causal-bf16"]["detail"]
 
 
 def test_kernel_traffic(tmp_path, object_cache):

@@ -28,6 +28,7 @@ struct FlashAttentionFwd {
   const int64_t* samples;         // [b]
   void* out;                      // [sq, b, nq, d] contiguous, dtype
   float* lse;                     // [b, nq, sq]
+  void* scratch;                  // flash_attention_fwd_scratch(*this) bytes, 16-byte aligned
   int64_t b, nq, nkv, sq, sk, d;  // 0 < d <= kFlashMaxHeadDim, nq % nkv == 0, b, nq <= 65535
   DType dtype;                    // (else cudaErrorInvalidValue)
   DropoutParams drop;             // the attention-probability site (feature_offset unused)
@@ -42,7 +43,7 @@ struct FlashAttentionBwd {
   FlashStrides lse_strides;
   const int64_t *q_positions, *k_positions, *q_segments, *k_segments, *samples;  // as above
   void *dq, *dk, *dv;                                                            // [s, b, n, d] contiguous, dtype
-  float* scratch;                 // flash_attention_bwd_scratch(b, nq, sq) floats
+  void* scratch;                  // flash_attention_bwd_scratch(*this) bytes, 16-byte aligned
   int64_t b, nq, nkv, sq, sk, d;  // as in the forward
   DType dtype;
   DropoutParams drop;
@@ -50,7 +51,9 @@ struct FlashAttentionBwd {
   int64_t head_offset;
 };
 
-int64_t flash_attention_bwd_scratch(int64_t b, int64_t nq, int64_t sq);
+// Bytes of device scratch a call needs (sizes, dtype and positions' presence of args; its pointers unused).
+int64_t flash_attention_fwd_scratch(const FlashAttentionFwd& args);
+int64_t flash_attention_bwd_scratch(const FlashAttentionBwd& args);
 cudaError_t flash_attention_fwd(const FlashAttentionFwd& args, cudaStream_t stream);
 cudaError_t flash_attention_bwd(const FlashAttentionBwd& args, cudaStream_t stream);
 

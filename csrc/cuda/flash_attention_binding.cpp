@@ -41,6 +41,11 @@ void check_flash_cuda(const at::Tensor& q) {
               cuda::kFlashMaxHeadDim, ", got ", q.size(3));
 }
 
+// Device scratch of `bytes` (at least 1: a pointer to pass) on t's device.
+at::Tensor scratch_for(int64_t bytes, const at::Tensor& t) {
+  return at::empty({bytes > 0 ? bytes : 1}, t.options().dtype(at::kByte));
+}
+
 at::Tensor seq_major_like(const at::Tensor& t) {  // [b, n, s, d] view of an [s, b, n, d] tensor
   return at::empty({t.size(2), t.size(0), t.size(1), t.size(3)}, t.options()).permute({1, 2, 0, 3});
 }
@@ -70,6 +75,7 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda(const at::Tensor& q, const at:
                                ix.samples.const_data_ptr<int64_t>(),
                                out.data_ptr(),
                                lse.data_ptr<float>(),
+                               nullptr,
                                q.size(0),
                                q.size(1),
                                k.size(1),
@@ -80,6 +86,8 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda(const at::Tensor& q, const at:
                                ix.drop,
                                p > 0.0,
                                head_offset};
+  const at::Tensor scratch = scratch_for(cuda::flash_attention_fwd_scratch(args), q);
+  args.scratch = scratch.data_ptr();
   check_launch(cuda::flash_attention_fwd(args, current_stream()), "flash_attention_fwd");
   return {out, lse};
 }
@@ -95,8 +103,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda(
   c10::cuda::CUDAGuard guard(q.device());
   const FlashIndex ix(q_positions, k_positions, q_segments, k_segments, sample_ids, p, seed, layer);
   at::Tensor dq = seq_major_like(q), dk = seq_major_like(k), dv = seq_major_like(v);
-  const int64_t scratch_floats = cuda::flash_attention_bwd_scratch(q.size(0), q.size(1), q.size(2));
-  at::Tensor scratch = at::empty({scratch_floats}, q.options().dtype(at::kFloat));
   cuda::FlashAttentionBwd args{dout.const_data_ptr(),
                                q.const_data_ptr(),
                                k.const_data_ptr(),
@@ -117,7 +123,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda(
                                dq.data_ptr(),
                                dk.data_ptr(),
                                dv.data_ptr(),
-                               scratch.data_ptr<float>(),
+                               nullptr,
                                q.size(0),
                                q.size(1),
                                k.size(1),
@@ -128,6 +134,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda(
                                ix.drop,
                                p > 0.0,
                                head_offset};
+  const at::Tensor scratch = scratch_for(cuda::flash_attention_bwd_scratch(args), q);
+  args.scratch = scratch.data_ptr();
   check_launch(cuda::flash_attention_bwd(args, current_stream()), "flash_attention_bwd");
   return {dq, dk, dv};
 }

@@ -1,7 +1,10 @@
-"""Cases of flash_attention's CUDA kernels (csrc/cuda/flash_attention.cu) and binding: the forward,
-then the three backward kernels from the reference's out and lse. fp32 results agree with the
-reference within 2e-5 (the kernels sum in another order), which also shows that the dropout bits
-match; bf16/fp16 within their tolerances; rows that see nothing give out 0, lse -inf."""
+"""Cases of flash_attention's CUDA kernels (csrc/cuda/flash_attention*.cu) and binding: the forward,
+then the backward kernels from the reference's out and lse. fp32 runs the SIMT kernels, bf16/fp16
+the tensor-core ones (the emulator reports an sm_90 device). fp32 results agree with the reference
+within 2e-5 (the kernels sum in another order), which also shows that the dropout bits match;
+bf16/fp16 within their tolerances; rows that see nothing give out 0, lse -inf. The mask cases read
+the dropout mask itself out of the forward (V one-hot per key: out[q, k] is 0 exactly where key k
+is dropped or hidden) and compare it bit for bit with attention_keep_mask."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import importlib
 import torch
 
 from cuda_cases import DTYPE_NAME, Case, cpu, opcheck
+from megatron_sp.ops.philox import DropoutIndex, attention_keep_mask
 from megatron_sp.testing import assert_close_dtype, assert_same_error
 
 fa = importlib.import_module("megatron_sp.ops.flash_attention")  # ops.flash_attention is the function
@@ -71,6 +75,27 @@ def results_case(target, shape, dtype, p, positions="causal", segments=False, la
         assert got.permute(2, 0, 1, 3).is_contiguous(), "gradients must be laid out [s, b, n, d]"
         scale = (1.0 if dtype == FP32 else 2.0) * (1 + e.float().abs().max().item())
         assert_close_dtype(cpu(got), e, dtype, scale=scale)
+
+
+def mask_case(target, shape, dtype, p, positions="causal"):
+    """The kernel's dropout mask against attention_keep_mask, element by element: V = one-hot rows
+    (sk <= d), so out[.., q, k] = P[q, k] keep[q, k] / (1 - p) is 0 exactly where k is dropped or
+    hidden (the probabilities of visible keys do not underflow at these sizes)."""
+    b, nq, nkv, sq, sk, d = shape
+    assert sk <= d
+    gen = torch.Generator().manual_seed(sq * 31 + d)
+    q = torch.randn(b, nq, sq, d, generator=gen).to(dtype)
+    k = torch.randn(b, nkv, sk, d, generator=gen).to(dtype)
+    v = torch.eye(sk, d).to(dtype).expand(b, nkv, sk, d).contiguous()
+    index = _index(gen, b, sq, sk, positions, False)
+    out, _ = target.ops.flash_attention_fwd(*map(target.put, (q, k, v)), *(target.put(t) for t in index), p, *DROP)
+    seed, layer, head_offset = DROP
+    drop_index = DropoutIndex(index[0], index[4])
+    keep = attention_keep_mask((b, nq, sq, sk), p, seed, layer, drop_index, head_offset, index[1])
+    visible = (index[1].view(1, 1, 1, -1) <= index[0].view(1, 1, -1, 1)).expand_as(keep)
+    nonzero = cpu(out)[..., :sk] != 0
+    assert torch.equal(nonzero, keep & visible), f"{int((nonzero != (keep & visible)).sum())} mask bits differ"
+    assert 0 < int(keep.sum()) < keep.numel(), "the case must drop some elements and keep others"
 
 
 def cpu_kernel_case(target, shape, dtype, p, segments, strided):
@@ -148,8 +173,25 @@ def cases() -> list:
         "flash-odd-misaligned-fp32": ((1, 1, 1, 9, 9, 33), FP32, 0.0, "causal", False, "misaligned"),
         "flash-d100-bf16": ((1, 1, 1, 5, 5, 100), BF16, 0.5),
     }
-    # all four kernels (GQA, dropout) under ThreadSanitizer
-    out = [Case(name, results_case, args, race=name == "flash-20-segments-bf16") for name, args in emulated.items()]
+    # the tensor-core kernels: 64-key tiles, 128-row query blocks (sms=1) or 64-row ones (sms=132, which
+    # also leaves fully visible tile pairs unmasked), partial tiles, GQA, head dims 64 and 128
+    # (cp.async and plain loads), one Philox call per 4 keys (causal) or per element (ring, zigzag)
+    mma = {
+        "flash-mma-72-gqa-dropout-bf16": (((1, 2, 1, 72, 72, 64), BF16, 0.1), 1),
+        "flash-mma-130-segments-narrow-fp16": (((1, 1, 1, 130, 130, 32), FP16, 0.2, "causal", True), 132),
+        "flash-mma-70-zigzag-d128-strided-bf16": (((1, 1, 1, 70, 70, 128), BF16, 0.25, "zigzag", False, "strided"), 1),
+        "flash-mma-70-ring-fp16": (((1, 1, 1, 70, 70, 16), FP16, 0.1, "ring"), 1),
+    }
+    # the SIMT kernels (fp32) and the tensor-core ones (bf16/fp16; one with several tiles) under
+    # ThreadSanitizer
+    race = ("flash-37-gqa-dropout-fp32", "flash-mma-70-ring-fp16")
+    out = [Case(name, results_case, args, race=name in race) for name, args in emulated.items()]
+    out += [Case(name, results_case, args, sms=sms, race=name in race) for name, (args, sms) in mma.items()]
+    out += [
+        Case("flash-mask-causal-bf16", mask_case, ((1, 2, 1, 96, 128, 128), BF16, 0.3)),
+        Case("flash-mask-ring-fp16", mask_case, ((1, 1, 1, 40, 64, 64), FP16, 0.5, "ring")),
+        Case("flash-mask-zigzag-fp32", mask_case, ((1, 1, 1, 16, 16, 16), FP32, 0.5, "zigzag")),
+    ]
     # GPU only, against the CPU op: partial tiles, GQA, d = 128 (4 columns per lane), odd d, one row
     for shape, segments, strided, p in [
         ((2, 4, 4, 300, 300, 64), False, True, 0.1),

@@ -5,8 +5,9 @@ torch.ops.megatron_sp_emulated.* (the schemas of csrc/*.cpp, renamed), with the 
 
 The kernel sources are used as they are; the only rewrite is the launch syntax, which no host
 compiler accepts: `kernel<T, N><<<grid, block, shmem, stream>>>(args)` becomes
-`::msp_emu::launch([&] { kernel<T, N>(args); }, grid, block, shmem, stream)` (`launch_bounded` when
-the kernel declares `__launch_bounds__`), and the bindings register for CPU in the emulated
+`::msp_emu::launch(&kernel<T, N>, [&] { kernel<T, N>(args); }, grid, block, shmem, stream)` (the address
+finds the kernel's cudaFuncSetAttribute limits; `launch_bounded` when the kernel declares
+`__launch_bounds__`), and the bindings register for CPU in the emulated
 namespace. With sanitizer "asan" the kernels are built with AddressSanitizer and UBSan (every kernel
 load and store is bounds-checked against the exact allocations of the inputs and of the outputs and
 scratch the binding makes), with "tsan" with ThreadSanitizer (races between the emulated threads: a
@@ -80,7 +81,10 @@ def _matching(text: str, start: int, open_c: str, close_c: str, step: int) -> in
 def translate_launches(src: str) -> str:
     """Rewrites every `kernel<...><<<config>>>(args)` into an emulator launch; a kernel declared
     with `__launch_bounds__(N)` gets a launch that fails (as on the GPU) with more than N threads."""
-    bounds = dict((name, bound) for bound, name in re.findall(r"__launch_bounds__\(([^)]*)\)\s*(\w+)\s*\(", src))
+    bounds = {
+        name: bound.split(",")[0].strip()  # the thread limit (a second argument is the blocks per SM hint)
+        for bound, name in re.findall(r"__launch_bounds__\(([^)]*)\)\s*(\w+)\s*\(", src)
+    }
     out, i = [], 0
     while (j := src.find("<<<", i)) >= 0:
         k = j
@@ -102,10 +106,11 @@ def translate_launches(src: str) -> str:
         args = src[paren + 1 : close]
         out.append(src[i:k])
         bound = bounds.get(kernel.split("<")[0].split("::")[-1])
+        address = f"reinterpret_cast<const void*>(&{kernel})"  # its cudaFuncSetAttribute limits
         if bound is None:
-            out.append(f"::msp_emu::launch([&] {{ {kernel}({args}); }}, {config})")
+            out.append(f"::msp_emu::launch({address}, [&] {{ {kernel}({args}); }}, {config})")
         else:
-            out.append(f"::msp_emu::launch_bounded({bound}, [&] {{ {kernel}({args}); }}, {config})")
+            out.append(f"::msp_emu::launch_bounded({bound}, {address}, [&] {{ {kernel}({args}); }}, {config})")
         i = close + 1
     out.append(src[i:])
     return "".join(out)
@@ -207,6 +212,7 @@ def _headers_digest(tree: str) -> bytes:
     for header in sorted(
         glob.glob(os.path.join(tree, "**", "*.*h"), recursive=True)
         + glob.glob(os.path.join(HERE, "include", "**", "*.h"), recursive=True)
+        + glob.glob(os.path.join(HERE, "*.h"))
     ):
         with open(header, "rb") as f:
             digest.update(os.path.basename(header).encode() + f.read())
@@ -225,7 +231,7 @@ def build(out_dir: str, sanitizer: str | None = "asan", csrc: str = CSRC, cache_
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++/c++) found")
     tree = os.path.join(out_dir, "src")
-    kernel_sources = _kernel_sources(csrc, tree) + [os.path.join(HERE, "emulator.cpp")]
+    kernel_sources = _kernel_sources(csrc, tree) + [os.path.join(HERE, n) for n in ("emulator.cpp", "warp_matrix.cpp")]
     torch_sources = [_binding_source(csrc, tree)]
     torch_compile, torch_link = _torch_flags()
     base = ["-std=c++20", "-O1", "-g", "-fPIC", "-pthread", "-ffp-contract=off", "-Wall", "-Wno-unknown-pragmas"]

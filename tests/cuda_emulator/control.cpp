@@ -1,9 +1,12 @@
 // The emulator's own ops in the emulated library (torch.ops.megatron_sp_emulated, beside the CUDA
 // bindings of csrc/cuda/ registered there for CPU tensors): the SM count cudaDeviceGetAttribute
 // reports (it sizes the persistent grids), and the global-memory traffic counters of build mode
-// "traffic" (bench/kernel_traffic.py) for given tensors and for every allocation an op makes.
+// "traffic" (bench/kernel_traffic.py) for given tensors and for every allocation an op makes; and
+// one-warp probes of the warp-matrix model (warp_matrix.cpp), which tests/cuda_emulator/warp_checks.py
+// compares with plain matrix products built from the PTX ISA's fragment formulas.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/CPUAllocator.h>
 #include <torch/library.h>
 
@@ -75,6 +78,61 @@ at::Tensor traffic_regions() {
 
 void traffic_clear() { msp_emu::traffic_clear(); }
 
+// One warp runs mma.sync m16n8k16 (kind 0 bf16, 1 fp16): lane l passes a[l] (4 registers), b[l]
+// (2), c[l] (4 fp32 accumulators); returns d [32, 4].
+at::Tensor warp_mma(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, int64_t kind) {
+  TORCH_CHECK(a.dtype() == at::kInt && a.is_contiguous() && a.numel() == 128, "warp_mma: a is [32, 4] int32");
+  TORCH_CHECK(b.dtype() == at::kInt && b.is_contiguous() && b.numel() == 64, "warp_mma: b is [32, 2] int32");
+  TORCH_CHECK(c.dtype() == at::kFloat && c.is_contiguous() && c.numel() == 128, "warp_mma: c is [32, 4] fp32");
+  at::Tensor d = c.clone();
+  const uint32_t* ap = reinterpret_cast<const uint32_t*>(a.const_data_ptr<int32_t>());
+  const uint32_t* bp = reinterpret_cast<const uint32_t*>(b.const_data_ptr<int32_t>());
+  float* dp = d.data_ptr<float>();
+  const int k = static_cast<int>(kind);
+  msp_emu::launch(
+      reinterpret_cast<const void*>(&warp_mma),
+      [&] {
+        const unsigned l = msp_emu::context.lane;
+        const uint32_t ar[4] = {ap[4 * l], ap[4 * l + 1], ap[4 * l + 2], ap[4 * l + 3]},
+                       br[2] = {bp[2 * l], bp[2 * l + 1]};
+        float dr[4] = {dp[4 * l], dp[4 * l + 1], dp[4 * l + 2], dp[4 * l + 3]};
+        msp_emu::mma_m16n8k16(k, dr, ar, br);
+        for (int i = 0; i < 4; ++i) dp[4 * l + i] = dr[i];
+      },
+      dim3(1), dim3(32));
+  TORCH_CHECK(cudaGetLastError() == cudaSuccess, "warp_mma: the launch failed");
+  return d;
+}
+
+// One warp runs ldmatrix.m8n8.x{count}[.trans] on `shared` (int16, copied into the launch's dynamic
+// shared memory), lane l giving the row at element offset rows[l] (rows [32] int64; lanes past
+// 8 count give none); returns the registers [32, count] (int32).
+at::Tensor warp_ldmatrix(const at::Tensor& shared, const at::Tensor& rows, int64_t count, bool trans) {
+  TORCH_CHECK(shared.dtype() == at::kShort && shared.is_contiguous(), "warp_ldmatrix: shared is int16");
+  TORCH_CHECK(rows.dtype() == at::kLong && rows.numel() == 32, "warp_ldmatrix: rows is [32] int64");
+  TORCH_CHECK(count == 1 || count == 2 || count == 4, "warp_ldmatrix: count is 1, 2 or 4");
+  at::Tensor regs = at::zeros({32, count}, at::TensorOptions().dtype(at::kInt));
+  const int64_t* rp = rows.const_data_ptr<int64_t>();
+  const int16_t* src = shared.const_data_ptr<int16_t>();
+  int32_t* out = regs.data_ptr<int32_t>();
+  const size_t bytes = shared.numel() * 2;
+  const int n = static_cast<int>(count);
+  msp_emu::launch(
+      reinterpret_cast<const void*>(&warp_ldmatrix),
+      [&] {
+        unsigned char* smem = static_cast<unsigned char*>(msp_emu::dynamic_shared_memory());
+        if (msp_emu::context.lane == 0) memcpy(smem, src, bytes);
+        __syncwarp();
+        const unsigned l = msp_emu::context.lane;
+        uint32_t r[4] = {};
+        msp_emu::ldmatrix(n, trans, r, l < 8u * n ? smem + 2 * rp[l] : nullptr);
+        for (int j = 0; j < n; ++j) out[n * l + j] = static_cast<int32_t>(r[j]);
+      },
+      dim3(1), dim3(32), bytes);
+  TORCH_CHECK(cudaGetLastError() == cudaSuccess, "warp_ldmatrix: the launch failed");
+  return regs;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(megatron_sp_emulated, m) {
@@ -83,4 +141,6 @@ TORCH_LIBRARY_FRAGMENT(megatron_sp_emulated, m) {
   m.def("traffic_watch_allocations(bool on) -> ()", &traffic_watch_allocations);
   m.def("traffic_regions() -> Tensor", &traffic_regions);
   m.def("traffic_clear() -> ()", &traffic_clear);
+  m.def("warp_mma(Tensor a, Tensor b, Tensor c, int kind) -> Tensor", &warp_mma);
+  m.def("warp_ldmatrix(Tensor shared, Tensor rows, int count, bool trans) -> Tensor", &warp_ldmatrix);
 }

@@ -8,11 +8,13 @@
 #include <condition_variable>
 #include <functional>
 #include <latch>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
 
+#include "emulator_internal.h"
 #include "msp_cuda_emulator.h"
 
 namespace msp_emu {
@@ -23,8 +25,13 @@ namespace {
 
 cudaError_t last_error = cudaSuccess;
 int sm_count = 2;
+constexpr size_t kDefaultDynamicShared = 48 * 1024, kMaxDynamicShared = 227 * 1024;  // an H200's opt-in limit
+std::map<const void*, size_t> dynamic_shared_limit;  // cudaFuncAttributeMaxDynamicSharedMemorySize per kernel
+std::mutex attribute_mutex;
 
-[[noreturn]] void fail(const char* what) {
+}  // namespace
+
+void fail(const char* what) {
   const ThreadContext& c = context;
   fprintf(stderr,
           "msp_cuda_emulator: %s (block (%u, %u, %u) of (%u, %u, %u), thread (%u, %u, %u) of "
@@ -35,18 +42,18 @@ int sm_count = 2;
   abort();
 }
 
-}  // namespace
-
 struct Warp {
   std::unique_ptr<std::barrier<>> barrier;
-  uint32_t slots[32];
-  std::atomic<int> exited{0};
+  LaneSlot slots[2][32] = {};  // a collective uses set `seq % 2`: a lane refills a set only after every
+                               // lane has passed the barrier of the collective in between (zeroed per block)
   int size = 0;
 };
 
 struct Block {
   std::unique_ptr<std::barrier<>> barrier;
   std::unique_ptr<Warp[]> warps;
+  unsigned char* dynamic = nullptr;  // the launch's dynamic shared memory
+  size_t dynamic_bytes = 0;
 
   void reset(int threads) {
     barrier = std::make_unique<std::barrier<>>(threads);
@@ -60,7 +67,6 @@ struct Block {
 
   // A thread that returned from the kernel no longer takes part in the block's barriers.
   void leave(unsigned int warp) {
-    warps[warp].exited.fetch_add(1);
     warps[warp].barrier->arrive_and_drop();
     barrier->arrive_and_drop();
   }
@@ -74,17 +80,46 @@ void syncwarp(unsigned int mask) {
   context.live->warps[context.warp].barrier->arrive_and_wait();
 }
 
-uint32_t shfl_xor(uint32_t bits, unsigned int mask, int lane_mask, int width) {
+const LaneSlot* exchange(const LaneSlot& mine, const char* what) {
   Warp& w = context.live->warps[context.warp];
-  if (mask != 0xFFFFFFFFu || width != 32 || w.size != 32)
+  if (w.size != 32) fail(what);  // names the operation: only full warps are emulated
+  const unsigned int seq = ++context.collectives;
+  LaneSlot* set = w.slots[seq & 1];
+  set[context.lane] = mine;
+  set[context.lane].seq = seq;
+  w.barrier->arrive_and_wait();
+  // A lane that exited before this collective left the barrier and its slot stale (an older seq). The
+  // count of exited lanes is no test: a lane may leave the kernel right after this barrier.
+  for (int l = 0; l < 32; ++l) {
+    if (set[l].seq != seq) fail("a warp-collective operation with exited lanes in the warp (undefined)");
+    if (set[l].op != mine.op) fail("the lanes of a warp are in different warp-collective operations (divergence)");
+  }
+  return set;
+}
+
+uint32_t shfl_xor(uint32_t bits, unsigned int mask, int lane_mask, int width) {
+  if (mask != 0xFFFFFFFFu || width != 32)
     fail("__shfl_xor_sync: only full-warp shuffles are emulated (mask 0xffffffff, width 32)");
   if (lane_mask < 0 || lane_mask > 31) fail("__shfl_xor_sync: lane mask out of range");
-  w.slots[context.lane] = bits;
-  w.barrier->arrive_and_wait();
-  if (w.exited.load() != 0) fail("__shfl_xor_sync with exited lanes in the warp (undefined)");
-  const uint32_t got = w.slots[context.lane ^ static_cast<unsigned int>(lane_mask)];
-  w.barrier->arrive_and_wait();
-  return got;
+  LaneSlot mine{kShuffle, {bits}, nullptr};
+  const LaneSlot* all = exchange(mine, "__shfl_xor_sync: only full-warp shuffles are emulated");
+  return all[context.lane ^ static_cast<unsigned int>(lane_mask)].words[0];
+}
+
+unsigned char* dynamic_shared_begin() { return context.live->dynamic; }
+size_t dynamic_shared_bytes() { return context.live->dynamic_bytes; }
+
+void* dynamic_shared_memory() {
+  if (context.live->dynamic_bytes == 0) fail("dynamic shared memory used by a launch that requested none");
+  return context.live->dynamic;
+}
+
+cudaError_t set_function_attribute(const void* kernel, cudaFuncAttribute attr, int value) {
+  if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 || size_t(value) > kMaxDynamicShared)
+    return cudaErrorInvalidValue;
+  std::lock_guard<std::mutex> lock(attribute_mutex);
+  dynamic_shared_limit[kernel] = size_t(value);
+  return cudaSuccess;
 }
 
 void set_sm_count(int sms) { sm_count = sms > 0 ? sms : 1; }
@@ -135,14 +170,30 @@ ThreadPool& pool() {
 
 }  // namespace
 
-void launch(const std::function<void()>& body, dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t) {
+namespace {
+
+size_t dynamic_limit(const void* kernel) {
+  std::lock_guard<std::mutex> lock(attribute_mutex);
+  const auto it = dynamic_shared_limit.find(kernel);
+  return it == dynamic_shared_limit.end() ? kDefaultDynamicShared : it->second;
+}
+
+}  // namespace
+
+void launch(const void* kernel, const std::function<void()>& body, dim3 grid, dim3 block, size_t shared_bytes,
+            cudaStream_t) {
   const uint64_t threads = uint64_t(block.x) * block.y * block.z;
   if (threads == 0 || threads > 1024 || block.z > 64 || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
-      grid.x > 0x7FFFFFFFu || grid.y > 65535 || grid.z > 65535 || shared_bytes > 48 * 1024) {
+      grid.x > 0x7FFFFFFFu || grid.y > 65535 || grid.z > 65535) {
     last_error = cudaErrorInvalidConfiguration;
     return;
   }
+  if (shared_bytes > dynamic_limit(kernel)) {  // over 48 KiB without the opt-in attribute
+    last_error = cudaErrorInvalidValue;
+    return;
+  }
   const int n = static_cast<int>(threads);
+  std::unique_ptr<unsigned char[]> dynamic(shared_bytes ? new unsigned char[shared_bytes] : nullptr);
   Block live;
   uint3 current{0, 0, 0};
   bool done = false;
@@ -161,7 +212,10 @@ void launch(const std::function<void()>& body, dim3 grid, dim3 block, size_t sha
       if (done) break;
       c.block = current;
       c.live = &live;
+      c.collectives = 0;
+      async_copies_reset();
       body();
+      async_copies_check_drained();
       live.leave(c.warp);
       finish.arrive_and_wait();
     }
@@ -172,6 +226,8 @@ void launch(const std::function<void()>& body, dim3 grid, dim3 block, size_t sha
     for (unsigned int y = 0; y < grid.y; ++y)
       for (unsigned int x = 0; x < grid.x; ++x) {
         live.reset(n);
+        live.dynamic = dynamic.get(), live.dynamic_bytes = shared_bytes;
+        if (shared_bytes) memset(dynamic.get(), 0xA5, shared_bytes);  // what an earlier block left: not zeros
         current = {x, y, z};
         start.arrive_and_wait();
         finish.arrive_and_wait();
@@ -181,13 +237,13 @@ void launch(const std::function<void()>& body, dim3 grid, dim3 block, size_t sha
   returned.wait();  // this launch's state (on this stack) outlives every use of it
 }
 
-void launch_bounded(int max_threads, const std::function<void()>& body, dim3 grid, dim3 block, size_t shared_bytes,
-                    cudaStream_t stream) {
+void launch_bounded(int max_threads, const void* kernel, const std::function<void()>& body, dim3 grid, dim3 block,
+                    size_t shared_bytes, cudaStream_t stream) {
   if (uint64_t(block.x) * block.y * block.z > uint64_t(max_threads)) {
     last_error = cudaErrorLaunchOutOfResources;
     return;
   }
-  launch(body, grid, block, shared_bytes, stream);
+  launch(kernel, body, grid, block, shared_bytes, stream);
 }
 
 // ---- traffic counting ------------------------------------------------------------------------
@@ -210,6 +266,8 @@ void mark(std::atomic<uint64_t>* bits, uintptr_t offset, uintptr_t size) {
     bits[b >> 6].fetch_or(uint64_t(1) << (b & 63), std::memory_order_relaxed);
 }
 
+}  // namespace
+
 void count(uintptr_t addr, uintptr_t size, bool store) {
   const int n = region_count.load(std::memory_order_acquire);
   for (int r = 0; r < n; ++r) {
@@ -222,6 +280,8 @@ void count(uintptr_t addr, uintptr_t size, bool store) {
     }
   }
 }
+
+namespace {
 
 uint64_t distinct(const std::atomic<uint64_t>* bits, uintptr_t bytes) {
   uint64_t total = 0;
@@ -291,9 +351,18 @@ cudaError_t cudaGetDevice(int* device) {
 }
 
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
-  if (attr != cudaDevAttrMultiProcessorCount) return cudaErrorInvalidValue;
-  *value = msp_emu::sm_count;
-  return cudaSuccess;
+  switch (attr) {  // an H200 (sm_90) with the SM count the case asked for
+    case cudaDevAttrMultiProcessorCount:
+      *value = msp_emu::sm_count;
+      return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMajor:
+      *value = 9;
+      return cudaSuccess;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin:
+      *value = static_cast<int>(msp_emu::kMaxDynamicShared);
+      return cudaSuccess;
+  }
+  return cudaErrorInvalidValue;
 }
 
 cudaError_t cudaGetLastError() {

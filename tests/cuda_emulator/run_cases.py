@@ -1,4 +1,5 @@
-"""Runs the CUDA cases (tests/cuda_cases/) on the emulated library, writing one result per case.
+"""Runs the CUDA cases (tests/cuda_cases/) on the emulated library, writing one result per case, and
+the emulator's own checks of its warp-matrix model (warp_checks.py).
 
 The library (build.py) holds the CUDA kernels and their torch bindings registered for CPU tensors as
 torch.ops.megatron_sp_emulated.*; a case runs the binding exactly as on a GPU, on CPU tensors whose
@@ -20,7 +21,7 @@ import traceback
 
 import cuda_cases
 import torch
-from cuda_emulator import build
+from cuda_emulator import build, warp_checks
 
 from megatron_sp import ops
 
@@ -40,12 +41,15 @@ def main():
     assert ops.extension_available(), "the cases compare with megatron_sp._C's CPU ops: build it first"
     target = load(library)
     results = {}
-    for name, case in cuda_cases.CASES.items():
-        if not case.emulate or (only and not any(o in name for o in only)):
+    runs = {name: (lambda case=case: cuda_cases.run(case, target)) for name, case in cuda_cases.CASES.items()}
+    runs = {name: fn for name, fn in runs.items() if cuda_cases.CASES[name].emulate}
+    runs.update({name: (lambda check=check: check(target.ops)) for name, check in warp_checks.CHECKS.items()})
+    for name, fn in runs.items():
+        if only and not any(o in name for o in only):
             continue
         t0 = time.perf_counter()
         try:
-            cuda_cases.run(case, target)
+            fn()
             results[name] = {"ok": True, "detail": ""}
         except (AssertionError, RuntimeError):
             results[name] = {"ok": False, "detail": traceback.format_exc(limit=4)}

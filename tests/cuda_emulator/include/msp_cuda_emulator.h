@@ -4,21 +4,32 @@
 // against it with AddressSanitizer and compares them with the references.
 //
 // Model: a launch runs its blocks one after another; the threads of a block are real OS threads,
-// so __syncthreads is a barrier (__syncwarp one of the warp's lanes), a warp shuffle is an exchange
-// through the warp's slots between two warp barriers, and __shared__ arrays are static storage (one block is live at a
-// time). Threads that return early leave the barriers (as exited threads do on the GPU). A shuffle over a warp with an
-// exited lane, a partial warp or a mask other than the full warp is reported as an error; an invalid launch
-// configuration, or more threads than the kernel's __launch_bounds__, fails the launch (cudaGetLastError then returns
-// it). fp32 arithmetic is the host's IEEE single precision (build with -ffp-contract=off so `a * b + c` is not fused:
-// the GPU may fuse it, so results are compared with tolerances wherever the kernel does not use the explicitly rounded
+// so __syncthreads is a barrier (__syncwarp one of the warp's lanes), a warp-collective operation (shuffle, mma,
+// ldmatrix) is an exchange through the warp's slots at one warp barrier (two sets of slots, used in turn), and
+// __shared__ arrays are static storage (one block is live at a time). Threads that return early leave the barriers (as
+// exited threads do on the GPU). A shuffle over a warp with an exited lane, a partial warp, a mask other than the full
+// warp or lanes in different collectives is reported as an error; an invalid launch configuration, or more threads than
+// the kernel's __launch_bounds__, fails the launch (cudaGetLastError then returns it). fp32 arithmetic is the host's
+// IEEE single precision (build with -ffp-contract=off so `a * b + c` is not fused: the GPU may fuse it, so results are
+// compared with tolerances wherever the kernel does not use the explicitly rounded
 // __fadd_rn/__fmul_rn).
+//
+// Warp-level matrix operations (the tensor-core kernels, csrc/cuda/warp_mma.cuh): mma.sync m16n8k16,
+// ldmatrix and cp.async are modelled from the PTX ISA, lane by lane (warp_matrix.cpp); dynamic
+// shared memory is one exact-size heap buffer per launch, refilled with a garbage pattern before each
+// block (an uninitialised read shows in the results, an out-of-bounds one under ASan), and a launch
+// over 48 KiB of it fails unless cudaFuncSetAttribute raised the kernel's limit (227 KiB at most,
+// an H200's), as on the GPU.
 #pragma once
+
+#define MSP_CUDA_EMULATOR 1  // csrc/cuda/warp_mma.cuh calls the emulator's warp-matrix model
 
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
+#include <atomic>
 #include <functional>
 
 #define __global__
@@ -48,7 +59,12 @@ enum cudaError_t {
   cudaErrorInvalidConfiguration = 9,
   cudaErrorLaunchOutOfResources = 701,
 };
-enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
+enum cudaDeviceAttr {
+  cudaDevAttrMultiProcessorCount = 16,
+  cudaDevAttrComputeCapabilityMajor = 75,
+  cudaDevAttrMaxSharedMemoryPerBlockOptin = 97,
+};
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 typedef struct CUstream_st* cudaStream_t;
 
 cudaError_t cudaGetDevice(int* device);
@@ -65,6 +81,12 @@ struct __nv_bfloat16 {
 };
 struct __half {
   uint16_t bits;
+};
+struct __nv_bfloat162 {
+  __nv_bfloat16 x, y;
+};
+struct __half2 {
+  __half x, y;
 };
 
 inline float __bfloat162float(__nv_bfloat16 v) {
@@ -92,6 +114,11 @@ inline __half __float2half_rn(float f) {
   return r;
 }
 
+inline __nv_bfloat162 __floats2bfloat162_rn(float lo, float hi) {
+  return {__float2bfloat16_rn(lo), __float2bfloat16_rn(hi)};
+}
+inline __half2 __floats2half2_rn(float lo, float hi) { return {__float2half_rn(lo), __float2half_rn(hi)}; }
+
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float rsqrtf(float v) { return 1.0f / sqrtf(v); }
@@ -107,19 +134,34 @@ struct ThreadContext {
   dim3 block_dim, grid_dim;
   Block* live = nullptr;
   unsigned int warp = 0, lane = 0;
+  unsigned int collectives = 0;  // warp-collective operations this thread has taken part in, this block
 };
 extern thread_local ThreadContext context;
 
 void syncthreads();
 void syncwarp(unsigned int mask);
 uint32_t shfl_xor(uint32_t bits, unsigned int mask, int lane_mask, int width);
-// Runs `body` (one kernel call with its arguments bound) as the kernel `grid` x `block` launch.
-void launch(const std::function<void()>& body, dim3 grid, dim3 block, size_t shared_bytes = 0,
+// Runs `body` (one call of `kernel` with its arguments bound) as the kernel `grid` x `block` launch
+// with `shared_bytes` of dynamic shared memory.
+void launch(const void* kernel, const std::function<void()>& body, dim3 grid, dim3 block, size_t shared_bytes = 0,
             cudaStream_t stream = nullptr);
 // The same for a kernel declared __launch_bounds__(max_threads): more threads per block fail the
 // launch with cudaErrorLaunchOutOfResources, as on the GPU.
-void launch_bounded(int max_threads, const std::function<void()>& body, dim3 grid, dim3 block, size_t shared_bytes = 0,
-                    cudaStream_t stream = nullptr);
+void launch_bounded(int max_threads, const void* kernel, const std::function<void()>& body, dim3 grid, dim3 block,
+                    size_t shared_bytes = 0, cudaStream_t stream = nullptr);
+cudaError_t set_function_attribute(const void* kernel, cudaFuncAttribute attr, int value);
+void* dynamic_shared_memory();
+
+// Warp-level matrix operations (warp_matrix.cpp), every lane of the warp taking part:
+// d += A B of one m16n8k16 tile (kind 0: bf16, 1: fp16 elements; fp32 d), fragments as in the PTX ISA;
+void mma_m16n8k16(int kind, float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
+// ldmatrix.m8n8.x{count}[.trans].shared.b16 from this lane's row address;
+void ldmatrix(int count, bool trans, uint32_t* regs, const void* row);
+// cp.async of `bytes` (4, 8, 16) into dynamic shared memory, the first `src_bytes` read from src and
+// the rest zero, performed when a cp_async_wait leaves its group no longer pending.
+void cp_async(void* dst, const void* src, int bytes, int src_bytes);
+void cp_async_commit();
+void cp_async_wait(int pending);
 // The SM count cudaDeviceGetAttribute reports (it sizes the persistent grids).
 void set_sm_count(int sms);
 
@@ -154,4 +196,16 @@ inline float __shfl_xor_sync(unsigned int mask, float v, int lane_mask, int widt
   bits = msp_emu::shfl_xor(bits, mask, lane_mask, width);
   memcpy(&v, &bits, 4);
   return v;
+}
+inline unsigned int __shfl_xor_sync(unsigned int mask, unsigned int v, int lane_mask, int width = 32) {
+  return msp_emu::shfl_xor(v, mask, lane_mask, width);
+}
+
+// Global-memory float atomics (the blocks of a launch run one after another, but a block's threads
+// run at once).
+inline float atomicAdd(float* address, float value) { return std::atomic_ref<float>(*address).fetch_add(value); }
+
+template <typename Kernel>
+cudaError_t cudaFuncSetAttribute(Kernel* kernel, cudaFuncAttribute attr, int value) {
+  return msp_emu::set_function_attribute(reinterpret_cast<const void*>(kernel), attr, value);
 }
