@@ -396,7 +396,7 @@ def _distributed_optimizer_worker(tp, cp, overlap, embedding_heavy=False):
         opt = build_optimizer(model, SimpleNamespace(**hyper, use_distributed_optimizer=distributed), "cpu", ps)
         models.append(model)
         opts.append(opt)
-        syncs.append(OverlappedGradSync(model, ps, partition=getattr(opt, "partition", None)) if overlap else None)
+        syncs.append(OverlappedGradSync(opt.grad_buffers, ps, partition=opt.partition) if overlap else None)
     replicas = ps.dp_size * ps.cp_size
     out = {"same": [], "norms": [], "replicas": replicas}
     for step in range(3):
@@ -407,9 +407,9 @@ def _distributed_optimizer_worker(tp, cp, overlap, embedding_heavy=False):
             if sync is not None:
                 sync.arm()
             model(tokens, labels, sample_ids=ids).backward()
-            finalize_model_grads(model, ps, sync, getattr(opt, "partition", None))
-            params = [p for p in model.parameters() if p.grad is not None]
-            norms.append(clip_grads(params, 1.0, ps, getattr(opt, "partition", None)))
+            finalize_model_grads(model, ps, opt.grad_buffers, sync, opt.partition)
+            params = opt.prepare_grads()
+            norms.append(clip_grads(params, 1.0, ps, opt.partition))
             if opt is opts[1]:
                 out["grads_held"] = sum(p.grad.numel() for p in params)
             opt.step()

@@ -78,13 +78,18 @@ class GPTModel(LanguageModel):
 
     @torch.no_grad()
     def full_grad_dict(self):
-        """Collective: unsharded gradients (partial sums reduced first if still pending)."""
-        self.partial_grads.reduce(self.parameters())
+        """Collective: unsharded gradients (partial sums reduced first if still pending); a parameter's
+        gradient is its `.grad`, or its `main_grad` when gradient buffers hold it (training/grad_buffers.py)."""
+        self.partial_grads.reduce(self.parameters(), grad=_gradient)
         return {
-            name: gather_full(p.grad, p.shard_spec, self.ps.tp_group)
+            name: gather_full(_gradient(p), p.shard_spec, self.ps.tp_group)
             for name, p in self.named_parameters()
-            if p.grad is not None
+            if _gradient(p) is not None
         }
+
+
+def _gradient(p):
+    return p.grad if p.grad is not None else getattr(p, "main_grad", None)
 
 
 def _full_shape(p, tp_size):

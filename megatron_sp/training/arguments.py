@@ -78,10 +78,36 @@ def _training_args(p):
     g.add_argument("--adam-beta2", type=float, default=0.95)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+
+
+def _precision_args(p):
+    """Megatron's mixed precision: --bf16/--fp16 put parameters and activations in that dtype, the
+    optimizer keeping fp32 main weights and moments (training/optimizer.py)."""
+    g = p.add_argument_group("mixed precision")
     prec = g.add_mutually_exclusive_group()
-    prec.add_argument("--bf16", action="store_true")
-    prec.add_argument("--fp16", action="store_true")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**16, help="fp16 dynamic loss scale start")
+    prec.add_argument("--bf16", action="store_true", help="parameters and activations in bf16, fp32 main weights")
+    prec.add_argument("--fp16", action="store_true", help="parameters and activations in fp16, with loss scaling")
+    add_config_flags(g, "mixed precision")
+    g.add_argument("--loss-scale", type=float, default=None, help="a static loss scale; default: dynamic (fp16)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32, help="dynamic loss scale at the start")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="the dynamic scale never halves below this")
+    g.add_argument("--loss-scale-window", type=float, default=1000, help="clean steps before the scale doubles")
+    g.add_argument("--hysteresis", type=int, default=2, help="overflowing steps before the scale halves")
+    g.add_argument(
+        "--accumulate-allreduce-grads-in-fp32",
+        action="store_true",
+        help="accepted: gradients are accumulated and reduced in fp32 unless --grad-reduce-in-bf16",
+    )
+    g.add_argument(
+        "--grad-reduce-in-bf16",
+        action="store_true",
+        help="with --bf16: gradient buffers (accumulation and data-parallel reduction) in bf16",
+    )
+    g.add_argument(
+        "--init-model-with-meta-device",
+        action="store_true",
+        help="accepted: the model is always built on the meta device, each rank drawing only its shard",
+    )
 
 
 def _data_args(p):
@@ -142,7 +168,15 @@ def _checkpoint_args(p):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="pretrain_gpt_sp.py", description="GPT pretraining with tensor + sequence parallelism.")
-    for add in (_model_args, _parallel_args, _training_args, _data_args, _logging_args, _checkpoint_args):
+    for add in (
+        _model_args,
+        _parallel_args,
+        _training_args,
+        _precision_args,
+        _data_args,
+        _logging_args,
+        _checkpoint_args,
+    ):
         add(p)
     return p
 
@@ -216,6 +250,7 @@ def validate(args) -> None:
     if args.min_lr > args.lr:
         raise ArgumentError("--min-lr must not exceed --lr.")
     _check_numbers(args)
+    _check_precision(args)
     _check_intervals(args)
     _check_data_flags(args)
 
@@ -280,6 +315,10 @@ _NUMBER_RULES = (
     ("--adam-eps", "adam_eps", lambda v: v > 0, "a finite number > 0"),
     ("--clip-grad", "clip_grad", lambda v: v >= 0, "a finite number >= 0 (0 disables clipping)"),
     ("--initial-loss-scale", "initial_loss_scale", lambda v: v > 0, "a finite number > 0, e.g. 65536"),
+    ("--loss-scale", "loss_scale", lambda v: v > 0, "a finite number > 0, e.g. 4096 (omit it for dynamic scaling)"),
+    ("--min-loss-scale", "min_loss_scale", lambda v: v > 0, "a finite number > 0"),
+    ("--loss-scale-window", "loss_scale_window", lambda v: v >= 1 and v == int(v), "a whole number >= 1"),
+    ("--hysteresis", "hysteresis", lambda v: v >= 1, "an integer >= 1"),
     ("--init-method-std", "init_method_std", lambda v: v > 0, "a finite number > 0"),
     ("--distributed-timeout-minutes", "distributed_timeout_minutes", lambda v: v > 0, "a finite number > 0"),
     ("--peak-tflops", "peak_tflops", lambda v: v > 0, "a finite number > 0"),
@@ -292,6 +331,22 @@ def _check_numbers(args) -> None:
         value = getattr(args, name, None)
         if value is not None and not (math.isfinite(value) and ok(value)):
             raise ArgumentError(f"{flag} must be {must_be}, got {value}.")
+
+
+def _check_precision(args) -> None:
+    """Combinations of the precision flags that cannot work; args.params_dtype (Megatron's name)."""
+    args.params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    low = args.bf16 or args.fp16
+    if args.fp32_residual_connection and not low:
+        raise ArgumentError("--fp32-residual-connection needs --bf16 or --fp16 (in fp32 the residual already is fp32).")
+    if args.loss_scale is not None and not low:
+        raise ArgumentError("--loss-scale needs --fp16 or --bf16 (fp32 training is not loss-scaled).")
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        raise ArgumentError("--grad-reduce-in-bf16 needs --bf16 (the gradient buffers hold bf16 only for bf16 models).")
+    if args.grad_reduce_in_bf16 and args.accumulate_allreduce_grads_in_fp32:
+        raise ArgumentError(
+            "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict each other; give one of them."
+        )
 
 
 def _check_intervals(args) -> None:

@@ -1,9 +1,12 @@
 """One training step (gradient accumulation over micro-batches, grad sync, clipping, AdamW) and the
-evaluation pass. Everything here is per-rank code between collectives; see pretrain.py for set-up."""
+evaluation pass. Everything here is per-rank code between collectives; see pretrain.py for set-up.
+
+Precision is the model's own (Megatron's --bf16 / --fp16: bf16/fp16 parameters and activations, no
+autocast); the gradients accumulate in the optimizer's fp32 gradient buffers and it steps fp32 main
+weights (training/optimizer.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -13,7 +16,8 @@ import torch.distributed as dist
 
 from megatron_sp.parallel_state import ParallelState
 from megatron_sp.training.grad_sync import OverlappedGradSync, finalize_model_grads
-from megatron_sp.training.optimizer import DynamicLossScaler, clip_grads
+from megatron_sp.training.loss_scale import DynamicLossScaler
+from megatron_sp.training.optimizer import clip_grads
 
 
 class NonFiniteError(RuntimeError):
@@ -30,13 +34,6 @@ class StepResult:
     grad_norm: float  # before clipping
     skipped: bool  # fp16 overflow or underflow: no update this step
     underflow: bool = False  # fp16: every gradient was zero (the loss scale was raised)
-
-
-def autocast(device: str, dtype: Optional[torch.dtype]):
-    """bf16/fp16 compute with the fp32 parameters as master weights (no-op for fp32)."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device, dtype=dtype)
 
 
 def to_device(batch: dict, device: str) -> dict:
@@ -70,13 +67,13 @@ def train_step(
     ps: ParallelState,
     *,
     device: str,
-    dtype,
     clip_grad: float,
     iteration: int,
     scaler: Optional[DynamicLossScaler] = None,
     grad_sync: Optional[OverlappedGradSync] = None,
 ) -> StepResult:
-    """Accumulates gradients over the micro-batches, syncs them, clips and steps."""
+    """Accumulates gradients over the micro-batches (into optimizer.grad_buffers), syncs them, clips
+    and steps. scaler: a training/loss_scale.py scaler (fp16, --loss-scale), or None."""
     optimizer.zero_grad(set_to_none=True)
     losses = []
     scale = scaler.scale if scaler is not None else 1.0
@@ -84,8 +81,7 @@ def train_step(
         if grad_sync is not None and micro == num_micro_batches - 1:
             grad_sync.arm()  # DP all-reduces start during this backward
         batch = to_device(next(data_iter), device)
-        with autocast(device, dtype):
-            loss = forward_loss(model, batch)
+        loss = forward_loss(model, batch)
         (loss * (scale / num_micro_batches)).backward()
         losses.append(loss.detach())
     loss_value = mean_over_data_parallel(losses, ps, device)
@@ -94,9 +90,9 @@ def train_step(
             f"the training loss is {loss_value} at iteration {iteration}; lower --lr, "
             f"check the data, or use --bf16 instead of --fp16."
         )
-    partition = getattr(optimizer, "partition", None)  # distributed optimizer: reduce to owners
-    finalize_model_grads(model, ps, grad_sync, partition)
-    params = [p for p in model.parameters() if p.grad is not None]  # (then only the owned ones)
+    partition = optimizer.partition  # distributed optimizer: reduce to owners
+    finalize_model_grads(model, ps, optimizer.grad_buffers, grad_sync, partition)
+    params = optimizer.prepare_grads()  # fp32 main weights with their gradients (only the owned ones)
     if scaler is not None and not scaler.unscale_and_check(params):
         return StepResult(loss_value, float("nan"), skipped=True)
     grad_norm = clip_grads(params, clip_grad, ps, partition)
@@ -117,15 +113,14 @@ def train_step(
 
 
 @torch.no_grad()
-def evaluate(model, data_iter, iters: int, num_micro_batches: int, ps: ParallelState, *, device: str, dtype) -> float:
+def evaluate(model, data_iter, iters: int, num_micro_batches: int, ps: ParallelState, *, device: str) -> float:
     """Mean loss over `iters` global batches of the validation split."""
     model.eval()
     losses = []
     try:
         for _ in range(iters * num_micro_batches):
             batch = to_device(next(data_iter), device)
-            with autocast(device, dtype):
-                losses.append(forward_loss(model, batch))
+            losses.append(forward_loss(model, batch))
     finally:
         model.train()
     return mean_over_data_parallel(losses, ps, device)
