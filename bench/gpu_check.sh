@@ -2,7 +2,8 @@
 # The GPU check of the fused ops, as one command on a CUDA machine (written for one H200 with
 # Python 3.12, torch 2.11 + CUDA 13, nvcc, pytest, ninja and no internet):
 #   1. builds megatron_sp._C in place with its CUDA kernels (sm_90 unless TORCH_CUDA_ARCH_LIST says),
-#   2. runs the op tests, the CUDA ones included (tests/test_cuda_*.py, tests/test_ops_*.py),
+#   2. runs the op tests, the CUDA ones included (tests/test_cuda_*.py, tests/test_ops_*.py; the
+#      --tp-comm-overlap symmetric-memory path in a one-rank NCCL group),
 #   3. runs bench/kernels.py --device cuda (bf16 with the torch.compile baselines, then fp32),
 #   4. times pretrain_gpt_sp.py at the speed-goal config on synthetic tokens (tokens/s, MFU).
 # Every step's log and the benchmark tables go to $OUT (or /tmp/megatron_sp_gpu_check/). Exit
@@ -65,7 +66,7 @@ step build build || { echo "build failed: see $OUT_DIR/build.log"; exit 1; }
 step pytest ensure_pytest
 step tests "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda_ops.py tests/test_cuda_compile.py \
   tests/test_ops_bias_dropout_add.py tests/test_ops_layer_norm.py tests/test_ops_layout.py \
-  tests/test_ops_extension.py
+  tests/test_ops_extension.py tests/test_cuda_tp_overlap.py
 step bench_bf16 "$PY" bench/kernels.py --device cuda --dtype bfloat16 \
   --markdown "$OUT_DIR/kernels_cuda_bf16.md"
 step bench_fp32 "$PY" bench/kernels.py --device cuda --dtype float32 --no-compile \

@@ -35,6 +35,7 @@ def _config(a, tp):
         ffn_hidden_size=a.ffn_hidden_size,
         tensor_model_parallel_size=tp,
         sequence_parallel=tp > 1,
+        tp_comm_overlap=tp > 1 and a.tp_comm_overlap,
         hidden_dropout=a.dropout,
         attention_dropout=a.dropout,
         use_fused_kernels=not a.no_fused_kernels,
@@ -111,6 +112,7 @@ def main(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--no-fused-kernels", action="store_true")
+    p.add_argument("--tp-comm-overlap", action="store_true", help="TP > 1: overlap SP's collectives with the GEMMs")
     a = p.parse_args(argv)
     import torch
 
@@ -125,7 +127,7 @@ def main(argv=None):
                 res = world.run(measure, a, tp)[0]
         rows.append(
             [
-                f"TP={tp}{'+SP' if tp > 1 else ''}",
+                f"TP={tp}{'+SP' if tp > 1 else ''}{' overlapped' if tp > 1 and a.tp_comm_overlap else ''}",
                 f"{res['ms']:.1f}",
                 f"{res['min_ms']:.1f}",
                 f"{res['tokens_per_s']:.0f}",

@@ -60,6 +60,7 @@ MODEL_FLAGS = {
     "--sequence-parallel": (True,),
     "--fp32-residual-connection": (True,),
     "--attention-softmax-in-fp32": (True,),
+    "--tp-comm-overlap": (True,),
 }
 CHOICES = {
     "--position-embedding-type": ["learned_absolute", "rope", "none"],
