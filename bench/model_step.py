@@ -57,13 +57,12 @@ def _saved_bytes(model, tokens, labels):
 
 def measure(a, tp):
     """Runs on every rank of a TP group (or in-process for tp=1); returns rank 0's figures."""
+    from types import SimpleNamespace
+
     import torch
 
     from megatron_sp import parallel_state
     from megatron_sp.models.gpt import GPTModel
-
-    from types import SimpleNamespace
-
     from megatron_sp.training.grad_sync import finalize_model_grads
     from megatron_sp.training.optimizer import build_optimizer
 

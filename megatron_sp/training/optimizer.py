@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from megatron_sp.parallel_state import ParallelState
 from megatron_sp.tensor_parallel.sharding import split_local
-from megatron_sp.training.distributed_optimizer import Partition, ParamBroadcast, _NoParameters, replica_group
+from megatron_sp.training.distributed_optimizer import ParamBroadcast, Partition, _NoParameters, replica_group
 from megatron_sp.training.grad_buffers import GradBuffers
 from megatron_sp.training.loss_scale import ConstantLossScaler, DynamicLossScaler, _collective_device  # noqa: F401
 
