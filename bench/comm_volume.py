@@ -194,6 +194,7 @@ def _step_worker(args, tp, sp):
             hidden_dropout=0.0,
             attention_dropout=0.0,
             use_fused_kernels=args.fused,
+            params_dtype="bf16" if getattr(args, "bf16", False) else "fp32",
         )
         model = GPTModel(cfg).train()
         with CollectiveCounter() as counter:
@@ -359,6 +360,7 @@ def main(argv=None):
     p.add_argument("--tp-sizes", type=str, default="2,4")
     p.add_argument("--detail-tp", type=int, default=2, help="print per-call-site detail at this t (0: none)")
     p.add_argument("--fused", action="store_true", help="use_fused_kernels=True")
+    p.add_argument("--bf16", action="store_true", help="bf16 parameters and activations (Megatron's --bf16)")
     args = p.parse_args(argv)
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size

@@ -184,15 +184,15 @@ def test_checkpoints_are_precision_independent(tmp_path):
         assert pretrain.main(argv) == 0
         return losses(log)
 
-    fp32 = run("fp32", 4, "--save", str(tmp_path / "fp32"), *EVERY2)
-    bf16 = run("bf16", 4, "--bf16", "--save", str(tmp_path / "bf16"), *EVERY2)
+    fp32 = run("fp32", 3, "--save", str(tmp_path / "fp32"), *EVERY2)
+    bf16 = run("bf16", 3, "--bf16", "--save", str(tmp_path / "bf16"), *EVERY2)
     for ckpt in ("fp32", "bf16"):
         (tmp_path / ckpt / checkpointing.LATEST).write_text("2\n")  # resume from iteration 2
-    assert run("bf16_again", 4, "--bf16", "--load", str(tmp_path / "bf16")) == bf16[2:]  # bit for bit
-    bf16_from_fp32 = run("bf16_from_fp32", 4, "--bf16", "--load", str(tmp_path / "fp32"))
-    fp32_from_bf16 = run("fp32_from_bf16", 4, "--load", str(tmp_path / "bf16"))
+    assert run("bf16_again", 3, "--bf16", "--load", str(tmp_path / "bf16")) == bf16[2:]  # bit for bit
+    bf16_from_fp32 = run("bf16_from_fp32", 3, "--bf16", "--load", str(tmp_path / "fp32"))
+    fp32_from_bf16 = run("fp32_from_bf16", 3, "--load", str(tmp_path / "bf16"))
     for got, want in ((bf16_from_fp32, fp32[2:]), (fp32_from_bf16, bf16[2:])):
-        assert len(got) == 2 and all(abs(a - b) <= 0.02 * b for a, b in zip(got, want)), (got, want)
+        assert len(got) == 1 and all(abs(a - b) <= 0.02 * b for a, b in zip(got, want)), (got, want)
     assert bf16_from_fp32 != bf16[2:]  # it did start from the fp32 weights, not bf16's own
 
 

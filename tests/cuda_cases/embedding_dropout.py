@@ -70,7 +70,9 @@ def cases() -> list:
         ((300, 2, 4096), 4096, 132, False),
     ]:
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            for out_dtype in (None,) if dtype is torch.float32 else (None, torch.float32):
+            for out_dtype in {torch.float32: (None,), torch.bfloat16: (None, torch.float32)}.get(
+                dtype, (torch.float32,)
+            ):
                 wide = "" if out_dtype is None else "-out-fp32"
                 name = f"emb-{'x'.join(map(str, shape))}-off{offset}-{DTYPE_NAME[dtype]}{wide}-sm{sms}"
                 race = name in ("emb-64x4x256-off0-bf16-out-fp32-sm1",)
