@@ -199,15 +199,18 @@ def _bytes_table(world, hidden, layers):
         r = 4 // tp
         ranks = world.run(bytes_worker, tp, hidden, layers)
         for mode in MODES:
-            worst = max(ranks, key=lambda x: sum(x[mode].values()))[mode]
-            total = sum(worst.values())
+            mean = {k: sum(x[mode][k] for x in ranks) / len(ranks) for k in ranks[0][mode]}
+            worst = max(sum(x[mode].values()) for x in ranks)
             rows.append(
                 [mode, r]
-                + [f"{worst[k]:.2f}" for k in ("weights", "grads", "main", "moments")]
-                + [f"{total:.2f}", f"{megatron_formula(mode, r):.2f}"]
+                + [f"{mean[k]:.2f}" for k in ("weights", "grads", "main", "moments")]
+                + [f"{sum(mean.values()):.2f}", f"{worst:.2f}", f"{megatron_formula(mode, r):.2f}"]
             )
-    print(f"bytes per parameter per rank (the rank holding most), hidden {hidden}, {layers} layers, TP = 4 / r")
-    print(table(["mode", "r", "weights", "grads", "main", "moments", "total", "Megatron"], rows))
+    print(
+        f"bytes per parameter per rank (mean over the ranks; max: the rank holding most, whole parameters "
+        f"being owned by one replica), hidden {hidden}, {layers} layers, TP = 4 / r"
+    )
+    print(table(["mode", "r", "weights", "grads", "main", "moments", "mean", "max rank", "Megatron"], rows))
 
 
 def _copies_table(world, hidden, layers):
