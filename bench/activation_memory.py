@@ -245,6 +245,7 @@ def _layer_bytes_worker(args, tp, sp, dropout):
             hidden_dropout=dropout,
             attention_dropout=dropout,
             use_fused_kernels=args.fused,
+            params_dtype="bf16" if getattr(args, "bf16", False) else "fp32",
         )
         model = GPTModel(cfg).train()
         with SavedTensorCounter(model) as counter:
@@ -423,6 +424,7 @@ def main(argv=None):
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_shape_args(p)
+    p.add_argument("--bf16", action="store_true", help="bf16 parameters and activations (the formulas stay fp32)")
     p.add_argument("--tp-sizes", type=str, default="1,2,4")
     p.add_argument(
         "--dropout", type=float, default=0.1, help="the 'dropout on' table uses this for hidden and attention dropout"

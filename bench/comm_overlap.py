@@ -182,13 +182,15 @@ def _step_models(a, t):
 
     from megatron_sp import parallel_state
     from megatron_sp.models.gpt import GPTModel
+    from megatron_sp.training.optimizer import build_optimizer
 
     ps = parallel_state.get()
     models = {}
     for mode in ("plain", "overlap"):
         torch.manual_seed(0)
         model = GPTModel(_config(SimpleNamespace(**vars(a), tp_comm_overlap=mode == "overlap"), t), ps)
-        models[mode] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True))
+        hyper = SimpleNamespace(weight_decay=0.0, lr=1e-4, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8)
+        models[mode] = (model, build_optimizer(model, hyper, "cpu", ps))  # AdamW on the gradient buffers
     return models
 
 
@@ -199,7 +201,8 @@ def _train_step(model, opt, tokens):
     start = time.perf_counter()
     opt.zero_grad(set_to_none=True)
     model(tokens, tokens.roll(-1, 1)).backward()
-    finalize_model_grads(model, parallel_state.get())
+    finalize_model_grads(model, parallel_state.get(), opt.grad_buffers)
+    opt.prepare_grads()
     opt.step()
     return time.perf_counter() - start
 

@@ -23,7 +23,7 @@ and is charged the standard ring-algorithm cost per rank:
 
 Per-layer isolation: one step of a 1-layer and of a 2-layer model (same shapes and settings);
 L2 - L1 is one transformer layer (embedding, head, cross entropy and their collectives cancel).
-Dropout is off (it changes no collective). fp32: N = 4 bytes · s · b · h for every activation
+Dropout is off (it changes no collective). fp32: N = 4 bytes · s · b · h (--bf16: 2 bytes) for every activation
 collective inside a layer.
 """
 
@@ -194,6 +194,7 @@ def _step_worker(args, tp, sp):
             hidden_dropout=0.0,
             attention_dropout=0.0,
             use_fused_kernels=args.fused,
+            params_dtype="bf16" if getattr(args, "bf16", False) else "fp32",
         )
         model = GPTModel(cfg).train()
         with CollectiveCounter() as counter:
@@ -240,10 +241,11 @@ def _is_regather(kind, phase, site):
 
 def report(args, results):
     s, b, h = args.seq_length, args.micro_batch_size, args.hidden_size
-    N = 4 * s * b * h
+    size, dtype = (2, "bf16") if getattr(args, "bf16", False) else (4, "fp32")  # collectives move the activations
+    N = size * s * b * h
     title = (
         f"collective bytes per layer per rank per training step (forward + backward) — "
-        f"s={s} b={b} h={h} a={args.num_attention_heads}, fp32, N = 4sbh = {N} B"
+        f"s={s} b={b} h={h} a={args.num_attention_heads}, {dtype}, N = {size}sbh = {N} B"
     )
     print("\n" + "=" * len(title) + f"\n{title}\n" + "=" * len(title))
     ok = True
@@ -359,6 +361,7 @@ def main(argv=None):
     p.add_argument("--tp-sizes", type=str, default="2,4")
     p.add_argument("--detail-tp", type=int, default=2, help="print per-call-site detail at this t (0: none)")
     p.add_argument("--fused", action="store_true", help="use_fused_kernels=True")
+    p.add_argument("--bf16", action="store_true", help="bf16 parameters and activations (Megatron's --bf16)")
     args = p.parse_args(argv)
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size

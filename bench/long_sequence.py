@@ -71,6 +71,7 @@ def comm_worker(a, tp, cp, comm):
 
     from megatron_sp import parallel_state
     from megatron_sp.models.gpt import GPTModel
+    from megatron_sp.training.grad_buffers import GradBuffers
     from megatron_sp.training.grad_sync import finalize_model_grads
 
     ps = parallel_state.initialize_model_parallel(tp, cp)
@@ -78,11 +79,12 @@ def comm_worker(a, tp, cp, comm):
     sent = {}
     for layers in (1, 2):
         model = GPTModel(_config(a, layers, cp, comm, a.seq_length, 0.0, tp), ps)
+        buffers = GradBuffers(model)
         with CollectiveCounter() as counter:
             counter.phase = "step"
             model(tokens, labels).backward()
             counter.phase = "grad-sync"
-            finalize_model_grads(model, ps)
+            finalize_model_grads(model, ps, buffers)
         sent[layers] = {}
         for c in counter.calls:
             key = c["kind"] if c["phase"] == "step" else "grad-sync"
@@ -117,10 +119,12 @@ def budget_worker(a, cp, comm, s, train):
 
     from megatron_sp import parallel_state
     from megatron_sp.models.gpt import GPTModel
+    from megatron_sp.training.grad_buffers import GradBuffers
     from megatron_sp.training.grad_sync import finalize_model_grads
 
     ps = parallel_state.initialize_model_parallel(1, cp)
     model = GPTModel(_config(a, a.num_layers, cp, comm, s, 0.1), ps).train()
+    buffers = GradBuffers(model)
     tokens, labels = _batch(a, s)
     saved, loss = _saved(model, tokens, labels)
     if not train:
@@ -128,7 +132,9 @@ def budget_worker(a, cp, comm, s, train):
     start = time.perf_counter()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss.backward()
-    finalize_model_grads(model, ps)
+    finalize_model_grads(model, ps, buffers)
+    for p in model.parameters():
+        p.grad = p.main_grad
     opt.step()
     return saved, loss.item(), time.perf_counter() - start
 

@@ -1,7 +1,9 @@
-"""Training-step time and memory of GPTModel on this machine: forward + backward + AdamW.
+"""Training-step time and memory of GPTModel on this machine: forward + backward + grad sync + AdamW
+(the training program's optimizer: fp32 main weights and gradient buffers).
 
     python bench/model_step.py                          # TP=1 in this process, and TP=2+SP on 2 gloo ranks
     python bench/model_step.py --model llama --tp-sizes 1
+    python bench/model_step.py --bf16                    # bf16 parameters and activations (Megatron's --bf16)
     python bench/model_step.py --device cuda --bf16 --num-layers 24 --hidden-size 2048 ...
 
 Per configuration: the median step time over --steps timed steps (after --warmup), tokens/s per
@@ -37,6 +39,7 @@ def _config(a, tp):
         hidden_dropout=a.dropout,
         attention_dropout=a.dropout,
         use_fused_kernels=not a.no_fused_kernels,
+        params_dtype="bf16" if a.bf16 else "fp32",
     )
     if a.model != "gpt2":
         kw["model"] = a.model
@@ -54,37 +57,37 @@ def _saved_bytes(model, tokens, labels):
 
 def measure(a, tp):
     """Runs on every rank of a TP group (or in-process for tp=1); returns rank 0's figures."""
+    from types import SimpleNamespace
+
     import torch
 
     from megatron_sp import parallel_state
     from megatron_sp.models.gpt import GPTModel
+    from megatron_sp.training.grad_sync import finalize_model_grads
+    from megatron_sp.training.optimizer import build_optimizer
 
     torch.manual_seed(0)
     ps = parallel_state.initialize_model_parallel(tp)
-    model = GPTModel(_config(a, tp), ps).to(a.device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    model = GPTModel(_config(a, tp), ps, device=a.device)
+    hyper = dict(lr=1e-4, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
+    opt = build_optimizer(model, SimpleNamespace(**hyper), a.device, ps)  # fp32 main weights under --bf16
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.seq_length), generator=g).to(a.device)
     labels = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.seq_length), generator=g).to(a.device)
-    dtype = torch.bfloat16 if a.bf16 else None
-    from megatron_sp.training.grad_sync import finalize_model_grads
-    from megatron_sp.training.loop import autocast
-
     times = []
     for step in range(a.warmup + a.steps):
         start = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        with autocast(a.device, dtype):
-            loss = model(tokens, labels)
+        opt.zero_grad()
+        loss = model(tokens, labels)
         loss.backward()
-        finalize_model_grads(model, ps)
+        finalize_model_grads(model, ps, opt.grad_buffers)
+        opt.prepare_grads()
         opt.step()
         if a.device == "cuda":
             torch.cuda.synchronize()
         if step >= a.warmup:
             times.append(time.perf_counter() - start)
-    with autocast(a.device, dtype):
-        saved = _saved_bytes(model, tokens, labels)
+    saved = _saved_bytes(model, tokens, labels)
     ms = 1000 * statistics.median(times)
     return {
         "tp": tp,

@@ -63,10 +63,11 @@ def _measure(tp, cp, hidden, layers, steps):
         times = []
         for _ in range(steps):
             for p in model.parameters():
-                p.grad = torch.randn(p.shape, generator=g)
+                p.main_grad.copy_(torch.randn(p.shape, generator=g))  # the gradient buffers' views
             torch.distributed.barrier()
             start = time.perf_counter()
-            finalize_model_grads(model, ps, None, partition)
+            finalize_model_grads(model, ps, opt.grad_buffers, None, partition)
+            opt.prepare_grads()
             opt.step()
             times.append(time.perf_counter() - start)
         state = sum(
@@ -75,7 +76,7 @@ def _measure(tp, cp, hidden, layers, steps):
             for k, t in st.items()
             if k != "step"
         )
-        grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+        grads = opt.grad_buffers.nbytes()
         out[distributed] = (state, statistics.median(times) * 1e3, grads)
     out["params"] = sum(p.numel() for p in model.parameters())
     out["replicas"] = ps.dp_size * ps.cp_size

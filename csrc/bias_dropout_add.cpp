@@ -6,6 +6,8 @@
 // and a second vectorised pass applies out = residual + (x + bias) * keep * scale in fp32. The
 // backward draws the same words again (no stored mask), writes grad_x = (grad * scale) * keep and
 // sums it over rows for the bias gradient.
+// Dtypes: x and bias in T, residual and out in R = T or fp32 (the fp32 residual stream of
+// --fp32-residual-connection under bf16/fp16); the backward takes grad in R and writes grad_x in T.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -19,47 +21,31 @@
 #include "bias_dropout_add.h"
 #include "cpu_reduce.h"
 #include "cpu_simd.h"
-#include "philox.h"
-#include "philox_cpu.h"
+#include "dropout_rows_cpu.h"
 
 namespace msp {
 namespace {
 
-struct RowIndex {
-  const int64_t* positions;  // [s]
-  const int64_t* samples;    // [b]
-  int64_t b;
-};
-
-// Words of local features 0..h-1 of one row; buf holds h + 8 words. Returns the row's first word.
-const uint32_t* draw_row_words(const DropoutParams& d, int64_t pos, int64_t sample, int64_t h, uint32_t* buf) {
-  const int64_t first = d.feature_offset / 4, groups = (d.feature_offset + h + 3) / 4 - first;
-  const uint64_t s = static_cast<uint64_t>(sample);
-  philox_groups(d, static_cast<uint32_t>(first), groups, static_cast<uint32_t>(pos), static_cast<uint32_t>(s),
-                static_cast<uint32_t>(s >> 32), buf);
-  return buf + d.feature_offset % 4;
-}
-
-template <typename T>
-MSP_CPU_INLINE void bda_fwd_row(const T* x, const float* bias, const T* res, T* out, const uint32_t* words,
+template <typename T, typename R>
+MSP_CPU_INLINE void bda_fwd_row(const T* x, const float* bias, const R* res, R* out, const uint32_t* words,
                                 const DropoutParams& d, int64_t h) {
   const float scale = d.scale;
   if (words == nullptr) {
 #pragma omp simd
-    for (int64_t j = 0; j < h; ++j) out[j] = from_f32<T>(to_f32(res[j]) + (to_f32(x[j]) + bias[j]) * scale);
+    for (int64_t j = 0; j < h; ++j) out[j] = from_f32<R>(to_f32(res[j]) + (to_f32(x[j]) + bias[j]) * scale);
     return;
   }
   const uint32_t thr = d.threshold;
 #pragma omp simd
   for (int64_t j = 0; j < h; ++j) {
     float keep = words[j] >= thr ? 1.0f : 0.0f;
-    out[j] = from_f32<T>(to_f32(res[j]) + (to_f32(x[j]) + bias[j]) * keep * scale);
+    out[j] = from_f32<R>(to_f32(res[j]) + (to_f32(x[j]) + bias[j]) * keep * scale);
   }
 }
 MSP_SIMD_VARIANTS(bda_fwd_row)
 
-template <typename T>
-MSP_CPU_INLINE void bda_bwd_row(const T* g, T* gx, float* gbias, const uint32_t* words, const DropoutParams& d,
+template <typename G, typename D>
+MSP_CPU_INLINE void bda_bwd_row(const G* g, D* gx, float* gbias, const uint32_t* words, const DropoutParams& d,
                                 int64_t h) {
   const float scale = d.scale;
   const uint32_t thr = d.threshold;
@@ -67,16 +53,22 @@ MSP_CPU_INLINE void bda_bwd_row(const T* g, T* gx, float* gbias, const uint32_t*
   for (int64_t j = 0; j < h; ++j) {
     float keep = words == nullptr ? 1.0f : (words[j] >= thr ? 1.0f : 0.0f);
     float v = (to_f32(g[j]) * scale) * keep;  // the reference's autograd order
-    gx[j] = from_f32<T>(v);
+    gx[j] = from_f32<D>(v);
     gbias[j] += v;
   }
 }
 MSP_SIMD_VARIANTS(bda_bwd_row)
 
-const uint32_t* row_words(const DropoutParams& d, const RowIndex& idx, int64_t row, int64_t h, uint32_t* buf) {
-  if (d.threshold == 0) return nullptr;  // p == 0: keep everything, skip Philox
-  int64_t pos = idx.positions[row / idx.b], sample = idx.samples[row % idx.b];
-  return draw_row_words(d, pos, sample, h, buf);
+// fn(T{}, R{}) for a low-precision (or fp32) type T and R = T or fp32: x's and the residual's dtypes.
+template <typename Fn>
+void dispatch_pair(at::ScalarType t, at::ScalarType r, Fn fn) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, t, "bias_dropout_add", [&] {
+    if (r == at::kFloat) {
+      fn(scalar_t{}, float{});
+    } else {
+      fn(scalar_t{}, scalar_t{});
+    }
+  });
 }
 
 at::Tensor bias_row_f32(const c10::optional<at::Tensor>& bias, int64_t h) {
@@ -88,22 +80,24 @@ at::Tensor fwd_cpu(const at::Tensor& x_in, const c10::optional<at::Tensor>& bias
                    const at::Tensor& positions_in, const at::Tensor& samples_in, double p, int64_t seed, int64_t layer,
                    int64_t site, int64_t feature_offset) {
   check_bias_dropout_add(x_in, bias, res_in, positions_in, samples_in, p, feature_offset);
-  at::Tensor x = x_in.contiguous(), res = res_in.contiguous(), out = at::empty_like(x);
+  at::Tensor x = x_in.contiguous(), res = res_in.contiguous(), out = at::empty_like(res);
   at::Tensor positions = positions_in.contiguous(), samples = samples_in.contiguous();
   at::Tensor bias_f = bias_row_f32(bias, x.size(2));
   const int64_t h = x.size(2), rows = x.size(0) * x.size(1);
   const DropoutParams d = make_dropout_params(p, seed, layer, site, feature_offset);
   const RowIndex idx{positions.data_ptr<int64_t>(), samples.data_ptr<int64_t>(), x.size(1)};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bda_fwd", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    const scalar_t* rp = res.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
+  dispatch_pair(x.scalar_type(), res.scalar_type(), [&](auto t_tag, auto r_tag) {
+    using T = decltype(t_tag);
+    using R = decltype(r_tag);
+    const T* xp = x.data_ptr<T>();
+    const R* rp = res.data_ptr<R>();
+    R* op = out.data_ptr<R>();
     const float* bp = bias_f.data_ptr<float>();
     at::parallel_for(0, rows, row_grain(h), [&](int64_t r0, int64_t r1) {
       std::vector<uint32_t> buf(h + 8);
       for (int64_t r = r0; r < r1; ++r) {
         const uint32_t* words = row_words(d, idx, r, h, buf.data());
-        bda_fwd_row_simd<scalar_t>(xp + r * h, bp, rp + r * h, op + r * h, words, d, h);
+        bda_fwd_row_simd<T, R>(xp + r * h, bp, rp + r * h, op + r * h, words, d, h);
       }
     });
   });
@@ -112,22 +106,25 @@ at::Tensor fwd_cpu(const at::Tensor& x_in, const c10::optional<at::Tensor>& bias
 
 std::tuple<at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& grad_in, const at::Tensor& pos_in,
                                            const at::Tensor& samples_in, double p, int64_t seed, int64_t layer,
-                                           int64_t site, int64_t feature_offset, bool bias_grad) {
-  check_bias_dropout_add_bwd(grad_in, pos_in, samples_in, p, feature_offset);
-  at::Tensor g = grad_in.contiguous(), gx = at::empty_like(g);
+                                           int64_t site, int64_t feature_offset, bool bias_grad,
+                                           c10::optional<at::ScalarType> grad_x_dtype) {
+  const at::ScalarType dx_type = check_bias_dropout_add_bwd(grad_in, pos_in, samples_in, p, feature_offset, grad_x_dtype);
+  at::Tensor g = grad_in.contiguous(), gx = at::empty_like(g, g.options().dtype(dx_type));
   at::Tensor positions = pos_in.contiguous(), samples = samples_in.contiguous();
   const int64_t h = g.size(2), rows = g.size(0) * g.size(1);
   const DropoutParams d = make_dropout_params(p, seed, layer, site, feature_offset);
   const RowIndex idx{positions.data_ptr<int64_t>(), samples.data_ptr<int64_t>(), g.size(1)};
   at::Tensor gbias;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, g.scalar_type(), "bda_bwd", [&] {
-    const scalar_t* gp = g.data_ptr<scalar_t>();
-    scalar_t* gxp = gx.data_ptr<scalar_t>();
+  dispatch_pair(dx_type, g.scalar_type(), [&](auto d_tag, auto g_tag) {
+    using D = decltype(d_tag);
+    using G = decltype(g_tag);
+    const G* gp = g.data_ptr<G>();
+    D* gxp = gx.data_ptr<D>();
     gbias = parallel_rows_with_column_sums(rows, h, [&](int64_t r0, int64_t r1, float* part) {
       std::vector<uint32_t> buf(h + 8);
       for (int64_t r = r0; r < r1; ++r) {
         const uint32_t* words = row_words(d, idx, r, h, buf.data());
-        bda_bwd_row_simd<scalar_t>(gp + r * h, gxp + r * h, part, words, d, h);
+        bda_bwd_row_simd<G, D>(gp + r * h, gxp + r * h, part, words, d, h);
       }
     });
   });
@@ -137,15 +134,16 @@ std::tuple<at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& grad_in, const at::
 
 }  // namespace
 
-// x, residual [s, b, h]; bias [h] or None; token positions [s]; sample ids [b] -> out [s, b, h]; the backward
-// gives (grad_x [s, b, h], grad_bias [h] fp32, or [0] without bias_grad).
+// x, residual [s, b, h]; bias [h] or None; token positions [s]; sample ids [b] -> out [s, b, h] in the
+// residual's dtype (x's, or fp32); the backward gives (grad_x [s, b, h] in grad_x_dtype (default grad_out's),
+// grad_bias [h] fp32, or [0] without bias_grad).
 TORCH_LIBRARY_FRAGMENT(megatron_sp, m) {
   m.def(
       "bias_dropout_add_fwd(Tensor x, Tensor? bias, Tensor residual, Tensor token_positions, Tensor sample_ids, float "
       "p, int seed, int layer, int site, int feature_offset) -> Tensor");
   m.def(
       "bias_dropout_add_bwd(Tensor grad_out, Tensor token_positions, Tensor sample_ids, float p, int seed, int layer, "
-      "int site, int feature_offset, bool bias_grad) -> (Tensor, Tensor)");
+      "int site, int feature_offset, bool bias_grad, ScalarType? grad_x_dtype=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(megatron_sp, CPU, m) {

@@ -13,9 +13,10 @@ inline void check_bias_dropout_add(const at::Tensor& x, const c10::optional<at::
                                    double p, int64_t feature_offset) {
   TORCH_CHECK(x.dim() == 3, "bias_dropout_add expects x of shape [s, b, h], got ", x.sizes());
   TORCH_CHECK(is_float_type(x.scalar_type()), "bias_dropout_add supports fp32/bf16/fp16, got ", x.scalar_type());
-  TORCH_CHECK(
-      residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() && residual.device() == x.device(),
-      "residual must match x in shape, dtype and device");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.device() == x.device(),
+              "residual must match x in shape and device");
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type() || residual.scalar_type() == at::kFloat,
+              "residual must have x's dtype or fp32, got ", residual.scalar_type());
   if (bias.has_value()) {
     check_param(*bias, x, x.size(2), "bias");
     TORCH_CHECK(bias->scalar_type() == x.scalar_type(), "bias must have x's dtype ", x.scalar_type(),
@@ -25,13 +26,19 @@ inline void check_bias_dropout_add(const at::Tensor& x, const c10::optional<at::
   check_dropout_scalars(p, feature_offset);
 }
 
-// bias_dropout_add_bwd's grad_out and dropout index.
-inline void check_bias_dropout_add_bwd(const at::Tensor& grad, const at::Tensor& positions, const at::Tensor& samples,
-                                       double p, int64_t feature_offset) {
+// bias_dropout_add_bwd's grad_out, dropout index and grad_x dtype (grad_out's, or a low precision one
+// for an fp32 grad_out); returns the grad_x dtype.
+inline at::ScalarType check_bias_dropout_add_bwd(const at::Tensor& grad, const at::Tensor& positions,
+                                                 const at::Tensor& samples, double p, int64_t feature_offset,
+                                                 c10::optional<at::ScalarType> grad_x_dtype) {
   TORCH_CHECK(grad.dim() == 3 && is_float_type(grad.scalar_type()),
               "bias_dropout_add_bwd expects a float grad_out [s, b, h], got ", grad.sizes());
   check_dropout_index(positions, samples, grad.size(0), grad.size(1), grad);
   check_dropout_scalars(p, feature_offset);
+  const at::ScalarType dx = grad_x_dtype.value_or(grad.scalar_type());
+  TORCH_CHECK(is_float_type(dx) && (dx == grad.scalar_type() || grad.scalar_type() == at::kFloat),
+              "grad_x_dtype must be grad_out's dtype or, for an fp32 grad_out, bf16/fp16; got ", dx);
+  return dx;
 }
 
 }  // namespace msp

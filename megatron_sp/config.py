@@ -27,6 +27,7 @@ ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 CP_COMM_TYPES = ("p2p", "a2a")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
+PRECISIONS = ("fp32", "bf16", "fp16")  # params_dtype values (torch.float32, bfloat16, float16)
 
 # What a field left at None becomes when the model family (its ModelSpec.defaults) does not say: GPT-2.
 FAMILY_FIELDS = {
@@ -38,6 +39,7 @@ FAMILY_FIELDS = {
 }
 _SCALED = "with --use-rope-scaling: "
 _PARALLEL = "parallelism"  # the --help group of the layout flags
+_PRECISION = "mixed precision"  # the --help group of --bf16, --fp16 and the loss scale
 
 
 @dataclass(frozen=True)
@@ -256,6 +258,24 @@ class GPTConfig:
         help="use megatron_sp._C ops when built; references otherwise",
         switches=(Switch("--no-fused-kernels", False, "use the PyTorch references instead of megatron_sp._C ops"),),
     )
+    params_dtype: str = model_field(  # no flag: --bf16 / --fp16 set it (training/arguments.py)
+        "fp32",
+        help="dtype of the parameters and activations (Megatron's params_dtype): fp32, bf16 or fp16",
+        choices=PRECISIONS,
+    )
+    fp32_residual_connection: bool = model_field(
+        False,
+        help="keep the residual stream (embedding output, bias-dropout-add results) in fp32 under bf16/fp16",
+        switches=(Switch("--fp32-residual-connection", True),),
+        group=_PRECISION,
+    )
+    attention_softmax_in_fp32: bool = model_field(
+        False,
+        help="the explicit attention softmax (and its dropout) in fp32 under bf16/fp16; the fused and "
+        "SDPA kernels always accumulate in fp32",
+        switches=(Switch("--attention-softmax-in-fp32", True),),
+        group=_PRECISION,
+    )
     recompute_granularity: Optional[str] = model_field(
         None,
         help="activation recomputation: whole layers (full) or the attention core (selective)",
@@ -401,10 +421,17 @@ class GPTConfig:
 
 
 def config_from_dict(config: dict, **overrides) -> GPTConfig:
-    """A serial GPTConfig (TP = CP = 1, no SP) from a saved config dict: fields this version does not
-    know are ignored, fields the dict lacks take their defaults (what older checkpoints computed)."""
+    """A serial fp32 GPTConfig (TP = CP = 1, no SP; checkpoints hold fp32 weights whatever the run's
+    precision) from a saved config dict: fields this version does not know are ignored, fields the dict
+    lacks take their defaults (what older checkpoints computed)."""
     known = {f.name for f in dataclasses.fields(GPTConfig)}
     fields = {k: v for k, v in config.items() if k in known}
-    serial = dict(tensor_model_parallel_size=1, context_parallel_size=1, sequence_parallel=False, tp_comm_overlap=False)
+    serial = dict(
+        tensor_model_parallel_size=1,
+        context_parallel_size=1,
+        sequence_parallel=False,
+        tp_comm_overlap=False,
+        params_dtype="fp32",
+    )
     fields.update(serial, **overrides)
     return GPTConfig(**fields)

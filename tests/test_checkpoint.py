@@ -173,6 +173,29 @@ def test_finetune_and_no_load_optim(tmp_path):
     assert finetuned[0] < first[0] - 0.05  # trained weights, data from the start
 
 
+def test_checkpoints_are_precision_independent(tmp_path):
+    """Checkpoints hold fp32 main weights whatever the run's precision: a --bf16 run resumes an fp32
+    checkpoint and an fp32 run a --bf16 one (losses within bf16's rounding of the other precision's
+    resumed curve), and within a precision the resume is bit for bit."""
+
+    def run(name, iters, *flags):
+        log = tmp_path / f"{name}.jsonl"
+        argv = SMALL + ["--train-iters", str(iters), "--log-jsonl", str(log), *flags]
+        assert pretrain.main(argv) == 0
+        return losses(log)
+
+    fp32 = run("fp32", 3, "--save", str(tmp_path / "fp32"), *EVERY2)
+    bf16 = run("bf16", 3, "--bf16", "--save", str(tmp_path / "bf16"), *EVERY2)
+    for ckpt in ("fp32", "bf16"):
+        (tmp_path / ckpt / checkpointing.LATEST).write_text("2\n")  # resume from iteration 2
+    assert run("bf16_again", 3, "--bf16", "--load", str(tmp_path / "bf16")) == bf16[2:]  # bit for bit
+    bf16_from_fp32 = run("bf16_from_fp32", 3, "--bf16", "--load", str(tmp_path / "fp32"))
+    fp32_from_bf16 = run("fp32_from_bf16", 3, "--load", str(tmp_path / "bf16"))
+    for got, want in ((bf16_from_fp32, fp32[2:]), (fp32_from_bf16, bf16[2:])):
+        assert len(got) == 1 and all(abs(a - b) <= 0.02 * b for a, b in zip(got, want)), (got, want)
+    assert bf16_from_fp32 != bf16[2:]  # it did start from the fp32 weights, not bf16's own
+
+
 def test_safetensors_round_trip(tmp_path):
     from safetensors.torch import load_file
 

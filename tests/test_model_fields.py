@@ -63,6 +63,8 @@ MODEL_FLAGS = {
     "--context-parallel-size": 1,
     "--cp-comm-type": "p2p",
     "--sequence-parallel": (True,),
+    "--fp32-residual-connection": (True,),
+    "--attention-softmax-in-fp32": (True,),
     "--tp-comm-overlap": (True,),
 }
 CHOICES = {
@@ -79,7 +81,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(GPTConfig)}
 def _config_actions():
     """(flag, action) of every flag in the model and parallelism groups that sets a GPTConfig field."""
     parser = build_parser()
-    groups = [g for g in parser._action_groups if g.title in ("model", "parallelism")]
+    groups = [g for g in parser._action_groups if g.title in ("model", "parallelism", "mixed precision")]
     return [(o, a) for g in groups for a in g._group_actions if a.dest in FIELDS for o in a.option_strings]
 
 

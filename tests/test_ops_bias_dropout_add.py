@@ -46,9 +46,9 @@ def test_fp32_forward_bitwise_equal(shape):
     assert torch.equal(bias_dropout_add(x, bias, res, 0.3, 11, 2, 3, index, 5), ref)
 
 
-def _grads(fn, x, bias, res):
+def _grads(fn, x, bias, res, grad=None):
     out = fn()
-    grad = torch.randn(out.shape).to(out.dtype)
+    grad = torch.randn(out.shape).to(out.dtype) if grad is None else grad
     out.backward(grad)
     return out.detach(), x.grad, None if bias is None else bias.grad, res.grad
 
@@ -78,6 +78,25 @@ def test_forward_backward_match_reference(dtype, bias_dtype, shape):
             continue
         assert a.dtype == e.dtype
         assert_close_dtype(a, e, dtype, scale=shape[0] * shape[1] if i == 2 else 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp32_residual_beside_low_precision_activations(dtype):
+    """--fp32-residual-connection: x, bias in bf16/fp16, the residual and the output fp32, grad_x back in
+    x's dtype; the fused op (no rounding between the steps) within x's tolerance of the reference."""
+    s, b, h = 16, 2, 64
+    torch.manual_seed(0)
+    index, args = random_index(s, b), (0.25, 42, 1, 2)
+    x, bias = randn((s, b, h), dtype, requires_grad=True), randn(h, dtype, requires_grad=True)
+    res = randn((s, b, h), torch.float32, requires_grad=True)
+    twins = [t.detach().clone().requires_grad_() for t in (x, bias, res)]
+    grad = torch.randn(s, b, h)
+    got = _grads(lambda: bias_dropout_add(x, bias, res, *args, index, 6), x, bias, res, grad)
+    want = _grads(lambda: bias_dropout_add_reference(*twins, *args, index, 6), *twins, grad)
+    assert [t.dtype for t in got] == [torch.float32, dtype, dtype, torch.float32]
+    for i, (a, e) in enumerate(zip(got, want)):
+        assert_close_dtype(a, e, dtype, scale=s * b if i == 2 else 1.0)
+    assert torch.equal(got[3], grad)  # the residual's gradient passes through
 
 
 def test_eval_and_zero_p_are_plain_adds():
@@ -158,6 +177,7 @@ def test_bad_arguments_raise_clear_errors():
 VARIANT_SCRIPT = r"""
 import torch
 from megatron_sp.ops.bias_dropout_add import bias_dropout_add, bias_dropout_add_reference
+from megatron_sp.ops.embedding_dropout import embedding_dropout, embedding_dropout_reference
 from megatron_sp.ops.layer_norm import layer_norm, layer_norm_reference
 from megatron_sp.testing import random_index
 for (s, b, h), off in [((5, 3, 7), 3), ((4, 2, 96), 0), ((3, 2, 130), 6)]:
@@ -165,6 +185,9 @@ for (s, b, h), off in [((5, 3, 7), 3), ((4, 2, 96), 0), ((3, 2, 130), 6)]:
     index = random_index(s, b)
     ref = bias_dropout_add_reference(x, bias, res, 0.3, 5, 1, 2, index, off)
     assert torch.equal(bias_dropout_add(x, bias, res, 0.3, 5, 1, 2, index, off), ref)
+    xb, yb = x.bfloat16(), res.bfloat16()
+    ref = embedding_dropout_reference(xb, yb, 0.3, 5, 0, 1, index, off, out_dtype=torch.float32)
+    assert torch.equal(embedding_dropout(xb, yb, 0.3, 5, 0, 1, index, off, out_dtype=torch.float32), ref)
     torch.testing.assert_close(layer_norm(x, bias, bias, 1e-5),
                                layer_norm_reference(x, bias, bias, 1e-5))
 print("OK")
@@ -173,7 +196,8 @@ print("OK")
 
 @pytest.mark.parametrize("capability", ["avx2", "default"])
 def test_every_cpu_simd_variant_is_bit_identical(capability):
-    """The AVX-512 variant runs above where the CPU has it; the AVX2 and baseline ones here."""
+    """The AVX-512 variant runs above where the CPU has it; the AVX2 and baseline ones here (bias_dropout_add,
+    embedding_dropout, layer_norm)."""
     env = dict(os.environ, MEGATRON_SP_CPU_CAPABILITY=capability)
     proc = subprocess.run([sys.executable, "-c", VARIANT_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr

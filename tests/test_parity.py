@@ -472,7 +472,7 @@ def _distributed_optimizer_worker(tp, cp, overlap, embedding_heavy=False):
         opt = build_optimizer(model, SimpleNamespace(**hyper, use_distributed_optimizer=distributed), "cpu", ps)
         models.append(model)
         opts.append(opt)
-        syncs.append(OverlappedGradSync(model, ps, partition=getattr(opt, "partition", None)) if overlap else None)
+        syncs.append(OverlappedGradSync(opt.grad_buffers, ps, partition=opt.partition) if overlap else None)
     replicas = ps.dp_size * ps.cp_size
     out = {"same": [], "norms": [], "replicas": replicas}
     for step in range(3):
@@ -483,9 +483,9 @@ def _distributed_optimizer_worker(tp, cp, overlap, embedding_heavy=False):
             if sync is not None:
                 sync.arm()
             model(tokens, labels, sample_ids=ids).backward()
-            finalize_model_grads(model, ps, sync, getattr(opt, "partition", None))
-            params = [p for p in model.parameters() if p.grad is not None]
-            norms.append(clip_grads(params, 1.0, ps, getattr(opt, "partition", None)))
+            finalize_model_grads(model, ps, opt.grad_buffers, sync, opt.partition)
+            params = opt.prepare_grads()
+            norms.append(clip_grads(params, 1.0, ps, opt.partition))
             if opt is opts[1]:
                 out["grads_held"] = sum(p.grad.numel() for p in params)
             opt.step()
@@ -540,3 +540,73 @@ def test_distributed_optimizer_with_a_replica_that_owns_nothing(pool):
         assert max(r["same"]) < 1e-5, r["same"]
         assert all(abs(a - b) <= 1e-6 * a for a, b in r["norms"]), r["norms"]
         assert r["sum"] == r["plain"]
+
+
+PRECISION_MODES = {
+    "fp32": {},
+    "bf16": {"params_dtype": "bf16"},
+    "bf16_fp32_residual": {"params_dtype": "bf16", "fp32_residual_connection": True},
+    "fp16": {"params_dtype": "fp16"},
+}
+
+
+def _fused_dispatch_worker(modes):
+    """One real training step (training/loop.py train_step: forward, backward into the gradient buffers,
+    DP sync, clip, optimizer) per precision mode at TP=2+SP x DP=2, with dropout; returns per mode the
+    number of calls of each torch.ops.megatron_sp op and the dtypes of the parameters and main weights."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_sp import parallel_state
+    from megatron_sp.models.gpt import GPTModel
+    from megatron_sp.training.loop import train_step
+    from megatron_sp.training.loss_scale import DynamicLossScaler
+    from megatron_sp.training.optimizer import build_optimizer
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "megatron_sp":
+                self.calls[func.name().split("::")[1].split(".")[0]] += 1
+            return func(*args, **(kwargs or {}))
+
+    ps = parallel_state.initialize_model_parallel(2, 1)
+    hyper = SimpleNamespace(
+        weight_decay=0.1, lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, use_distributed_optimizer=False
+    )
+    out = {}
+    for mode in modes:
+        model = GPTModel(_config(2, True, dropout=0.1, fused=True, extra=dict(PRECISION_MODES[mode], num_layers=1)))
+        opt = build_optimizer(model, hyper, "cpu", ps)
+        tokens, labels, ids = _batch(ps.dp_rank)
+        batches = iter([{"tokens": tokens, "labels": labels, "sample_ids": ids}])
+        scaler = DynamicLossScaler() if mode == "fp16" else None
+        with Count() as count:
+            train_step(model, opt, batches, 1, ps, device="cpu", clip_grad=1.0, iteration=1, scaler=scaler)
+        out[mode] = dict(
+            calls=dict(count.calls),
+            params={str(p.dtype) for p in model.parameters()},
+            main={str(p.dtype) for p in opt.prepare_grads()},
+        )
+    return out
+
+
+@pytest.mark.extension
+def test_every_fused_op_runs_in_every_precision(pool):
+    """The fused ops (embedding dropout, LayerNorm, blockwise attention, bias-dropout-add, forward and
+    backward) run as often in the real training step under --bf16, --bf16 --fp32-residual-connection and
+    --fp16 as under fp32: no dtype sends a layer to the Python reference."""
+    results = pool.run(_fused_dispatch_worker, list(PRECISION_MODES))
+    for r in results:
+        fp32 = r["fp32"]["calls"]
+        for op in ("embedding_dropout_fwd", "embedding_dropout_bwd", "bias_dropout_add_fwd", "bias_dropout_add_bwd"):
+            assert fp32.get(op, 0) > 0, (op, fp32)
+        assert any(op.startswith("layer_norm") for op in fp32) and any("flash" in op for op in fp32), fp32
+        for mode, dtype in (("bf16", "bfloat16"), ("bf16_fp32_residual", "bfloat16"), ("fp16", "float16")):
+            assert r[mode]["calls"] == fp32, (mode, r[mode]["calls"], fp32)
+            assert r[mode]["params"] == {f"torch.{dtype}"} and r[mode]["main"] == {"torch.float32"}, r[mode]

@@ -71,6 +71,17 @@ FLAG_CASES = {
     "eval-iters <0": (["--eval-iters", "-3"], "--eval-iters must be >= 0 (0: no evaluation)"),
     "timeout 0": (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes"),
     "peak tflops nan": (["--peak-tflops", "nan"], "--peak-tflops"),
+    "bf16 and fp16": (["--bf16", "--fp16"], "--fp16: not allowed with argument --bf16"),
+    "fp32 residual in fp32": (["--fp32-residual-connection"], "--fp32-residual-connection needs --bf16 or --fp16"),
+    "loss scale in fp32": (["--loss-scale", "1024"], "--loss-scale needs --fp16 or --bf16"),
+    "static loss scale 0": (["--fp16", "--loss-scale", "0"], "--loss-scale must be"),
+    "bf16 grads with fp16": (["--fp16", "--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16"),
+    "bf16 grads and fp32 grads": (
+        ["--bf16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"],
+        "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict",
+    ),
+    "hysteresis 0": (["--fp16", "--hysteresis", "0"], "--hysteresis must be"),
+    "loss scale window 0.5": (["--fp16", "--loss-scale-window", "0.5"], "--loss-scale-window must be"),
 }
 
 

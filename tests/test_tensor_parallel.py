@@ -262,6 +262,7 @@ def _grad_sync_worker(overlap):
     from megatron_sp import parallel_state
     from megatron_sp.config import GPTConfig
     from megatron_sp.models.gpt import GPTModel
+    from megatron_sp.training.grad_buffers import GradBuffers
     from megatron_sp.training.grad_sync import OverlappedGradSync, finalize_model_grads
 
     ps = parallel_state.initialize_model_parallel(2)
@@ -277,15 +278,16 @@ def _grad_sync_worker(overlap):
         attention_dropout=0.0,
     )
     model = GPTModel(cfg)
-    sync = OverlappedGradSync(model, ps, bucket_bytes=4096) if overlap else None  # several buckets
+    buffers = GradBuffers(model, bucket_bytes=4096)  # several buckets
+    sync = OverlappedGradSync(buffers, ps) if overlap else None
     gen = torch.Generator().manual_seed(ps.dp_rank)
     for micro in range(2):
         if sync is not None and micro == 1:
             sync.arm()
         tokens = torch.randint(0, 50, (2, 16), generator=gen)
         (model(tokens, tokens.roll(-1, 1)) / 2).backward()
-    finalize_model_grads(model, ps, sync)
-    return model.full_grad_dict()
+    finalize_model_grads(model, ps, buffers, sync)
+    return model.full_grad_dict()  # (the main_grads: the buffers hold the gradients)
 
 
 def test_overlapped_data_parallel_grad_sync_matches_plain(pool):

@@ -171,7 +171,7 @@ def test_decoupled_lr_drives_the_embedding_and_output_layer():
 
     cfg = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=50, seq_length=8)
     model = ReferenceGPT(GPTConfig(**{**dataclass_fields(cfg), "untie_embeddings_and_output_weights": True}))
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1, decoupled=True))
+    optimizer = torch.optim.AdamW(param_groups(model.named_parameters(), 0.1, decoupled=True))
     main = LRSchedule(1e-3, 0.0, 10, 100, "cosine", init=1e-4)
     own = LRSchedule(5e-3, 1e-4, 10, 100, "cosine", init=1e-4)
     main.apply(optimizer, 5, own)

@@ -11,61 +11,20 @@
 // grad_x over its rows into one partial row per block row (see bda_bwd_kernel); column_sum
 // finishes the bias gradient.
 // Fallback (h or feature_offset not a multiple of the vector, unaligned pointers): VEC = 1.
+// Dtypes: x, bias in T; residual, out in R = T or fp32 (an fp32 residual stream); the backward reads grad
+// in G and writes grad_x in D (D = G, or G = fp32 and D the activations' type).
 #include "../philox.h"
 #include "bias_dropout_add.h"
 #include "common.cuh"
+#include "dropout_rows.cuh"
 
 namespace msp {
 namespace cuda {
 namespace {
 
-constexpr int kThreads = 256;
-
-__device__ __forceinline__ uint32_t select_word(const Words4& w, int lane) {
-  return lane == 0 ? w.w[0] : lane == 1 ? w.w[1] : lane == 2 ? w.w[2] : w.w[3];
-}
-
-// keep[i] in {0, 1} for local features j0 .. j0+VEC-1 of the row (position, sample).
-template <int VEC, bool GROUPED>
-__device__ __forceinline__ void draw_keep(const DropoutParams& d, int64_t j0, int64_t position, int64_t sample,
-                                          float (&keep)[VEC]) {
-  if (d.threshold == 0) {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) keep[i] = 1.0f;
-    return;
-  }
-  if constexpr (GROUPED) {  // (feature_offset + j0) % 4 == 0 and VEC % 4 == 0
-    const uint64_t group = static_cast<uint64_t>(d.feature_offset + j0) / 4;
-#pragma unroll
-    for (int g = 0; g < VEC / 4; ++g) {
-      Words4 w = dropout_words(d, group + g, position, sample);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) keep[4 * g + i] = keep_factor(d, w.w[i]);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      const uint64_t f = static_cast<uint64_t>(d.feature_offset + j0 + i);
-      Words4 w = dropout_words(d, f / 4, position, sample);
-      keep[i] = keep_factor(d, select_word(w, static_cast<int>(f & 3)));
-    }
-  }
-}
-
-struct Rows {
-  const int64_t* positions;
-  const int64_t* samples;
-  uint32_t b;
-  __device__ __forceinline__ void at(uint32_t row, int64_t& position, int64_t& sample) const {
-    const uint32_t token = row / b;
-    position = positions[token];
-    sample = samples[row - token * b];
-  }
-};
-
-template <typename T, int VEC, bool GROUPED>
+template <typename T, typename R, int VEC, bool GROUPED>
 __global__ void __launch_bounds__(kThreads)
-    bda_fwd_kernel(const T* __restrict__ x, const T* __restrict__ bias, const T* __restrict__ res, T* __restrict__ out,
+    bda_fwd_kernel(const T* __restrict__ x, const T* __restrict__ bias, const R* __restrict__ res, R* __restrict__ out,
                    Rows rows_index, uint32_t rows, int64_t h, DropoutParams d) {
   const int64_t j0 = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * VEC;
   if (j0 >= h) return;
@@ -97,9 +56,9 @@ __global__ void __launch_bounds__(kThreads)
 // row (gridDim.y rows, about one per resident block), not one per row slot.
 constexpr int kBwdCols = 32, kBwdRows = kThreads / kBwdCols;
 
-template <typename T, int VEC, bool GROUPED>
+template <typename G, typename D, int VEC, bool GROUPED>
 __global__ void __launch_bounds__(kThreads)
-    bda_bwd_kernel(const T* __restrict__ grad, T* __restrict__ grad_x, float* __restrict__ partial, Rows rows_index,
+    bda_bwd_kernel(const G* __restrict__ grad, D* __restrict__ grad_x, float* __restrict__ partial, Rows rows_index,
                    uint32_t rows, int64_t h, DropoutParams d) {
   __shared__ float slots[kBwdRows][kBwdCols * VEC];
   const int64_t j0 = (blockIdx.x * int64_t(kBwdCols) + threadIdx.x) * VEC;
@@ -137,24 +96,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Forward threads: x over column vectors, y over rows; blocks: enough to fill every SM `waves`
-// times.
-struct Launch {
-  dim3 grid, block;
-};
-
-Launch row_launch(int64_t rows, int64_t h, int vec, int waves) {
-  const int64_t nvec = (h + vec - 1) / vec;
-  const int tx = static_cast<int>(nvec >= kThreads ? kThreads : round_up(nvec, 32));
-  const int ty = kThreads / tx;
-  const int64_t gx = (nvec + tx - 1) / tx;
-  int64_t gy = (rows + ty - 1) / ty;
-  const int64_t budget = int64_t(sm_count()) * (2048 / kThreads) * waves;
-  gy = gy < (budget + gx - 1) / gx ? gy : (budget + gx - 1) / gx;
-  gy = gy < 65535 ? (gy > 0 ? gy : 1) : 65535;
-  return {dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), dim3(tx, ty)};
-}
-
 // Backward: kBwdCols x kBwdRows threads; block rows: one wave of resident blocks over the column
 // blocks (each block row costs one partial row of h floats).
 Launch bwd_launch(int64_t rows, int64_t h, int vec) {
@@ -168,46 +109,39 @@ Launch bwd_launch(int64_t rows, int64_t h, int vec) {
   return {dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), dim3(kBwdCols, kBwdRows)};
 }
 
-template <typename T>
-bool grouped_path(const DropoutParams& d, int64_t h, const void* a, const void* b, const void* c, const void* e) {
-  constexpr int VEC = 16 / sizeof(T);
-  return h % VEC == 0 && d.feature_offset % 4 == 0 && aligned16(a) && aligned16(b) && aligned16(c) &&
-         (e == nullptr || aligned16(e));
-}
-
-template <typename T>
+template <typename T, typename R>
 cudaError_t launch_fwd(const BiasDropoutAddFwd& a, cudaStream_t stream) {
   constexpr int VEC = 16 / sizeof(T);
   const Rows idx{a.positions, a.samples, static_cast<uint32_t>(a.b)};
   const uint32_t rows = static_cast<uint32_t>(a.s * a.b);
   const T* x = static_cast<const T*>(a.x);
-  const T* res = static_cast<const T*>(a.residual);
+  const R* res = static_cast<const R*>(a.residual);
   const T* bias = static_cast<const T*>(a.bias);
-  T* out = static_cast<T*>(a.out);
+  R* out = static_cast<R*>(a.out);
   if (grouped_path<T>(a.drop, a.h, x, res, out, bias)) {
     Launch l = row_launch(rows, a.h, VEC, 4);
-    bda_fwd_kernel<T, VEC, true><<<l.grid, l.block, 0, stream>>>(x, bias, res, out, idx, rows, a.h, a.drop);
+    bda_fwd_kernel<T, R, VEC, true><<<l.grid, l.block, 0, stream>>>(x, bias, res, out, idx, rows, a.h, a.drop);
   } else {
     Launch l = row_launch(rows, a.h, 1, 4);
-    bda_fwd_kernel<T, 1, false><<<l.grid, l.block, 0, stream>>>(x, bias, res, out, idx, rows, a.h, a.drop);
+    bda_fwd_kernel<T, R, 1, false><<<l.grid, l.block, 0, stream>>>(x, bias, res, out, idx, rows, a.h, a.drop);
   }
   return cudaGetLastError();
 }
 
-template <typename T>
+template <typename G, typename D>
 cudaError_t launch_bwd(const BiasDropoutAddBwd& a, cudaStream_t stream) {
-  constexpr int VEC = 16 / sizeof(T);
+  constexpr int VEC = 16 / sizeof(G);
   const Rows idx{a.positions, a.samples, static_cast<uint32_t>(a.b)};
   const uint32_t rows = static_cast<uint32_t>(a.s * a.b);
-  const T* grad = static_cast<const T*>(a.grad);
-  T* grad_x = static_cast<T*>(a.grad_x);
+  const G* grad = static_cast<const G*>(a.grad);
+  D* grad_x = static_cast<D*>(a.grad_x);
   float* partial = a.grad_bias != nullptr ? a.scratch : nullptr;
-  const bool grouped = grouped_path<T>(a.drop, a.h, grad, grad_x, grad_x, nullptr);
+  const bool grouped = grouped_path<G>(a.drop, a.h, grad, grad_x, grad_x, nullptr);
   Launch l = bwd_launch(rows, a.h, grouped ? VEC : 1);
   if (grouped) {
-    bda_bwd_kernel<T, VEC, true><<<l.grid, l.block, 0, stream>>>(grad, grad_x, partial, idx, rows, a.h, a.drop);
+    bda_bwd_kernel<G, D, VEC, true><<<l.grid, l.block, 0, stream>>>(grad, grad_x, partial, idx, rows, a.h, a.drop);
   } else {
-    bda_bwd_kernel<T, 1, false><<<l.grid, l.block, 0, stream>>>(grad, grad_x, partial, idx, rows, a.h, a.drop);
+    bda_bwd_kernel<G, D, 1, false><<<l.grid, l.block, 0, stream>>>(grad, grad_x, partial, idx, rows, a.h, a.drop);
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || partial == nullptr) return err;
@@ -217,7 +151,7 @@ cudaError_t launch_bwd(const BiasDropoutAddBwd& a, cudaStream_t stream) {
 }  // namespace
 
 int64_t bias_dropout_add_bwd_scratch(int64_t s, int64_t b, int64_t h, DType dtype) {
-  const int vec = dtype == DType::kF32 ? 4 : 8;  // the vector path, or the scalar fallback
+  const int vec = dtype == DType::kF32 ? 4 : 8;  // (grad's dtype) the vector path, or the scalar fallback
   const int64_t rows_vec = bwd_launch(s * b, h, vec).grid.y, rows_1 = bwd_launch(s * b, h, 1).grid.y;
   return (rows_vec > rows_1 ? rows_vec : rows_1) * h;
 }
@@ -225,7 +159,7 @@ int64_t bias_dropout_add_bwd_scratch(int64_t s, int64_t b, int64_t h, DType dtyp
 cudaError_t bias_dropout_add_fwd(const BiasDropoutAddFwd& a, cudaStream_t stream) {
   if (a.s * a.b == 0 || a.h == 0) return cudaSuccess;
   if (a.s * a.b >= (int64_t(1) << 31)) return cudaErrorInvalidValue;  // 32-bit row loop
-  MSP_DISPATCH_DTYPE(a.dtype, T, return launch_fwd<T>(a, stream));
+  MSP_DISPATCH_DTYPE(a.dtype, T, MSP_DISPATCH_WIDE(a.residual_dtype, T, R, return launch_fwd<T, R>(a, stream)));
   return cudaErrorInvalidValue;
 }
 
@@ -233,7 +167,7 @@ cudaError_t bias_dropout_add_bwd(const BiasDropoutAddBwd& a, cudaStream_t stream
   if (a.h == 0) return cudaSuccess;
   if (a.s * a.b == 0) return a.grad_bias ? cudaMemsetAsync(a.grad_bias, 0, a.h * 4, stream) : cudaSuccess;
   if (a.s * a.b >= (int64_t(1) << 31)) return cudaErrorInvalidValue;  // 32-bit row loop
-  MSP_DISPATCH_DTYPE(a.dtype, T, return launch_bwd<T>(a, stream));
+  MSP_DISPATCH_DTYPE(a.grad_x_dtype, D, MSP_DISPATCH_WIDE(a.dtype, D, G, return launch_bwd<G, D>(a, stream)));
   return cudaErrorInvalidValue;
 }
 

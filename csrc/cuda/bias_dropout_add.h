@@ -14,24 +14,24 @@ namespace cuda {
 struct BiasDropoutAddFwd {
   const void* x;             // [s, b, h], dtype
   const void* bias;          // [h], dtype, or nullptr
-  const void* residual;      // [s, b, h], dtype
-  void* out;                 // [s, b, h], dtype
+  const void* residual;      // [s, b, h], residual_dtype
+  void* out;                 // [s, b, h], residual_dtype
   const int64_t* positions;  // [s]
   const int64_t* samples;    // [b]
   int64_t s, b, h;
-  DType dtype;
+  DType dtype, residual_dtype;  // residual_dtype: dtype or kF32
   DropoutParams drop;
 };
 
 struct BiasDropoutAddBwd {
   const void* grad;  // [s, b, h], dtype
-  void* grad_x;      // [s, b, h], dtype
+  void* grad_x;      // [s, b, h], grad_x_dtype
   float* grad_bias;  // [h] fp32, or nullptr when no bias gradient is wanted
   float* scratch;    // bias_dropout_add_bwd_scratch(...) floats
   const int64_t* positions;
   const int64_t* samples;
   int64_t s, b, h;
-  DType dtype;
+  DType dtype, grad_x_dtype;  // dtype: grad_x_dtype or kF32
   DropoutParams drop;
 };
 

@@ -18,7 +18,7 @@ at::Tensor bda_fwd_cuda(const at::Tensor& x_in, const c10::optional<at::Tensor>&
                         int64_t layer, int64_t site, int64_t feature_offset) {
   check_bias_dropout_add(x_in, bias_in, res_in, positions_in, samples_in, p, feature_offset);
   c10::cuda::CUDAGuard guard(x_in.device());
-  at::Tensor x = x_in.contiguous(), res = res_in.contiguous(), out = at::empty_like(x);
+  at::Tensor x = x_in.contiguous(), res = res_in.contiguous(), out = at::empty_like(res);
   at::Tensor positions = positions_in.contiguous(), samples = samples_in.contiguous();
   at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
   cuda::BiasDropoutAddFwd args{x.const_data_ptr(),
@@ -31,6 +31,7 @@ at::Tensor bda_fwd_cuda(const at::Tensor& x_in, const c10::optional<at::Tensor>&
                                x.size(1),
                                x.size(2),
                                cuda_dtype(x.scalar_type()),
+                               cuda_dtype(res.scalar_type()),
                                make_dropout_params(p, seed, layer, site, feature_offset)};
   check_launch(cuda::bias_dropout_add_fwd(args, current_stream()), "bias_dropout_add_fwd");
   return out;
@@ -38,10 +39,11 @@ at::Tensor bda_fwd_cuda(const at::Tensor& x_in, const c10::optional<at::Tensor>&
 
 std::tuple<at::Tensor, at::Tensor> bda_bwd_cuda(const at::Tensor& grad_in, const at::Tensor& pos_in,
                                                 const at::Tensor& samples_in, double p, int64_t seed, int64_t layer,
-                                                int64_t site, int64_t feature_offset, bool bias_grad) {
-  check_bias_dropout_add_bwd(grad_in, pos_in, samples_in, p, feature_offset);
+                                                int64_t site, int64_t feature_offset, bool bias_grad,
+                                                c10::optional<at::ScalarType> grad_x_dtype) {
+  const at::ScalarType dx_type = check_bias_dropout_add_bwd(grad_in, pos_in, samples_in, p, feature_offset, grad_x_dtype);
   c10::cuda::CUDAGuard guard(grad_in.device());
-  at::Tensor g = grad_in.contiguous(), gx = at::empty_like(g);
+  at::Tensor g = grad_in.contiguous(), gx = at::empty_like(g, g.options().dtype(dx_type));
   at::Tensor positions = pos_in.contiguous(), samples = samples_in.contiguous();
   const int64_t s = g.size(0), b = g.size(1), h = g.size(2);
   const cuda::DType dtype = cuda_dtype(g.scalar_type());
@@ -58,6 +60,7 @@ std::tuple<at::Tensor, at::Tensor> bda_bwd_cuda(const at::Tensor& grad_in, const
                                b,
                                h,
                                dtype,
+                               cuda_dtype(dx_type),
                                make_dropout_params(p, seed, layer, site, feature_offset)};
   check_launch(cuda::bias_dropout_add_bwd(args, current_stream()), "bias_dropout_add_bwd");
   return {gx, gbias};

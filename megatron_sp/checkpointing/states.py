@@ -43,15 +43,27 @@ class TrainState:
 
 
 class ModelState:
-    """The model's parameters, each as its slice of the canonical tensor (canonical.py)."""
+    """The model's weights, each as its slice of the canonical tensor (canonical.py), in fp32.
+
+    main_params: {name: fp32 main weight} of the parameters this rank's optimizer steps (training/
+    optimizer.py; with a distributed optimizer only the ones it owns): those are what a rank saves, so
+    a bf16 run stores its fp32 main weights and a checkpoint does not depend on the run's precision.
+    On load every parameter is read (cast to the model's dtype) and so is every main weight. Without
+    main_params (tools, tests): the model's parameters themselves."""
 
     label = "model"
 
-    def __init__(self, model, ps):
-        self.model, self.ps = model, ps
+    def __init__(self, model, ps, main_params: dict | None = None):
+        self.model, self.ps, self.main_params = model, ps, main_params
+
+    def _saved(self):
+        params = dict(self.model.named_parameters())
+        if self.main_params is None:
+            return params.items()
+        return [(n, self.main_params[n]) for n in params if n in self.main_params]
 
     def state_dict(self) -> dict:
-        return {n: to_dcp_tensor(p.detach(), p, self.ps) for n, p in self.model.named_parameters()}
+        return {n: to_dcp_tensor(t.detach().float(), t, self.ps) for n, t in self._saved()}
 
     def load_target(self) -> dict:
         return {n: empty_dcp_target(p, self.ps) for n, p in self.model.named_parameters()}
@@ -59,20 +71,27 @@ class ModelState:
     @torch.no_grad()
     def load_state_dict(self, loaded: dict) -> None:
         for name, p in self.model.named_parameters():
-            p.copy_(from_canonical_local(loaded[name], p, self.ps))
+            value = from_canonical_local(loaded[name], p, self.ps)
+            p.copy_(value)
+            main = (self.main_params or {}).get(name)
+            if main is not None and main is not p:
+                main.copy_(value)
 
 
 class OptimizerState:
     """The AdamW state of the parameters `optimizer` holds (a distributed optimizer's own torch
-    optimizer holds those this rank owns). The entries are the replicated optimizer's, so either kind
-    of run, at any layout, reads them."""
+    optimizer holds those this rank owns), keyed by the model's parameter names; main_params: the
+    tensors it steps by name when they are not the model's parameters (fp32 main weights of a bf16
+    model). The entries are the replicated fp32 optimizer's, so any run, at any layout and precision,
+    reads them."""
 
     label = "optimizer state"
 
-    def __init__(self, optimizer, model, ps):
+    def __init__(self, optimizer, model, ps, main_params: dict | None = None):
         self.optimizer, self.ps = optimizer, ps
         held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        self.params = [(n, p) for n, p in model.named_parameters() if id(p) in held]
+        named = [(n, (main_params or {}).get(n, p)) for n, p in model.named_parameters()]
+        self.params = [(n, p) for n, p in named if id(p) in held]
 
     def state_dict(self) -> dict:
         out = {}

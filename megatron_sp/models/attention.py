@@ -51,11 +51,13 @@ def causal_attention(
     head_offset: int = 0,
     explicit: bool = False,
     qk_scale_divisor: float = 1.0,
+    softmax_in_fp32: bool = True,
 ):
     """Causal attention; attention_mask [b, 1, s, s] bool with True = masked out (documents).
     head_offset: global index of local query head 0 (keys the dropout mask). qk_scale_divisor
     (--apply-query-key-layer-scaling: the layer number): Q·K^T is computed divided by it, and
-    multiplied back in fp32 before the softmax, so low-precision scores stay in range."""
+    multiplied back in fp32 before the softmax, so low-precision scores stay in range;
+    softmax_in_fp32: the explicit path's scores, softmax and dropout in fp32 (else in q's dtype)."""
     b, nq, s, d = q.shape
     rep = nq // k.shape[1]
     allowed = allowed_mask(attention_mask, s, q.device)
@@ -68,15 +70,15 @@ def causal_attention(
         allowed = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
     if rep > 1:  # grouped: broadcast each key/value head over its rep query heads, no copies
         q, k, v = q.view(b, nq // rep, rep, s, d), k.unsqueeze(2), v.unsqueeze(2)  # [b, n_kv, rep|1, s, d]
-    scores = torch.matmul(q * (1.0 / (math.sqrt(d) * qk_scale_divisor)), k.transpose(-1, -2))
-    scores = scores.view(b, nq, s, s).float() * qk_scale_divisor  # [b, n_q, s, s]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    scores = torch.matmul(q * (1.0 / (math.sqrt(d) * qk_scale_divisor)), k.transpose(-1, -2)).view(b, nq, s, s)
+    scores = (scores.float() if softmax_in_fp32 or qk_scale_divisor != 1.0 else scores) * qk_scale_divisor
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)  # [b, n_q, s, s]
     if dropout_p > 0.0:
         keep = attention_keep_mask(
             tuple(probs.shape), dropout_p, seed, layer, index, head_offset, index.token_positions
         )
         probs = apply_keep_mask(probs, keep, dropout_p)
+    probs = probs.to(q.dtype)
     if rep > 1:
         probs = probs.view(b, nq // rep, rep, s, s)
     return torch.matmul(probs, v).view(b, nq, s, d)
@@ -115,6 +117,7 @@ class CausalAttention(nn.Module):
                 head_offset=head_offset,
                 explicit=explicit,
                 qk_scale_divisor=float(self.layer) if self.cfg.apply_query_key_layer_scaling else 1.0,
+                softmax_in_fp32=self.cfg.attention_softmax_in_fp32 or q.dtype == torch.float32,
             )
         drop = AttentionDropout(p, self.cfg.seed, self.layer, head_offset)
         positions, documents = index.token_positions, seq.document_ids

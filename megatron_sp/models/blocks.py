@@ -36,8 +36,14 @@ from megatron_sp.ops import philox
 from megatron_sp.tensor_parallel.layers import mark
 
 
+def residual_dtype(cfg, activation_dtype):
+    """The residual stream's dtype: fp32 with --fp32-residual-connection, else the activations'."""
+    return torch.float32 if cfg.fp32_residual_connection else activation_dtype
+
+
 class Norm(nn.Module):
-    """LayerNorm (weight, bias) or RMSNorm (weight) over the last dim, fp32 statistics. In the SP
+    """LayerNorm (weight, bias) or RMSNorm (weight) over the last dim, fp32 statistics; the output in
+    the parameters' dtype (also for an fp32 residual stream, as Megatron's mixed-dtype norms). In the SP
     region: each rank normalises its own tokens, so the parameters' gradients are partial sums.
     With --apply-layernorm-1p the weight holds gamma - 1 (starts at 0; the norm applies 1 + weight).
     size: the normalised width (default h; the head dim for --qk-layernorm); partial_tp: the weight's
@@ -156,14 +162,18 @@ class Embedding(nn.Module):
 
     def forward(self, tokens, seq):
         x = self.word_embeddings(tokens)  # [s_sp, b, h]
+        positions = None
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings(seq.sp_position_ids)  # [s_sp, b, h]
-        return philox.dropout(
+            positions = self.position_embeddings(seq.sp_position_ids)  # [s_sp, b, h]
+        return ops.embedding_dropout(
             x,
+            positions,
             self.cfg.hidden_dropout,
             self.cfg.seed,
             self.layer,
             philox.SITE_EMBEDDING,
             seq.sp_index,
             training=seq.training,
+            out_dtype=residual_dtype(self.cfg, x.dtype),
+            fused=self.cfg.use_fused_kernels,
         )

@@ -12,6 +12,10 @@ width, V padded vocab):
     fc2      [s/t, b, h]  RowParallelLinear + ḡ, then bias-dropout-add
     logits   [s, b, V/t]  g + embedding or output-layer shard; vocab-parallel cross entropy
 
+Parameters are created on the meta device and materialised on `device` in cfg.params_dtype, each
+rank drawing only its shard of the serial initial tensors (models/init.py): building a TP=t model
+allocates a rank's shard, never the whole model.
+
 Gradients that a backward leaves as partial sums (over TP: parameters marked `sequence_parallel`,
 key/value heads held in copies; over CP: all of them) are summed by `partial_grads`
 (tensor_parallel/partial_grads.py), which full_grad_dict and the training loop both call.
@@ -23,22 +27,24 @@ import torch
 
 from megatron_sp import parallel_state
 from megatron_sp.models.builders import ParallelBuilder
-from megatron_sp.models.init import init_full_tensor
 from megatron_sp.models.language_model import LanguageModel
 from megatron_sp.tensor_parallel.partial_grads import PartialGrads
 from megatron_sp.tensor_parallel.sharding import full_dim_size, gather_full, shard_full
 
 
 class GPTModel(LanguageModel):
-    """The parallel model of cfg.model's family (or of `spec`); see DESIGN.md for the API."""
+    """The parallel model of cfg.model's family (or of `spec`); see DESIGN.md for the API.
+    device: where the parameters are materialised (default: torch's default device, the CPU)."""
 
-    def __init__(self, cfg, ps: parallel_state.ParallelState | None = None, spec=None):
+    def __init__(self, cfg, ps: parallel_state.ParallelState | None = None, spec=None, *, device=None):
         ps = ps if ps is not None else parallel_state.get()
         _check_parallel_sizes(cfg, ps)
         super().__init__(cfg, ParallelBuilder(cfg, ps), spec)
         self.ps = ps
         self.partial_grads = PartialGrads(ps)
-        self._initialise()
+        self.materialise(
+            device if device is not None else torch.get_default_device(), tp_rank=ps.tp_rank, tp_size=ps.tp_size
+        )
 
     def forward(self, tokens, labels=None, **inputs):
         """LanguageModel.forward; a forward that will have a backward leaves partial gradients."""
@@ -47,13 +53,6 @@ class GPTModel(LanguageModel):
         return super().forward(tokens, labels, **inputs)
 
     # ---- full <-> sharded state ---------------------------------------------------------------
-    def _initialise(self):
-        full = {
-            name: init_full_tensor(name, _full_shape(p, self.ps.tp_size), p.init_tag, self.cfg)
-            for name, p in self.named_parameters()
-        }
-        self.load_full_state_dict(full)
-
     @torch.no_grad()
     def load_full_state_dict(self, state_dict):
         """Loads a ReferenceGPT-shaped state dict, keeping this rank's shards."""
@@ -79,13 +78,18 @@ class GPTModel(LanguageModel):
 
     @torch.no_grad()
     def full_grad_dict(self):
-        """Collective: unsharded gradients (partial sums reduced first if still pending)."""
-        self.partial_grads.reduce(self.parameters())
+        """Collective: unsharded gradients (partial sums reduced first if still pending); a parameter's
+        gradient is its `.grad`, or its `main_grad` when gradient buffers hold it (training/grad_buffers.py)."""
+        self.partial_grads.reduce(self.parameters(), grad=_gradient)
         return {
-            name: gather_full(p.grad, p.shard_spec, self.ps.tp_group)
+            name: gather_full(_gradient(p), p.shard_spec, self.ps.tp_group)
             for name, p in self.named_parameters()
-            if p.grad is not None
+            if _gradient(p) is not None
         }
+
+
+def _gradient(p):
+    return p.grad if p.grad is not None else getattr(p, "main_grad", None)
 
 
 def _full_shape(p, tp_size):

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megatron_sp.models.init import check_init_tags
+from megatron_sp.models.init import check_init_tags, initialise_, torch_dtype
 from megatron_sp.models.registry import get_spec
 
 
@@ -33,9 +33,16 @@ class LanguageModel(nn.Module):
 
     Keyword-only: loss_mask [b, s]; position_ids [b, s] (document resets); attention_mask
     [b, 1, s, s] bool, True = masked (Megatron); sample_ids [b] global sample indices keying dropout.
+
+    Built on the meta device: no parameter memory is allocated until `materialise` gives each
+    parameter its own shard, drawn in place (models/init.py), in cfg.params_dtype.
     """
 
     def __init__(self, cfg, builder, spec=None):
+        with torch.device("meta"):
+            self._build(cfg, builder, spec)
+
+    def _build(self, cfg, builder, spec):
         super().__init__()
         self.spec = spec if spec is not None else get_spec(cfg.model)
         self.cfg, self.builder = cfg, builder
@@ -47,6 +54,32 @@ class LanguageModel(nn.Module):
         self.output_layer = builder.output_layer(cfg) if cfg.untie_embeddings_and_output_weights else None
         self.head = builder.lm_head(cfg)
         check_init_tags(self)
+
+    @torch.no_grad()
+    def materialise(self, device, *, tp_rank: int = 0, tp_size: int = 1, draw: bool = True):
+        """Replaces every meta parameter by a tensor of cfg.params_dtype on `device` holding this rank's
+        slice of the serial initial value (draw=False: uninitialised, to be loaded); parameter
+        attributes (shard_spec, init tag, ...) are kept. Buffers move to `device` (their dtype kept)."""
+        dtype, on_meta = torch_dtype(self.cfg.params_dtype), torch.device(device).type == "meta"
+        made = {}  # id(meta parameter) -> its real one: a parameter shared by two modules stays shared
+        for prefix, module in self.named_modules(remove_duplicate=False):
+            for key, meta in list(module._parameters.items()):
+                if meta is None or not (meta.is_meta or id(meta) in made):
+                    continue
+                if id(meta) not in made:
+                    real = nn.Parameter(torch.empty(meta.shape, dtype=dtype, device=device), meta.requires_grad)
+                    real.__dict__.update(meta.__dict__)  # shard_spec, sequence_parallel, init_tag
+                    name = f"{prefix}.{key}" if prefix else key
+                    if draw and not on_meta:
+                        initialise_(real.data, name, real.init_tag, real.shard_spec, self.cfg, tp_rank, tp_size)
+                    made[id(meta)] = (meta, real)  # (meta kept alive: its id stays unique)
+                module._parameters[key] = made[id(meta)][1]
+            for key, buffer in list(module._buffers.items()):
+                if buffer is not None and buffer.is_meta and not on_meta:
+                    raise ValueError(f"buffer {prefix}.{key} was created on the meta device: give it device='cpu'.")
+                if buffer is not None:
+                    module._buffers[key] = buffer.to(device)
+        return self
 
     def forward(self, tokens, labels=None, *, loss_mask=None, position_ids=None, attention_mask=None, sample_ids=None):
         seq = self.builder.sequence_context(

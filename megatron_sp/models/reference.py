@@ -8,17 +8,15 @@ from __future__ import annotations
 import torch
 
 from megatron_sp.models.builders import SerialBuilder
-from megatron_sp.models.init import init_full_tensor
 from megatron_sp.models.language_model import LanguageModel
 
 
 class ReferenceGPT(LanguageModel):
-    """Serial model of cfg.model's family (or of `spec`). initialise=False skips drawing the weights
-    (a shape-only model, e.g. on the meta device)."""
+    """Serial model of cfg.model's family (or of `spec`), in cfg.params_dtype on torch's default
+    device (a shape-only model inside `with torch.device("meta")`). initialise=False leaves the
+    weights uninitialised (to be loaded)."""
 
     def __init__(self, cfg, spec=None, *, initialise: bool = True):
+        device = torch.get_default_device()
         super().__init__(cfg, SerialBuilder(), spec)
-        if initialise:
-            with torch.no_grad():
-                for name, param in self.named_parameters():
-                    param.copy_(init_full_tensor(name, tuple(param.shape), param.init_tag, cfg))
+        self.materialise(device, draw=initialise)

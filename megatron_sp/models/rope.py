@@ -35,7 +35,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def inverse_frequencies(cfg) -> torch.Tensor:
     """theta [rotary_dim / 2] in fp32 (as Hugging Face computes it), with the config's scaling."""
     dim = cfg.rotary_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim  # (models build on meta)
     theta = 1.0 / (float(cfg.rotary_base) ** exponents)
     if cfg.rope_scaling:
         f, low, high = cfg.rope_scaling_factor, cfg.rope_scaling_low_freq_factor, cfg.rope_scaling_high_freq_factor

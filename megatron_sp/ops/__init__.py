@@ -8,6 +8,7 @@ otherwise to the reference, so importing never fails without the extension.
 
 from megatron_sp.ops._extension import extension_available
 from megatron_sp.ops.bias_dropout_add import bias_dropout_add, bias_dropout_add_reference
+from megatron_sp.ops.embedding_dropout import embedding_dropout, embedding_dropout_reference
 from megatron_sp.ops.flash_attention import (
     AttentionDropout,
     flash_attention,
@@ -38,6 +39,8 @@ __all__ = [
     "extension_available",
     "bias_dropout_add",
     "bias_dropout_add_reference",
+    "embedding_dropout",
+    "embedding_dropout_reference",
     "AttentionDropout",
     "flash_attention",
     "flash_attention_fwd",

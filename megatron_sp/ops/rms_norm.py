@@ -10,16 +10,17 @@ from __future__ import annotations
 import torch
 
 from megatron_sp.ops._extension import extension_available, use_fused
+from megatron_sp.ops.layer_norm import norm_output_dtype
 
 # False with a megatron_sp._C built before this op existed (rebuild it): the reference runs.
 _OP_BUILT = extension_available() and hasattr(torch.ops.megatron_sp, "rms_norm_fwd")
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight computed in fp32, returned in x's dtype."""
+    """x / sqrt(mean(x^2) + eps) * weight computed in fp32, returned in norm_output_dtype (layer_norm.py)."""
     xf = x.float()
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * rstd * weight.float()).to(x.dtype)
+    return (xf * rstd * weight.float()).to(norm_output_dtype(x, weight))
 
 
 def _fusable(x, weight) -> bool:
@@ -28,10 +29,14 @@ def _fusable(x, weight) -> bool:
 
 
 def rms_norm(x, weight, eps, fused=True):
-    """RMSNorm of x [..., h] with weight [h] (x's dtype or fp32); output in x's dtype."""
+    """RMSNorm of x [..., h] with weight [h] (x's dtype or fp32, or bf16/fp16 for an fp32 x); output in
+    norm_output_dtype (layer_norm.py)."""
+    out_dtype = norm_output_dtype(x, weight)
+    if out_dtype != x.dtype:  # fp32 x, low-precision weight: the fp32 op, then the weight's dtype
+        weight = weight.float()
     if not (use_fused(fused, x) and _OP_BUILT and _fusable(x, weight)):
-        return rms_norm_reference(x, weight, eps)
-    return torch.ops.megatron_sp.rms_norm_fwd(x, weight, float(eps))[0]
+        return rms_norm_reference(x, weight, eps).to(out_dtype)
+    return torch.ops.megatron_sp.rms_norm_fwd(x, weight, float(eps))[0].to(out_dtype)
 
 
 def _fake_fwd(x, weight, eps):

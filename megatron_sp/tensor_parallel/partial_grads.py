@@ -13,7 +13,8 @@
 `expect()`, and whoever needs final gradients calls `reduce()` (the model's full_grad_dict, the
 training loop's finalize_model_grads), which sums what is pending exactly once. The training loop
 sums over CP together with the data-parallel average (one all-reduce over the DP×CP group) and says
-so with `reduce(params, cp_summed=True)`.
+so with `reduce(params, cp_summed=True)`; its gradients are the parameters' `main_grad` (the
+gradient buffers), which it names with `grad=`.
 """
 
 from __future__ import annotations
@@ -39,15 +40,22 @@ class PartialGrads:
         self.cp_pending = self.ps.cp_size > 1
 
     @torch.no_grad()
-    def reduce(self, params, *, cp_summed: bool = False) -> None:
+    def reduce(self, params, *, cp_summed: bool = False, grad=None) -> None:
         """Sums the pending partial gradients of `params` (collective over the TP and CP groups);
-        cp_summed: the caller has already summed every gradient over CP."""
-        params = list(params)
-        if self.cp_pending and not cp_summed:
-            _sum_over_cp(params, self.ps)
+        cp_summed: the caller has already summed every gradient over CP; grad(p): the tensor that
+        holds p's gradient (default p.grad; None: p has none)."""
+        grad = grad if grad is not None else _grad
+        pairs = [(p, grad(p)) for p in params]
+        pairs = [(p, g) for p, g in pairs if g is not None]
+        if self.cp_pending and not cp_summed and pairs:
+            _sum_flat([g for _, g in pairs], self.ps.cp_group)
         if self.tp_pending:
-            _sum_over_tp(params, self.ps)
+            _sum_over_tp(pairs, self.ps)
         self.tp_pending = self.cp_pending = False
+
+
+def _grad(p):
+    return p.grad
 
 
 def _sum_flat(tensors, group) -> None:
@@ -59,32 +67,26 @@ def _sum_flat(tensors, group) -> None:
     )
 
 
-def _sum_over_cp(params, ps: ParallelState) -> None:
-    grads = [p.grad for p in params if p.grad is not None]
-    if grads:
-        _sum_flat(grads, ps.cp_group)
-
-
-def _copied_segments(params, ps: ParallelState):
+def _copied_segments(pairs, ps: ParallelState):
     """(gradient view, shard) of every parameter segment held in copies by several TP ranks."""
     out = []
-    for p in params:
+    for p, grad in pairs:
         spec = getattr(p, "shard_spec", None)
-        if p.grad is None or spec is None or not spec.segments:
+        if spec is None or not spec.segments:
             continue
-        out += [(view, shard) for shard, view in split_local(p.grad, spec, ps.tp_rank, ps.tp_size) if shard.copies > 1]
+        out += [(view, shard) for shard, view in split_local(grad, spec, ps.tp_rank, ps.tp_size) if shard.copies > 1]
     return out
 
 
-def _sum_over_tp(params, ps: ParallelState) -> None:
+def _sum_over_tp(pairs, ps: ParallelState) -> None:
     """SP-region gradients and copies, in one all-reduce over the TP group. Copies: every rank
     writes its piece into its part's slot of a zeroed [parts, piece] buffer, so the sum leaves each
     slot holding the sum over that part's copies."""
     if ps.tp_size == 1:
         return
-    whole = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    whole = [g for p, g in pairs if getattr(p, "sequence_parallel", False)]
     slots = []
-    for view, shard in _copied_segments(params, ps):
+    for view, shard in _copied_segments(pairs, ps):
         buffer = view.new_zeros((shard.full // shard.size,) + tuple(view.shape))  # [parts, piece]
         buffer[shard.offset // shard.size] = view
         slots.append((view, shard, buffer))

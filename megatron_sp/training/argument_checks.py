@@ -72,6 +72,7 @@ def validate(args) -> None:
     if args.decoupled_lr is not None and (args.decoupled_min_lr or args.min_lr) > args.decoupled_lr:
         raise ArgumentError("--decoupled-min-lr (default --min-lr) must not exceed --decoupled-lr.")
     _check_numbers(args)
+    _check_precision(args)
     _check_intervals(args)
     _check_data_flags(args)
 
@@ -140,6 +141,10 @@ _NUMBER_RULES = (
     ("--lr-warmup-init", "lr_warmup_init", lambda v: v >= 0, "a finite number >= 0"),
     ("--exit-duration-in-mins", "exit_duration_in_mins", lambda v: v > 0, "a finite number > 0"),
     ("--initial-loss-scale", "initial_loss_scale", lambda v: v > 0, "a finite number > 0, e.g. 65536"),
+    ("--loss-scale", "loss_scale", lambda v: v > 0, "a finite number > 0, e.g. 4096 (omit it for dynamic scaling)"),
+    ("--min-loss-scale", "min_loss_scale", lambda v: v > 0, "a finite number > 0"),
+    ("--loss-scale-window", "loss_scale_window", lambda v: v >= 1 and v == int(v), "a whole number >= 1"),
+    ("--hysteresis", "hysteresis", lambda v: v >= 1, "an integer >= 1"),
     ("--init-method-std", "init_method_std", lambda v: v > 0, "a finite number > 0"),
     ("--distributed-timeout-minutes", "distributed_timeout_minutes", lambda v: v > 0, "a finite number > 0"),
     ("--peak-tflops", "peak_tflops", lambda v: v > 0, "a finite number > 0"),
@@ -152,6 +157,22 @@ def _check_numbers(args) -> None:
         value = getattr(args, name, None)
         if value is not None and not (math.isfinite(value) and ok(value)):
             raise ArgumentError(f"{flag} must be {must_be}, got {value}.")
+
+
+def _check_precision(args) -> None:
+    """Combinations of the precision flags that cannot work; args.params_dtype (Megatron's name)."""
+    args.params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    low = args.bf16 or args.fp16
+    if args.fp32_residual_connection and not low:
+        raise ArgumentError("--fp32-residual-connection needs --bf16 or --fp16 (in fp32 the residual already is fp32).")
+    if args.loss_scale is not None and not low:
+        raise ArgumentError("--loss-scale needs --fp16 or --bf16 (fp32 training is not loss-scaled).")
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        raise ArgumentError("--grad-reduce-in-bf16 needs --bf16 (the gradient buffers hold bf16 only for bf16 models).")
+    if args.grad_reduce_in_bf16 and args.accumulate_allreduce_grads_in_fp32:
+        raise ArgumentError(
+            "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict each other; give one of them."
+        )
 
 
 def _check_intervals(args) -> None:

@@ -140,10 +140,6 @@ def _training_args(p):
         action="store_true",
         help="the loss is the sum over the global batch's tokens divided by their number (not a mean of means)",
     )
-    prec = g.add_mutually_exclusive_group()
-    prec.add_argument("--bf16", action="store_true")
-    prec.add_argument("--fp16", action="store_true")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**16, help="fp16 dynamic loss scale start")
     g.add_argument(
         "--disable-bf16-reduced-precision-matmul",
         action="store_true",
@@ -168,6 +164,36 @@ def _runtime_args(g):
         choices=["uniform", "block"],
         default=None,
         help="older Megatron-LM spelling of --recompute-granularity full --recompute-method",
+    )
+
+
+def _precision_args(p):
+    """Megatron's mixed precision: --bf16/--fp16 put parameters and activations in that dtype, the
+    optimizer keeping fp32 main weights and moments (training/optimizer.py)."""
+    g = p.add_argument_group("mixed precision")
+    prec = g.add_mutually_exclusive_group()
+    prec.add_argument("--bf16", action="store_true", help="parameters and activations in bf16, fp32 main weights")
+    prec.add_argument("--fp16", action="store_true", help="parameters and activations in fp16, with loss scaling")
+    add_config_flags(g, "mixed precision")
+    g.add_argument("--loss-scale", type=float, default=None, help="a static loss scale; default: dynamic (fp16)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32, help="dynamic loss scale at the start")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="the dynamic scale never halves below this")
+    g.add_argument("--loss-scale-window", type=float, default=1000, help="clean steps before the scale doubles")
+    g.add_argument("--hysteresis", type=int, default=2, help="overflowing steps before the scale halves")
+    g.add_argument(
+        "--accumulate-allreduce-grads-in-fp32",
+        action="store_true",
+        help="accepted: gradients are accumulated and reduced in fp32 unless --grad-reduce-in-bf16",
+    )
+    g.add_argument(
+        "--grad-reduce-in-bf16",
+        action="store_true",
+        help="with --bf16: gradient buffers (accumulation and data-parallel reduction) in bf16",
+    )
+    g.add_argument(
+        "--init-model-with-meta-device",
+        action="store_true",
+        help="accepted: the model is always built on the meta device, each rank drawing only its shard",
     )
 
 
@@ -289,7 +315,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="GPT pretraining with tensor + sequence parallelism.",
         allow_abbrev=False,  # Megatron-LM's: --lr never means --lr-decay-style
     )
-    for add in (_model_args, _parallel_args, _training_args, _data_args, _logging_args, _checkpoint_args, _compat_args):
+    for add in (
+        _model_args,
+        _parallel_args,
+        _training_args,
+        _precision_args,
+        _data_args,
+        _logging_args,
+        _checkpoint_args,
+        _compat_args,
+    ):
         add(p)
     return p
 

@@ -4,16 +4,18 @@ same shards (DP replicas × CP ranks: the "replicas") split the AdamW state betw
 Each replica owns a contiguous run of the parameters in backward order (reverse creation order,
 balanced by size; the same run on every TP rank), so that gradient buckets never straddle two
 owners. Per step, instead of an all-reduce of every gradient bucket:
-  1. each bucket is *reduced* to its owner (grad_sync), overlapped with the backward as before;
-     the other replicas drop their copy (`.grad = None`: clipping, the norm and fp16 checks then
-     see only the gradients this rank owns);
-  2. the owner steps its parameters with its AdamW;
+  1. each bucket is *reduced* to its owner (grad_sync), in place in the gradient buffers, overlapped
+     with the backward as before; the other replicas ignore those gradients (clipping, the norm and
+     fp16 checks see only the gradients this rank owns);
+  2. the owner steps the fp32 main weights of its parameters with its AdamW (training/optimizer.py)
+     and copies them into the model's parameters;
   3. every owner *broadcasts* its parameters, held in one flat buffer per owner (the parameters
-     are views of it, so nothing is copied).
+     are views of it, so nothing is copied), in the parameters' dtype.
 A reduce plus a broadcast move what an all-reduce moves (a ring all-reduce is a reduce-scatter plus
-an all-gather), so the communication is that of plain data parallelism; the AdamW moments (8 bytes
-per parameter) take 1 / replicas of the memory, and gradients are freed after their reduction. The
-update is the replicated optimizer's, bit for bit: the same summed gradients, the same AdamW.
+an all-gather), so the communication is that of plain data parallelism; the main weights and AdamW
+moments (12 bytes per parameter) take 1 / replicas of the memory: Megatron's 2 + 4 + 12/r bytes per
+parameter under --bf16 (bf16 weights, fp32 gradient buffer). The update is the replicated
+optimizer's, bit for bit: the same summed gradients, the same AdamW.
 """
 
 from __future__ import annotations
@@ -72,16 +74,12 @@ class _NoParameters:
         pass
 
 
-class DistributedOptimizer:
-    """AdamW state sharded over the replicas; `optim` is this rank's AdamW over what it owns."""
+class ParamBroadcast:
+    """Step 3 above: every owner's model parameters are views of one flat buffer (in the parameters'
+    dtype: bf16 under --bf16), which the owner broadcasts after its step."""
 
-    def __init__(self, groups, partition: Partition, make_optimizer):
-        self.partition = partition
-        self.params = [p for g in groups for p in g["params"]]
-        local = [dict(g, params=[p for p in g["params"] if partition.mine(p)]) for g in groups]
-        local = [g for g in local if g["params"]]
-        self.optim = make_optimizer(local) if local else _NoParameters()
-        self.buffers = []  # per owner: one flat tensor; its parameters are views
+    def __init__(self, partition: Partition):
+        self.partition, self.buffers = partition, []
         with torch.no_grad():
             for params in partition.params_of:
                 flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else None
@@ -91,21 +89,8 @@ class DistributedOptimizer:
                     offset += p.numel()
                 self.buffers.append(flat)
 
-    @property
-    def param_groups(self):
-        return self.optim.param_groups
-
-    @property
-    def state(self):
-        return self.optim.state
-
-    def zero_grad(self, set_to_none: bool = True):
-        for p in self.params:
-            p.grad = None
-
     @torch.no_grad()
-    def step(self):
-        self.optim.step()
+    def broadcast(self):
         handles = [
             dist.broadcast(flat, src=self.partition.global_rank(owner), group=self.partition.group, async_op=True)
             for owner, flat in enumerate(self.buffers)

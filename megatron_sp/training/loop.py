@@ -1,9 +1,12 @@
 """One training step (gradient accumulation over micro-batches, grad sync, clipping, AdamW) and the
-evaluation pass. Everything here is per-rank code between collectives; see pretrain.py for set-up."""
+evaluation pass. Everything here is per-rank code between collectives; see pretrain.py for set-up.
+
+Precision is the model's own (Megatron's --bf16 / --fp16: bf16/fp16 parameters and activations, no
+autocast); the gradients accumulate in the optimizer's fp32 gradient buffers and it steps fp32 main
+weights (training/optimizer.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -14,7 +17,8 @@ import torch.distributed as dist
 
 from megatron_sp.parallel_state import ParallelState
 from megatron_sp.training.grad_sync import OverlappedGradSync, finalize_model_grads
-from megatron_sp.training.optimizer import DynamicLossScaler, clip_grads
+from megatron_sp.training.loss_scale import DynamicLossScaler
+from megatron_sp.training.optimizer import clip_grads
 
 
 class NonFiniteError(RuntimeError):
@@ -32,13 +36,6 @@ class StepResult:
     skipped: bool  # fp16 overflow or underflow: no update this step
     underflow: bool = False  # fp16: every gradient was zero (the loss scale was raised)
     timers: dict = field(default_factory=dict)  # seconds: forward-backward, grads-all-reduce, optimizer
-
-
-def autocast(device: str, dtype: Optional[torch.dtype]):
-    """bf16/fp16 compute with the fp32 parameters as master weights (no-op for fp32)."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device, dtype=dtype)
 
 
 def to_device(batch: dict, device: str) -> dict:
@@ -90,7 +87,7 @@ class _Stopwatch:
         self.times[name], self._last = now - self._last, now
 
 
-def _accumulate(model, data_iter, num_micro_batches, device, dtype, scale, grad_sync, per_token):
+def _accumulate(model, data_iter, num_micro_batches, device, scale, grad_sync, per_token):
     """Forward and backward of every micro-batch; returns (losses, token counts). Per-token loss:
     each backward is of the micro-batch's loss *sum* (rescaled by the global token count later)."""
     losses, counts = [], []
@@ -98,8 +95,7 @@ def _accumulate(model, data_iter, num_micro_batches, device, dtype, scale, grad_
         if grad_sync is not None and micro == num_micro_batches - 1:
             grad_sync.arm()  # DP all-reduces start during this backward
         batch = to_device(next(data_iter), device)
-        with autocast(device, dtype):
-            loss = forward_loss(model, batch)
+        loss = forward_loss(model, batch)
         count = token_count(batch).to(loss.device)
         weight = count if per_token else 1.0 / num_micro_batches
         (loss * (scale * weight)).backward()
@@ -116,7 +112,6 @@ def train_step(
     ps: ParallelState,
     *,
     device: str,
-    dtype,
     clip_grad: float,
     iteration: int,
     scaler: Optional[DynamicLossScaler] = None,
@@ -124,14 +119,15 @@ def train_step(
     per_token_loss: bool = False,
     empty_cache: bool = False,
 ) -> StepResult:
-    """Accumulates gradients over the micro-batches, syncs them, clips and steps.
+    """Accumulates gradients over the micro-batches (into optimizer.grad_buffers), syncs them, clips
+    and steps. scaler: a training/loss_scale.py scaler (fp16, --loss-scale), or None.
     per_token_loss (--calculate-per-token-loss): the loss is the global batch's token sum divided by
     its token count (over micro-batches and DP ranks), not the mean of the micro-batch means.
     empty_cache (--empty-unused-memory-level 2): empty the CUDA cache after the backward."""
     optimizer.zero_grad(set_to_none=True)
     watch = _Stopwatch(device)
     scale = scaler.scale if scaler is not None else 1.0
-    losses, counts = _accumulate(model, data_iter, num_micro_batches, device, dtype, scale, grad_sync, per_token_loss)
+    losses, counts = _accumulate(model, data_iter, num_micro_batches, device, scale, grad_sync, per_token_loss)
     if per_token_loss:
         tokens = max(sum_over_data_parallel(counts, ps, device), 1.0)
         loss_value = sum_over_data_parallel(losses, ps, device) / tokens
@@ -145,9 +141,9 @@ def train_step(
             f"the training loss is {loss_value} at iteration {iteration}; lower --lr, "
             f"check the data, or use --bf16 instead of --fp16."
         )
-    partition = getattr(optimizer, "partition", None)  # distributed optimizer: reduce to owners
-    finalize_model_grads(model, ps, grad_sync, partition)
-    params = [p for p in model.parameters() if p.grad is not None]  # (then only the owned ones)
+    partition = optimizer.partition  # distributed optimizer: reduce to owners
+    finalize_model_grads(model, ps, optimizer.grad_buffers, grad_sync, partition)
+    params = optimizer.prepare_grads()  # fp32 main weights with their gradients (only the owned ones)
     if per_token_loss and params:  # the DP average divided by dp size; the loss wants the token count
         torch._foreach_mul_([p.grad for p in params], ps.dp_size / tokens)
     watch.lap("grads-all-reduce")
@@ -180,7 +176,7 @@ def _update(optimizer, params, scaler, clip_grad, ps, partition, loss_value, ite
 
 @torch.no_grad()
 def evaluate(
-    model, data_iter, iters: int, num_micro_batches: int, ps: ParallelState, *, device: str, dtype, per_token_loss=False
+    model, data_iter, iters: int, num_micro_batches: int, ps: ParallelState, *, device: str, per_token_loss=False
 ) -> float:
     """Mean loss over `iters` global batches of the validation split (per token: over their tokens)."""
     model.eval()
@@ -188,8 +184,7 @@ def evaluate(
     try:
         for _ in range(iters * num_micro_batches):
             batch = to_device(next(data_iter), device)
-            with autocast(device, dtype):
-                loss = forward_loss(model, batch)
+            loss = forward_loss(model, batch)
             count = token_count(batch).to(loss.device)
             losses.append(loss * count if per_token_loss else loss)
             counts.append(count)

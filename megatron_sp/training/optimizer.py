@@ -1,80 +1,154 @@
-"""AdamW over this rank's shards, the true global gradient norm, clipping and fp16 loss scaling.
+"""AdamW on fp32 main weights of this rank's shards (Megatron's mixed-precision optimizer), the true
+global gradient norm and clipping.
+
+Megatron's meaning of --bf16 / --fp16: the model's parameters are bf16/fp16; the optimizer keeps an
+fp32 *main* copy of each and the AdamW moments in fp32, and steps those with the fp32 gradients that the
+gradient buffers accumulated (training/grad_buffers.py: `param.main_grad`); after the step the main
+weights are copied into the model. In fp32 the parameter is its own main weight. Bytes per parameter
+on a rank (r = DP × CP replicas; --grad-reduce-in-bf16 makes the gradient 2):
+
+                       weights  gradient  main + moments
+    fp32                  4        4          0 + 8        16        (distributed: 8 + 8/r)
+    bf16 / fp16           2        4         4 + 8        18        (distributed: 6 + 12/r)
 
 AdamW is elementwise, so stepping every shard with its own slice of the gradient is the serial
 update. What needs care is the gradient norm: each parameter must count once however it is sharded
 (TP-split: sum the squares over the TP group) or replicated (identical on the TP ranks and on the
 DP replicas: count one copy).
 
-Distributed optimizer (`--use-distributed-optimizer`, ZeRO-1): training/distributed_optimizer.py;
-here, the gradient norm then sums the squares each replica owns.
+Distributed optimizer (`--use-distributed-optimizer`, ZeRO-1): training/distributed_optimizer.py; a
+rank then holds main weights and moments only for the parameters it owns, and the gradient norm sums
+the squares each replica owns. fp16 loss scaling: training/loss_scale.py.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.distributed as dist
 
 from megatron_sp.parallel_state import ParallelState
 from megatron_sp.tensor_parallel.sharding import split_local
-from megatron_sp.training.distributed_optimizer import DistributedOptimizer, Partition, replica_group  # noqa: F401
+from megatron_sp.training.distributed_optimizer import ParamBroadcast, Partition, _NoParameters, replica_group
+from megatron_sp.training.grad_buffers import GradBuffers
+from megatron_sp.training.loss_scale import ConstantLossScaler, DynamicLossScaler, _collective_device  # noqa: F401
+
+_PARAM_ATTRS = ("shard_spec", "sequence_parallel", "init_tag")  # what the norm and the partial sums read
 
 # Megatron-LM's "embedding or output" parameters, which --decoupled-lr trains with an LR of their own.
 DECOUPLED = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def param_groups(model, weight_decay: float, decoupled: bool = False):
+def param_groups(named_params, weight_decay: float, decoupled: bool = False):
     """Weight decay on matrices only: no decay on biases and LayerNorm parameters (1-D tensors).
     decoupled: the word embedding and output layer in a group of their own ("decoupled": True)."""
     decay, no_decay, own = [], [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (own if decoupled and name in DECOUPLED else no_decay if p.dim() < 2 else decay).append(p)
+    for name, p in named_params:
+        (own if decoupled and name in DECOUPLED else no_decay if p.dim() < 2 else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if own:
         groups.append({"params": own, "weight_decay": weight_decay, "decoupled": True})
     return groups
 
 
-def build_optimizer(model, args, device: str, ps: ParallelState | None = None):
-    """AdamW; apex's FusedAdam (decoupled weight decay) when apex is installed and we run on CUDA.
-    With args.use_distributed_optimizer and replicas (ps), the moments are sharded over them."""
-    groups = param_groups(model, args.weight_decay, decoupled=getattr(args, "decoupled_lr", None) is not None)
+def _main_weight(p: torch.Tensor) -> torch.Tensor:
+    """p itself in fp32; an fp32 copy carrying p's sharding attributes otherwise."""
+    if p.dtype == torch.float32:
+        return p
+    main = p.detach().float()
+    for name in _PARAM_ATTRS:
+        if hasattr(p, name):
+            setattr(main, name, getattr(p, name))
+    return main
+
+
+class MixedPrecisionOptimizer:
+    """AdamW (`optim`, made by `make_optimizer(groups)`) over the fp32 main weights of the parameters
+    this rank steps: all of them, or with a distributed optimizer's `partition` the ones it owns.
+
+    Per step: zero_grad() (the gradient buffers), backward, grad sync (training/grad_sync.py), then
+    prepare_grads() -> the main weights, each with `.grad` its gradient in fp32 (clip and unscale
+    those), step() -> AdamW, main weights copied into the model, owners broadcast (distributed).
+    """
+
+    def __init__(
+        self, model, buffers: GradBuffers, make_optimizer, weight_decay: float, partition=None, decoupled=False
+    ):
+        self.grad_buffers, self.partition = buffers, partition
+        self.broadcast = ParamBroadcast(partition) if partition is not None else None
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.pairs = [(p, _main_weight(p)) for p in params if partition is None or partition.mine(p)]
+        self._names = {id(p): n for n, p in model.named_parameters()}
+        named = [(self._names[id(p)], m) for p, m in self.pairs]
+        groups = [g for g in param_groups(named, weight_decay, decoupled) if g["params"]]
+        self.optim = make_optimizer(groups) if groups else _NoParameters()
+
+    @property
+    def param_groups(self):
+        return self.optim.param_groups
+
+    @property
+    def state(self):
+        return self.optim.state
+
+    def main_params(self) -> dict:
+        """{parameter name: fp32 main weight} of the parameters this rank steps (checkpoints save these)."""
+        return {self._names[id(p)]: main for p, main in self.pairs}
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.grad_buffers.zero()
+        for p, main in self.pairs:
+            main.grad = None
+
+    def prepare_grads(self) -> list:
+        """The main weights with `.grad` = their reduced gradient (a view of the buffer in fp32, an fp32
+        copy of a bf16 buffer)."""
+        for p, main in self.pairs:
+            main.grad = p.main_grad if p.main_grad.dtype == main.dtype else p.main_grad.float()
+        return [main for _, main in self.pairs]
+
+    @torch.no_grad()
+    def step(self):
+        self.optim.step()
+        copies = [(p, main) for p, main in self.pairs if main is not p]
+        if copies:
+            torch._foreach_copy_([p for p, _ in copies], [main for _, main in copies])
+        for _, main in self.pairs:
+            main.grad = None  # (a parameter that is its own main weight must not keep a buffer view as .grad)
+        if self.broadcast is not None:
+            self.broadcast.broadcast()
+
+
+def _adamw(args, device: str, distributed: bool):
+    """The torch optimizer factory: apex's FusedAdam (decoupled weight decay) when apex is installed and
+    we run on CUDA, else torch's fused (CUDA) or foreach AdamW."""
     kw = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
-    if ps is not None and getattr(args, "use_distributed_optimizer", False) and replica_group(ps) is not None:
-        extra = {"fused": True} if device == "cuda" else {"foreach": True}
-        return DistributedOptimizer(
-            groups,
-            Partition([p for p in model.parameters() if p.requires_grad], ps),
-            lambda local: torch.optim.AdamW(local, **kw, **extra),
-        )
-    if device == "cuda":
+    if device == "cuda" and not distributed:
         try:
             from apex.optimizers import FusedAdam  # type: ignore
 
-            return FusedAdam(groups, adam_w_mode=True, **kw)
+            return lambda groups: FusedAdam(groups, adam_w_mode=True, **kw)
         except ImportError:
-            return torch.optim.AdamW(groups, fused=True, **kw)
-    return torch.optim.AdamW(groups, foreach=True, **kw)
+            pass
+    extra = {"fused": True} if device == "cuda" else {"foreach": True}
+    return lambda groups: torch.optim.AdamW(groups, **kw, **extra)
+
+
+def build_optimizer(model, args, device: str, ps: ParallelState | None = None) -> MixedPrecisionOptimizer:
+    """The run's optimizer and gradient buffers (fp32, or bf16 with args.grad_reduce_in_bf16). With
+    args.use_distributed_optimizer and replicas (ps), main weights and moments are sharded over them."""
+    distributed = ps is not None and getattr(args, "use_distributed_optimizer", False) and replica_group(ps) is not None
+    partition = Partition([p for p in model.parameters() if p.requires_grad], ps) if distributed else None
+    grad_dtype = torch.bfloat16 if getattr(args, "grad_reduce_in_bf16", False) else torch.float32
+    buffers = GradBuffers(model, dtype=grad_dtype, owner=partition.owner if partition is not None else None)
+    decoupled = getattr(args, "decoupled_lr", None) is not None
+    return MixedPrecisionOptimizer(
+        model, buffers, _adamw(args, device, distributed), args.weight_decay, partition, decoupled
+    )
 
 
 def local_optimizer(optimizer):
-    """The optimizer that holds this rank's AdamW state (a DistributedOptimizer's own one)."""
+    """The torch optimizer that holds this rank's AdamW state."""
     return getattr(optimizer, "optim", optimizer)
-
-
-def owned_parameters(optimizer) -> set:
-    """ids of the parameters whose AdamW state this rank holds (all of them unless distributed)."""
-    return {id(p) for g in local_optimizer(optimizer).param_groups for p in g["params"]}
-
-
-def _collective_device():
-    """Where a rank with no gradients of its own (distributed optimizer) puts its share: NCCL
-    reduces only CUDA tensors."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _sum_of_squares(grads, device) -> torch.Tensor:
@@ -96,9 +170,10 @@ def global_param_norm(params, ps: ParallelState) -> float:
 
 
 def count_zero_grads(params, ps: ParallelState, partition: Partition | None = None) -> int:
-    """Zero elements of the full (serial) gradient, each parameter counted once (--log-num-zeros-in-grad)."""
-    grads = [p for p in params if p.grad is not None]
-    return int(_global_sum(grads, lambda p: p.grad.detach(), _count_zeros, ps, partition).item())
+    """Zero elements of the full (serial) gradient, each parameter counted once (--log-num-zeros-in-grad):
+    the model's parameters, whose reduced gradients are their `main_grad` buffers until the next step."""
+    grads = [p for p in params if getattr(p, "main_grad", None) is not None]
+    return int(_global_sum(grads, lambda p: p.main_grad.detach(), _count_zeros, ps, partition).item())
 
 
 def _count_zeros(tensors, device) -> torch.Tensor:
@@ -140,70 +215,3 @@ def clip_grads(params, max_norm: float, ps: ParallelState, partition: Partition 
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_([p.grad for p in params], coef)
     return norm.item()
-
-
-class DynamicLossScaler:
-    """fp16 loss scaling: multiply the loss, skip steps whose gradients overflow (on any rank) and
-    halve the scale; double it after `growth_interval` clean steps.
-
-    Underflow is the opposite failure: with a scale too small (a tiny --initial-loss-scale) every
-    fp16 gradient rounds to zero and AdamW would "train" on zeros without any error. A step whose
-    unscaled gradient norm is exactly 0 is skipped and the scale multiplied by `underflow_growth`;
-    if gradients are still all zero at `max_scale`, `update` says "no_gradient" and the caller
-    stops the run (the model then produces no gradient at any usable scale). A scale below
-    `min_scale` only shrinks gradients (some still round to zero), so clean steps raise it by
-    `underflow_growth` too until it reaches `min_scale`; above it the usual rules apply.
-    """
-
-    def __init__(
-        self,
-        initial_scale: float = 2.0**16,
-        growth_interval: int = 1000,
-        min_scale: float = 1.0,
-        underflow_growth: float = 2.0**8,
-        max_scale: float = 2.0**24,
-    ):
-        if not (initial_scale > 0 and math.isfinite(initial_scale)):
-            raise ValueError(f"the initial loss scale must be positive and finite, got {initial_scale}.")
-        self.scale, self.growth_interval, self.min_scale = initial_scale, growth_interval, min_scale
-        self.underflow_growth, self.max_scale = underflow_growth, max_scale
-        self._clean_steps = 0
-
-    def unscale_and_check(self, params) -> bool:
-        """Divides gradients by the scale; True when every rank's gradients are finite. An overflow
-        halves the scale here; a finite step is judged by `update` once the gradient norm is known."""
-        grads = [p.grad for p in params if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, 1.0 / self.scale)
-        bad = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else _collective_device())
-        for g in grads:
-            bad += (~torch.isfinite(g)).any().float()
-        if dist.is_initialized():
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        finite = bad.item() == 0
-        if not finite:
-            self.scale = max(self.scale / 2.0, self.min_scale)
-            self._clean_steps = 0
-        return finite
-
-    def update(self, grad_norm: float) -> str:
-        """After a finite step: "ok" (apply it), "underflow" (all gradients zero: skip it, the scale
-        was raised) or "no_gradient" (still all zero at max_scale: stop)."""
-        if grad_norm == 0.0:
-            self._clean_steps = 0
-            if self.scale >= self.max_scale:
-                return "no_gradient"
-            self.scale = min(self.scale * self.underflow_growth, self.max_scale)
-            return "underflow"
-        self._clean_steps += 1
-        if self.scale < self.min_scale:
-            self.scale = min(self.scale * self.underflow_growth, self.min_scale)
-        elif self._clean_steps % self.growth_interval == 0:
-            self.scale *= 2.0
-        return "ok"
-
-    def state_dict(self):
-        return {"scale": self.scale, "clean_steps": self._clean_steps}
-
-    def load_state_dict(self, state):
-        self.scale, self._clean_steps = state["scale"], state["clean_steps"]

@@ -27,11 +27,8 @@ from megatron_sp.training.config_flags import config_kwargs
 from megatron_sp.training.grad_sync import OverlappedGradSync
 from megatron_sp.training.logger import TrainingLogger
 from megatron_sp.training.loop import GradientUnderflowError, NonFiniteError, evaluate, train_step
-from megatron_sp.training.optimizer import (
-    DynamicLossScaler,
-    build_optimizer,
-    local_optimizer,
-)
+from megatron_sp.training.loss_scale import build_loss_scaler
+from megatron_sp.training.optimizer import build_optimizer, local_optimizer
 from megatron_sp.training.runtime import Runtime
 from megatron_sp.training.schedules import LRSchedule
 from megatron_sp.training.throughput import peak_tflops
@@ -94,8 +91,9 @@ def check_inputs(argv) -> Setup:
 
 
 def build_config(args, vocab_size: int) -> GPTConfig:
-    """The model the command line describes (every GPTConfig field with flags; see config.py)."""
-    return GPTConfig(vocab_size=vocab_size, **config_kwargs(args))
+    """The model the command line describes (every GPTConfig field with flags, and the parameters'
+    dtype from --bf16 / --fp16; see config.py)."""
+    return GPTConfig(vocab_size=vocab_size, params_dtype=args.params_dtype, **config_kwargs(args))
 
 
 def build_data(setup: Setup, ps):
@@ -215,14 +213,13 @@ class Trainer:
         self.log = TrainingLogger(
             args, enabled=torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True
         )
-        self.dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
         from megatron_sp.models.gpt import GPTModel
 
-        self.model = GPTModel(self.cfg, self.ps).to(args.device)
+        self.model = GPTModel(self.cfg, self.ps, device=args.device)  # (on meta, then this rank's shards)
         self.optimizer = build_optimizer(self.model, args, args.device, self.ps)
-        self.scaler = DynamicLossScaler(args.initial_loss_scale) if args.fp16 else None
+        self.scaler = build_loss_scaler(args)
         self.grad_sync = (
-            OverlappedGradSync(self.model, self.ps, partition=getattr(self.optimizer, "partition", None))
+            OverlappedGradSync(self.optimizer.grad_buffers, self.ps, partition=self.optimizer.partition)
             if args.overlap_grad_reduce and self.ps.dp_size * self.ps.cp_size > 1
             else None
         )
@@ -244,8 +241,10 @@ class Trainer:
     def _checkpoint_states(self) -> dict:
         """What a checkpoint of this run holds (megatron_sp/checkpointing/states.py)."""
         return {
-            "model": checkpointing.ModelState(self.model, self.ps),
-            "optim": checkpointing.OptimizerState(local_optimizer(self.optimizer), self.model, self.ps),
+            "model": checkpointing.ModelState(self.model, self.ps, self.optimizer.main_params()),
+            "optim": checkpointing.OptimizerState(
+                local_optimizer(self.optimizer), self.model, self.ps, self.optimizer.main_params()
+            ),
             "train_state": self.state,
             "loss_scale": self.scaler,  # None without --fp16
             "rng": checkpointing.RNGState(),
@@ -366,7 +365,6 @@ class Trainer:
             batch // (args.micro_batch_size * args.data_parallel_size),
             self.ps,
             device=args.device,
-            dtype=self.dtype,
             clip_grad=args.clip_grad,
             iteration=state.iteration + 1,
             scaler=self.scaler,
@@ -400,7 +398,6 @@ class Trainer:
             args.num_micro_batches,
             self.ps,
             device=args.device,
-            dtype=self.dtype,
             per_token_loss=args.calculate_per_token_loss,
         )
         self.state.consumed_valid_samples += args.eval_iters * args.global_batch_size

@@ -28,16 +28,23 @@ def record(trainer, result, lr, batch, elapsed) -> dict:
         "peak_tflops": trainer.peak,
         "loss_scale": trainer.scaler.scale if trainer.scaler else None,
         "params_norm": global_param_norm(params, trainer.ps) if args.log_params_norm else None,
-        "num_zeros": count_zero_grads(params, trainer.ps, partition) if args.log_num_zeros_in_grad else None,
+        "num_zeros": count_zero_grads(_stepped(params, partition), trainer.ps, partition)
+        if args.log_num_zeros_in_grad
+        else None,
         "timers": result.timers,
         "memory": trainer.runtime.memory() if args.log_memory_to_tensorboard else None,
         **throughput(trainer.cfg.flops_per_token(), batch * args.seq_length, elapsed, args.world_size, trainer.peak),
     }
 
 
+def _stepped(params, partition) -> list:
+    """The parameters whose gradients this rank stepped (a distributed optimizer's: the ones it owns)."""
+    return [p for p in params if partition is None or partition.mine(p)]
+
+
 def _optimizer_words(trainer) -> str:
     replicas = trainer.ps.dp_size * trainer.ps.cp_size
-    if local_optimizer(trainer.optimizer) is trainer.optimizer:
+    if trainer.optimizer.partition is None:
         return "AdamW"
     mine = sum(p.numel() for g in local_optimizer(trainer.optimizer).param_groups for p in g["params"])
     total = sum(p.numel() for p in trainer.model.parameters())

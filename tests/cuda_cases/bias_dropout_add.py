@@ -96,6 +96,27 @@ def binding_case(target, shape, offset, dtype):
     )
 
 
+def fp32_residual_case(target, shape, offset, dtype):
+    """--fp32-residual-connection: x, bias in bf16/fp16, the residual and the output fp32; the backward
+    reads an fp32 gradient and writes grad_x in x's dtype. Bit for bit the CPU kernel."""
+    s, b, h = shape
+    gen = torch.Generator().manual_seed(s * 7 + h)
+    x, bias = torch.randn(shape, generator=gen).to(dtype), torch.randn(h, generator=gen).to(dtype)
+    res, grad = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    index = random_index(s, b, generator=gen)
+    args = (index.token_positions, index.sample_ids, 0.3, 5, 2, 1, offset)
+    args_on = (target.put(index.token_positions), target.put(index.sample_ids), *args[2:])
+    out = cpu(target.ops.bias_dropout_add_fwd(target.put(x), target.put(bias), target.put(res), *args_on))
+    assert out.dtype == torch.float32
+    assert torch.equal(out, CPU_OPS.bias_dropout_add_fwd(x, bias, res, *args))
+    gx, gb = map(cpu, target.ops.bias_dropout_add_bwd(target.put(grad), *args_on, True, dtype))
+    gx_cpu, gb_cpu = CPU_OPS.bias_dropout_add_bwd(grad, *args, True, dtype)
+    assert gx.dtype == dtype and torch.equal(gx, gx_cpu)
+    torch.testing.assert_close(gb, gb_cpu, rtol=1e-5, atol=1e-4 * (s * b) ** 0.5)
+    opcheck(target.ops.bias_dropout_add_fwd, (target.put(x), target.put(bias), target.put(res), *args_on))
+    opcheck(target.ops.bias_dropout_add_bwd, (target.put(grad), *args_on, True, dtype))
+
+
 def cases() -> list:
     out = []
     # [s, b, h], feature offset, SMs: vector path (h % 8 == 0, offset % 4 == 0) with long grid-stride
@@ -121,4 +142,7 @@ def cases() -> list:
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         out.append(Case(f"binding-bda-{DTYPE_NAME[dtype]}", binding_case, ((9, 2, 64), 4, dtype)))
         out.append(Case(f"binding-bda-odd-{DTYPE_NAME[dtype]}", binding_case, ((5, 3, 7), 3, dtype), sms=132))
+    for dtype in (torch.bfloat16, torch.float16):  # vector path, and the scalar fallback
+        out.append(Case(f"bda-fp32-residual-{DTYPE_NAME[dtype]}", fp32_residual_case, ((16, 2, 64), 0, dtype)))
+        out.append(Case(f"bda-fp32-residual-odd-{DTYPE_NAME[dtype]}", fp32_residual_case, ((5, 3, 7), 3, dtype)))
     return out

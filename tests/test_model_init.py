@@ -1,0 +1,81 @@
+"""Initialisation by shard (models/init.py): every element is a pure function of (seed, name, index in
+the full tensor), so a rank draws exactly its shard and the shards of any TP size make up the serial
+tensor bit for bit; the draws are standard normals. (test_parity.py checks the whole model: GPTModel
+at TP 1/2/4 starts equal to ReferenceGPT.)"""
+
+import pytest
+import torch
+
+from megatron_sp.config import GPTConfig
+from megatron_sp.models import init
+from megatron_sp.tensor_parallel.sharding import ShardSpec, local_dim_size, shard_full
+
+CFG = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=97, seq_length=32)
+
+
+def test_a_slice_of_lines_is_the_slice_of_the_whole_draw():
+    """Lines drawn alone, in runs or all at once, of any length: the same bits (no element depends on
+    the call that draws it)."""
+    whole = init.normal_lines("layers.0.mlp.fc1.weight", 1234, 0, 37, 131)
+    assert torch.equal(
+        torch.cat([init.normal_lines("layers.0.mlp.fc1.weight", 1234, i, 1, 131) for i in range(37)]), whole
+    )
+    assert torch.equal(init.normal_lines("layers.0.mlp.fc1.weight", 1234, 5, 9, 131), whole[5:14])
+    assert torch.equal(init.normal_lines("layers.0.mlp.fc1.weight", 1234, 3, 4, 7), whole[3:7, :7])
+
+
+def test_draws_are_standard_normals_and_keyed_by_seed_name_and_line():
+    z = init.normal_lines("w", 1, 0, 256, 4096).double()
+    assert abs(z.mean().item()) < 5e-3 and abs(z.std().item() - 1.0) < 5e-3
+    assert abs((z**4).mean().item() - 3.0) < 0.05  # a normal's kurtosis
+    lanes = z.view(256, -1, 4)  # cos and sin of one angle: uncorrelated
+    assert abs((lanes[..., 0] * lanes[..., 1]).mean().item()) < 5e-3
+    others = [init.normal_lines("w", 2, 0, 1, 64), init.normal_lines("v", 1, 0, 1, 64), z[1:2, :64].float()]
+    for other in others:
+        assert not torch.equal(other, z[:1, :64].float())
+
+
+# (name, full shape, tag, ShardSpec as the layers build it)
+PARAMS = [
+    ("embedding.word_embeddings.weight", (97, 64), "normal", ShardSpec(0, full=97)),  # padded vocab rows
+    ("layers.0.attn.qkv.weight", (192, 64), "normal", ShardSpec(0, (128, 32, 32), (4, 1, 1))),  # GQA copies
+    ("layers.0.attn.proj.weight", (64, 128), "scaled_normal", ShardSpec(1)),  # columns
+    ("layers.0.mlp.fc1.weight", (256, 64), "normal", ShardSpec(0, (128, 128))),  # SwiGLU halves
+    ("embedding.position_embeddings.weight", (32, 64), "normal", ShardSpec()),  # replicated
+    ("layers.0.ln1.weight", (64,), "ones", ShardSpec()),
+]
+
+
+def _local_shape(full_shape, spec, tp):
+    if spec.dim is None:
+        return full_shape
+    shape = list(full_shape)
+    padded = -(-full_shape[spec.dim] // (128 * tp)) * 128 * tp if spec.full is not None else full_shape[spec.dim]
+    shape[spec.dim] = local_dim_size(spec, padded, tp)
+    return tuple(shape)
+
+
+@pytest.mark.parametrize("name,full_shape,tag,spec", PARAMS)
+def test_each_rank_draws_exactly_its_shard(monkeypatch, name, full_shape, tag, spec):
+    """At TP 2 and 4 every rank's shard is the slice of the serial tensor (its padded rows zero),
+    drawing only the lines it holds (never the whole tensor)."""
+    serial = init.initialise_(torch.empty(full_shape), name, tag, spec, CFG)
+    drawn = []
+    real = init.normal_lines
+    monkeypatch.setattr(init, "normal_lines", lambda *a: drawn.append(a[3] * a[4]) or real(*a))
+    for tp in (2, 4):
+        local_shape = _local_shape(full_shape, spec, tp)
+        for rank in range(tp):
+            drawn.clear()
+            shard = init.initialise_(torch.empty(local_shape), name, tag, spec, CFG, rank, tp)
+            assert torch.equal(shard, shard_full(serial, spec, local_shape, rank, tp)), (tp, rank)
+            assert sum(drawn) <= shard.numel(), (tp, rank, sum(drawn), shard.numel())
+
+
+def test_shards_gather_back_to_the_serial_tensor_in_low_precision():
+    """bf16 parameters hold the fp32 draw rounded once; the gathered TP=4 shards equal the serial one."""
+    name, full_shape, tag, spec = PARAMS[2]
+    serial = init.initialise_(torch.empty(full_shape, dtype=torch.bfloat16), name, tag, spec, CFG)
+    assert torch.equal(serial, init.initialise_(torch.empty(full_shape), name, tag, spec, CFG).bfloat16())
+    shards = [init.initialise_(torch.empty(64, 32, dtype=torch.bfloat16), name, tag, spec, CFG, r, 4) for r in range(4)]
+    assert torch.equal(torch.cat(shards, dim=1), serial)
