@@ -183,7 +183,7 @@ def _precision_args(p):
     g.add_argument(
         "--accumulate-allreduce-grads-in-fp32",
         action="store_true",
-        help="accepted: gradients are accumulated and reduced in fp32 unless --grad-reduce-in-bf16",
+        help="the default: gradients are accumulated and reduced in fp32 unless --grad-reduce-in-bf16",
     )
     g.add_argument(
         "--grad-reduce-in-bf16",
@@ -193,7 +193,7 @@ def _precision_args(p):
     g.add_argument(
         "--init-model-with-meta-device",
         action="store_true",
-        help="accepted: the model is always built on the meta device, each rank drawing only its shard",
+        help="the default: the model is built on the meta device, each rank drawing only its shard",
     )
 
 
