@@ -10,7 +10,8 @@ bench/activation_memory.py's measurement by tests/test_plan.py):
     norm statistics (fp32)            2 k s b S  (k: LayerNorm 2, RMSNorm 1)  -
     QKV and FC1 GEMM inputs           2 s b h S                    4sbh
     the QKV output (q, k, v views)    s b (n + 2g) d / t           6sbh/t
-    RoPE: rotated q, k + cos/sin      s b (n + g) d / t + 4 b s r  -
+    RoPE: rotated q, k + cos/sin      s b (n + g) d / t + 4 b s r  -  (CP: the core's q, k, v are
+                                                                    copies: no second q, k)
     attention output (proj input)     s b n d / t                  2sbh/t
     logsumexp (fp32)                  b n s / t                    (no 5as^2b/t: flash/blockwise)
     MLP: GELU in + out                2 s b f / t                  16sbh/t
@@ -75,6 +76,7 @@ class LayerShape:
     rmsnorm: bool = False
     rope_dim: int = 0  # channels RoPE rotates (0: no RoPE)
     masks: bool = False  # dropout masks saved (dropout on and the reference ops)
+    cp: bool = False  # context parallel: the core saves its own q, k, v (not views of the QKV output)
     act_bytes: int = FP32  # bytes per activation element
 
     @classmethod
@@ -94,6 +96,7 @@ class LayerShape:
             rope_dim=cfg.rotary_dim if cfg.position_embedding_type == "rope" else 0,
             masks=(cfg.hidden_dropout > 0 or cfg.attention_dropout > 0) and not cfg.use_fused_kernels,
             act_bytes=act_bytes,
+            cp=cfg.context_parallel_size > 1,
         )
 
     @property
@@ -118,8 +121,9 @@ def layer_terms(x: LayerShape, selective: bool = False):
         ("QKV + FC1 GEMM inputs", 2 * e * sp_tokens * x.h),
         ("QKV output (q, k, v)", e * sb * (nq + 2 * nkv) * x.d),
     ]
-    if x.rope_dim:
-        terms.append(("RoPE: rotated q, k; cos, sin", e * sb * (nq + nkv) * x.d + 4 * e * sb * x.rope_dim))
+    if x.rope_dim:  # under CP the rotated q, k are the core's own copies (counted above)
+        rotated = 0 if x.cp else e * sb * (nq + nkv) * x.d
+        terms.append(("RoPE: rotated q, k; cos, sin", rotated + 4 * e * sb * x.rope_dim))
     terms.append(("attention output", e * sb * nq * x.d))
     if not selective:
         terms.append(("attention logsumexp (fp32)", FP32 * sb * nq))
