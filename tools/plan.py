@@ -61,6 +61,13 @@ def build_plan_parser():
     g.add_argument("--mfu", type=float, default=0.4, help="fraction of the peak the model's FLOPs reach")
     g.add_argument("--nvlink-gbps", type=float, default=360.0, help="GB/s per GPU within a node (bus bandwidth)")
     g.add_argument("--ib-gbps", type=float, default=45.0, help="GB/s per GPU across nodes (one 400 Gb/s NIC)")
+    g.add_argument(
+        "--mixed-precision",
+        choices=["auto", "autocast", "megatron"],
+        default="auto",
+        help="what --bf16/--fp16 mean: autocast over fp32 weights (today), megatron (bf16 weights, fp32 main "
+        "weights and grads); auto: megatron once the program offers --grad-reduce-in-bf16",
+    )
     g.add_argument("--top", type=int, default=10, help="layouts printed")
     g.add_argument(
         "--largest-llama", action="store_true", help="the largest Llama of a ladder that fits, before/after FSDP2"
@@ -154,7 +161,10 @@ def precision_of(args, offered: set) -> mem.Precision:
     """Today --bf16 / --fp16 autocast over fp32 weights; once the program offers
     --grad-reduce-in-bf16 (Megatron's mixed precision), bf16 weights and fp32 main weights."""
     mode = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-    return mem.precision(mode, "--grad-reduce-in-bf16" in offered, getattr(args, "grad_reduce_in_bf16", False))
+    megatron = args.mixed_precision == "megatron" or (
+        args.mixed_precision == "auto" and "--grad-reduce-in-bf16" in offered
+    )
+    return mem.precision(mode, megatron, getattr(args, "grad_reduce_in_bf16", False))
 
 
 def cluster_of(args) -> cost.Cluster:
@@ -230,7 +240,7 @@ HEADERS = [
 
 def table(headers, rows) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
-    fmt = "  ".join(f"{{:<{w}}}" if i == 1 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    fmt = "  ".join(f"{{:<{w}}}" if i <= 1 else f"{{:>{w}}}" for i, w in enumerate(widths))
     return "\n".join(
         [fmt.format(*headers), "  ".join("-" * w for w in widths)] + [fmt.format(*map(str, r)) for r in rows]
     )
@@ -240,7 +250,7 @@ def report(args, base, prec, cluster, fits, too_big) -> None:
     cfg = GPTConfig(**dict(base, tensor_model_parallel_size=1, context_parallel_size=1, sequence_parallel=False))
     print(
         f"model: {cfg.model}, {cfg.num_parameters() / 1e9:.2f} B parameters, seq {cfg.seq_length}, micro batch "
-        f"{args.micro_batch_size}, global batch {args.global_batch_size or 'micro x dp'}; precision {prec.name} "
+        f"{args.micro_batch_size}, global batch {args.global_batch_size}; precision {prec.name} "
         f"({prec.weight}+{prec.grad}+{prec.optimizer} B/param)"
     )
     print(
@@ -313,14 +323,31 @@ def largest_llama(args, base, prec, cluster, fixed) -> None:
             row += [f"{fits[0].layout.describe()} ({_gib(fits[0].memory.total)} GiB)" if fits else "does not fit"]
         rows.append(row)
     print(
-        f"Llama ladder on {cluster.gpus} x {cluster.gpu_memory_gib:g} GiB GPUs, seq {base['seq_length']}, precision "
-        f"{prec.name}, pp = 1; fastest fitting layout:"
+        f"Llama ladder on {cluster.gpus} x {cluster.gpu_memory_gib:g} GiB GPUs, seq {base['seq_length']}, global batch "
+        f"{args.global_batch_size} x micro {args.micro_batch_size}, precision {prec.name}, pp = 1; fastest fitting layout:"
     )
     print(table(["model", "B params", "before: replicated weights (+ distributed optimizer)", "after: FSDP2"], rows))
 
 
+def paper_table() -> None:
+    from megatron_sp.planning.activations import paper_table as rows
+
+    table_rows = rows()
+    keys = [k for k in table_rows[0] if k not in ("model", "s", "b", "h", "a", "t", "layers")]
+    print("Korthikanti et al. 2022, Table 2 (16-bit, s=2048, b=1, t=8): activations per GPU, GiB for all layers")
+    print(
+        table(
+            ["configuration"] + [f"{r['model']} ({r['layers']} L)" for r in table_rows],
+            [[k] + [f"{r[k] * r['layers'] / mem.GIB:.1f}" for r in table_rows] for k in keys],
+        )
+    )
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "--paper-table" in argv:  # needs no model
+        paper_table()
+        return 0
     parser, offered = build_plan_parser()
     try:
         args = parser.parse_args(argv)
@@ -330,6 +357,8 @@ def main(argv=None) -> int:
     except ArgumentError as err:
         print(f"tools/plan.py: error: {err}", file=sys.stderr)
         return 2
+    if args.global_batch_size is None:  # the same tokens per step for every layout
+        args.global_batch_size = args.gpus * args.micro_batch_size
     prec, cluster, fixed = precision_of(args, offered), cluster_of(args), fixed_dimensions(args, given)
     if args.largest_llama:
         largest_llama(args, base, prec, cluster, fixed)
