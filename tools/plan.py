@@ -324,7 +324,8 @@ def largest_llama(args, base, prec, cluster, fixed) -> None:
         rows.append(row)
     print(
         f"Llama ladder on {cluster.gpus} x {cluster.gpu_memory_gib:g} GiB GPUs, seq {base['seq_length']}, global batch "
-        f"{args.global_batch_size} x micro {args.micro_batch_size}, precision {prec.name}, pp = 1; fastest fitting layout:"
+        f"{args.global_batch_size} x micro {args.micro_batch_size}, precision {prec.name}, pp = 1; "
+        "fastest fitting layout:"
     )
     print(table(["model", "B params", "before: replicated weights (+ distributed optimizer)", "after: FSDP2"], rows))
 
