@@ -11,6 +11,7 @@
 import pytest
 import torch
 from activation_memory import SavedTensorCounter
+from comm_volume import CollectiveCounter
 
 from megatron_sp.config import GPTConfig
 from megatron_sp.planning import activations as act
@@ -88,9 +89,10 @@ def _measure(argv):
     masters = [p for g in opt.param_groups for p in g["params"] if id(p) not in own]
     model.zero_grad(set_to_none=True)
     batch = loop.to_device(next(batches), "cpu")
-    with SavedTensorCounter(model) as counter, loop.autocast("cpu", trainer.dtype):
-        loss = loop.forward_loss(model, batch)
-    loss.backward()
+    with CollectiveCounter() as sent:
+        with SavedTensorCounter(model) as counter, loop.autocast("cpu", trainer.dtype):
+            loss = loop.forward_loss(model, batch)
+        loss.backward()
     grads = [p.grad for p in model.parameters()] + [getattr(p, "main_grad", None) for p in model.parameters()]
     group = replica_group(ps)
     return dict(
@@ -99,6 +101,10 @@ def _measure(argv):
         optimizer=_tensor_bytes(state + masters),
         replica=dist.get_rank(group) if group is not None else 0,
         saved=counter.total(),
+        sent={
+            kind: sum(c["sent"] for c in sent.calls if c["t"] == size)
+            for kind, size in (("tp", ps.tp_size), ("cp", ps.cp_size))
+        },
         cfg=trainer.cfg,
         dp=ps.dp_size,
         shapes=[tuple(p.shape) for p in model.parameters()],
@@ -144,6 +150,20 @@ def test_states_per_rank_are_the_tensor_bytes(measured, layout):
             shapes, prec, weights, grads, opt = _predict(rank, argv)
             assert shapes == rank["shapes"], (mode, "parameter shapes")
             assert (rank["weights"], rank["grads"], rank["optimizer"]) == (weights, grads, opt), (mode, prec.name)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_tp_and_cp_bytes_sent_are_the_collectives(measured, layout):
+    from megatron_sp.planning import cost
+    from megatron_sp.planning.layouts import Layout
+
+    for rank in measured[layout, "fp32"]:
+        cfg = rank["cfg"]
+        shapes, prec, *_ = _predict(rank, TINY + LAYOUTS[layout])
+        grid = Layout(cfg.tensor_model_parallel_size, cfg.context_parallel_size, rank["dp"], 1, cfg.sequence_parallel,
+                      None, "replicated")  # fmt: skip
+        predicted = cost.communication(cfg, grid, prec, 2, 1, sum(mem.numel(s) for s in shapes))
+        assert rank["sent"] == {"tp": predicted.tp, "cp": predicted.cp}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

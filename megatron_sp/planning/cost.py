@@ -6,8 +6,11 @@ Per layer and micro-batch, N = act_bytes * (s/c) b h (bench/comm_volume.py measu
     TP        4 all-reduces                       (2 forward, 2 backward)
     TP + SP   6 all-gathers + 4 reduce-scatters   (the backward gathers the GEMM inputs again)
     full recomputation repeats the forward's: + 2 all-reduces / + 2 AG + 2 RS
-    CP p2p    (c-1) sends of the rank's K, V forward, K, V and dK, dV backward (3 (c-1) KV)
+    CP p2p    K, V sent c-1 times forward and again backward, dK, dV (fp32) c times on their way home
     CP a2a    q, k, v, out forward and their gradients backward: 8 all-to-alls of (s/c) b heads d
+    head      embedding + logits GEMM: 2 all-reduces (SP: 5 AG/RS), cross entropy: 3 fp32 all-reduces
+              of the rank's tokens; CP: the loss sum and count (two fp32 all-reduces)
+(tests/test_plan.py checks TP and CP bytes against the collectives of one forward + backward.)
 Per step: DP x CP gradient all-reduce (distributed optimizer: reduce + broadcast, the same bytes;
 Megatron's: reduce-scatter grads + all-gather weights); FSDP2: per micro-batch, the weights
 gathered twice (forward, backward) and the gradients reduce-scattered; pipeline: one activation
@@ -26,6 +29,8 @@ over NVLink when a group fits in a node, InfiniBand (per GPU) when it spans node
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+FP32 = 4
 
 
 @dataclass(frozen=True)
@@ -64,11 +69,18 @@ def cp_bytes_per_layer(cfg, micro_batch: int, act_bytes: int) -> float:
     tokens = cfg.seq_length // c * micro_batch
     g = cfg.num_query_groups // t if cfg.num_query_groups >= t else 1
     nq = cfg.num_attention_heads // t
-    if cfg.cp_comm_type == "p2p":
-        kv = 2 * act_bytes * tokens * g * cfg.kv_channels
-        return 3 * (c - 1) * kv
+    if cfg.cp_comm_type == "p2p":  # K, V around the ring twice; dK, dV (fp32) home in c steps
+        kv = 2 * tokens * g * cfg.kv_channels
+        return (2 * (c - 1) * act_bytes + c * FP32) * kv
     qkvo = act_bytes * tokens * (2 * nq + 2 * g) * cfg.kv_channels
     return 2 * ring("all_to_all", c, qkvo)
+
+
+def _head_bytes(t: int, sp: bool, n_bytes: float, tokens: int) -> float:
+    """Embedding and logits GEMM (SP: RS + AG, and AG + RS + the backward's re-gather), plus the
+    vocab-parallel cross entropy's three fp32 all-reduces over the tokens."""
+    gemms = 5 * ring("all_gather", t, n_bytes) if sp else 2 * ring("all_reduce", t, n_bytes)
+    return gemms + 3 * ring("all_reduce", t, FP32 * tokens)
 
 
 @dataclass
@@ -91,9 +103,10 @@ def communication(cfg, layout, prec, micro_batch: int, micro_batches: int, param
     layers = cfg.num_layers // layout.pp
     n_bytes = prec.act * cfg.seq_length // c * micro_batch * cfg.hidden_size
     full = cfg.recompute_granularity == "full"
-    head = 2 * ring("all_reduce", t, n_bytes)  # embedding + logits GEMM (SP: AG/RS pairs, the same bytes)
+    head = _head_bytes(t, cfg.sequence_parallel, n_bytes, cfg.seq_length // c * micro_batch)
     tp = micro_batches * (layers * tp_bytes_per_layer(t, cfg.sequence_parallel, n_bytes, full) + head)
-    cp = micro_batches * layers * cp_bytes_per_layer(cfg, micro_batch, prec.act)
+    loss_mean = 2 * ring("all_reduce", c, FP32)  # the sequence's loss sum and token count
+    cp = micro_batches * (layers * cp_bytes_per_layer(cfg, micro_batch, prec.act) + loss_mean)
     if layout.sharding == "fsdp2":
         dp = micro_batches * (
             2 * ring("all_gather", r, prec.weight * params) + ring("all_gather", r, prec.grad * params)
