@@ -87,14 +87,26 @@ def _given(parser, argv) -> set:
             a.default = saved[a.dest]
 
 
+POSITIVE = ("gpus", "gpus_per_node", "tensor_model_parallel_size", "context_parallel_size",
+            "pipeline_model_parallel_size", "micro_batch_size", "num_layers", "num_attention_heads")  # fmt: skip
+
+
 def check(args, given: set) -> None:
     """Impossible combinations: one sentence naming both flags."""
-    pairs = [
+    for name in POSITIVE:
+        if getattr(args, name) <= 0:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
+    for bad, sentence in _cluster_rules(args) + _layout_rules(args, given):
+        if bad:
+            raise ArgumentError(sentence)
+
+
+def _cluster_rules(args) -> list:
+    return [
         (
             args.use_torch_fsdp2 and args.use_distributed_optimizer,
             "--use-torch-fsdp2 shards the optimizer state itself; do not combine it with --use-distributed-optimizer.",
         ),
-        (args.gpus <= 0 or args.gpus_per_node <= 0, "--gpus and --gpus-per-node must be positive."),
         (
             args.gpus_per_node > args.gpus,
             f"--gpus-per-node ({args.gpus_per_node}) must not exceed --gpus ({args.gpus}).",
@@ -103,6 +115,16 @@ def check(args, given: set) -> None:
             args.gpus % args.gpus_per_node != 0,
             f"--gpus ({args.gpus}) must be a multiple of --gpus-per-node ({args.gpus_per_node}) (whole nodes).",
         ),
+        (not 0 < args.mfu <= 1, f"--mfu must be in (0, 1], got {args.mfu}."),
+        (
+            args.gpu_memory_gib <= args.reserved_gib,
+            f"--gpu-memory-gib ({args.gpu_memory_gib}) must exceed --reserved-gib ({args.reserved_gib}).",
+        ),
+    ]
+
+
+def _layout_rules(args, given: set) -> list:
+    return [
         (
             args.tensor_model_parallel_size > args.gpus_per_node,
             f"--tensor-model-parallel-size "
@@ -137,15 +159,7 @@ def check(args, given: set) -> None:
             f"--global-batch-size ({args.global_batch_size}) must be a multiple of --micro-batch-size "
             f"({args.micro_batch_size}).",
         ),
-        (not 0 < args.mfu <= 1, f"--mfu must be in (0, 1], got {args.mfu}."),
-        (
-            args.gpu_memory_gib <= args.reserved_gib,
-            f"--gpu-memory-gib ({args.gpu_memory_gib}) must exceed --reserved-gib ({args.reserved_gib}).",
-        ),
     ]
-    for bad, sentence in pairs:
-        if bad:
-            raise ArgumentError(sentence)
 
 
 def fixed_dimensions(args, given: set) -> dict:
