@@ -251,3 +251,21 @@ def test_plan_prints_runnable_layouts_first(capsys):
     assert "runnable today, fastest first:" in out and "modelled, not runnable yet" in out
     runnable = out.split("runnable today, fastest first:")[1].split("modelled")[0]
     assert " pp1 " in runnable and " pp2 " not in runnable
+
+
+def test_step_time_model_compute_is_the_flops_over_every_gpu():
+    """Without recomputation every layout of a cluster does the same FLOPs per GPU; full
+    recomputation adds one forward of the layers; communication over IB costs more than NVLink."""
+    from megatron_sp.planning import cost
+    from megatron_sp.planning import layouts as lay
+
+    base = dict(model="llama", num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=1000, seq_length=512)
+    cluster = cost.Cluster(16, 8, 80.0, 4.0, 100.0, 0.5, 300.0, 25.0)
+    prec, batch = mem.precision("bf16", True), lay.Batch(1, 64)
+    flops = GPTConfig(**base).flops_per_token() * 64 * 512
+    for grid in [(1, 1, 16), (8, 1, 2), (2, 4, 2), (4, 2, 2)]:
+        plan_ = lay.plan_layout(base, lay.Layout(*grid, 1, False, None, "distributed"), prec, cluster, batch, False)
+        assert plan_.time.compute == pytest.approx(flops / 16 / (100e12 * 0.5))
+    full = lay.plan_layout(base, lay.Layout(2, 1, 8, 1, False, "full", "distributed"), prec, cluster, batch, False)
+    assert flops / 16 / 50e12 < full.time.compute < 4 / 3 * flops / 16 / 50e12 * 1.01
+    assert cluster.bandwidth(8) == 300e9 and cluster.bandwidth(16) == 25e9

@@ -149,7 +149,8 @@ def compute_flops(cfg, global_batch: int) -> float:
 def step_time(cfg, layout, prec, cluster: Cluster, micro_batch, micro_batches, comm: Communication) -> StepTime:
     t, c = cfg.tensor_model_parallel_size, cfg.context_parallel_size
     peak = cluster.peak_tflops * 1e12 * (0.5 if prec.name == "fp32" else 1.0) * cluster.mfu
-    compute = compute_flops(cfg, micro_batch * micro_batches * layout.dp) / (t * c * layout.pp) / peak
+    gpus = t * c * layout.dp * layout.pp
+    compute = compute_flops(cfg, micro_batch * micro_batches * layout.dp) / gpus / peak
     tp = comm.tp / cluster.bandwidth(t)
     cp_time = comm.cp / cluster.bandwidth(t * c)
     if cfg.cp_comm_type == "p2p":
