@@ -32,7 +32,8 @@ Formulas (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large T
     TP       sbh (10 + 24/t + 5as/(ht))
     TP + SP  sbh/t (34 + 5as/h)
 Our layers differ from that accounting; the "adjusted formula" below sums the named terms (see
-`adjusted_terms`), each derived from the code, not fitted to the measurement.
+`adjusted_terms` in megatron_sp/planning/activations.py, which tools/plan.py uses), each derived
+from the code, not fitted to the measurement.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from collections import OrderedDict
 from _cli import add_shape_args
 from _cli import table as _table
 
+from megatron_sp.planning.activations import adjusted_formula_text, adjusted_terms, paper_bytes
 from megatron_sp.testing import LocalWorld
 
 # ---- the measurement machinery (importable; tests/test_bench_memory.py checks it) --------------
@@ -150,69 +152,7 @@ class SavedTensorCounter:
         )
 
 
-# ---- formulas ------------------------------------------------------------------------------------
-
-
-def paper_bytes(s, b, h, a, t, sp):
-    """Korthikanti et al. 2022 eqs. (TP) and (TP+SP): bytes per layer, 16-bit activations, 1-byte masks."""
-    if sp:
-        return s * b * h / t * (34 + 5 * a * s / h)
-    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-
-
-def adjusted_terms(s, b, h, a, f, t, sp, dropout):
-    """Bytes per layer per rank of what *our* layer saves (reference ops, fp32), term by term.
-
-    Returns a list of (term, bytes, how it differs from the paper). `S` = 1/t in the SP region under
-    SP (1 otherwise), `T` = 1/t in the TP region. fp32 = 4 bytes per element everywhere.
-    """
-    S = 1 / t if sp else 1.0
-    T = 1 / t
-    sbh = s * b * h
-    terms = [
-        ("LN1 + LN2 inputs", 2 * 4 * sbh * S, "fp32 x2 (paper 4sbh)"),
-        ("LN1 + LN2 mean, rstd", 2 * 2 * 4 * s * b * S, "not in paper: LayerNorm saves fp32 stats"),
-        ("QKV GEMM input (LN1 out)", 4 * sbh * S, "fp32 x2 (paper 2sbh); SP: local shard only"),
-        ("FC1 GEMM input (LN2 out)", 4 * sbh * S, "fp32 x2 (paper 2sbh); SP: local shard only"),
-    ]
-    core = "blockwise attention" if dropout > 0 else "SDPA"
-    terms += [
-        (f"Q, K, V (one QKV storage, saved by {core})", 3 * 4 * sbh * T, "fp32 x2 (paper 6sbh/t)"),
-        (
-            f"{core} output = proj GEMM input (one storage)",
-            4 * sbh * T,
-            "fp32 x2 (paper 2sbh/t); the core saves it, proj's view shares it",
-        ),
-        (
-            f"{core} logsumexp [b,n,s]",
-            4 * a * s * b * T,
-            "not in paper; and no s^2 term (paper 5as^2b/t): dropout masks regenerated per block"
-            if dropout > 0
-            else "not in paper; and no s^2 term (paper 5as^2b/t)",
-        ),
-    ]
-    terms += [
-        ("GELU input (FC1 out)", 4 * s * b * f * T, "fp32 x2 (paper 8sbh/t at f=4h)"),
-        ("FC2 GEMM input (GELU out)", 4 * s * b * f * T, "fp32 x2 (paper 8sbh/t at f=4h)"),
-    ]
-    if dropout > 0:
-        terms.append(
-            (
-                "2 hidden dropout masks (attn out, MLP out)",
-                2 * sbh * S,
-                "bool, 1 byte each (as paper: 2sbh); the fused op regenerates them",
-            )
-        )
-    return terms
-
-
-def adjusted_formula_text(h, f, dropout):
-    """Closed form of sum(adjusted_terms) (bytes), in the paper's sbh(...) notation."""
-    ct = 12 + 4 + 8 * f / h  # QKV, attention output, GELU input + FC2 input
-    cs = 16 + (2 if dropout > 0 else 0)  # LN inputs, QKV/FC1 GEMM inputs (+ 2 bool masks)
-    ct_s = f"{ct:g}"
-    return f"TP: sbh({cs} + 16/h + {ct_s}/t + 4a/(ht))    TP+SP: sbh/t({cs + ct:g} + 16/h + 4a/h)"
-
+# ---- formulas: megatron_sp/planning/activations.py (tools/plan.py uses the same terms) ----------
 
 # ---- the per-rank work ----------------------------------------------------------------------------
 

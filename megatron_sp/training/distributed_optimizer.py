@@ -33,6 +33,16 @@ def replica_group(ps: ParallelState):
     return ps.dp_cp_group if ps.cp_size > 1 else ps.dp_group
 
 
+def share_owners(sizes, replicas: int) -> list:
+    """The owner of each parameter, given their sizes in backward order: the replica whose share
+    of the run holds the parameter's middle (tools/plan.py predicts the shares with this too)."""
+    total, seen, owners = sum(sizes), 0, []
+    for n in sizes:
+        owners.append(min(replicas - 1, (2 * seen + n) * replicas // (2 * total)))
+        seen += n
+    return owners
+
+
 class Partition:
     """Which replica owns each parameter (see the module docstring)."""
 
@@ -42,10 +52,7 @@ class Partition:
             raise ValueError("a Partition needs more than one replica (DP × CP > 1)")
         self.size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         backward = list(reversed(list(params)))
-        total, seen, owners = sum(p.numel() for p in backward), 0, []
-        for p in backward:  # the replica whose share holds the parameter's middle
-            owners.append(min(self.size - 1, (2 * seen + p.numel()) * self.size // (2 * total)))
-            seen += p.numel()
+        owners = share_owners([p.numel() for p in backward], self.size)
         if ps.tp_size > 1:  # shards are the same size on every TP rank; make sure
             shared = [owners]
             dist.broadcast_object_list(shared, src=dist.get_global_rank(ps.tp_group, 0), group=ps.tp_group)

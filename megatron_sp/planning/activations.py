@@ -1,0 +1,190 @@
+"""Bytes saved for the backward, per transformer layer and for the head, per rank.
+
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models") count
+16-bit activations and 1-byte dropout masks (`paper_bytes`). Our layers save other things
+(`layer_terms`, one term per storage autograd keeps, read from the code and checked against
+bench/activation_memory.py's measurement by tests/test_plan.py):
+
+    term                              elements per rank            paper
+    norm inputs (2)                   2 s b h S                    4sbh (16-bit)
+    norm statistics (fp32)            2 k s b S  (k: LayerNorm 2, RMSNorm 1)  -
+    QKV and FC1 GEMM inputs           2 s b h S                    4sbh
+    the QKV output (q, k, v views)    s b (n + 2g) d / t           6sbh/t
+    RoPE: rotated q, k + cos/sin      s b (n + g) d / t + 4 b s r  -  (CP: the core's q, k, v are
+                                                                    copies: no second q, k)
+    attention output (proj input)     s b n d / t                  2sbh/t
+    logsumexp (fp32)                  b n s / t                    (no 5as^2b/t: flash/blockwise)
+    MLP: GELU in + out                2 s b f / t                  16sbh/t
+         SwiGLU: fc1 out, silu, prod  4 s b f / t
+    dropout masks (1 byte)            2 s b h S  (reference ops only: the fused op regenerates them)
+
+S = 1/t under sequence parallelism (else 1); s is the rank's tokens (seq / cp); g the key/value
+heads a rank holds (g / t, or 1 copy when t > g).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FP32 = 4
+
+
+def paper_bytes(s, b, h, a, t, sp):
+    """Korthikanti et al. 2022 eqs. (TP) and (TP+SP): bytes per layer, 16-bit activations, 1-byte masks."""
+    if sp:
+        return s * b * h / t * (34 + 5 * a * s / h)
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+# Korthikanti et al. 2022, Table 3: the models they measure (s = 2048, micro batch 1, t = 8)
+PAPER_MODELS = {"22B": (6144, 64, 48), "175B": (12288, 96, 96), "530B": (20480, 128, 105), "1T": (25600, 160, 128)}
+
+
+def paper_table(s: int = 2048, b: int = 1, t: int = 8) -> list:
+    """Table 2's activation bytes per layer (16-bit) for each of the paper's models; `layers` to scale."""
+    rows = []
+    for name, (h, a, layers) in PAPER_MODELS.items():
+        sbh, att = s * b * h, 5 * a * s / h
+        rows.append(
+            {
+                "model": name, "s": s, "b": b, "h": h, "a": a, "t": t, "layers": layers,
+                "no parallelism": sbh * (34 + att),
+                "tensor parallel (baseline)": paper_bytes(s, b, h, a, t, False),
+                "tensor + sequence parallel": paper_bytes(s, b, h, a, t, True),
+                "tensor parallel + selective": sbh * (10 + 24 / t),
+                "tensor + sequence parallel + selective": sbh * 34 / t,
+                "full recompute": sbh * 2,
+            }
+        )  # fmt: skip
+    return rows
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What one rank's layer sees: s = its tokens of a sequence (seq / cp), b = micro batch."""
+
+    s: int
+    b: int
+    h: int
+    n: int  # query heads (whole model)
+    g: int  # key/value heads (whole model)
+    d: int  # head dim
+    f: int  # MLP width
+    t: int = 1
+    sp: bool = False
+    swiglu: bool = False
+    rmsnorm: bool = False
+    rope_dim: int = 0  # channels RoPE rotates (0: no RoPE)
+    masks: bool = False  # dropout masks saved (dropout on and the reference ops)
+    cp: bool = False  # context parallel: the core saves its own q, k, v (not views of the QKV output)
+    act_bytes: int = FP32  # bytes per activation element
+
+    @classmethod
+    def from_config(cls, cfg, micro_batch: int, act_bytes: int = FP32) -> "LayerShape":
+        return cls(
+            s=cfg.seq_length // cfg.context_parallel_size,
+            b=micro_batch,
+            h=cfg.hidden_size,
+            n=cfg.num_attention_heads,
+            g=cfg.num_query_groups,
+            d=cfg.kv_channels,
+            f=cfg.ffn_hidden_size,
+            t=cfg.tensor_model_parallel_size,
+            sp=cfg.sequence_parallel,
+            swiglu=cfg.activation == "swiglu",
+            rmsnorm=cfg.normalization == "RMSNorm",
+            rope_dim=cfg.rotary_dim if cfg.position_embedding_type == "rope" else 0,
+            masks=(cfg.hidden_dropout > 0 or cfg.attention_dropout > 0) and not cfg.use_fused_kernels,
+            act_bytes=act_bytes,
+            cp=cfg.context_parallel_size > 1,
+        )
+
+    @property
+    def tokens_sp(self) -> float:
+        """Tokens of the SP region per rank (s b, / t under SP)."""
+        return self.s * self.b / (self.t if self.sp else 1)
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads a rank holds (a copy of one when t > g)."""
+        return self.g // self.t if self.g >= self.t else 1
+
+
+def layer_terms(x: LayerShape, selective: bool = False):
+    """(term, bytes) saved per layer per rank; `selective`: the attention core is recomputed (its
+    logsumexp is not kept; its inputs and the projection's input are)."""
+    e, sb, sp_tokens = x.act_bytes, x.s * x.b, x.tokens_sp
+    nq, nkv = x.n // x.t, x.kv_heads
+    terms = [
+        ("norm inputs (2)", 2 * e * sp_tokens * x.h),
+        ("norm statistics (fp32)", 2 * (1 if x.rmsnorm else 2) * FP32 * sp_tokens),
+        ("QKV + FC1 GEMM inputs", 2 * e * sp_tokens * x.h),
+        ("QKV output (q, k, v)", e * sb * (nq + 2 * nkv) * x.d),
+    ]
+    if x.rope_dim:  # under CP the rotated q, k are the core's own copies (counted above)
+        rotated = 0 if x.cp else e * sb * (nq + nkv) * x.d
+        terms.append(("RoPE: rotated q, k; cos, sin", rotated + 4 * e * sb * x.rope_dim))
+    terms.append(("attention output", e * sb * nq * x.d))
+    if not selective:
+        terms.append(("attention logsumexp (fp32)", FP32 * sb * nq))
+    mlp = 4 if x.swiglu else 2
+    terms.append(
+        ("MLP (SwiGLU: fc1 out, silu, product)" if x.swiglu else "MLP (GELU in, out)", mlp * e * sb * x.f / x.t)
+    )
+    if x.masks:
+        terms.append(("2 hidden dropout masks (bool)", 2 * sp_tokens * x.h))
+    return terms
+
+
+def layer_bytes(x: LayerShape, selective: bool = False) -> float:
+    return sum(b for _, b in layer_terms(x, selective))
+
+
+def layer_input_bytes(x: LayerShape) -> float:
+    """What a fully recomputed layer (or chunk) keeps: its input [s, b, h] (SP: the shard)."""
+    return x.act_bytes * x.tokens_sp * x.h
+
+
+def head_terms(x: LayerShape, padded_vocab: int, embedding_dropout: bool, learned_positions: bool):
+    """(term, bytes) the embedding, the final norm and the loss save per rank."""
+    e, sb, sp_tokens = x.act_bytes, x.s * x.b, x.tokens_sp
+    terms = [
+        ("token ids + vocab mask", 8 * sb + sb),
+        ("final norm input + statistics", e * sp_tokens * x.h + (1 if x.rmsnorm else 2) * FP32 * sp_tokens),
+        ("logits GEMM input", e * sp_tokens * x.h),
+        ("cross entropy: softmax (fp32), target, mask", FP32 * sb * padded_vocab / x.t + 8 * sb + sb),
+    ]
+    if embedding_dropout:
+        terms.append(("embedding dropout mask (bool)", sp_tokens * x.h))
+    if learned_positions:
+        terms.append(("position ids", 8 * sb))
+    return terms
+
+
+# ---- bench/activation_memory.py's table (GPT-2 layers, the reference ops, fp32) ----------------
+
+
+def adjusted_terms(s, b, h, a, f, t, sp, dropout):
+    """bench/activation_memory.py's rows: `layer_terms` of a GPT-2 layer with the reference ops."""
+    shape = LayerShape(s=s, b=b, h=h, n=a, g=a, d=h // a, f=f, t=t, sp=sp, masks=dropout > 0)
+    return [(name, nbytes, _VS_PAPER.get(name, "")) for name, nbytes in layer_terms(shape)]
+
+
+_VS_PAPER = {
+    "norm inputs (2)": "fp32 x2 (paper 4sbh)",
+    "norm statistics (fp32)": "not in paper: LayerNorm saves mean, rstd",
+    "QKV + FC1 GEMM inputs": "fp32 x2 (paper 4sbh); SP: the local shard only",
+    "QKV output (q, k, v)": "fp32 x2 (paper 6sbh/t): one storage, q, k, v are views",
+    "attention output": "fp32 x2 (paper 2sbh/t); the core saves it, proj's view shares it",
+    "attention logsumexp (fp32)": "not in paper; and no s^2 term (paper 5as^2b/t): SDPA / blockwise",
+    "MLP (GELU in, out)": "fp32 x2 (paper 16sbh/t at f=4h)",
+    "2 hidden dropout masks (bool)": "1 byte each (as paper: 2sbh); the fused op regenerates them",
+}
+
+
+def adjusted_formula_text(h, f, dropout):
+    """Closed form of sum(adjusted_terms) (bytes), in the paper's sbh(...) notation."""
+    ct = 12 + 4 + 8 * f / h  # QKV, attention output, GELU input + FC2 input
+    cs = 16 + (2 if dropout > 0 else 0)  # LN inputs, QKV/FC1 GEMM inputs (+ 2 bool masks)
+    ct_s = f"{ct:g}"
+    return f"TP: sbh({cs} + 16/h + {ct_s}/t + 4a/(ht))    TP+SP: sbh/t({cs + ct:g} + 16/h + 4a/h)"

@@ -1,0 +1,171 @@
+"""Bytes each GPU sends per training step, and the step-time model that ranks layouts.
+
+Collective costs per rank, ring algorithms (as bench/comm_volume.py charges them), N the bytes of the
+tensor: all-reduce 2(t-1)/t N, all-gather / reduce-scatter / all-to-all (t-1)/t N.
+Per layer and micro-batch, N = act_bytes * (s/c) b h (bench/comm_volume.py measures these counts):
+    TP        4 all-reduces                       (2 forward, 2 backward)
+    TP + SP   6 all-gathers + 4 reduce-scatters   (the backward gathers the GEMM inputs again)
+    full recomputation repeats the forward's: + 2 all-reduces / + 2 AG + 2 RS
+    CP p2p    K, V sent c-1 times forward and again backward, dK, dV (fp32) c times on their way home
+    CP a2a    q, k, v, out forward and their gradients backward: 8 all-to-alls of (s/c) b heads d
+    head      embedding + logits GEMM: 2 all-reduces (SP: 5 AG/RS), cross entropy: 3 fp32 all-reduces
+              of the rank's tokens; CP: the loss sum and count (two fp32 all-reduces)
+(tests/test_plan.py checks TP and CP bytes against the collectives of one forward + backward.)
+Per step: DP x CP gradient all-reduce (distributed optimizer: reduce + broadcast, the same bytes;
+Megatron's: reduce-scatter grads + all-gather weights); FSDP2: per micro-batch, the weights
+gathered twice (forward, backward) and the gradients reduce-scattered; pipeline: one activation
+send forward and one gradient send backward per micro-batch and stage boundary.
+
+Step time = compute + exposed communication + pipeline bubble, where
+    compute   = FLOPs per GPU / (peak x MFU), FLOPs = GPTConfig.flops_per_token x tokens
+                (+ one forward of the layers with full recomputation, of attention with selective)
+    TP, CP a2a, pipeline sends: exposed (nothing overlaps them here)
+    CP p2p    overlaps the attention compute of the step it feeds
+    DP        overlaps the last micro-batch's backward (--overlap-grad-reduce); FSDP2 all compute
+    bubble    (pp - 1) / micro-batches x compute
+over NVLink when a group fits in a node, InfiniBand (per GPU) when it spans nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpus_per_node: int
+    gpu_memory_gib: float
+    reserved_gib: float  # CUDA context, allocator slack, NCCL workspaces
+    peak_tflops: float  # per GPU, dense bf16; fp32 runs at half (TF32)
+    mfu: float  # fraction of peak the model's FLOPs reach
+    nvlink_gbps: float  # GB/s per GPU, within a node
+    ib_gbps: float  # GB/s per GPU, across nodes
+
+    def bandwidth(self, group_span: int) -> float:
+        """Bytes/s of a group whose ranks lie within `group_span` consecutive GPUs."""
+        return 1e9 * (self.nvlink_gbps if group_span <= self.gpus_per_node else self.ib_gbps)
+
+
+def ring(kind: str, t: int, nbytes: float) -> float:
+    if t <= 1:
+        return 0.0
+    return (2 if kind == "all_reduce" else 1) * (t - 1) / t * nbytes
+
+
+def tp_bytes_per_layer(t: int, sp: bool, n_bytes: float, recompute_full: bool) -> float:
+    if sp:
+        calls = 10 + (4 if recompute_full else 0)
+        return calls * ring("all_gather", t, n_bytes)
+    return (4 + (2 if recompute_full else 0)) * ring("all_reduce", t, n_bytes)
+
+
+def cp_bytes_per_layer(cfg, micro_batch: int, act_bytes: int) -> float:
+    c, t = cfg.context_parallel_size, cfg.tensor_model_parallel_size
+    if c == 1:
+        return 0.0
+    tokens = cfg.seq_length // c * micro_batch
+    g = cfg.num_query_groups // t if cfg.num_query_groups >= t else 1
+    nq = cfg.num_attention_heads // t
+    if cfg.cp_comm_type == "p2p":  # K, V around the ring twice; dK, dV (fp32) home in c steps
+        kv = 2 * tokens * g * cfg.kv_channels
+        return (2 * (c - 1) * act_bytes + c * FP32) * kv
+    qkvo = act_bytes * tokens * (2 * nq + 2 * g) * cfg.kv_channels
+    return 2 * ring("all_to_all", c, qkvo)
+
+
+def _head_bytes(t: int, sp: bool, n_bytes: float, tokens: int) -> float:
+    """Embedding and logits GEMM (SP: RS + AG, and AG + RS + the backward's re-gather), plus the
+    vocab-parallel cross entropy's three fp32 all-reduces over the tokens."""
+    gemms = 5 * ring("all_gather", t, n_bytes) if sp else 2 * ring("all_reduce", t, n_bytes)
+    return gemms + 3 * ring("all_reduce", t, FP32 * tokens)
+
+
+@dataclass
+class Communication:
+    """Bytes sent per GPU per step, by group."""
+
+    tp: float = 0.0
+    cp: float = 0.0
+    dp: float = 0.0
+    pp: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.tp + self.cp + self.dp + self.pp
+
+
+def communication(cfg, layout, prec, micro_batch: int, micro_batches: int, params: int) -> Communication:
+    """Bytes per GPU per step (the worst pipeline stage's layers: num_layers / pp)."""
+    t, c, r = cfg.tensor_model_parallel_size, cfg.context_parallel_size, layout.dp * cfg.context_parallel_size
+    layers = cfg.num_layers // layout.pp
+    n_bytes = prec.act * cfg.seq_length // c * micro_batch * cfg.hidden_size
+    full = cfg.recompute_granularity == "full"
+    head = _head_bytes(t, cfg.sequence_parallel, n_bytes, cfg.seq_length // c * micro_batch)
+    tp = micro_batches * (layers * tp_bytes_per_layer(t, cfg.sequence_parallel, n_bytes, full) + head)
+    loss_mean = 2 * ring("all_reduce", c, FP32)  # the sequence's loss sum and token count
+    cp = micro_batches * (layers * cp_bytes_per_layer(cfg, micro_batch, prec.act) + loss_mean)
+    if layout.sharding == "fsdp2":
+        dp = micro_batches * (
+            2 * ring("all_gather", r, prec.weight * params) + ring("all_gather", r, prec.grad * params)
+        )
+    elif layout.sharding == "distributed" and not prec.flat_bucket_copies:  # Megatron's RS + AG
+        dp = ring("all_gather", r, prec.grad * params) + ring("all_gather", r, prec.weight * params)
+    else:
+        dp = ring("all_reduce", r, prec.grad * params)
+    pp = 2 * micro_batches * n_bytes / (t if cfg.sequence_parallel else 1) if layout.pp > 1 else 0.0
+    return Communication(tp, cp, dp, pp)
+
+
+@dataclass
+class StepTime:
+    compute: float
+    tp: float
+    cp: float
+    dp: float
+    pp: float
+    bubble: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp + self.cp + self.dp + self.pp + self.bubble
+
+
+def compute_flops(cfg, global_batch: int) -> float:
+    """Training FLOPs of one step (whole model), recomputation included."""
+    L, s, hd = cfg.num_layers, cfg.seq_length, cfg.num_attention_heads * cfg.kv_channels
+    weights, _ = cfg._layer_matmul_params()
+    tokens = global_batch * s
+    flops = cfg.flops_per_token() * tokens
+    if cfg.recompute_granularity == "full":
+        flops += 2 * (L * weights + 2 * L * s * hd) * tokens  # one more forward of the layers
+    elif cfg.recompute_granularity == "selective":
+        flops += 2 * 2 * L * s * hd * tokens  # one more forward of the attention core
+    return flops
+
+
+def step_time(cfg, layout, prec, cluster: Cluster, micro_batch, micro_batches, comm: Communication) -> StepTime:
+    t, c = cfg.tensor_model_parallel_size, cfg.context_parallel_size
+    peak = cluster.peak_tflops * 1e12 * (0.5 if prec.name == "fp32" else 1.0) * cluster.mfu
+    gpus = t * c * layout.dp * layout.pp
+    compute = compute_flops(cfg, micro_batch * micro_batches * layout.dp) / gpus / peak
+    tp = comm.tp / cluster.bandwidth(t)
+    cp_time = comm.cp / cluster.bandwidth(t * c)
+    if cfg.cp_comm_type == "p2p":
+        attention = compute * _attention_share(cfg)
+        cp_time = max(0.0, cp_time - attention)
+    dp_time = comm.dp / cluster.bandwidth(t * c * layout.dp)
+    overlap = compute if layout.sharding == "fsdp2" else compute * 2 / 3 / micro_batches
+    dp_time = max(0.0, dp_time - overlap)
+    pp_time = comm.pp / cluster.bandwidth(t * c * layout.dp * layout.pp) if layout.pp > 1 else 0.0
+    bubble = compute * (layout.pp - 1) / micro_batches
+    return StepTime(compute, tp, cp_time, dp_time, pp_time, bubble)
+
+
+def _attention_share(cfg) -> float:
+    """Fraction of the training FLOPs in the attention core (QK^T, PV)."""
+    attention = cfg.num_layers * 2 * cfg.seq_length * cfg.num_attention_heads * cfg.kv_channels
+    weights, _ = cfg._layer_matmul_params()
+    return attention / (cfg.num_layers * weights + cfg.vocab_size * cfg.hidden_size + attention)

@@ -1,0 +1,142 @@
+"""The layouts of a cluster, each with its memory split, bytes sent and modelled step time.
+
+A layout is (tp, cp, dp, pp, sp, recompute, sharding) with tp * cp * dp * pp = GPUs, tp within a
+node; GPTConfig's own checks decide whether the model splits that way (heads, groups, MLP width,
+sequence). A layout is runnable when the program offers it today: pp = 1 (no pipeline parallelism
+yet) and FSDP2 only where the program's parser accepts --use-torch-fsdp2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_sp.config import GPTConfig
+from megatron_sp.planning import cost
+from megatron_sp.planning import memory as mem
+
+RECOMPUTE = (None, "selective", "full")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+    sp: bool
+    recompute: str | None
+    sharding: str  # memory.SHARDINGS
+
+    def describe(self) -> str:
+        parts = [f"tp{self.tp}" + ("+sp" if self.sp else ""), f"cp{self.cp}", f"dp{self.dp}", f"pp{self.pp}"]
+        return " ".join(parts + [self.recompute or "no-recompute", self.sharding])
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    memory: mem.MemorySplit
+    comm: cost.Communication
+    time: cost.StepTime
+    micro_batches: int
+    runnable: bool
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Batch:
+    micro: int
+    global_: int | None  # None: one micro-batch per DP rank
+
+
+def divisors(n: int):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layout_config(base: dict, layout: Layout) -> GPTConfig | None:
+    """The model at this layout, or None when GPTConfig refuses the split."""
+    fields = dict(
+        base,
+        tensor_model_parallel_size=layout.tp,
+        context_parallel_size=layout.cp,
+        sequence_parallel=layout.sp,
+        recompute_granularity=layout.recompute,
+        recompute_method=None,
+        recompute_num_layers=None,
+        tp_comm_overlap=False,
+    )
+    try:
+        return GPTConfig(**fields)
+    except ValueError:
+        return None
+
+
+def candidate_layouts(cluster: cost.Cluster, num_layers: int, fixed: dict):
+    """Every (tp, cp, dp, pp, sp, recompute, sharding) the cluster allows; `fixed` pins dimensions."""
+    for tp in divisors(min(cluster.gpus_per_node, cluster.gpus)):
+        for pp in [p for p in divisors(cluster.gpus // tp) if num_layers % p == 0]:
+            for cp in divisors(cluster.gpus // (tp * pp)):
+                dp = cluster.gpus // (tp * pp * cp)
+                for sp in (False, True) if tp > 1 else (False,):
+                    for recompute in RECOMPUTE:
+                        for sharding in mem.SHARDINGS:
+                            layout = Layout(tp, cp, dp, pp, sp, recompute, sharding)
+                            if sharding != "replicated" and dp * cp == 1:
+                                continue  # one replica: nothing to shard
+                            if all(getattr(layout, k) == v for k, v in fixed.items()):
+                                yield layout
+
+
+def plan_layout(base: dict, layout: Layout, prec, cluster, batch: Batch, runnable_fsdp2: bool) -> Plan | None:
+    cfg = layout_config(base, layout)
+    if cfg is None:
+        return None
+    per_step = batch.micro * layout.dp
+    global_batch = batch.global_ if batch.global_ is not None else per_step
+    if global_batch % per_step:
+        return None
+    m = global_batch // per_step
+    memory, params = memory_split(cfg, layout, prec, batch.micro, m)
+    comm = cost.communication(cfg, layout, prec, batch.micro, m, params)
+    time = cost.step_time(cfg, layout, prec, cluster, batch.micro, m, comm)
+    notes = []
+    if layout.pp > 1:
+        notes.append("pp modelled, not runnable yet")
+    if layout.sharding == "fsdp2" and not runnable_fsdp2:
+        notes.append("FSDP2 modelled, not runnable yet")
+    return Plan(layout, memory, comm, time, m, not notes, "; ".join(notes))
+
+
+def memory_split(cfg, layout: Layout, prec, micro_batch: int, micro_batches: int):
+    """The worst rank's split (the first pipeline stage: it holds pp micro-batches in 1F1B) and its
+    parameter count."""
+    replicas = layout.dp * layout.cp
+    shapes = [shape for _, shape in mem.rank_parameters(cfg, 0, layout.pp)]
+    if layout.pp > 1:  # the last stage may hold more (the output layer): take the larger
+        last = [shape for _, shape in mem.rank_parameters(cfg, layout.pp - 1, layout.pp)]
+        shapes = max(shapes, last, key=lambda s: sum(mem.numel(x) for x in s))
+    weights, grads, optimizer = mem.states_bytes(shapes, prec, layout.sharding, replicas)
+    in_flight = min(layout.pp, micro_batches)
+    saved, transient = mem.activation_bytes(
+        cfg, micro_batch, prec.act, layers=cfg.num_layers // layout.pp, in_flight=in_flight
+    )
+    buffers = mem.buffer_bytes(cfg, micro_batch, prec, layout.sharding, replicas, shapes)
+    if transient:
+        buffers["recomputed chunk (backward)"] = transient
+    return mem.MemorySplit(weights, grads, optimizer, saved, buffers), sum(mem.numel(s) for s in shapes)
+
+
+def plans(base: dict, prec, cluster: cost.Cluster, batch: Batch, fixed: dict, runnable_fsdp2: bool):
+    """(feasible plans sorted by step time, the number of layouts that split but do not fit)."""
+    budget = (cluster.gpu_memory_gib - cluster.reserved_gib) * mem.GIB
+    fits, too_big = [], 0
+    for layout in candidate_layouts(cluster, base["num_layers"], fixed):
+        plan = plan_layout(base, layout, prec, cluster, batch, runnable_fsdp2)
+        if plan is None:
+            continue
+        if plan.memory.total <= budget:
+            fits.append(plan)
+        else:
+            too_big += 1
+    fits.sort(key=lambda p: (not p.runnable, p.time.total, p.memory.total))  # runnable ones first
+    return fits, too_big

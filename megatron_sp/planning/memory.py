@@ -1,0 +1,188 @@
+"""Bytes per GPU: weights, gradients, optimizer state, activations and buffers, for one layout.
+
+The parameters of a rank are listed shape by shape (`rank_parameters`, the model's creation order:
+embeddings, each layer's norm / QKV / projection / norm / FC1 / FC2, final norm, output layer), so
+that the weights, gradients and the distributed optimizer's uneven shares (whole parameters per
+owner, `share_owners`) are predicted exactly; tests/test_plan.py compares them with the tensors the
+program builds.
+
+Precision (bytes per parameter: weight + gradient + optimizer state):
+    fp32                          4 + 4 + 8            moments / r with the distributed optimizer
+    bf16 / fp16 as autocast       4 + 4 + 8            (today's --bf16 / --fp16: fp32 weights)
+    bf16 / fp16, Megatron's       2 + 4 + 12           fp32 main grads, main weights + moments / r
+                                  2 + 2 + 12           with --grad-reduce-in-bf16
+    FSDP2 (ZeRO-3)                all three / r        plus two layers gathered (modelled)
+r = DP x CP replicas.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from megatron_sp.planning import activations as act
+from megatron_sp.training.distributed_optimizer import share_owners
+
+GIB = 1024**3
+SHARDINGS = ("replicated", "distributed", "fsdp2")  # AdamW state: every rank / over r (ZeRO-1) / ZeRO-3
+BUCKET_BYTES = 25 * 1024 * 1024  # training/grad_sync.py's bucket (one in flight without overlap)
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    weight: int  # bytes per parameter of the model's weights
+    grad: int  # of its gradients (main grads)
+    master: int  # fp32 main weights kept by the optimizer (0: the weights are fp32)
+    act: int  # bytes per activation element
+    flat_bucket_copies: bool  # gradient buckets are concatenated copies (today's grad_sync), not views
+    moments: int = 8  # AdamW exp_avg + exp_avg_sq, fp32
+
+    @property
+    def optimizer(self) -> int:
+        return self.master + self.moments
+
+
+def precision(mode: str, megatron_mixed: bool, grad_reduce_in_bf16: bool = False) -> Precision:
+    """mode fp32 / bf16 / fp16; megatron_mixed: low-precision weights with fp32 main weights in the
+    optimizer (Megatron's --bf16), else autocast over fp32 weights (today's main)."""
+    if mode == "fp32":
+        return Precision("fp32", 4, 4, 0, 4, True)
+    if not megatron_mixed:
+        return Precision(f"{mode} (autocast, fp32 weights)", 4, 4, 0, 2, True)
+    return Precision(f"{mode} (fp32 main weights)", 2, 2 if grad_reduce_in_bf16 else 4, 4, 2, False)
+
+
+# ---- the parameters of one rank ----------------------------------------------------------------
+
+
+def _layer_parameters(cfg, t: int, i: int):
+    h, d, f = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size
+    nq = cfg.num_attention_heads // t
+    nkv = cfg.num_query_groups // t if cfg.num_query_groups >= t else 1  # a copy of one head when t > g
+    qkv = (nq + 2 * nkv) * d
+    fc1 = (2 * f if cfg.activation == "swiglu" else f) // t
+    norm = [("weight", (h,))] + ([("bias", (h,))] if cfg.normalization == "LayerNorm" else [])
+    out = [(f"layers.{i}.ln1.{n}", s) for n, s in norm] + [(f"layers.{i}.attn.qkv.weight", (qkv, h))]
+    out += [(f"layers.{i}.attn.qkv.bias", (qkv,))] if cfg.add_qkv_bias else []
+    out += [(f"layers.{i}.attn.proj.weight", (h, nq * d))]
+    out += [(f"layers.{i}.attn.proj.bias", (h,))] if cfg.add_bias_linear else []
+    out += [(f"layers.{i}.ln2.{n}", s) for n, s in norm] + [(f"layers.{i}.mlp.fc1.weight", (fc1, h))]
+    out += [(f"layers.{i}.mlp.fc1.bias", (fc1,))] if cfg.add_bias_linear else []
+    out += [(f"layers.{i}.mlp.fc2.weight", (h, f // t))]
+    out += [(f"layers.{i}.mlp.fc2.bias", (h,))] if cfg.add_bias_linear else []
+    return out
+
+
+def rank_parameters(cfg, stage: int = 0, stages: int = 1):
+    """(name, shape) of the parameters one TP rank of pipeline stage `stage` holds, in creation order.
+    Every TP rank holds the same shapes. With stages > 1 the last stage keeps its own copy of a tied
+    embedding (Megatron)."""
+    t, h, vocab = cfg.tensor_model_parallel_size, cfg.hidden_size, cfg.padded_vocab_size
+    per_stage = cfg.num_layers // stages
+    first, last = stage == 0, stage == stages - 1
+    out = [("embedding.word_embeddings.weight", (vocab // t, h))] if first else []
+    if first and cfg.position_embedding_type == "learned_absolute":
+        out.append(("embedding.position_embeddings.weight", (cfg.max_position_embeddings, h)))
+    for i in range(stage * per_stage, (stage + 1) * per_stage):
+        out += _layer_parameters(cfg, t, i)
+    if last:
+        norm = [("weight", (h,))] + ([("bias", (h,))] if cfg.normalization == "LayerNorm" else [])
+        out += [(f"final_ln.{n}", s) for n, s in norm]
+        if cfg.untie_embeddings_and_output_weights or not first:
+            out.append(("output_layer.weight", (vocab // t, h)))
+    return out
+
+
+def numel(shape) -> int:
+    return math.prod(shape)
+
+
+def optimizer_shares(shapes, opt_bytes: int, sharding: str, replicas: int) -> list:
+    """Optimizer-state bytes of each replica (index = rank in the replica group)."""
+    sizes = [numel(s) for s in shapes]
+    if sharding == "replicated" or replicas == 1:
+        return [opt_bytes * sum(sizes)] * replicas
+    if sharding == "fsdp2":
+        return [opt_bytes * _fsdp_shard(shapes, replicas)] * replicas
+    owners = share_owners(list(reversed(sizes)), replicas)
+    shares = [0] * replicas
+    for owner, n in zip(owners, reversed(sizes)):
+        shares[owner] += opt_bytes * n
+    return shares
+
+
+def _fsdp_shard(shapes, replicas: int) -> int:
+    """Elements of one FSDP2 shard: each parameter's dim 0 padded to a multiple of the replicas."""
+    return sum(math.ceil(s[0] / replicas) * numel(s[1:]) for s in shapes)
+
+
+# ---- the split ---------------------------------------------------------------------------------
+
+
+@dataclass
+class MemorySplit:
+    """Bytes per GPU (the worst rank: the first pipeline stage, the largest optimizer share)."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: dict = field(default_factory=dict)  # name -> bytes (transient workspaces)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + sum(self.buffers.values())
+
+
+def states_bytes(shapes, prec: Precision, sharding: str, replicas: int) -> tuple:
+    """(weights, gradients, optimizer state of the largest share) bytes on a rank."""
+    n = sum(numel(s) for s in shapes)
+    if sharding == "fsdp2" and replicas > 1:
+        shard = _fsdp_shard(shapes, replicas)
+        return prec.weight * shard, prec.grad * shard, prec.optimizer * shard
+    return prec.weight * n, prec.grad * n, max(optimizer_shares(shapes, prec.optimizer, sharding, replicas))
+
+
+def activation_bytes(cfg, micro_batch: int, act_bytes: int, layers=None, in_flight: int = 1, head: bool = True):
+    """(saved, transient) bytes on one rank: what the forward saves for the backward (`layers`
+    layers, default all; `in_flight` micro-batches at once, as a 1F1B pipeline's first stage holds;
+    the embedding and loss terms when `head`), and what a fully recomputed chunk holds again while
+    it reruns in the backward."""
+    shape = act.LayerShape.from_config(cfg, micro_batch, act_bytes)
+    L = cfg.num_layers if layers is None else layers
+    full = act.layer_bytes(shape, selective=cfg.recompute_granularity == "selective")
+    per_mb, transient = L * full, 0.0
+    if cfg.recompute_granularity == "full":
+        n = min(cfg.recompute_num_layers, L)
+        if cfg.recompute_method == "block":  # the first n layers keep their inputs only
+            per_mb, transient = n * act.layer_input_bytes(shape) + (L - n) * full, (full if n else 0.0)
+        else:  # every chunk of n layers keeps its input; one chunk reruns at a time
+            per_mb, transient = math.ceil(L / n) * act.layer_input_bytes(shape), n * full
+    head_bytes = 0.0
+    if head:
+        terms = act.head_terms(
+            shape,
+            cfg.padded_vocab_size,
+            embedding_dropout=cfg.hidden_dropout > 0,
+            learned_positions=cfg.position_embedding_type == "learned_absolute",
+        )
+        head_bytes = sum(b for _, b in terms)
+    return in_flight * per_mb + head_bytes, transient
+
+
+def buffer_bytes(cfg, micro_batch, prec: Precision, sharding, replicas, shapes, overlap_grad_reduce=True) -> dict:
+    """The transient workspaces: gradient buckets, the logits' gradient, the SP gather, FSDP2's gathered layers."""
+    shape = act.LayerShape.from_config(cfg, micro_batch, prec.act)
+    n = sum(numel(s) for s in shapes)
+    out = {}
+    if replicas > 1 and prec.flat_bucket_copies and sharding != "fsdp2":
+        out["DP buckets"] = prec.grad * n if overlap_grad_reduce else min(BUCKET_BYTES, prec.grad * n)
+    sb = shape.s * shape.b
+    out["logits + their gradient"] = (prec.act + act.FP32) * sb * cfg.padded_vocab_size / shape.t
+    if shape.sp:
+        out["SP gather (input + gradient)"] = 2 * prec.act * sb * shape.h
+    if sharding == "fsdp2" and replicas > 1:
+        per_layer = sum(numel(s) for _, s in _layer_parameters(cfg, shape.t, 0))
+        out["FSDP2: 2 layers gathered + 1 unsharded grad"] = (2 * prec.weight + prec.grad) * per_layer
+    return out

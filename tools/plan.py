@@ -1,0 +1,395 @@
+#!/usr/bin/env python
+"""Which layouts fit a model on a cluster: per-GPU memory split, bytes sent, modelled step time.
+
+    python tools/plan.py --model llama --num-layers 32 --hidden-size 4096 --num-attention-heads 32 \\
+        --num-query-groups 8 --ffn-hidden-size 14336 --vocab-size 128256 --seq-length 8192 --bf16 \\
+        --gpus 64 --gpus-per-node 8 --gpu-memory-gib 80 --micro-batch-size 1 --global-batch-size 256
+    python tools/plan.py --largest-llama --seq-length 8192 --gpus 64 --gpu-memory-gib 80 --bf16
+
+It takes pretrain_gpt_sp.py's flags (the program's own parser): the model flags describe the model,
+and the layout flags given (--tensor-model-parallel-size, --context-parallel-size,
+--sequence-parallel, --recompute-granularity, --use-distributed-optimizer, --use-torch-fsdp2,
+--pipeline-model-parallel-size) pin that dimension; the others are enumerated. The memory and time
+models are megatron_sp/planning/ (their docstrings state every term and constant); the constants
+of the step-time model are the flags of the "cluster" group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_sp.config import GPTConfig
+from megatron_sp.planning import cost
+from megatron_sp.planning import layouts as lay
+from megatron_sp.planning import memory as mem
+from megatron_sp.training.arguments import ArgumentError, build_parser
+from megatron_sp.training.config_flags import config_kwargs
+
+# name: (hidden, layers, heads, key/value heads, ffn) -- Llama 3.2 1B/3B, 3.1 8B, Llama 2 13B,
+# Code Llama 34B, Llama 3.1 70B and 405B; vocabulary 128256 for all
+LLAMA_LADDER = {
+    "1B": (2048, 16, 32, 8, 8192),
+    "3B": (3072, 28, 24, 8, 8192),
+    "8B": (4096, 32, 32, 8, 14336),
+    "13B": (5120, 40, 40, 8, 13824),
+    "34B": (8192, 48, 64, 8, 22016),
+    "70B": (8192, 80, 64, 8, 28672),
+    "405B": (16384, 126, 128, 8, 53248),
+}
+LAYOUT_FLAGS = {  # planner dimension: the program's flag (its dest)
+    "tp": "tensor_model_parallel_size",
+    "cp": "context_parallel_size",
+    "pp": "pipeline_model_parallel_size",
+    "sp": "sequence_parallel",
+    "recompute": "recompute_granularity",
+}
+
+
+def build_plan_parser():
+    parser = build_parser()
+    parser.prog, parser.description = "tools/plan.py", __doc__.splitlines()[1]
+    offered = {opt for action in parser._actions for opt in action.option_strings}
+    if "--use-torch-fsdp2" not in offered:  # modelled before the program has it
+        parser.add_argument("--use-torch-fsdp2", action="store_true", help="ZeRO-3 (modelled, not runnable yet)")
+    g = parser.add_argument_group("cluster (the step-time model's constants)")
+    g.add_argument("--gpus", type=int, required=True)
+    g.add_argument("--gpus-per-node", type=int, default=8)
+    g.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    g.add_argument("--reserved-gib", type=float, default=4.0, help="per GPU: CUDA context, allocator, NCCL")
+    g.add_argument("--gpu-peak-tflops", type=float, default=989.0, help="dense bf16 per GPU (H100 SXM); fp32: half")
+    g.add_argument("--mfu", type=float, default=0.4, help="fraction of the peak the model's FLOPs reach")
+    g.add_argument("--nvlink-gbps", type=float, default=360.0, help="GB/s per GPU within a node (bus bandwidth)")
+    g.add_argument("--ib-gbps", type=float, default=45.0, help="GB/s per GPU across nodes (one 400 Gb/s NIC)")
+    g.add_argument(
+        "--mixed-precision",
+        choices=["auto", "autocast", "megatron"],
+        default="auto",
+        help="what --bf16/--fp16 mean: autocast over fp32 weights (today), megatron (bf16 weights, fp32 main "
+        "weights and grads); auto: megatron once the program offers --grad-reduce-in-bf16",
+    )
+    g.add_argument("--top", type=int, default=10, help="layouts printed")
+    g.add_argument(
+        "--largest-llama", action="store_true", help="the largest Llama of a ladder that fits, before/after FSDP2"
+    )
+    return parser, offered
+
+
+def _given(parser, argv) -> set:
+    """The dests the command line sets explicitly."""
+    saved = {a.dest: a.default for a in parser._actions}
+    for a in parser._actions:
+        a.default = argparse.SUPPRESS
+    try:
+        return set(vars(parser.parse_known_args(argv)[0]))
+    finally:
+        for a in parser._actions:
+            a.default = saved[a.dest]
+
+
+POSITIVE = ("gpus", "gpus_per_node", "tensor_model_parallel_size", "context_parallel_size",
+            "pipeline_model_parallel_size", "micro_batch_size", "num_layers", "num_attention_heads")  # fmt: skip
+
+
+def check(args, given: set) -> None:
+    """Impossible combinations: one sentence naming both flags."""
+    for name in POSITIVE:
+        if getattr(args, name) <= 0:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
+    for bad, sentence in _cluster_rules(args) + _layout_rules(args, given):
+        if bad:
+            raise ArgumentError(sentence)
+
+
+def _cluster_rules(args) -> list:
+    return [
+        (
+            args.use_torch_fsdp2 and args.use_distributed_optimizer,
+            "--use-torch-fsdp2 shards the optimizer state itself; do not combine it with --use-distributed-optimizer.",
+        ),
+        (
+            args.gpus_per_node > args.gpus,
+            f"--gpus-per-node ({args.gpus_per_node}) must not exceed --gpus ({args.gpus}).",
+        ),
+        (
+            args.gpus % args.gpus_per_node != 0,
+            f"--gpus ({args.gpus}) must be a multiple of --gpus-per-node ({args.gpus_per_node}) (whole nodes).",
+        ),
+        (not 0 < args.mfu <= 1, f"--mfu must be in (0, 1], got {args.mfu}."),
+        (
+            args.gpu_memory_gib <= args.reserved_gib,
+            f"--gpu-memory-gib ({args.gpu_memory_gib}) must exceed --reserved-gib ({args.reserved_gib}).",
+        ),
+    ]
+
+
+def _layout_rules(args, given: set) -> list:
+    return [
+        (
+            args.tensor_model_parallel_size > args.gpus_per_node,
+            f"--tensor-model-parallel-size "
+            f"({args.tensor_model_parallel_size}) must not exceed --gpus-per-node ({args.gpus_per_node}): "
+            "TP stays in a node.",
+        ),
+        (
+            args.num_attention_heads % args.tensor_model_parallel_size != 0,
+            f"--tensor-model-parallel-size "
+            f"({args.tensor_model_parallel_size}) must divide --num-attention-heads ({args.num_attention_heads}).",
+        ),
+        (
+            args.num_layers % args.pipeline_model_parallel_size != 0,
+            f"--pipeline-model-parallel-size "
+            f"({args.pipeline_model_parallel_size}) must divide --num-layers ({args.num_layers}).",
+        ),
+        (
+            "sequence_parallel" in given
+            and args.tensor_model_parallel_size == 1
+            and "tensor_model_parallel_size" in given,
+            "--sequence-parallel needs --tensor-model-parallel-size > 1.",
+        ),
+        (
+            args.gpus
+            % (args.tensor_model_parallel_size * args.context_parallel_size * args.pipeline_model_parallel_size),
+            f"--gpus ({args.gpus}) must be divisible by --tensor-model-parallel-size × --context-parallel-size × "
+            f"--pipeline-model-parallel-size ({args.tensor_model_parallel_size} × {args.context_parallel_size} × "
+            f"{args.pipeline_model_parallel_size}).",
+        ),
+        (
+            args.global_batch_size is not None and args.global_batch_size % args.micro_batch_size != 0,
+            f"--global-batch-size ({args.global_batch_size}) must be a multiple of --micro-batch-size "
+            f"({args.micro_batch_size}).",
+        ),
+    ]
+
+
+def fixed_dimensions(args, given: set) -> dict:
+    fixed = {dim: getattr(args, dest) for dim, dest in LAYOUT_FLAGS.items() if dest in given}
+    if args.use_torch_fsdp2:
+        fixed["sharding"] = "fsdp2"
+    elif args.use_distributed_optimizer:
+        fixed["sharding"] = "distributed"
+    return fixed
+
+
+def precision_of(args, offered: set) -> mem.Precision:
+    """Today --bf16 / --fp16 autocast over fp32 weights; once the program offers
+    --grad-reduce-in-bf16 (Megatron's mixed precision), bf16 weights and fp32 main weights."""
+    mode = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    megatron = args.mixed_precision == "megatron" or (
+        args.mixed_precision == "auto" and "--grad-reduce-in-bf16" in offered
+    )
+    return mem.precision(mode, megatron, getattr(args, "grad_reduce_in_bf16", False))
+
+
+def cluster_of(args) -> cost.Cluster:
+    return cost.Cluster(
+        args.gpus,
+        args.gpus_per_node,
+        args.gpu_memory_gib,
+        args.reserved_gib,
+        args.gpu_peak_tflops,
+        args.mfu,
+        args.nvlink_gbps,
+        args.ib_gbps,
+    )
+
+
+def base_config(args) -> dict:
+    fields = config_kwargs(args)
+    if args.vocab_size is None:
+        from megatron_sp.data import build_tokenizer
+
+        tok = build_tokenizer(args.tokenizer_type, args.tokenizer_model, None, args.vocab_file, args.merge_file)
+        args.vocab_size = tok.vocab_size
+    fields["vocab_size"] = args.vocab_size
+    try:
+        GPTConfig(**dict(fields, tensor_model_parallel_size=1, context_parallel_size=1, sequence_parallel=False))
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
+    return fields
+
+
+# ---- printing -------------------------------------------------------------------------------
+
+
+def _gib(x: float) -> str:
+    return f"{x / mem.GIB:.1f}"
+
+
+def _row(i, p: lay.Plan) -> list:
+    m, t = p.memory, p.time
+    return [
+        i,
+        p.layout.describe(),
+        "yes" if p.runnable else "no",
+        _gib(m.weights),
+        _gib(m.grads),
+        _gib(m.optimizer),
+        _gib(m.activations),
+        _gib(sum(m.buffers.values())),
+        _gib(m.total),
+        f"{p.comm.tp / 1e9:.1f}/{p.comm.cp / 1e9:.1f}/{p.comm.dp / 1e9:.1f}/{p.comm.pp / 1e9:.2f}",
+        p.micro_batches,
+        f"{t.total:.3f}",
+        f"{t.compute:.3f}",
+    ]
+
+
+HEADERS = [
+    "#",
+    "layout",
+    "runs",
+    "weights",
+    "grads",
+    "optim",
+    "acts",
+    "buffers",
+    "total GiB",
+    "GB sent tp/cp/dp/pp",
+    "m",
+    "step s",
+    "compute s",
+]
+
+
+def table(headers, rows) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" if i <= 1 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    return "\n".join(
+        [fmt.format(*headers), "  ".join("-" * w for w in widths)] + [fmt.format(*map(str, r)) for r in rows]
+    )
+
+
+def report(args, base, prec, cluster, fits, too_big) -> None:
+    cfg = GPTConfig(**dict(base, tensor_model_parallel_size=1, context_parallel_size=1, sequence_parallel=False))
+    print(
+        f"model: {cfg.model}, {cfg.num_parameters() / 1e9:.2f} B parameters, seq {cfg.seq_length}, micro batch "
+        f"{args.micro_batch_size}, global batch {args.global_batch_size}; precision {prec.name} "
+        f"({prec.weight}+{prec.grad}+{prec.optimizer} B/param)"
+    )
+    print(
+        f"cluster: {cluster.gpus} GPUs, {cluster.gpus_per_node} per node, {cluster.gpu_memory_gib:g} GiB "
+        f"(-{cluster.reserved_gib:g} reserved); {cluster.peak_tflops:g} TFLOP/s peak x MFU {cluster.mfu:g}, "
+        f"NVLink {cluster.nvlink_gbps:g} GB/s, IB {cluster.ib_gbps:g} GB/s per GPU"
+    )
+    runnable = [p for p in fits if p.runnable]
+    modelled = [p for p in fits if not p.runnable]
+    print(
+        f"{len(fits)} layouts fit ({len(runnable)} runnable today; {too_big} more split the model "
+        "but exceed the memory)"
+    )
+    if runnable:
+        print("runnable today, fastest first:")
+        print(table(HEADERS, [_row(i + 1, p) for i, p in enumerate(runnable[: args.top])]))
+    if modelled:
+        print("modelled, not runnable yet (pipeline parallelism, FSDP2), fastest first:")
+        start = len(runnable[: args.top])
+        print(table(HEADERS, [_row(start + i + 1, p) for i, p in enumerate(modelled[: max(3, args.top // 2)])]))
+    best = fits[0]
+    print("\nbuffers of #1 (GiB): " + ", ".join(f"{k} {_gib(v)}" for k, v in best.memory.buffers.items()))
+    t = best.time
+    print(
+        f"step time of #1 (s): compute {t.compute:.3f}, TP {t.tp:.3f}, CP {t.cp:.3f}, DP exposed {t.dp:.3f}, "
+        f"PP sends {t.pp:.3f}, bubble {t.bubble:.3f}"
+    )
+    print(
+        "note: pipeline parallelism does not exist yet (pp > 1: modelled, not runnable); FSDP2 is runnable only "
+        "once pretrain_gpt_sp.py accepts --use-torch-fsdp2; recompute full = uniform chunks of 1 layer."
+    )
+
+
+# ---- the largest Llama ------------------------------------------------------------------------
+
+
+def llama_fields(base: dict, size: str) -> dict:
+    h, layers, heads, groups, ffn = LLAMA_LADDER[size]
+    return dict(
+        base,
+        model="llama",
+        hidden_size=h,
+        num_layers=layers,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        ffn_hidden_size=ffn,
+        vocab_size=128256,
+        kv_channels=None,
+        activation=None,
+        normalization=None,
+        position_embedding_type=None,
+        untie_embeddings_and_output_weights=None,
+        add_bias_linear=None,
+        add_qkv_bias=None,
+    )
+
+
+def largest_llama(args, base, prec, cluster, fixed) -> None:
+    batch = lay.Batch(args.micro_batch_size, args.global_batch_size)
+    rows = []
+    for size in LLAMA_LADDER:
+        fields = llama_fields(base, size)
+        row = [size, f"{GPTConfig(**fields).num_parameters() / 1e9:.1f}"]
+        for sharding in (("replicated", "distributed"), ("fsdp2",)):
+            fits = []
+            for s in sharding:
+                found, _ = lay.plans(fields, prec, cluster, batch, dict(fixed, pp=1, sharding=s), True)
+                fits += found
+            fits.sort(key=lambda p: p.time.total)
+            row += [f"{fits[0].layout.describe()} ({_gib(fits[0].memory.total)} GiB)" if fits else "does not fit"]
+        rows.append(row)
+    print(
+        f"Llama ladder on {cluster.gpus} x {cluster.gpu_memory_gib:g} GiB GPUs, seq {base['seq_length']}, global batch "
+        f"{args.global_batch_size} x micro {args.micro_batch_size}, precision {prec.name}, pp = 1; "
+        "fastest fitting layout:"
+    )
+    print(table(["model", "B params", "before: replicated weights (+ distributed optimizer)", "after: FSDP2"], rows))
+
+
+def paper_table() -> None:
+    from megatron_sp.planning.activations import paper_table as rows
+
+    table_rows = rows()
+    keys = [k for k in table_rows[0] if k not in ("model", "s", "b", "h", "a", "t", "layers")]
+    print("Korthikanti et al. 2022, Table 2 (16-bit, s=2048, b=1, t=8): activations per GPU, GiB for all layers")
+    print(
+        table(
+            ["configuration"] + [f"{r['model']} ({r['layers']} L)" for r in table_rows],
+            [[k] + [f"{r[k] * r['layers'] / mem.GIB:.1f}" for r in table_rows] for k in keys],
+        )
+    )
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--paper-table" in argv:  # needs no model
+        paper_table()
+        return 0
+    parser, offered = build_plan_parser()
+    try:
+        args = parser.parse_args(argv)
+        given = _given(parser, argv)
+        check(args, given)
+        base = base_config(args)
+    except ArgumentError as err:
+        print(f"tools/plan.py: error: {err}", file=sys.stderr)
+        return 2
+    if args.global_batch_size is None:  # the same tokens per step for every layout
+        args.global_batch_size = args.gpus * args.micro_batch_size
+    prec, cluster, fixed = precision_of(args, offered), cluster_of(args), fixed_dimensions(args, given)
+    if args.largest_llama:
+        largest_llama(args, base, prec, cluster, fixed)
+        return 0
+    batch = lay.Batch(args.micro_batch_size, args.global_batch_size)
+    fits, too_big = lay.plans(base, prec, cluster, batch, fixed, "--use-torch-fsdp2" in offered)
+    if not fits:
+        print(
+            f"tools/plan.py: no layout fits this model in {args.gpus} x {args.gpu_memory_gib:g} GiB "
+            f"({too_big} layouts split it but exceed the memory); add GPUs or shrink the model or batch.",
+            file=sys.stderr,
+        )
+        return 1
+    report(args, base, prec, cluster, fits, too_big)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
