@@ -194,7 +194,8 @@ def cluster_of(args) -> cost.Cluster:
     )
 
 
-def base_config(args) -> dict:
+def base_config(args, given: set) -> dict:
+    """The model's GPTConfig fields; checked serially and at the layout flags given."""
     fields = config_kwargs(args)
     if args.vocab_size is None:
         from megatron_sp.data import build_tokenizer
@@ -202,8 +203,11 @@ def base_config(args) -> dict:
         tok = build_tokenizer(args.tokenizer_type, args.tokenizer_model, None, args.vocab_file, args.merge_file)
         args.vocab_size = tok.vocab_size
     fields["vocab_size"] = args.vocab_size
+    serial = dict(tensor_model_parallel_size=1, context_parallel_size=1, sequence_parallel=False)
+    pinned = {k: v for k, v in fields.items() if k in serial and k in given}
     try:
-        GPTConfig(**dict(fields, tensor_model_parallel_size=1, context_parallel_size=1, sequence_parallel=False))
+        GPTConfig(**dict(fields, **serial))
+        GPTConfig(**dict(fields, **dict(serial, **pinned)))
     except ValueError as err:
         raise ArgumentError(str(err)) from None
     return fields
@@ -368,7 +372,7 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
         given = _given(parser, argv)
         check(args, given)
-        base = base_config(args)
+        base = base_config(args, given)
     except ArgumentError as err:
         print(f"tools/plan.py: error: {err}", file=sys.stderr)
         return 2
@@ -381,9 +385,13 @@ def main(argv=None) -> int:
     batch = lay.Batch(args.micro_batch_size, args.global_batch_size)
     fits, too_big = lay.plans(base, prec, cluster, batch, fixed, "--use-torch-fsdp2" in offered)
     if not fits:
+        why = (
+            f"{too_big} layouts split it but exceed the memory; add GPUs or shrink the model or batch"
+            if too_big
+            else "no layout splits it (heads, key/value groups, MLP width, sequence or batch do not divide)"
+        )
         print(
-            f"tools/plan.py: no layout fits this model in {args.gpus} x {args.gpu_memory_gib:g} GiB "
-            f"({too_big} layouts split it but exceed the memory); add GPUs or shrink the model or batch.",
+            f"tools/plan.py: no layout fits this model in {args.gpus} x {args.gpu_memory_gib:g} GiB: {why}.",
             file=sys.stderr,
         )
         return 1

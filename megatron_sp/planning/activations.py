@@ -12,7 +12,7 @@ bench/activation_memory.py's measurement by tests/test_plan.py):
     the QKV output (q, k, v views)    s b (n + 2g) d / t           6sbh/t
     RoPE: rotated q, k + cos/sin      s b (n + g) d / t + 4 b s r  -  (CP: the core's q, k, v are
                                                                     copies: no second q, k)
-    attention output (proj input)     s b n d / t                  2sbh/t
+    attention output (proj input)     s b n d / t                  2sbh/t  (Ulysses: twice)
     logsumexp (fp32)                  b n s / t                    (no 5as^2b/t: flash/blockwise)
     MLP: GELU in + out                2 s b f / t                  16sbh/t
          SwiGLU: fc1 out, silu, prod  4 s b f / t
@@ -77,6 +77,7 @@ class LayerShape:
     rope_dim: int = 0  # channels RoPE rotates (0: no RoPE)
     masks: bool = False  # dropout masks saved (dropout on and the reference ops)
     cp: bool = False  # context parallel: the core saves its own q, k, v (not views of the QKV output)
+    ulysses: bool = False  # CP a2a: the core's output is also kept in head layout
     act_bytes: int = FP32  # bytes per activation element
 
     @classmethod
@@ -97,6 +98,7 @@ class LayerShape:
             masks=(cfg.hidden_dropout > 0 or cfg.attention_dropout > 0) and not cfg.use_fused_kernels,
             act_bytes=act_bytes,
             cp=cfg.context_parallel_size > 1,
+            ulysses=cfg.context_parallel_size > 1 and cfg.cp_comm_type == "a2a",
         )
 
     @property
@@ -125,6 +127,8 @@ def layer_terms(x: LayerShape, selective: bool = False):
         rotated = 0 if x.cp else e * sb * (nq + nkv) * x.d
         terms.append(("RoPE: rotated q, k; cos, sin", rotated + 4 * e * sb * x.rope_dim))
     terms.append(("attention output", e * sb * nq * x.d))
+    if x.ulysses:  # bench/long_sequence.py measures (c=1)/c + 4sbh/c for it
+        terms.append(("Ulysses: the output in head layout", e * sb * nq * x.d))
     if not selective:
         terms.append(("attention logsumexp (fp32)", FP32 * sb * nq))
     mlp = 4 if x.swiglu else 2

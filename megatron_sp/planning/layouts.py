@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_sp.config import GPTConfig
+from megatron_sp.config import RECOMPUTE_GRANULARITIES, GPTConfig
 from megatron_sp.planning import cost
 from megatron_sp.planning import memory as mem
 
-RECOMPUTE = (None, "selective", "full")
+RECOMPUTE = (None,) + RECOMPUTE_GRANULARITIES  # what the program offers, and none
 
 
 @dataclass(frozen=True)
