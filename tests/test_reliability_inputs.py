@@ -255,7 +255,7 @@ CHECKPOINT_CASES = {
     "distcp truncated, no record": (
         lambda c, m: (_truncate(c / I4 / "__0_0.distcp"), _edit_meta(c, files=None)),
         ["--load", "{ckpt}"],
-        "cannot be read",
+        "which holds",
         2,
     ),
     ".metadata garbage, no record": (

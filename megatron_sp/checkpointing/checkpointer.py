@@ -39,13 +39,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp import failures
-from megatron_sp.checkpointing import metadata, safe_dcp
+from megatron_sp.checkpointing import files, metadata, safe_dcp
 from megatron_sp.checkpointing.paths import (
     LATEST,
     CheckpointError,
     check_files_present,
     check_save_dir,
     checkpoint_dir,
+    damaged,
+    digest_problem,
     locate,
     read_metadata_json,
     same_path,
@@ -131,13 +133,13 @@ def save(root: str, states: dict, cfg, ps, log=print, extra=None) -> str:
     try:
         _write(tmp, states, cfg, ps, extra or {})
         if _rank() == 0:
-            shutil.rmtree(final, ignore_errors=True)
+            files.remove_tree(final)
             os.replace(tmp, final)
             write_latest(root, it)
     except (OSError, _checkpoint_exception()) as err:
         reason = _save_failure(err, root, checkpoint_bytes(cfg))
         if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # give the space back
+            files.remove_tree(tmp)  # give the space back
         raise CheckpointSaveError(
             f"saving iteration {it} to {root} failed on rank {_rank()} ({reason}); the previous "
             f"checkpoint and {LATEST} are intact: free space or fix --save, then resume."
@@ -151,7 +153,7 @@ def _write(tmp, states, cfg, ps, extra) -> None:
     """Every rank's shards and per-rank files, then metadata.json with the integrity record (rank 0)."""
     if _rank() == 0:
         os.makedirs(os.path.dirname(tmp), exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a killed save
+        files.remove_tree(tmp)  # leftovers of a killed save (or a planted link: removed, not followed)
         os.makedirs(tmp)
     _barrier()
     tensors, per_rank, rest = _kinds(states)
@@ -277,15 +279,10 @@ def _check_same_everywhere(path, value, what="metadata.json"):
 
 def _verify_digests(path, meta) -> None:
     """Collective: the files' sha256 against the record, each rank hashing its share, before unpickling."""
-    record = sorted((meta.get("files") or {}).items())
     world = dist.get_world_size() if dist.is_initialized() else 1
-    problem = safe_dcp.check_digests(path, record[_rank() :: world])
-    failure = failures.agree(problem)
+    failure = failures.agree(digest_problem(path, meta, _rank(), world))
     if failure:
-        raise CheckpointError(
-            f"checkpoint {path} is damaged: {failure[1]}; load an earlier iteration by "
-            f"writing its number into {LATEST}."
-        )
+        raise damaged(path, failure[1])
 
 
 def _load_tensors(tensors: dict, path) -> None:
@@ -312,8 +309,11 @@ def _stored_keys(path) -> set:
 def _load_rank_file(path, key, state) -> None:
     """This rank's file of a per-rank state (weights_only: tensors and plain containers), if saved."""
     file = _rank_file(path, key)
-    if not os.path.exists(file):
+    if not os.path.lexists(file):
         return
+    problem = files.regular_file_problem(file, path)
+    if problem:
+        raise CheckpointError(f"{problem}; resume with --no-load-{key} or from an earlier iteration.")
     try:
         state.load_state_dict(torch.load(file, weights_only=True))
     except Exception:  # noqa: BLE001 - truncated zip, foreign pickle, wrong content: all mean "not ours"
