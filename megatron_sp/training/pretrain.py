@@ -173,6 +173,7 @@ def _main(argv, signals) -> int:
         code = Trainer(setup).run(signals)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()  # nobody tears the group down while a peer still logs
+        destroy_distributed(wait_for_peers=True)  # and the store's host leaves last (dist_env.py)
         return code
     except (NonFiniteError, GradientUnderflowError, checkpointing.CheckpointSaveError, OSError) as err:
         return failures.report_once(failures.one_sentence(err), 1)
