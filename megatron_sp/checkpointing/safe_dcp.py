@@ -26,7 +26,7 @@ import warnings
 from megatron_sp.checkpointing import files
 
 METADATA_FILE = ".metadata"  # DCP's pickled index of the tensors
-METADATA_LIMIT = 1 << 30  # bytes of `.metadata` read at most (a 70B model's index is a few MB)
+METADATA_LIMIT = 256 << 20  # bytes of `.metadata` read at most (a 70B model's index is a few MB)
 
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
