@@ -42,7 +42,8 @@ def _meta_model(cfg: GPTConfig):
 
 def model_specs(cfg: GPTConfig, model=None) -> dict:
     """Each parameter's ShardSpec for a config."""
-    return {name: p.shard_spec for name, p in (model or _meta_model(cfg)).named_parameters()}
+    model = model if model is not None else _meta_model(cfg)
+    return {name: p.shard_spec for name, p in model.named_parameters()}
 
 
 def checkpoint_path(root: str, iteration=None) -> str:

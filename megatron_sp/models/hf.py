@@ -8,7 +8,9 @@ is GPT-2, RMSNorm + SwiGLU + RoPE is Llama; anything neither can express (e.g. G
 RoPE, a Llama with biases on q/k/v only) is refused with one sentence. GPT-2's Conv1D weights are
 stored [in, out], ours [out, in]; Llama's q/k/v and gate/up projections are our fused rows.
 The config.json keys that map one to one onto a GPTConfig field are named in config.py's table
-(`hf=`); the rest (activation, tying, biases, RoPE) is spelled out here.
+(`hf=`); the rest (activation, tying, biases, RoPE) is spelled out here. On import every tensor is
+checked against the config before it is used (`check_tensors`: its name, its shape as `to_hf` of a
+shape-only model gives it, floating point; the layer count first, so a hostile config builds nothing).
 """
 
 from __future__ import annotations
