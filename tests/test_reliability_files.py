@@ -434,3 +434,21 @@ def test_export_refuses_a_model_directory_unless_overwrite(saved, tmp_path, caps
     (tmp_path / "file").write_text("x")
     argv = ["export", "--load", str(saved), "--output", str(tmp_path / "file")]
     one_sentence(capsys, convert_hf.main(argv), 2, "is a file", "convert_hf.py")
+
+
+def test_from_safetensors_checks_the_tensors_against_the_config(model, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    cfg, state = model
+    meta = {"megatron_sp_config": json.dumps(CFG)}
+    bad = dict(state, **{"layers.1.mlp.fc2.weight": state["layers.1.mlp.fc2.weight"].t().contiguous()})
+    save_file(bad, str(tmp_path / "bad.safetensors"), metadata=meta)
+    argv = ["from-safetensors", "--input", str(tmp_path / "bad.safetensors"), "--save", str(tmp_path / "c")]
+    one_sentence(
+        capsys, convert_checkpoint.main(argv), 2, "layers.1.mlp.fc2.weight as [48, 32]", "convert_checkpoint.py"
+    )
+    os.mkfifo(tmp_path / "pipe.safetensors")
+    argv = ["from-safetensors", "--input", str(tmp_path / "pipe.safetensors"), "--save", str(tmp_path / "c")]
+    with bounded():
+        one_sentence(capsys, convert_checkpoint.main(argv), 2, "not a regular file", "convert_checkpoint.py")
+    assert not (tmp_path / "c").exists()
