@@ -200,7 +200,7 @@ def check_save_dir(root: str, checkpoint_bytes: int) -> None:
     try:
         os.makedirs(root, exist_ok=True)
         probe = os.path.join(root, f".write_test.{os.uname().nodename}.{os.getpid()}")
-        if os.path.islink(probe):  # planted: the probe is created new, never through a link
+        if os.path.lexists(probe):  # a killed run's, or a planted link: the probe is created new, never through a link
             os.unlink(probe)
         with files.create_new(probe, "wb") as f:
             f.write(b"ok")

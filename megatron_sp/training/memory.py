@@ -39,14 +39,17 @@ def available_bytes(device: str) -> Optional[int]:
     """Memory free for this rank: the CUDA device's free memory, or the host's available memory
     shared by the node's ranks (LOCAL_WORLD_SIZE); None when it cannot be told."""
     try:
-        if device == "cuda":
+        if device == "cuda":  # the GPU this rank will use (dist_env's choice), not GPU 0 for every rank
             import torch
 
-            return torch.cuda.mem_get_info()[0]
+            from megatron_sp.training.dist_env import detect_env
+
+            index = detect_env().local_rank if torch.cuda.device_count() > 1 else 0
+            return torch.cuda.mem_get_info(index)[0]
         with open("/proc/meminfo") as f:
             info = dict(line.split(":", 1) for line in f)
         return int(info["MemAvailable"].split()[0]) * 1024 // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except (OSError, KeyError, ValueError, IndexError, RuntimeError):
+    except (OSError, KeyError, ValueError, IndexError, RuntimeError, AssertionError):
         return None
 
 
