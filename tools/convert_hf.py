@@ -68,7 +68,8 @@ def _prepare_output(output: str, overwrite: bool) -> None:
     if os.path.lexists(output) and not os.path.isdir(output):
         raise ValueError(f"--output {output} is a file; pass a directory for the model.")
     os.makedirs(output, exist_ok=True)
-    present = sorted({os.path.basename(p) for pattern in MODEL_FILES for p in glob.glob(os.path.join(output, pattern))})
+    found = (glob.glob(os.path.join(glob.escape(output), pattern)) for pattern in MODEL_FILES)
+    present = sorted({os.path.basename(p) for paths in found for p in paths})
     if present and not overwrite:
         raise ValueError(
             f"--output {output} already holds a model ({', '.join(present[:3])}); pass --overwrite to "
