@@ -44,14 +44,16 @@ def read_latest(root: str) -> Optional[int]:
         return None
     try:
         text = files.read_bytes(path, root, limit=64).decode("ascii").strip()
-    except (UnicodeDecodeError, files.UnreadableFile):
+    except UnicodeDecodeError:
         text = None
+    except files.UnreadableFile as err:  # a FIFO, a device, a link out of root: never opened
+        raise CheckpointError(f"{err}; {LATEST} must be a regular file holding the iteration to resume from.") from None
     except OSError as err:
         raise CheckpointError(f"{path} cannot be read ({err.strerror}); fix its permissions.") from None
     if not text or not text.isdigit():
         raise CheckpointError(
-            f"{path} does not hold an iteration number (a regular file with one line); write the "
-            f"iteration to resume from into it (one of the iter_N directories beside it)."
+            f"{path} does not hold an iteration number; write the iteration to resume "
+            f"from into it (one of the iter_N directories beside it)."
         )
     return int(text)
 
