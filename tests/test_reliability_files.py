@@ -452,3 +452,15 @@ def test_from_safetensors_checks_the_tensors_against_the_config(model, tmp_path,
     with bounded():
         one_sentence(capsys, convert_checkpoint.main(argv), 2, "not a regular file", "convert_checkpoint.py")
     assert not (tmp_path / "c").exists()
+
+
+def test_huge_index_files_are_refused_unread(ckpt, monkeypatch):
+    """A `.metadata` or metadata.json larger than any index is refused by its size, before reading."""
+    monkeypatch.setattr(safe_dcp, "METADATA_LIMIT", 1000)
+    _edit_meta(ckpt, files=None)
+    with pytest.raises(safe_dcp.UnsafeCheckpointError, match="bytes, far more than"):
+        safe_dcp.read_metadata(str(ckpt / I0))
+    with open(_meta_path(ckpt), "a") as f:
+        f.truncate(paths.METADATA_JSON_LIMIT + 1)  # sparse: 64 MiB of nothing
+    with pytest.raises(paths.CheckpointError, match="bytes, far more than"):
+        paths.read_metadata_json(str(ckpt / I0))

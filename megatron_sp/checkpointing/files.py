@@ -61,8 +61,11 @@ def read_bytes(path: str, root: str, limit: int) -> bytes:
         raise UnreadableFile(problem)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO swapped in after the check: no block
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
             raise UnreadableFile(f"{path} is not a regular file")
+        if info.st_size > limit:  # refused unread
+            raise UnreadableFile(f"{path} is {info.st_size} bytes, far more than such a file holds ({limit} at most)")
         data = f.read(limit + 1)
     if len(data) > limit:
         raise UnreadableFile(f"{path} is larger than {limit} bytes, far more than such a file holds")
