@@ -47,6 +47,14 @@ def test_exact_resume_is_bit_identical(runs, tmp_path):
         )
     )
     assert losses(tmp_path / "resumed.jsonl") == straight[10:]  # bit for bit
+    # the tools read the TP=2+SP checkpoint whole, with the trainer's checks and its shapes against its config
+    from megatron_sp.checkpointing.full_state import checkpoint_path, read_full_state
+    from megatron_sp.config import config_from_dict
+    from megatron_sp.models.reference import ReferenceGPT
+
+    state, meta = read_full_state(checkpoint_path(str(runs / "ckpt")))
+    assert meta["tensor_model_parallel_size"] == 2
+    ReferenceGPT(config_from_dict(meta["config"]), initialise=False).load_state_dict(state)  # strict: every key, shape
 
 
 @pytest.mark.slow

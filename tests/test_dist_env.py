@@ -191,3 +191,44 @@ def test_warns_about_torchrun_restarts_with_shared_store(clean_launch_env, monke
         monkeypatch.setenv(key, value)
     with pytest.warns(UserWarning, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
         dist_env.init_distributed("gloo", "cpu")
+
+
+def _leave(rank, port, delay, results):
+    """One rank of a 2-rank gloo world (rank 0 hosts the TCP store, as under srun or launch/'s
+    torchrun): meets, then leaves; rank 1 is slow to leave."""
+    import time
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist_env.init_distributed("gloo", "cpu", timeout_s=60)
+    dist.barrier()
+    if rank == 1:
+        time.sleep(delay)
+    start = time.monotonic()
+    dist_env.destroy_distributed(wait_for_peers=True)
+    results.put((rank, start, time.monotonic()))
+
+
+def test_store_host_leaves_after_every_peer_has_torn_down(clean_launch_env):
+    """The shutdown race (issue 21): rank 0 hosts the store, so it must not exit while a peer is still
+    destroying its process groups (NCCL's threads poll the store then; a vanished store killed that
+    rank and the launcher reported exit 1 for a finished run)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")  # no torch re-import: the children only meet and leave
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_leave, args=(r, port, 1.0, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    times = dict((rank, (start, end)) for rank, start, end in (results.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert times[0][1] >= times[1][0], "rank 0 (the store's host) left before rank 1 began to leave"

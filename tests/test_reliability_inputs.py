@@ -265,7 +265,7 @@ CHECKPOINT_CASES = {
     "distcp truncated, no record": (
         lambda c, m: (_truncate(c / I4 / "__0_0.distcp"), _edit_meta(c, files=None)),
         ["--load", "{ckpt}"],
-        "cannot be read",
+        "which holds",
         2,
     ),
     ".metadata garbage, no record": (
@@ -277,7 +277,43 @@ CHECKPOINT_CASES = {
     ".metadata runs code": (lambda c, m: _plant_metadata(c, m), ["--load", "{ckpt}"], "refusing to unpickle", 2),
     "rng runs code": (lambda c, m: _plant_rng(c, m), ["--load", "{ckpt}"], "not a readable RNG state", 2),
     "other model flags": (lambda c, m: None, ["--load", "{ckpt}", "--hidden-size", "64"], "hidden_size", 2),
+    # issue 21: hostile files; nothing outside --load is read, nothing blocks
+    "marker is a FIFO": (
+        lambda c, m: (
+            os.remove(c / "latest_checkpointed_iteration.txt"),
+            os.mkfifo(c / "latest_checkpointed_iteration.txt"),
+        ),
+        ["--load", "{ckpt}"],
+        "regular file",
+        2,
+    ),
+    "metadata.json nested 10^5 deep": (
+        lambda c, m: (c / I4 / "metadata.json").write_text("[" * 100_000 + "]" * 100_000),
+        ["--load", "{ckpt}"],
+        "nested too deeply",
+        2,
+    ),
+    "record names a file outside": (
+        lambda c, m: _edit_meta(c, files={"../../x": {"size": 1, "sha256": "0" * 64}}),
+        ["--load", "{ckpt}"],
+        "outside its directory",
+        2,
+    ),
+    "shard linked outside": (
+        lambda c, m: _link_out(c / I4 / "__0_0.distcp", m),
+        ["--load", "{ckpt}"],
+        "leads outside",
+        2,
+    ),
+    "checkpoint linked outside": (lambda c, m: _link_out(c / I4, m), ["--load", "{ckpt}"], "leads outside", 2),
 }
+
+
+def _link_out(path, marker):
+    """`path` moved beside the marker (outside the checkpoint) and replaced by a link to it."""
+    outside = os.path.join(os.path.dirname(marker), "outside_" + path.name)
+    shutil.move(str(path), outside)
+    os.symlink(outside, str(path))
 
 
 @pytest.mark.parametrize("case", sorted(CHECKPOINT_CASES))
@@ -357,6 +393,43 @@ def test_disk_full_during_save_stops_with_previous_checkpoint_intact(tmpfs, caps
 
 
 # ---- fp16 underflow -------------------------------------------------------------------------------
+# ---- out of memory: one sentence with the sizes (issue 21) ----------------------------------------
+def test_model_too_large_for_memory_is_refused_before_it_is_built(capsys, monkeypatch):
+    from megatron_sp.training import memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1 << 10)
+    code, err, _ = run(capsys, ["--train-iters", "1"])
+    assert_one_sentence(code, err, 2, "per rank for weights, gradients and AdamW state but cpu has 0.00 GiB free")
+
+
+@pytest.mark.parametrize(
+    "error, asked",
+    [
+        (
+            torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has 1.00 GiB free."),
+            "2.00 GiB",
+        ),
+        (
+            RuntimeError(
+                "[enforce fail] DefaultCPUAllocator: can't allocate memory: you tried to allocate 4096 bytes."
+            ),
+            "4096 bytes",
+        ),
+        (MemoryError(), None),
+    ],
+)
+def test_out_of_memory_while_running_is_one_sentence(error, asked, capsys, monkeypatch):
+    from megatron_sp.models import gpt
+
+    def allocate(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(gpt, "GPTModel", allocate)
+    code, err, _ = run(capsys, ["--train-iters", "1"])
+    assert_one_sentence(code, err, 1, "out of memory on cpu")
+    assert "M parameters, at least" in err and (asked is None or f"allocating {asked}" in err), err
+
+
 def test_fp16_underflow_grows_the_scale_instead_of_training_on_zeros(tmp_path, capsys):
     log = tmp_path / "log.jsonl"
     code, err, out = run(

@@ -16,6 +16,7 @@ the tokenizer's end-of-document id unless --ignore-eod.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch
@@ -83,6 +84,27 @@ def generate(
     return ids
 
 
+def _check_flags(args) -> None:
+    """The sampling flags in range and --device one this machine has (ValueError)."""
+    for flag, value, ok in (
+        ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 0),
+        ("--temperature", args.temperature, math.isfinite(args.temperature) and args.temperature >= 0),
+        ("--top-k", args.top_k, args.top_k >= 0),
+        ("--top-p", args.top_p, 0 < args.top_p <= 1),
+    ):
+        if not ok:
+            raise ValueError(f"{flag} {value} is out of range.")
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        raise ValueError(f"--device {args.device} is not one generate.py runs on (cpu, cuda, cuda:N).")
+    if args.device != "cpu":
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            raise ValueError(f"--device {args.device} is not a device name (cpu, cuda, cuda:N).") from None
+        if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"--device {args.device}: this machine has no such CUDA device; use --device cpu.")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--load", required=True)
@@ -103,14 +125,7 @@ def main(argv=None) -> int:
     p.add_argument("--bf16", action="store_true")
     args = p.parse_args(argv)
     try:
-        for flag, value, ok in (
-            ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 0),
-            ("--temperature", args.temperature, args.temperature >= 0),
-            ("--top-k", args.top_k, args.top_k >= 0),
-            ("--top-p", args.top_p, 0 < args.top_p <= 1),
-        ):
-            if not ok:
-                raise ValueError(f"{flag} {value} is out of range.")
+        _check_flags(args)
         from megatron_sp.data import build_tokenizer
 
         tokenizer = build_tokenizer(
@@ -122,10 +137,13 @@ def main(argv=None) -> int:
                 f"the tokenizer has {tokenizer.vocab_size} ids but the checkpoint's model "
                 f"{cfg.vocab_size}: use the tokenizer it was trained with."
             )
+        prompt = tokenizer.tokenize(args.prompt) if args.prompt else [tokenizer.eod]
+        outside = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+        if outside:
+            raise ValueError(f"the prompt holds id {outside[0]}, outside the model's vocabulary of {cfg.vocab_size}.")
     except (ValueError, OSError) as err:  # DataError, CheckpointError, GPTConfig's ValueError
         print(f"generate.py: error: {err}", file=sys.stderr)
         return 2
-    prompt = tokenizer.tokenize(args.prompt) if args.prompt else [tokenizer.eod]
     ids = torch.tensor([prompt], device=args.device)
     out = generate(
         model,

@@ -1,8 +1,9 @@
 """Checkpoints that load at any TP/CP/DP layout (torch.distributed.checkpoint), of the states a run
 gives: checkpointer.py (save / load), states.py (the stateful objects), metadata.py (metadata.json
 and its integrity record), paths.py (where checkpoints live; start-up checks), canonical.py (the
-layout-independent tensor layout), safe_dcp.py (reading without running code), full_state.py (whole
-models for the conversion tools)."""
+layout-independent tensor layout), safe_dcp.py (reading without running code), files.py (opening files
+of an untrusted directory: nothing outside it read or written), full_state.py (whole models for the
+conversion tools, read with the trainer's checks)."""
 
 from megatron_sp.checkpointing.checkpointer import (
     CheckpointSaveError,

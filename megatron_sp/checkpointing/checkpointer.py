@@ -40,13 +40,15 @@ import torch.distributed as dist
 
 from megatron_sp import failures
 from megatron_sp.checkpointing import async_save as async_save_module
-from megatron_sp.checkpointing import metadata, safe_dcp
+from megatron_sp.checkpointing import files, metadata, safe_dcp
 from megatron_sp.checkpointing.paths import (
     LATEST,
     CheckpointError,
     check_files_present,
     check_save_dir,
     checkpoint_dir,
+    damaged,
+    digest_problem,
     drop_unretained,
     locate,
     read_metadata_json,
@@ -165,7 +167,7 @@ class _SaveJob:
                 metadata.write(self.tmp, self.meta)
                 _barrier()
             if _rank() == 0:
-                shutil.rmtree(self.final, ignore_errors=True)
+                files.remove_tree(self.final)
                 os.replace(self.tmp, self.final)
                 write_latest(self.root, self.it)
         except OSError as err:
@@ -178,7 +180,7 @@ class _SaveJob:
     def fail(self, err):
         reason = _save_failure(err, self.root, checkpoint_bytes(self.cfg))
         if _rank() == 0:
-            shutil.rmtree(self.tmp, ignore_errors=True)  # give the space back
+            files.remove_tree(self.tmp)  # give the space back
         raise CheckpointSaveError(
             f"saving iteration {self.it} to {self.root} failed on rank {_rank()} ({reason}); the previous "
             f"checkpoint and {LATEST} are intact: free space or fix --save, then resume."
@@ -223,7 +225,7 @@ def _write(tmp, states, cfg, ps, extra, async_save=False):
     flight (with the metadata to record once it is done) instead of finishing."""
     if _rank() == 0:
         os.makedirs(os.path.dirname(tmp), exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a killed save
+        files.remove_tree(tmp)  # leftovers of a killed save (or a planted link: removed, not followed)
         os.makedirs(tmp)
     _barrier()
     tensors, per_rank, rest = _kinds(states)
@@ -373,15 +375,10 @@ def _check_same_everywhere(path, value, what="metadata.json"):
 
 def _verify_digests(path, meta) -> None:
     """Collective: the files' sha256 against the record, each rank hashing its share, before unpickling."""
-    record = sorted((meta.get("files") or {}).items())
     world = dist.get_world_size() if dist.is_initialized() else 1
-    problem = safe_dcp.check_digests(path, record[_rank() :: world])
-    failure = failures.agree(problem)
+    failure = failures.agree(digest_problem(path, meta, _rank(), world))
     if failure:
-        raise CheckpointError(
-            f"checkpoint {path} is damaged: {failure[1]}; load an earlier iteration by "
-            f"writing its number into {LATEST}."
-        )
+        raise damaged(path, failure[1])
 
 
 def _load_tensors(tensors: dict, path, strictness="assume_ok_unexpected", log=print) -> None:
@@ -432,8 +429,11 @@ def _stored_keys(path) -> set:
 def _load_rank_file(path, key, state) -> None:
     """This rank's file of a per-rank state (weights_only: tensors and plain containers), if saved."""
     file = _rank_file(path, key)
-    if not os.path.exists(file):
+    if not os.path.lexists(file):
         return
+    problem = files.regular_file_problem(file, path)
+    if problem:
+        raise CheckpointError(f"{problem}; resume with --no-load-{key} or from an earlier iteration.")
     try:
         state.load_state_dict(torch.load(file, weights_only=True))
     except Exception:  # noqa: BLE001 - truncated zip, foreign pickle, wrong content: all mean "not ours"

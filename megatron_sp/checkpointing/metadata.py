@@ -20,7 +20,7 @@ import os
 
 import torch.distributed as dist
 
-from megatron_sp.checkpointing import safe_dcp
+from megatron_sp.checkpointing import files, safe_dcp
 from megatron_sp.checkpointing.paths import METADATA_JSON
 
 FORMAT = "megatron_sp-dcp-1"
@@ -44,7 +44,7 @@ def describe(cfg, ps, train_state: dict, entries: dict) -> dict:
 def write(path: str, meta: dict) -> None:
     """Collective: the integrity record of every file now in `path` (each rank hashes the files it
     wrote), then rank 0 writes metadata.json with it."""
-    files = safe_dcp.integrity_record(path)
+    record = safe_dcp.integrity_record(path)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        with open(os.path.join(path, METADATA_JSON), "w") as f:
-            json.dump({**meta, "files": files}, f, indent=2, sort_keys=True)
+        with files.create_new(os.path.join(path, METADATA_JSON)) as f:
+            json.dump({**meta, "files": record}, f, indent=2, sort_keys=True)

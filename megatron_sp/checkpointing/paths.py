@@ -20,11 +20,12 @@ import os
 import shutil
 from typing import Optional
 
-from megatron_sp.checkpointing import safe_dcp
+from megatron_sp.checkpointing import files, safe_dcp
 from megatron_sp.checkpointing.states import TrainState
 
 LATEST = "latest_checkpointed_iteration.txt"
 METADATA_JSON = "metadata.json"
+METADATA_JSON_LIMIT = 64 << 20  # bytes; megatron_sp writes a few KB
 _TRAIN_STATE_KEYS = tuple(f.name for f in dataclasses.fields(TrainState))
 
 
@@ -39,13 +40,14 @@ def checkpoint_dir(root: str, iteration: int) -> str:
 def read_latest(root: str) -> Optional[int]:
     """Iteration named by the latest marker, or None when the directory holds no marker."""
     path = os.path.join(root, LATEST)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return None
     try:
-        with open(path, "rb") as f:
-            text = f.read(64).decode("ascii").strip()
+        text = files.read_bytes(path, root, limit=64).decode("ascii").strip()
     except UnicodeDecodeError:
         text = None
+    except files.UnreadableFile as err:  # a FIFO, a device, a link out of root: never opened
+        raise CheckpointError(f"{err}; {LATEST} must be a regular file holding the iteration to resume from.") from None
     except OSError as err:
         raise CheckpointError(f"{path} cannot be read ({err.strerror}); fix its permissions.") from None
     if not text or not text.isdigit():
@@ -57,13 +59,9 @@ def read_latest(root: str) -> Optional[int]:
 
 
 def write_latest(root: str, iteration: int) -> None:
-    """Points the latest marker at `iteration`, atomically (a crash leaves the old marker)."""
-    path, tmp = os.path.join(root, LATEST), os.path.join(root, LATEST) + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(f"{iteration}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Points the latest marker at `iteration`, atomically (a crash leaves the old marker; a planted
+    link or temporary file is replaced, never followed)."""
+    files.write_atomic(os.path.join(root, LATEST), f"{iteration}\n".encode())
 
 
 def same_path(a: Optional[str], b: Optional[str]) -> bool:
@@ -107,6 +105,8 @@ def locate(root: str, is_save_dir: bool) -> Optional[int]:
         )
         raise CheckpointError(f"--load {root} holds no {LATEST}; {hint}.")
     path = checkpoint_dir(root, iteration)
+    if not files.inside(root, path):
+        raise CheckpointError(f"checkpoint {path} is a link that leads outside --load {root}; copy it in instead.")
     if not os.path.isfile(os.path.join(path, METADATA_JSON)):
         raise CheckpointError(
             f"checkpoint {path} named by {LATEST} is missing or incomplete; point {LATEST} at a complete iteration."
@@ -118,13 +118,16 @@ def read_metadata_json(path: str) -> dict:
     """metadata.json of one checkpoint, checked for the fields loading relies on."""
     file = os.path.join(path, METADATA_JSON)
     try:
-        with open(file, encoding="utf-8") as f:
-            meta = json.load(f)
+        meta = json.loads(files.read_bytes(file, path, METADATA_JSON_LIMIT).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise CheckpointError(
             f"{file} is not valid JSON (truncated or corrupted); load an earlier "
             f"iteration by writing its number into {LATEST}."
         ) from None
+    except RecursionError:
+        raise CheckpointError(f"{file} is nested too deeply to be a megatron_sp metadata.json.") from None
+    except files.UnreadableFile as err:
+        raise CheckpointError(f"{err}; it cannot be a checkpoint's metadata.json.") from None
     except OSError as err:
         raise CheckpointError(f"{file} cannot be read ({err.strerror}).") from None
     problem = _schema_problem(meta)
@@ -147,15 +150,18 @@ def _schema_problem(meta) -> Optional[str]:
         return f"has train_state {state!r}, not the counts {list(_TRAIN_STATE_KEYS)}"
     if not _is_count(meta.get("tensor_model_parallel_size")) or not isinstance(meta.get("config"), dict):
         return "lacks tensor_model_parallel_size/config"
-    files = meta.get("files")
-    if files is not None and not (
-        isinstance(files, dict)
+    record = meta.get("files")
+    if record is not None and not (
+        isinstance(record, dict)
         and all(
             isinstance(v, dict) and _is_count(v.get("size")) and isinstance(v.get("sha256"), str)
-            for v in files.values()
+            for v in record.values()
         )
     ):
         return "has a malformed integrity record (files)"
+    outside = [name for name in record or {} if not files.is_plain_name(name)]
+    if outside:
+        return f"names a file outside its directory ({outside[0]!r}) in its integrity record"
     return None
 
 
@@ -163,9 +169,29 @@ def check_files_present(path: str, meta: dict) -> None:
     """Every file of the integrity record exists with its recorded size (cheap: no reading)."""
     problem = safe_dcp.check_sizes(path, meta.get("files") or {})
     if problem:
-        raise CheckpointError(
-            f"checkpoint {path} is damaged: {problem}; load an earlier iteration by writing its number into {LATEST}."
-        )
+        raise damaged(path, problem)
+
+
+def digest_problem(path: str, meta: dict, rank: int = 0, world: int = 1) -> Optional[str]:
+    """sha256 of this rank's share of the record's files (every world-th); None or the first mismatch."""
+    return safe_dcp.check_digests(path, sorted((meta.get("files") or {}).items())[rank::world])
+
+
+def damaged(path: str, problem: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {path} is damaged: {problem}; load an earlier iteration by writing its number into {LATEST}."
+    )
+
+
+def verified_metadata(path: str) -> dict:
+    """One process reading a whole checkpoint (the tools): its metadata.json, schema checked, every
+    file of its integrity record present with its size and sha256, as the trainer checks them."""
+    meta = read_metadata_json(path)
+    check_files_present(path, meta)
+    problem = digest_problem(path, meta)
+    if problem:
+        raise damaged(path, problem)
+    return meta
 
 
 # ---- --save --------------------------------------------------------------------------------------
@@ -176,7 +202,9 @@ def check_save_dir(root: str, checkpoint_bytes: int) -> None:
     try:
         os.makedirs(root, exist_ok=True)
         probe = os.path.join(root, f".write_test.{os.uname().nodename}.{os.getpid()}")
-        with open(probe, "wb") as f:
+        if os.path.lexists(probe):  # a killed run's, or a planted link: the probe is created new, never through a link
+            os.unlink(probe)
+        with files.create_new(probe, "wb") as f:
             f.write(b"ok")
             f.flush()
             os.fsync(f.fileno())

@@ -23,7 +23,10 @@ import os
 import pickle
 import warnings
 
+from megatron_sp.checkpointing import files
+
 METADATA_FILE = ".metadata"  # DCP's pickled index of the tensors
+METADATA_LIMIT = 256 << 20  # bytes of `.metadata` read at most (a 70B model's index is a few MB)
 
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
@@ -66,8 +69,10 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_metadata(checkpoint: str):
     """DCP's Metadata of a checkpoint directory, unpickled safely and checked (UnsafeCheckpointError)."""
     path = os.path.join(checkpoint, METADATA_FILE)
-    with open(path, "rb") as f:
-        data = f.read()
+    try:
+        data = files.read_bytes(path, checkpoint, METADATA_LIMIT)
+    except files.UnreadableFile as err:
+        raise UnsafeCheckpointError(str(err)) from None
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except UnsafeCheckpointError as err:
@@ -89,10 +94,55 @@ def _check_metadata(metadata, path: str) -> None:
                 f"{path} declares {key!r} as a pickled object; megatron_sp checkpoints "
                 f"hold tensors only, so it is refused"
             )
+    _check_storage(metadata, checkpoint=os.path.dirname(path), path=path)
+
+
+def _check_storage(metadata, checkpoint: str, path: str) -> None:
+    """Every stored chunk lies in a regular file of the checkpoint directory itself, within its size,
+    and the tensors declared hold no more bytes than the files store (so that a reader never
+    allocates more than the checkpoint holds: a forged 2^40-element entry is refused here)."""
+    sizes = {}
     for info in (metadata.storage_data or {}).values():
         name = str(getattr(info, "relative_path", ""))
-        if not name or os.path.isabs(name) or os.path.basename(name) != name or name in (".", ".."):
+        if not files.is_plain_name(name):
             raise UnsafeCheckpointError(f"{path} points outside its directory ({name!r})")
+        if name not in sizes:
+            file = os.path.join(checkpoint, name)
+            problem = files.regular_file_problem(file, checkpoint)
+            if problem:
+                raise UnsafeCheckpointError(f"{path} names a shard that is not a file of the checkpoint: {problem}")
+            sizes[name] = os.path.getsize(file)
+        offset, length = getattr(info, "offset", 0), getattr(info, "length", 0)
+        if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and 0 <= length):
+            raise UnsafeCheckpointError(f"{path} declares a chunk of {name} at a malformed place")
+        if offset + length > sizes[name]:
+            raise UnsafeCheckpointError(
+                f"{path} declares bytes {offset}..{offset + length} of {name}, which holds {sizes[name]} (truncated?)"
+            )
+    try:
+        declared = sum(_tensor_bytes(entry) for entry in metadata.state_dict_metadata.values())
+    except (AttributeError, TypeError, ValueError):
+        raise UnsafeCheckpointError(f"{path} declares a tensor with a malformed shape or dtype") from None
+    if declared > sum(sizes.values()):
+        raise UnsafeCheckpointError(
+            f"{path} declares tensors of {declared} bytes but its shards hold {sum(sizes.values())}"
+        )
+
+
+def _tensor_bytes(entry) -> int:
+    """Bytes of one declared tensor: its whole shape or its chunks, whichever is larger."""
+    import math
+
+    import torch
+
+    if not isinstance(entry.properties.dtype, torch.dtype):
+        raise TypeError("not a dtype")
+    shapes = [list(entry.size)] + [list(chunk.sizes) for chunk in entry.chunks]
+    if not all(isinstance(n, int) and n >= 0 for shape in shapes for n in shape):
+        raise ValueError("not a shape")
+    whole = math.prod(shapes[0])
+    chunks = sum(math.prod(shape) for shape in shapes[1:])
+    return entry.properties.dtype.itemsize * max(whole, chunks)
 
 
 def _reader_class():
@@ -199,8 +249,9 @@ def check_sizes(checkpoint: str, record: dict) -> str | None:
     """Cheap part of the check (no reading): every recorded file exists with its size. None or why not."""
     for name, expected in sorted(record.items()):
         path = os.path.join(checkpoint, name)
-        if not os.path.isfile(path):
-            return f"{path} is missing"
+        problem = files.regular_file_problem(path, checkpoint) if files.is_plain_name(name) else None
+        if problem or not files.is_plain_name(name):
+            return problem or f"{name!r} is not a file name of the checkpoint"
         size = os.path.getsize(path)
         if size != expected["size"]:
             return f"{path} has {size} bytes but was saved with {expected['size']} (truncated or overwritten)"

@@ -8,12 +8,15 @@ is GPT-2, RMSNorm + SwiGLU + RoPE is Llama; anything neither can express (e.g. G
 RoPE, a Llama with biases on q/k/v only) is refused with one sentence. GPT-2's Conv1D weights are
 stored [in, out], ours [out, in]; Llama's q/k/v and gate/up projections are our fused rows.
 The config.json keys that map one to one onto a GPTConfig field are named in config.py's table
-(`hf=`); the rest (activation, tying, biases, RoPE) is spelled out here.
+(`hf=`); the rest (activation, tying, biases, RoPE) is spelled out here. On import every tensor is
+checked against the config before it is used (`check_tensors`: its name, its shape as `to_hf` of a
+shape-only model gives it, floating point; the layer count first, so a hostile config builds nothing).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 
@@ -312,24 +315,68 @@ def to_hf(state: dict, cfg) -> tuple[dict, dict]:
 
 
 def from_hf(tensors: dict, config: dict) -> tuple[dict, dict]:
-    """(ReferenceGPT state dict, GPTConfig fields) from HF tensors and config.json."""
+    """(ReferenceGPT state dict, GPTConfig fields) from HF tensors and config.json; every tensor's
+    name, shape and dtype checked against the config first (one sentence naming the tensor)."""
+    if not isinstance(config, dict):
+        raise ConversionError(f"config.json holds a {type(config).__name__}, not a JSON object.")
     kind = config.get("model_type")
     if kind not in ("gpt2", "llama"):
         raise ConversionError(
             f"model_type {kind!r} is not supported; GPT2LMHeadModel (gpt2) and LlamaForCausalLM (llama) are."
         )
-    fields = _gpt2_fields(config) if kind == "gpt2" else _llama_fields(config)
-    cfg = GPTConfig(seq_length=fields["max_position_embeddings"], tensor_model_parallel_size=1, **fields)
     try:
-        if kind == "gpt2":
-            tensors = {
-                (k if k.startswith(("transformer.", "lm_head")) else f"transformer.{k}"): v for k, v in tensors.items()
-            }
-            state = {
-                ours: (tensors[hf].t() if transposed else tensors[hf]) for hf, ours, transposed in _gpt2_names(cfg)
-            }
-        else:
-            state = _llama_from_hf(tensors, cfg)
-    except KeyError as err:
-        raise ConversionError(f"the Hugging Face weights lack {err.args[0]} for this config.") from None
+        fields = _gpt2_fields(config) if kind == "gpt2" else _llama_fields(config)
+        cfg = GPTConfig(seq_length=fields["max_position_embeddings"], tensor_model_parallel_size=1, **fields)
+    except (TypeError, ZeroDivisionError, OverflowError, AttributeError) as err:
+        raise ConversionError(f"the {kind} config.json holds a value of the wrong kind ({err}).") from None
+    if kind == "gpt2":
+        tensors = {
+            (k if k.startswith(("transformer.", "lm_head")) else f"transformer.{k}"): v for k, v in tensors.items()
+        }
+    tensors = check_tensors(tensors, cfg)
+    if kind == "gpt2":
+        state = {ours: (tensors[hf].t() if transposed else tensors[hf]) for hf, ours, transposed in _gpt2_names(cfg)}
+    else:
+        state = _llama_from_hf(tensors, cfg)
     return {k: v.contiguous() for k, v in state.items()}, fields
+
+
+# buffers some exports carry beside the weights (GPT-2's causal mask, Llama's RoPE frequencies)
+_BUFFERS = re.compile(r"\.attn\.(bias|masked_bias)$|\.rotary_emb\.inv_freq$")
+_LAYER = re.compile(r"^(?:transformer\.h|model\.layers)\.(\d+)\.")
+
+
+def check_tensors(tensors: dict, cfg) -> dict:
+    """The HF tensors a config needs, each of the shape it needs and floating point; buffers and a
+    tied lm_head equal to the embedding dropped. The layer count is compared before anything is
+    built (a config of 10^9 layers builds nothing)."""
+    layers = {int(m.group(1)) for m in map(_LAYER.match, tensors) if m}
+    if len(layers) != cfg.num_layers or not all(0 <= i < cfg.num_layers for i in layers):  # = range(L)
+        raise ConversionError(
+            f"config.json has {cfg.num_layers} layers but the weights hold {len(layers)} "
+            f"(layers {min(layers, default=0)}..{max(layers, default=-1)})."
+        )
+    from megatron_sp.models.reference import ReferenceGPT
+
+    with torch.device("meta"):
+        model = ReferenceGPT(cfg, initialise=False)
+    expected, _ = to_hf(dict(model.named_parameters()), cfg)
+    given = {k: v for k, v in tensors.items() if not _BUFFERS.search(k)}
+    if not cfg.untie_embeddings_and_output_weights and "lm_head.weight" in given:
+        embedding = "transformer.wte.weight" if "transformer.wte.weight" in expected else "model.embed_tokens.weight"
+        tied = given.pop("lm_head.weight")
+        if embedding in given and not torch.equal(tied, given[embedding]):
+            raise ConversionError(
+                "config.json ties the embeddings (tie_word_embeddings) but lm_head.weight differs from them."
+            )
+    for name in sorted(set(expected) | set(given)):
+        if name not in given:
+            raise ConversionError(f"the Hugging Face weights lack {name} for this config.")
+        if name not in expected:
+            raise ConversionError(f"the Hugging Face weights hold {name}, which this config has no place for.")
+        t, want = given[name], list(expected[name].shape)
+        if list(t.shape) != want:
+            raise ConversionError(f"{name} has shape {list(t.shape)} but config.json needs {want}.")
+        if not t.is_floating_point():
+            raise ConversionError(f"{name} is {t.dtype}; weights must be floating point.")
+    return given

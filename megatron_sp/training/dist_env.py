@@ -332,10 +332,54 @@ def _select_cuda_device(local_rank: int) -> int:
     return index
 
 
-def destroy_distributed() -> None:
-    """Leaves the default process group, if any (safe to call twice or without one)."""
+_LEFT_KEY = "megatron_sp/teardown"
+
+
+def destroy_distributed(wait_for_peers: bool = False, wait_s: float = 60.0) -> None:
+    """Leaves the default process group, if any (safe to call twice or without one).
+
+    wait_for_peers (the end of a run that every rank reached): the ranks destroy their groups only
+    once all have arrived (no pair closed under a peer still finishing its last collective), and
+    rank 0 returns only once every rank has destroyed its groups. Rank 0 hosts the TCP store
+    (torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as launch/ sets it; srun): if it exited
+    first, a peer still tearing down (NCCL's watchdog and heartbeat threads poll the store) would
+    find the store gone and die, and the launcher report exit 1 for a run that had finished and saved.
+    Both waits go through the store and are bounded by wait_s.
+    """
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        store = _default_store() if wait_for_peers else None
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if store is not None:
+            _count_in(store, "arrived", rank, world, wait=True, wait_s=wait_s)
         dist.destroy_process_group()
+        if store is not None:
+            _count_in(store, "left", rank, world, wait=rank == 0, wait_s=wait_s)
     _restore_env()
+
+
+def _default_store():
+    import torch.distributed as dist
+
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store (a private API): nothing to wait on
+        return None
+
+
+def _count_in(store, what: str, rank: int, world: int, wait: bool, wait_s: float) -> None:
+    """This rank counts itself in on the store; with wait, it returns once all `world` have (bounded)."""
+    import time
+
+    attempt = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+    key = f"{_LEFT_KEY}/{attempt}/{what}"
+    try:
+        store.set_timeout(timedelta(seconds=10))
+        count = store.add(key, 1)
+        deadline = time.monotonic() + wait_s
+        while wait and count < world and time.monotonic() < deadline:
+            time.sleep(0.02)
+            count = store.add(key, 0)
+    except Exception:  # noqa: BLE001 - the host is gone already (we are not it): nothing to protect
+        pass

@@ -28,6 +28,7 @@ from megatron_sp.training.grad_sync import OverlappedGradSync
 from megatron_sp.training.logger import TrainingLogger
 from megatron_sp.training.loop import GradientUnderflowError, NonFiniteError, evaluate, train_step
 from megatron_sp.training.loss_scale import build_loss_scaler
+from megatron_sp.training.memory import MemoryShortage, check_fits, describe_out_of_memory, is_out_of_memory
 from megatron_sp.training.optimizer import build_optimizer, local_optimizer
 from megatron_sp.training.runtime import Runtime
 from megatron_sp.training.schedules import LRSchedule
@@ -87,6 +88,7 @@ def check_inputs(argv) -> Setup:
         for prefix in prefixes:
             check_train_split(validate_indexed_prefix(prefix, vocab_size=tokenizer.vocab_size), args.split)
     checkpointing.check_inputs(args.load, args.save, cfg)
+    check_fits(cfg, args)
     return Setup(args, cfg, tokenizer, prefixes)
 
 
@@ -170,7 +172,7 @@ def _main(argv, signals) -> int:
     setup, input_error = None, None
     try:
         setup = check_inputs(args)
-    except (DataError, checkpointing.CheckpointError) as err:  # what this rank sees on disk: agreed below
+    except (DataError, checkpointing.CheckpointError, MemoryShortage) as err:  # what this rank sees: agreed below
         input_error = failures.one_sentence(err)
     except ValueError as err:  # GPTConfig's: the same on every rank
         return failures.report_deterministic(err, 2)
@@ -189,12 +191,16 @@ def _main(argv, signals) -> int:
         code = Trainer(setup).run(signals)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()  # nobody tears the group down while a peer still logs
+        destroy_distributed(wait_for_peers=True)  # and the store's host leaves last (dist_env.py)
         return code
     except (NonFiniteError, GradientUnderflowError, checkpointing.CheckpointSaveError, OSError) as err:
         return failures.report_once(failures.one_sentence(err), 1)
     except (checkpointing.CheckpointError, DataError) as err:
         return failures.report_once(failures.one_sentence(err), 2)
-    except RuntimeError as err:  # a peer died or hung (anything else is a bug: traceback)
+    except (RuntimeError, MemoryError) as err:  # out of memory, a peer died or hung (else a bug: traceback)
+        if is_out_of_memory(err):
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            return failures.report_once(describe_out_of_memory(err, setup.cfg, args, rank), 1)
         if not failures.is_collective_failure(err):
             raise
         return failures.report_once(failures.describe_collective_failure(err, args.distributed_timeout_minutes), 1)

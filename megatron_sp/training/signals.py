@@ -106,10 +106,9 @@ def write_exit_status(finished: bool, iteration: int) -> None:
     path = os.environ.get(EXIT_STATUS_ENV)
     if not path or _rank() != 0:
         return
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(f"{'finished' if finished else 'stopped'} {iteration}\n")
-    os.replace(tmp, path)
+    from megatron_sp.checkpointing import files  # (torch is loaded by now)
+
+    files.write_atomic(path, f"{'finished' if finished else 'stopped'} {iteration}\n".encode())  # no link followed
 
 
 def _rank() -> int:
