@@ -9,10 +9,6 @@ import os
 import re
 from typing import Optional
 
-# fp32 weight + fp32 gradient per parameter on every rank; the two fp32 AdamW moments on every rank
-# or, with the distributed optimizer, on 1/DP of them. A lower bound: no activations, no buffers.
-WEIGHT_GRAD_BYTES, ADAM_BYTES = 8, 8
-
 _MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory")
 
 
@@ -29,10 +25,19 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 
 def state_bytes(cfg, args) -> int:
-    """Bytes of weights, gradients and AdamW moments on one rank (a lower bound)."""
+    """Bytes of weights, gradients and optimizer state on one rank, a lower bound (no activations, no
+    buffers): Megatron's accounting per parameter, r = DP x CP replicas sharing the optimizer state with
+    --use-distributed-optimizer (training/optimizer.py):
+        fp32           4 weight + 4 gradient + 8 AdamW moments (/r)
+        bf16 / fp16    2 weight + 4 gradient (2 with --grad-reduce-in-bf16) + 12 main weight and moments (/r)
+    """
     per_rank = cfg.num_parameters() // max(1, args.tensor_model_parallel_size)
-    adam = ADAM_BYTES // (args.data_parallel_size if getattr(args, "use_distributed_optimizer", False) else 1)
-    return per_rank * (WEIGHT_GRAD_BYTES + adam)
+    low = getattr(args, "params_dtype", "fp32") != "fp32"
+    weight, grad = (2, 2 if getattr(args, "grad_reduce_in_bf16", False) else 4) if low else (4, 4)
+    optim = 12 if low else 8
+    if getattr(args, "use_distributed_optimizer", False):
+        optim /= max(1, args.data_parallel_size * getattr(args, "context_parallel_size", 1))
+    return int(per_rank * (weight + grad + optim))
 
 
 def available_bytes(device: str) -> Optional[int]:
