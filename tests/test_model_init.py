@@ -79,3 +79,21 @@ def test_shards_gather_back_to_the_serial_tensor_in_low_precision():
     assert torch.equal(serial, init.initialise_(torch.empty(full_shape), name, tag, spec, CFG).bfloat16())
     shards = [init.initialise_(torch.empty(64, 32, dtype=torch.bfloat16), name, tag, spec, CFG, r, 4) for r in range(4)]
     assert torch.equal(torch.cat(shards, dim=1), serial)
+
+
+@pytest.mark.parametrize("name,full_shape,tag,spec", [p for p in PARAMS if len(p[1]) == 2])
+def test_xavier_uniform_is_drawn_by_shard_with_the_full_tensors_fans(name, full_shape, tag, spec):
+    """--init-method-xavier-uniform: U(-b, b) with torch.nn.init's b = sqrt(6 / (fan_in + fan_out)) of
+    the serial (unpadded) tensor, and still every rank's shard the slice of the serial draw."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, init_method_xavier_uniform=True)
+    fan_in, fan_out = torch.nn.init._calculate_fan_in_and_fan_out(torch.empty(full_shape))
+    bound = (6.0 / (fan_in + fan_out)) ** 0.5
+    serial = init.initialise_(torch.empty(full_shape), name, tag, spec, cfg)
+    assert serial.abs().max() <= bound and serial.abs().max() > 0.95 * bound
+    assert abs(serial.var().item() / (bound**2 / 3) - 1) < 0.1  # a uniform's variance
+    local_shape = _local_shape(full_shape, spec, 4)
+    for rank in range(4):
+        shard = init.initialise_(torch.empty(local_shape), name, tag, spec, cfg, rank, 4)
+        assert torch.equal(shard, shard_full(serial, spec, local_shape, rank, 4)), rank

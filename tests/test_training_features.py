@@ -5,6 +5,7 @@ megatron-core <= 0.16 refused naming the fix."""
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ def test_per_token_loss_is_the_global_token_mean():
     from megatron_sp.models.gpt import GPTModel
     from megatron_sp.models.reference import ReferenceGPT
     from megatron_sp.training.loop import train_step
+    from megatron_sp.training.optimizer import build_optimizer
 
     cfg = GPTConfig(
         num_layers=1,
@@ -46,11 +48,11 @@ def test_per_token_loss_is_the_global_token_mean():
         model = GPTModel(cfg, ps)
         reference = ReferenceGPT(cfg)
         model.load_full_state_dict(reference.state_dict())
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        hyper = SimpleNamespace(weight_decay=0.0, lr=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
+        optimizer = build_optimizer(model, hyper, "cpu", ps)
         result = train_step(
-            model, optimizer, iter(batches), 2, ps, device="cpu", dtype=None, clip_grad=0.0, iteration=1,
-            per_token_loss=True,
-        )  # fmt: skip
+            model, optimizer, iter(batches), 2, ps, device="cpu", clip_grad=0.0, iteration=1, per_token_loss=True
+        )
         grads = model.full_grad_dict()
     finally:
         parallel_state.destroy_model_parallel()
