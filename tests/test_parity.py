@@ -252,12 +252,12 @@ def _documents():
     return tokens, labels, ids, positions.expand(BATCH, SEQ), mask
 
 
-def _document_worker(tp, sp, family, cp=1, comm="p2p"):
+def _document_worker(tp, sp, family, cp=1, comm="p2p", dropout=0.1):
     from megatron_sp import parallel_state
     from megatron_sp.models.gpt import GPTModel
 
     parallel_state.initialize_model_parallel(tp, cp)
-    model = GPTModel(_config(tp, sp, 0.1, False, family, cp, comm))
+    model = GPTModel(_config(tp, sp, dropout, False, family, cp, comm))
     tokens, labels, ids, positions, mask = _documents()
     loss = model(tokens, labels, sample_ids=ids, position_ids=positions, attention_mask=mask)
     loss.backward()
@@ -265,20 +265,29 @@ def _document_worker(tp, sp, family, cp=1, comm="p2p"):
 
 
 @pytest.mark.parametrize(
-    "family,tp,cp,comm", [("gpt2", 4, 1, "p2p"), ("llama", 4, 1, "p2p"), ("llama", 1, 4, "p2p"), ("gpt2", 2, 2, "a2a")]
+    "family,tp,cp,comm,dropout",
+    [
+        ("gpt2", 4, 1, "p2p", 0.1),
+        ("llama", 4, 1, "p2p", 0.1),
+        ("llama", 1, 4, "p2p", 0.1),
+        ("gpt2", 2, 2, "a2a", 0.1),
+        ("llama", 1, 4, "p2p", 0.0),  # torch's kernel per ring block, documents as a mask
+        ("llama", 1, 2, "a2a", 0.0),  # SDPA over Ulysses' whole sequence, documents as a mask
+    ],
 )
-def test_document_positions_and_masks_parity(pool, family, tp, cp, comm):
+def test_document_positions_and_masks_parity(pool, family, tp, cp, comm, dropout):
     """Reset position ids (learned positions and RoPE) and document masks at TP=4+SP, and under
-    context parallelism (the mask becomes document ids; ring and Ulysses), dropout on."""
+    context parallelism (the mask becomes document ids; ring and Ulysses), dropout on and off (off:
+    the vendor kernels, ops/attention_lse.py)."""
     from megatron_sp.models.reference import ReferenceGPT
 
-    ref = ReferenceGPT(_config(dropout=0.1, family=family))
+    ref = ReferenceGPT(_config(dropout=dropout, family=family))
     tokens, labels, ids, positions, mask = _documents()
     loss = ref(tokens, labels, sample_ids=ids, position_ids=positions, attention_mask=mask)
     loss.backward()
     plain = ref(tokens, labels, sample_ids=ids).item()
     assert abs(loss.item() - plain) > 1e-4  # positions and masks do change the function
-    for got_loss, grads in pool.run(_document_worker, tp, tp > 1, family, cp, comm):
+    for got_loss, grads in pool.run(_document_worker, tp, tp > 1, family, cp, comm, dropout):
         assert abs(got_loss - loss.item()) <= 1e-5 * loss.item()
         for name, p in ref.named_parameters():
             assert _rel(grads[name], p.grad) < 1e-5, name
@@ -292,6 +301,13 @@ CP_LAYOUTS = [(1, 2), (1, 4), (2, 2)]
 def test_context_parallel_parity(pool, tp, cp, comm):
     """Ring (p2p) and Ulysses (a2a) context parallelism, with TP+SP at tp=2, dropout on."""
     check_parity(pool, tp, tp > 1, 0.1, fused=False, cp=cp, comm=comm)
+
+
+@pytest.mark.parametrize("family,tp,cp", [("gpt2", 1, 2), ("llama", 2, 2)])
+def test_ring_attention_parity_without_dropout(pool, family, tp, cp):
+    """Attention dropout 0 (Llama's setting): every ring block runs torch's flash kernel
+    (ops/attention_lse.py), merged by our log-sum-exp; GQA's 2 key/value heads repeated per block."""
+    check_parity(pool, tp, tp > 1, 0.0, fused=False, family=family, cp=cp, comm="p2p")
 
 
 @pytest.mark.parametrize(

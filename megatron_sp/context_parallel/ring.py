@@ -1,12 +1,13 @@
 """Ring attention over the CP group (Liu et al. 2023; Megatron-LM's p2p context parallelism).
 
 Each rank keeps its queries and passes its key/value block around the ring: at step i it attends to
-the block of rank (r - i) mod p with the blockwise kernel (ops/flash_attention.py), while the next
+the block of rank (r - i) mod p (ops/attention_lse.py: torch's flash kernels without attention
+dropout, our blockwise kernel with the invariant dropout; both return the log-sum-exp), while the next
 block is already in flight (isend/irecv, overlapped with the compute), and merges the partial
 results by log-sum-exp. Zigzag split (split.py): rank r holds sequence chunks r and 2p-1-r, so
 against the block of rank j its work is always half a block pair:
 
-    j == r   its own block, causal                            q [c_r | c_2p-1-r] × k [c_r | c_2p-1-r]
+    j == r   its own block, causal (same tokens, increasing)  q [c_r | c_2p-1-r] × k [c_r | c_2p-1-r]
     j <  r   both query chunks see only the block's first chunk     q [both] × k [c_j]
     j >  r   only the second query chunk sees anything, all of it   q [c_2p-1-r] × k [both]
 
@@ -22,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_sp.ops.flash_attention import AttentionDropout, flash_attention_bwd, flash_attention_fwd, merge_partials
+from megatron_sp.ops.attention_lse import block_attention_bwd, block_attention_fwd
+from megatron_sp.ops.flash_attention import AttentionDropout, merge_partials
 
 
 class _Ring:
@@ -73,7 +75,7 @@ class _RingAttention(torch.autograd.Function):
             j = (r - step) % p
             qs, ks = _halves(j, r, c)
             k_pos, k_doc = split.positions(j, q.device), split.document_ids(j)
-            part, part_lse = flash_attention_fwd(
+            part, part_lse = block_attention_fwd(
                 q[:, :, qs],
                 kv[0][:, :, ks],
                 kv[1][:, :, ks],
@@ -84,6 +86,7 @@ class _RingAttention(torch.autograd.Function):
                 sample_ids,
                 drop,
                 fused,
+                causal=j == r,
             )
             out[:, :, qs], lse[:, :, qs] = merge_partials(out[:, :, qs], lse[:, :, qs], part, part_lse.float())
             _wait(handles)
@@ -107,7 +110,7 @@ class _RingAttention(torch.autograd.Function):
             j = (r - step) % p
             qs, ks = _halves(j, r, c)
             k_pos, k_doc = split.positions(j, q.device), split.document_ids(j)
-            dq_part, dk_part, dv_part = flash_attention_bwd(
+            dq_part, dk_part, dv_part = block_attention_bwd(
                 dout[:, :, qs],
                 q[:, :, qs],
                 kv[0][:, :, ks],
@@ -121,6 +124,7 @@ class _RingAttention(torch.autograd.Function):
                 sample_ids,
                 ctx.drop,
                 ctx.fused,
+                causal=j == r,
             )
             dq[:, :, qs] += dq_part.float()
             dkv = torch.zeros(2, *kv[0].shape, dtype=torch.float32, device=q.device)  # this block's dK, dV
