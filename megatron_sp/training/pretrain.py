@@ -14,6 +14,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 
@@ -191,7 +192,11 @@ class Trainer:
         self.args, self.cfg = setup.args, setup.cfg
         args = self.args
         torch.manual_seed(args.seed)
-        self.ps = parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.context_parallel_size)
+        self.ps = parallel_state.initialize_model_parallel(
+            args.tensor_model_parallel_size,
+            args.context_parallel_size,
+            timeout=timedelta(minutes=args.distributed_timeout_minutes),  # the world's (init_distributed)
+        )
         self.log = TrainingLogger(
             args, enabled=torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True
         )
