@@ -91,6 +91,7 @@ CASES = {
     ),
     "dropout range": (lambda d, t: ["--hidden-dropout", "1.5"], None, "hidden_dropout"),
     "unknown flag": (lambda d, t: ["--no-such-flag"], None, "--no-such-flag"),
+    "compile without fused ops": (lambda d, t: ["--torch-compile", "--no-fused-kernels"], None, "--torch-compile"),
 }
 
 

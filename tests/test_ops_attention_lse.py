@@ -22,8 +22,9 @@ NO_DROPOUT = AttentionDropout()
 
 
 def _close(actual, expected, dtype, scale=1.0):
-    if dtype == torch.float32:
-        torch.testing.assert_close(actual.float(), expected.float(), rtol=2e-5, atol=2e-5)
+    if dtype == torch.float32:  # the CUDA kernels sum in another order than the CPU ones
+        tol = 2e-5 if actual.device.type == "cpu" else 1e-4
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol)
     else:
         assert_close_dtype(actual, expected.to(actual.dtype), dtype, scale=scale)
 

@@ -99,13 +99,16 @@ def _copies(model, ps):
     return out
 
 
-def _parity_worker(tp, sp, dropout, fused=FUSED, family="gpt2", cp=1, comm="p2p", extra=None):
+def _parity_worker(tp, sp, dropout, fused=FUSED, family="gpt2", cp=1, comm="p2p", extra=None, compile_options=None):
     from megatron_sp import parallel_state
+    from megatron_sp.models.compile import compile_layers
     from megatron_sp.models.gpt import GPTModel
     from megatron_sp.training.optimizer import global_grad_norm
 
     ps = parallel_state.initialize_model_parallel(tp, cp)
     model = GPTModel(_config(tp, sp, dropout, fused, family, cp, comm, extra))
+    if compile_options is not None:  # --torch-compile
+        compile_layers(model, **compile_options)
     init = model.full_state_dict()
 
     def grads_and_norm():
@@ -194,10 +197,12 @@ def test_parity_with_fused_kernels(pool, family, tp, sp, cp, comm):
     check_parity(pool, tp, sp, 0.1, fused=True, family=family, cp=cp, comm=comm)
 
 
-def check_parity(pool, tp, sp, dropout, fused, family="gpt2", cp=1, comm="p2p", extra=None):
-    """The parallel model (extra: more GPTConfig fields, e.g. recomputation) against the plain reference."""
+def check_parity(pool, tp, sp, dropout, fused, family="gpt2", cp=1, comm="p2p", extra=None, compile_options=None):
+    """The parallel model (extra: more GPTConfig fields, e.g. recomputation; compile_options: its
+    layers compiled with them) against the plain reference."""
     init, ref_losses, ref_grads, ref_final = _reference(dropout, family)
-    results = [r for r in pool.run(_parity_worker, tp, sp, dropout, fused, family, cp, comm, extra) if r is not None]
+    args = (tp, sp, dropout, fused, family, cp, comm, extra, compile_options)
+    results = [r for r in pool.run(_parity_worker, *args) if r is not None]
     assert len(results) == tp
     for res in results:
         assert res["init"].keys() == init.keys()

@@ -82,6 +82,11 @@ def _training_args(p):
     prec.add_argument("--bf16", action="store_true")
     prec.add_argument("--fp16", action="store_true")
     g.add_argument("--initial-loss-scale", type=float, default=2.0**16, help="fp16 dynamic loss scale start")
+    g.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="compile each transformer layer with torch.compile (ours: Megatron-LM has no such flag)",
+    )
 
 
 def _data_args(p):

@@ -52,6 +52,12 @@ def parse_inputs(argv):
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ArgumentError("--device cuda was asked for but no CUDA device is available; use --device cpu.")
+    if args.torch_compile:
+        from megatron_sp.models.compile import compile_problem
+
+        problem = compile_problem(args.use_fused_kernels, args.device)
+        if problem:
+            raise ArgumentError(problem)
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if args.device == "cuda" else "gloo"
     if args.data_cache_path is None:
@@ -204,6 +210,10 @@ class Trainer:
         from megatron_sp.models.gpt import GPTModel
 
         self.model = GPTModel(self.cfg, self.ps).to(args.device)
+        if args.torch_compile:  # each layer compiles at its first call; parameter names are unchanged
+            from megatron_sp.models.compile import compile_layers
+
+            compile_layers(self.model)
         self.optimizer = build_optimizer(self.model, args, args.device, self.ps)
         self.scaler = DynamicLossScaler(args.initial_loss_scale) if args.fp16 else None
         self.grad_sync = (
@@ -302,6 +312,8 @@ class Trainer:
         args, state = self.args, self.state
         unit = args.global_batch_size if args.lr_unit == "samples" else 1  # Megatron's sample-based LR
         lr = self.schedule.apply(self.optimizer, (state.iteration + 1) * unit)
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         result = train_step(
             self.model,
@@ -338,6 +350,8 @@ class Trainer:
             "skipped": result.skipped,
             "peak_tflops": self.peak,
             "loss_scale": self.scaler.scale if self.scaler else None,
+            # this step's peak of allocated GPU memory (bench/gpu_check.sh reports it per run)
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None,
             **throughput(self.cfg.flops_per_token(), tokens, elapsed, args.world_size, self.peak),
         }
         self.log.step(record)
