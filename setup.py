@@ -19,10 +19,10 @@ def _extensions():
         return [], {}
     from torch.utils import cpp_extension
 
-    # csrc/cuda/*.cu are torch-free kernels (nvcc alone compiles them: tests/test_cuda_compile.py);
-    # csrc/cuda/*.cpp are the thin torch bindings that launch them.
+    # Per op (csrc/module.cpp): csrc/<op>.cpp (schema, CPU kernel), csrc/cuda/<op>.cu (torch-free kernels:
+    # nvcc alone compiles them, tests/test_cuda_compile.py) and csrc/cuda/<op>_binding.cpp (its CUDA binding).
     cuda_sources = sorted(
-        glob.glob(os.path.join("csrc", "cuda", "*.cu")) + glob.glob(os.path.join("csrc", "cuda", "*.cpp"))
+        glob.glob(os.path.join("csrc", "cuda", "*.cu")) + glob.glob(os.path.join("csrc", "cuda", "*_binding.cpp"))
     )
     use_cuda = (
         cuda_sources

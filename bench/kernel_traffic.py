@@ -5,8 +5,9 @@
     PYTHONPATH=tests python bench/kernel_traffic.py --csrc /path/to/other/checkout/csrc   # other kernels
 
 The unmodified csrc/cuda/*.cu are built for tests/cuda_emulator/ with every load and store of the
-kernel files routed to a counter (build mode "traffic"); each op then runs once on the shapes below
-and every buffer it is given is watched. Per op the table gives the compulsory bytes (each input
+kernel files routed to a counter (build mode "traffic"); each op then runs once, through its CUDA
+binding (torch.ops.megatron_sp_emulated), on the shapes below, and every buffer it is given or
+allocates (outputs, scratch) is watched. Per op the table gives the compulsory bytes (each input
 read once, each output written once), the *distinct* bytes the kernels touched (each byte of a
 buffer counted once per direction: the DRAM traffic if every re-read hit a cache) and the *requested*
 bytes (every access counted: an upper bound, as if no re-read hit a cache; per-thread loads of the
@@ -18,7 +19,6 @@ an op reaches is measured only by bench/kernels.py --device cuda on a GPU.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import tempfile
 import time
 
@@ -28,151 +28,110 @@ from megatron_sp.testing import random_index
 
 try:  # the emulator harness lives in tests/, outside the package
     from cuda_emulator import build as emulator_build
-    from cuda_emulator.run_cases import DTYPE_CODE, load
+    from cuda_emulator.run_cases import load
 except ModuleNotFoundError as err:
     raise SystemExit(f"{err}: run this bench as `PYTHONPATH=tests python bench/kernel_traffic.py`") from err
 
 
-class Traffic:
-    """Watches buffers of one op call and reports what the kernels moved in each."""
-
-    def __init__(self, lib):
-        self.lib = lib  # from run_cases.load(): the emu_traffic_* signatures are set there
-
-    def measure(self, buffers, call):
-        """buffers: {name: tensor}; call(): runs the op. Returns {name: (loaded, stored,
-        distinct loaded, distinct stored)} in bytes."""
-        self.lib.emu_traffic_clear()
-        ids = {
-            name: self.lib.emu_traffic_watch(t.data_ptr(), t.numel() * t.element_size())
-            for name, t in buffers.items()
-            if t is not None and t.numel() > 0
-        }
-        err = call()
-        assert err == 0, f"launcher returned cudaError {err}"
-        out = {}
-        for name, region in ids.items():
-            counts = (ctypes.c_uint64 * 4)()
-            self.lib.emu_traffic_of(region, counts)
-            out[name] = tuple(counts)
-        self.lib.emu_traffic_clear()
-        return out
+def measure(E, call, inputs: dict, outputs: tuple) -> tuple:
+    """Runs call() (one op of the emulated library E) with its inputs and its allocations watched.
+    Returns (call's result, {buffer: (loaded, stored, distinct loaded, distinct stored) bytes}): inputs
+    by their names, outputs by `outputs` (the names of the returned tensors, in order), and the other
+    allocations as "scratch (partial sums)" when a kernel read them back, else "temporary"."""
+    E.traffic_clear()
+    names = {}
+    for name, t in inputs.items():
+        if t is not None and t.numel() > 0:
+            E.traffic_watch(t)
+            names[t.data_ptr()] = name
+    E.traffic_watch_allocations(True)
+    try:
+        result = call()
+    finally:
+        E.traffic_watch_allocations(False)
+    returned = result if isinstance(result, tuple) else (result,)
+    names.update({t.data_ptr(): name for name, t in zip(outputs, returned) if t.numel() > 0})
+    counts = {}
+    for begin, _, *count in E.traffic_regions().tolist():
+        name = names.get(begin) or ("scratch (partial sums)" if count[0] else "temporary")
+        counts[name] = tuple(a + b for a, b in zip(counts.get(name, (0, 0, 0, 0)), count))
+    return result, counts
 
 
 def nbytes(t):
     return t.numel() * t.element_size()
 
 
-def run_ops(lib, dtype, s, b, h, heads, head_dim, p):
-    """[(op, compulsory, {buffer: counts}, buffers)] for every op at the given shapes."""
-    traffic, code = Traffic(lib), DTYPE_CODE[dtype]
-    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+def run_ops(E, dtype, s, b, h, heads, head_dim):
+    """[(op, compulsory bytes, {buffer: counts})] for every op at the given shapes."""
     index = random_index(s, b)
     pos, samples = index.token_positions.contiguous(), index.sample_ids.contiguous()
     x, res, grad = (torch.randn(s, b, h).to(dtype) for _ in range(3))
     bias, w = torch.randn(h).to(dtype), torch.randn(h).to(dtype)
     drop = (0.1, 1234, 3, 1, 0)
+    rows = s * b
     results = []
 
-    out = torch.empty_like(x)
-    bufs = {"x": x, "residual": res, "bias": bias, "out": out, "positions": pos, "sample ids": samples}
-    counts = traffic.measure(
-        bufs,
-        lambda: lib.emu_bda_fwd(ptr(x), ptr(bias), ptr(res), ptr(out), ptr(pos), ptr(samples), s, b, h, code, *drop),
-    )
-    results.append(("bias_dropout_add fwd", nbytes(x) * 3 + nbytes(bias), counts))
+    def run(op, compulsory, call, inputs, outputs):
+        result, counts = measure(E, call, inputs, outputs)
+        results.append((op, compulsory, counts))
+        return result
 
-    grad_x, grad_bias = torch.empty_like(grad), torch.empty(h)
-    scratch = torch.empty(lib.emu_bda_bwd_scratch(s, b, h, code))
-    bufs = {
-        "grad": grad,
-        "grad_x": grad_x,
-        "grad_bias": grad_bias,
-        "scratch (partial sums)": scratch,
-        "positions": pos,
-        "sample ids": samples,
-    }
-    counts = traffic.measure(
-        bufs,
-        lambda: lib.emu_bda_bwd(
-            ptr(grad), ptr(grad_x), ptr(grad_bias), ptr(scratch), ptr(pos), ptr(samples), s, b, h, code, *drop
-        ),
+    bda_in = {"x": x, "residual": res, "bias": bias, "positions": pos, "sample ids": samples}
+    run(
+        "bias_dropout_add fwd",
+        nbytes(x) * 3 + nbytes(bias),
+        lambda: E.bias_dropout_add_fwd(x, bias, res, pos, samples, *drop),
+        bda_in,
+        ("out",),
     )
-    results.append(("bias_dropout_add bwd", nbytes(grad) * 2 + nbytes(grad_bias), counts))
+    run(
+        "bias_dropout_add bwd",
+        nbytes(grad) * 2 + h * 4,
+        lambda: E.bias_dropout_add_bwd(grad, pos, samples, *drop, True),
+        {"grad": grad, "positions": pos, "sample ids": samples},
+        ("grad_x", "grad_bias"),
+    )
 
-    rows = s * b
-    y, mean, rstd = torch.empty_like(x), torch.empty(rows), torch.empty(rows)
-    bufs = {"x": x, "weight": w, "bias": bias, "y": y, "mean": mean, "rstd": rstd}
-    counts = traffic.measure(
-        bufs, lambda: lib.emu_ln_fwd(ptr(x), ptr(w), ptr(bias), ptr(y), ptr(mean), ptr(rstd), rows, h, 1e-5, code, code)
+    y, mean, rstd = run(
+        "layer_norm fwd",
+        nbytes(x) * 2 + 2 * nbytes(w) + 2 * rows * 4,
+        lambda: E.layer_norm_fwd(x, w, bias, 1e-5),
+        {"x": x, "weight": w, "bias": bias},
+        ("y", "mean", "rstd"),
     )
-    results.append(("layer_norm fwd", nbytes(x) * 2 + 2 * nbytes(w) + 2 * nbytes(mean), counts))
+    ln_in = {"grad": grad, "x": x, "weight": w, "mean": mean, "rstd": rstd}
+    run(
+        "layer_norm bwd",
+        nbytes(x) * 3 + nbytes(w) + 2 * nbytes(mean) + 2 * h * 4,
+        lambda: E.layer_norm_bwd(grad, x, w, mean, rstd),
+        ln_in,
+        ("grad_x", "grad_weight", "grad_bias"),
+    )
 
-    dx, sums = torch.empty_like(x), torch.empty(2 * h)
-    scratch = torch.empty(lib.emu_ln_bwd_scratch(rows, h, code))
-    bufs = {
-        "grad": grad,
-        "x": x,
-        "weight": w,
-        "mean": mean,
-        "rstd": rstd,
-        "grad_x": dx,
-        "grad_weight_bias": sums,
-        "scratch (partial sums)": scratch,
-    }
-    counts = traffic.measure(
-        bufs,
-        lambda: lib.emu_ln_bwd(
-            ptr(grad), ptr(x), ptr(w), ptr(mean), ptr(rstd), ptr(dx), ptr(sums), ptr(scratch), rows, h, code, code
-        ),
+    y, rstd = run(
+        "rms_norm fwd",
+        nbytes(x) * 2 + nbytes(w) + rows * 4,
+        lambda: E.rms_norm_fwd(x, w, 1e-6),
+        {"x": x, "weight": w},
+        ("y", "rstd"),
     )
-    results.append(("layer_norm bwd", nbytes(x) * 3 + nbytes(w) + 2 * nbytes(mean) + nbytes(sums), counts))
+    run(
+        "rms_norm bwd",
+        nbytes(x) * 3 + nbytes(w) + nbytes(rstd) + h * 4,
+        lambda: E.rms_norm_bwd(grad, x, w, rstd),
+        {"grad": grad, "x": x, "weight": w, "rstd": rstd},
+        ("grad_x", "grad_weight"),
+    )
 
-    rstd = torch.empty(rows)
-    bufs = {"x": x, "weight": w, "y": y, "rstd": rstd}
-    counts = traffic.measure(
-        bufs, lambda: lib.emu_rms_fwd(ptr(x), ptr(w), ptr(y), ptr(rstd), rows, h, 1e-6, code, code)
-    )
-    results.append(("rms_norm fwd", nbytes(x) * 2 + nbytes(w) + nbytes(rstd), counts))
-
-    grad_w = torch.empty(h)
-    scratch = torch.empty(lib.emu_rms_bwd_scratch(rows, h, code))
-    bufs = {
-        "grad": grad,
-        "x": x,
-        "weight": w,
-        "rstd": rstd,
-        "grad_x": dx,
-        "grad_weight": grad_w,
-        "scratch (partial sums)": scratch,
-    }
-    counts = traffic.measure(
-        bufs,
-        lambda: lib.emu_rms_bwd(
-            ptr(grad), ptr(x), ptr(w), ptr(rstd), ptr(dx), ptr(grad_w), ptr(scratch), rows, h, code, code
-        ),
-    )
-    results.append(("rms_norm bwd", nbytes(x) * 3 + nbytes(w) + nbytes(rstd) + nbytes(grad_w), counts))
-
-    # Ulysses pack [s, b, n, d] -> [p, s, b, n/p, d] (a = s*b, b = p, run = n/p*d) and the others.
-    qkv = torch.randn(s, b, heads, head_dim).to(dtype)
-    el = qkv.element_size()
-    layouts = [
-        ("ulysses_pack (p = 4)", s * b, 4, heads // 4 * head_dim),
-        ("ulysses_unpack (p = 4)", 4, s * b, heads // 4 * head_dim),
-        ("gather_to_last_dim (t = 4)", 4, s // 4 * b, heads * head_dim),
-    ]
-    for name, a, bb, run in layouts:
-        dst = torch.empty_like(qkv)
-        counts = traffic.measure(
-            {"in": qkv, "out": dst}, lambda: lib.emu_block_transpose(ptr(qkv), ptr(dst), a, bb, run * el)
-        )
-        results.append((name, 2 * nbytes(qkv), counts))
-    dst = torch.empty_like(qkv)
-    counts = traffic.measure(
-        {"in": qkv, "out": dst}, lambda: lib.emu_zigzag_reorder(ptr(qkv), ptr(dst), 1, 4, qkv.numel() // 8 * el, 0)
-    )
-    results.append(("zigzag_reorder (p = 4)", 2 * nbytes(qkv), counts))
+    qkv = torch.randn(s, b, heads, head_dim).to(dtype)  # [s, b, n, d]
+    for name, call in [
+        ("ulysses_pack (p = 4)", lambda: E.ulysses_pack(qkv, 4)),
+        ("ulysses_unpack (p = 4)", lambda: E.ulysses_unpack(qkv.view(4, s, b, heads // 4, head_dim), 4)),
+        ("gather_to_last_dim (t = 4)", lambda: E.gather_to_last_dim(qkv.view(s, b, -1), 4)),
+        ("zigzag_reorder (p = 4)", lambda: E.zigzag_reorder(qkv, 4, 0, False)),
+    ]:
+        run(name, 2 * nbytes(qkv), call, {"in": qkv}, ("out",))
     return results
 
 
@@ -214,18 +173,16 @@ def main():
     args = parser.parse_args()
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        lib = load(emulator_build.build(tmp, "traffic", csrc=args.csrc))
-        lib.emu_set_sm_count(args.sms)
-        dtype = getattr(torch, args.dtype)
+        target = load(emulator_build.build(tmp, "traffic", csrc=args.csrc))
+        target.set_sm_count(args.sms)
         results = run_ops(
-            lib,
-            dtype,
+            target.ops,
+            getattr(torch, args.dtype),
             args.seq_length,
             args.micro_batch_size,
             args.hidden_size,
             args.num_attention_heads,
             args.hidden_size // args.num_attention_heads,
-            0.1,
         )
     print(
         f"global-memory bytes per op, counted on the CPU emulator — {args.dtype}, "

@@ -40,6 +40,7 @@ def _config(a, tp, cp=1):
         sequence_parallel=tp > 1,
         context_parallel_size=cp,
         cp_comm_type=a.cp_comm_type,
+        tp_comm_overlap=tp > 1 and a.tp_comm_overlap,
         hidden_dropout=a.dropout,
         attention_dropout=a.dropout,
         use_fused_kernels=not a.no_fused_kernels,
@@ -136,7 +137,7 @@ def _layouts(a):
 def _label(a, tp, cp):
     if cp > 1:
         return f"CP={cp} ({'ring' if a.cp_comm_type == 'p2p' else 'Ulysses'})"
-    return f"TP={tp}{'+SP' if tp > 1 else ''}"
+    return f"TP={tp}{'+SP' if tp > 1 else ''}{' overlapped' if tp > 1 and a.tp_comm_overlap else ''}"
 
 
 def main(argv=None):
@@ -156,6 +157,7 @@ def main(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--no-fused-kernels", action="store_true")
+    p.add_argument("--tp-comm-overlap", action="store_true", help="TP > 1: overlap SP's collectives with the GEMMs")
     a = p.parse_args(argv)
     import torch
 

@@ -35,8 +35,6 @@ at::Tensor parallel_rows_with_column_sums(int64_t rows, int64_t cols, Fn fn) {
 }
 
 // Grain (rows per task) so that one task touches roughly 64 KiB of a row-major tensor.
-inline int64_t row_grain(int64_t cols) {
-  return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1));
-}
+inline int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }
 
 }  // namespace msp

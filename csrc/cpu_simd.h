@@ -17,8 +17,7 @@
 #define MSP_CPU_INLINE inline __attribute__((always_inline))
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#define MSP_TARGET_AVX512 \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2")))
+#define MSP_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2")))
 #define MSP_TARGET_AVX2 __attribute__((target("avx2,fma,f16c,bmi2")))
 #else
 #define MSP_TARGET_AVX512
@@ -52,22 +51,25 @@ inline SimdLevel simd_level() {
 }
 
 // name<Ts...>(args...) -> name##_simd<Ts...>(args...), running the widest variant the CPU has.
-#define MSP_SIMD_VARIANTS(name)                                                  \
-  template <typename... Ts, typename... Args>                                    \
-  MSP_TARGET_AVX512 auto name##_avx512(Args... args) {                           \
-    return name<Ts...>(args...);                                                 \
-  }                                                                              \
-  template <typename... Ts, typename... Args>                                    \
-  MSP_TARGET_AVX2 auto name##_avx2(Args... args) {                               \
-    return name<Ts...>(args...);                                                 \
-  }                                                                              \
-  template <typename... Ts, typename... Args>                                    \
-  auto name##_simd(Args... args) {                                               \
-    switch (::msp::simd_level()) {                                               \
-      case ::msp::SimdLevel::kAvx512: return name##_avx512<Ts...>(args...);      \
-      case ::msp::SimdLevel::kAvx2: return name##_avx2<Ts...>(args...);          \
-      default: return name<Ts...>(args...);                                      \
-    }                                                                            \
+#define MSP_SIMD_VARIANTS(name)                        \
+  template <typename... Ts, typename... Args>          \
+  MSP_TARGET_AVX512 auto name##_avx512(Args... args) { \
+    return name<Ts...>(args...);                       \
+  }                                                    \
+  template <typename... Ts, typename... Args>          \
+  MSP_TARGET_AVX2 auto name##_avx2(Args... args) {     \
+    return name<Ts...>(args...);                       \
+  }                                                    \
+  template <typename... Ts, typename... Args>          \
+  auto name##_simd(Args... args) {                     \
+    switch (::msp::simd_level()) {                     \
+      case ::msp::SimdLevel::kAvx512:                  \
+        return name##_avx512<Ts...>(args...);          \
+      case ::msp::SimdLevel::kAvx2:                    \
+        return name##_avx2<Ts...>(args...);            \
+      default:                                         \
+        return name<Ts...>(args...);                   \
+    }                                                  \
   }
 
 MSP_CPU_INLINE float to_f32(float v) { return v; }

@@ -1,4 +1,4 @@
-// Building blocks of the CPU blockwise attention (flash_attention_cpu.cpp): one 64 x 64 block pair
+// Building blocks of the CPU blockwise attention (flash_attention.cpp): one 64 x 64 block pair
 // at a time, in fp32 buffers that the caller packs from the strided inputs.
 //
 // Design: every block product is a small GEMM C (+)= op(A) * B with B row-major and its columns
@@ -27,7 +27,7 @@
 namespace msp {
 namespace flash {
 
-constexpr int64_t kBlock = 64;                  // query and key rows per block
+constexpr int64_t kBlock = 64;  // query and key rows per block
 constexpr int64_t kTileRows = 4, kTileCols = 16;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -36,8 +36,8 @@ inline int64_t padded_rows(int64_t rows) { return (rows + kTileRows - 1) / kTile
 
 // One 4 x 16 tile of C (+)= op(A) * B; op(A)[m][k] = A[m * lda + k], or A[k * lda + m] (TRANS_A).
 template <bool TRANS_A, bool ACCUM>
-MSP_CPU_INLINE void gemm_tile(const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
-                              int64_t ldc, int64_t K) {
+MSP_CPU_INLINE void gemm_tile(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
+                              int64_t K) {
   float acc[kTileRows][kTileCols];
   for (int r = 0; r < kTileRows; ++r)
 #pragma omp simd
@@ -57,12 +57,11 @@ MSP_CPU_INLINE void gemm_tile(const float* A, int64_t lda, const float* B, int64
 
 // C[M x N] (+)= op(A)[M x K] * B[K x N]; M a multiple of kTileRows, N of kTileCols.
 template <bool TRANS_A, bool ACCUM>
-MSP_CPU_INLINE void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
-                         const float* B, int64_t ldb, float* C, int64_t ldc) {
+MSP_CPU_INLINE void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
+                         float* C, int64_t ldc) {
   for (int64_t i = 0; i < M; i += kTileRows) {
     const float* a = TRANS_A ? A + i : A + i * lda;
-    for (int64_t j = 0; j < N; j += kTileCols)
-      gemm_tile<TRANS_A, ACCUM>(a, lda, B + j, ldb, C + i * ldc + j, ldc, K);
+    for (int64_t j = 0; j < N; j += kTileCols) gemm_tile<TRANS_A, ACCUM>(a, lda, B + j, ldb, C + i * ldc + j, ldc, K);
   }
 }
 
@@ -113,8 +112,8 @@ MSP_CPU_INLINE void scale_row(float* x, int64_t n, float by) {
 // dst[r * ld + c] = src[r * row_stride + c * col_stride] as fp32 for r < rows, c < cols; zeros in
 // the padding up to rows_pad x ld.
 template <typename T>
-MSP_CPU_INLINE void pack_rows(const T* src, int64_t row_stride, int64_t col_stride, int64_t rows,
-                              int64_t cols, float* dst, int64_t ld, int64_t rows_pad) {
+MSP_CPU_INLINE void pack_rows(const T* src, int64_t row_stride, int64_t col_stride, int64_t rows, int64_t cols,
+                              float* dst, int64_t ld, int64_t rows_pad) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* s = src + r * row_stride;
     float* d = dst + r * ld;
@@ -132,8 +131,8 @@ MSP_CPU_INLINE void pack_rows(const T* src, int64_t row_stride, int64_t col_stri
 // dst[c * kBlock + r] = src[r * row_stride + c * col_stride] (a block transposed), zero-padded to
 // kBlock rows and cols_pad columns.
 template <typename T>
-MSP_CPU_INLINE void pack_transposed(const T* src, int64_t row_stride, int64_t col_stride,
-                                    int64_t rows, int64_t cols, float* dst, int64_t cols_pad) {
+MSP_CPU_INLINE void pack_transposed(const T* src, int64_t row_stride, int64_t col_stride, int64_t rows, int64_t cols,
+                                    float* dst, int64_t cols_pad) {
   for (int64_t c = 0; c < cols; ++c) {
     const T* s = src + c * col_stride;
     float* d = dst + c * kBlock;

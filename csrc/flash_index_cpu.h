@@ -1,5 +1,5 @@
-// Visibility and dropout bookkeeping of the CPU blockwise attention (flash_attention_cpu.cpp,
-// flash_attention_bwd_cpu.cpp): per-block summaries of the positions and document segments that
+// Visibility and dropout bookkeeping of the CPU blockwise attention (flash_attention.cpp,
+// flash_attention_bwd.cpp): per-block summaries of the positions and document segments that
 // let a block pair be skipped (nothing visible) or left unmasked (everything visible), the row
 // mask, and the attention-dropout words (random.py's attention_keep_mask, bit for bit).
 #pragma once
@@ -27,9 +27,7 @@ struct Strides {
   int64_t b, n, s, d;
 };
 
-inline Strides strides_of(const at::Tensor& t) {
-  return {t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
-}
+inline Strides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2), t.stride(3)}; }
 
 struct BlockRange {
   int64_t lo, hi;    // smallest and largest value in the block
@@ -55,7 +53,7 @@ enum class Visibility { kNone, kAll, kSome };
 struct AttnIndex {
   const int64_t *q_pos, *k_pos, *q_seg, *k_seg, *samples;  // segments [b, s] or nullptr
   int64_t sq, sk, nqb, nkb;
-  std::vector<BlockRange> qb, kb, qsegb, ksegb;             // segment ranges: [b][blocks]
+  std::vector<BlockRange> qb, kb, qsegb, ksegb;  // segment ranges: [b][blocks]
 
   Visibility visibility(int64_t bi, int64_t i, int64_t j) const {
     const BlockRange &q = qb[i], &k = kb[j];
@@ -70,9 +68,8 @@ struct AttnIndex {
   }
 };
 
-inline AttnIndex make_index(const at::Tensor& q_pos, const at::Tensor& k_pos,
-                            const at::Tensor& q_seg, const at::Tensor& k_seg,
-                            const at::Tensor& samples) {
+inline AttnIndex make_index(const at::Tensor& q_pos, const at::Tensor& k_pos, const at::Tensor& q_seg,
+                            const at::Tensor& k_seg, const at::Tensor& samples) {
   AttnIndex ix;
   ix.q_pos = q_pos.data_ptr<int64_t>(), ix.k_pos = k_pos.data_ptr<int64_t>();
   ix.q_seg = q_seg.defined() ? q_seg.data_ptr<int64_t>() : nullptr;
@@ -91,14 +88,14 @@ inline AttnIndex make_index(const at::Tensor& q_pos, const at::Tensor& k_pos,
 // Sizes and scalars shared by all tasks.
 struct Problem {
   int64_t b, nq, nkv, sq, sk, d, rep, dp;  // dp: d padded to the GEMM tile
-  float scale;                              // 1 / sqrt(d)
-  bool dropout;                             // p > 0
-  DropoutParams drop;                       // attention-probability site, feature offset 0
+  float scale;                             // 1 / sqrt(d)
+  bool dropout;                            // p > 0
+  DropoutParams drop;                      // attention-probability site, feature offset 0
   int64_t head_offset;
 };
 
-inline Problem make_problem(const at::Tensor& q, const at::Tensor& k, double p, int64_t seed,
-                            int64_t layer, int64_t head_offset) {
+inline Problem make_problem(const at::Tensor& q, const at::Tensor& k, double p, int64_t seed, int64_t layer,
+                            int64_t head_offset) {
   Problem pr;
   pr.b = q.size(0), pr.nq = q.size(1), pr.nkv = k.size(1), pr.sq = q.size(2), pr.sk = k.size(2);
   pr.d = q.size(3), pr.rep = pr.nq / pr.nkv, pr.dp = flash::padded_cols(pr.d);
@@ -119,13 +116,12 @@ struct KeyBlock {
 
 inline KeyBlock key_block(const AttnIndex& ix, int64_t bi, int64_t j) {
   const int64_t k0 = j * kBlock;
-  return {ix.k_pos + k0, ix.k_seg ? ix.k_seg + bi * ix.sk + k0 : nullptr,
-          std::min(kBlock, ix.sk - k0), ix.kb[j].consecutive};
+  return {ix.k_pos + k0, ix.k_seg ? ix.k_seg + bi * ix.sk + k0 : nullptr, std::min(kBlock, ix.sk - k0),
+          ix.kb[j].consecutive};
 }
 
 // Scores of one query row: s[j] * scale where key j is visible, -inf elsewhere and in the padding.
-MSP_CPU_INLINE void mask_row(float* s, float scale, const KeyBlock& kb, int64_t qpos, int64_t qseg,
-                             Visibility vis) {
+MSP_CPU_INLINE void mask_row(float* s, float scale, const KeyBlock& kb, int64_t qpos, int64_t qseg, Visibility vis) {
   if (vis == Visibility::kAll) {
 #pragma omp simd
     for (int64_t j = 0; j < kb.n; ++j) s[j] *= scale;
@@ -134,8 +130,7 @@ MSP_CPU_INLINE void mask_row(float* s, float scale, const KeyBlock& kb, int64_t 
     for (int64_t j = 0; j < kb.n; ++j) s[j] = kb.pos[j] <= qpos ? s[j] * scale : kNegInf;
   } else {
 #pragma omp simd
-    for (int64_t j = 0; j < kb.n; ++j)
-      s[j] = kb.pos[j] <= qpos && kb.seg[j] == qseg ? s[j] * scale : kNegInf;
+    for (int64_t j = 0; j < kb.n; ++j) s[j] = kb.pos[j] <= qpos && kb.seg[j] == qseg ? s[j] * scale : kNegInf;
   }
   for (int64_t j = kb.n; j < kBlock; ++j) s[j] = kNegInf;
 }
@@ -143,11 +138,10 @@ MSP_CPU_INLINE void mask_row(float* s, float scale, const KeyBlock& kb, int64_t 
 // Philox words of (query qpos, keys of kb) for global head `head`: feature head * 2^20 + key
 // position, counter (feature / 4, qpos, sample), word feature % 4 (random.py's
 // attention_keep_mask). buf holds kBlock + 8 words; returns the word of key 0.
-inline const uint32_t* keep_words(const DropoutParams& d, int64_t head, const KeyBlock& kb,
-                                  int64_t qpos, int64_t sample, uint32_t* buf) {
+inline const uint32_t* keep_words(const DropoutParams& d, int64_t head, const KeyBlock& kb, int64_t qpos,
+                                  int64_t sample, uint32_t* buf) {
   const uint64_t s = static_cast<uint64_t>(sample);
-  const uint32_t c1 = static_cast<uint32_t>(qpos), c2 = static_cast<uint32_t>(s),
-                 c3 = static_cast<uint32_t>(s >> 32);
+  const uint32_t c1 = static_cast<uint32_t>(qpos), c2 = static_cast<uint32_t>(s), c3 = static_cast<uint32_t>(s >> 32);
   const int64_t feature0 = (head << 20) + kb.pos[0];
   if (kb.consecutive) {
     const int64_t lane0 = feature0 & 3, groups = (lane0 + kb.n + 3) / 4;
@@ -161,8 +155,7 @@ inline const uint32_t* keep_words(const DropoutParams& d, int64_t head, const Ke
   return buf;
 }
 
-MSP_CPU_INLINE void apply_keep(float* x, const uint32_t* words, const DropoutParams& d,
-                               int64_t n) {
+MSP_CPU_INLINE void apply_keep(float* x, const uint32_t* words, const DropoutParams& d, int64_t n) {
   const uint32_t thr = d.threshold;
   const float scale = d.scale;
 #pragma omp simd

@@ -43,8 +43,7 @@ MSP_HD void mulhilo32(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
 #endif
 }
 
-MSP_HD Words4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0,
-                            uint32_t k1) {
+MSP_HD Words4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
@@ -68,23 +67,19 @@ struct DropoutParams {
 };
 
 // The four words for features 4*group .. 4*group+3 of one (token position, sample) row.
-MSP_HD Words4 dropout_words(const DropoutParams& d, uint64_t group, int64_t position,
-                            int64_t sample) {
+MSP_HD Words4 dropout_words(const DropoutParams& d, uint64_t group, int64_t position, int64_t sample) {
   uint64_t s = static_cast<uint64_t>(sample);
-  return philox4x32_10(static_cast<uint32_t>(group), static_cast<uint32_t>(position),
-                       static_cast<uint32_t>(s), static_cast<uint32_t>(s >> 32), d.k0, d.k1);
+  return philox4x32_10(static_cast<uint32_t>(group), static_cast<uint32_t>(position), static_cast<uint32_t>(s),
+                       static_cast<uint32_t>(s >> 32), d.k0, d.k1);
 }
 
 // Multiplier (0 or 1) for one drawn word; a float so that x * keep * scale matches the reference
 // bit for bit in fp32, including signed zeros and non-finite inputs.
-MSP_HD float keep_factor(const DropoutParams& d, uint32_t word) {
-  return word >= d.threshold ? 1.0f : 0.0f;
-}
+MSP_HD float keep_factor(const DropoutParams& d, uint32_t word) { return word >= d.threshold ? 1.0f : 0.0f; }
 
 // Host side: the same key, threshold and scale as random.py's dropout_key / drop_threshold.
 // nearbyint rounds half to even under the default rounding mode, like Python's round().
-inline DropoutParams make_dropout_params(double p, int64_t seed, int64_t layer, int64_t site,
-                                         int64_t feature_offset) {
+inline DropoutParams make_dropout_params(double p, int64_t seed, int64_t layer, int64_t site, int64_t feature_offset) {
   double t = nearbyint(p * 4294967296.0);
   DropoutParams d;
   d.k0 = static_cast<uint32_t>(static_cast<uint64_t>(seed));

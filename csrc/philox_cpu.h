@@ -19,8 +19,8 @@
 
 namespace msp {
 
-MSP_CPU_INLINE void philox_groups_scalar(const DropoutParams& d, uint32_t first, int64_t groups,
-                                         uint32_t c1, uint32_t c2, uint32_t c3, uint32_t* buf) {
+MSP_CPU_INLINE void philox_groups_scalar(const DropoutParams& d, uint32_t first, int64_t groups, uint32_t c1,
+                                         uint32_t c2, uint32_t c3, uint32_t* buf) {
   for (int64_t g = 0; g < groups; ++g) {
     Words4 w = philox4x32_10(first + static_cast<uint32_t>(g), c1, c2, c3, d.k0, d.k1);
     for (int lane = 0; lane < 4; ++lane) buf[4 * g + lane] = w.w[lane];
@@ -33,9 +33,8 @@ MSP_CPU_INLINE void philox_groups_scalar(const DropoutParams& d, uint32_t first,
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
-MSP_TARGET_AVX512 inline void philox_groups_avx512(const DropoutParams& d, uint32_t first,
-                                                   int64_t groups, uint32_t c1, uint32_t c2,
-                                                   uint32_t c3, uint32_t* buf) {
+MSP_TARGET_AVX512 inline void philox_groups_avx512(const DropoutParams& d, uint32_t first, int64_t groups, uint32_t c1,
+                                                   uint32_t c2, uint32_t c3, uint32_t* buf) {
   const __m512i m0 = _mm512_set1_epi64(kPhiloxM0), m1 = _mm512_set1_epi64(kPhiloxM1);
   const __m512i lanes = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
   __m512i key0[kPhiloxRounds], key1[kPhiloxRounds];
@@ -69,9 +68,8 @@ MSP_TARGET_AVX512 inline void philox_groups_avx512(const DropoutParams& d, uint3
   philox_groups_scalar(d, first + static_cast<uint32_t>(g), groups - g, c1, c2, c3, buf + 4 * g);
 }
 
-MSP_TARGET_AVX2 inline void philox_groups_avx2(const DropoutParams& d, uint32_t first,
-                                               int64_t groups, uint32_t c1, uint32_t c2,
-                                               uint32_t c3, uint32_t* buf) {
+MSP_TARGET_AVX2 inline void philox_groups_avx2(const DropoutParams& d, uint32_t first, int64_t groups, uint32_t c1,
+                                               uint32_t c2, uint32_t c3, uint32_t* buf) {
   const __m256i m0 = _mm256_set1_epi64x(kPhiloxM0), m1 = _mm256_set1_epi64x(kPhiloxM1);
   const __m256i lanes = _mm256_setr_epi64x(0, 1, 2, 3);
   const __m256i low_words = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
@@ -82,10 +80,8 @@ MSP_TARGET_AVX2 inline void philox_groups_avx2(const DropoutParams& d, uint32_t 
     uint32_t k0 = d.k0, k1 = d.k1;
     for (int r = 0; r < kPhiloxRounds; ++r) {
       const __m256i p0 = _mm256_mul_epu32(x0, m0), p1 = _mm256_mul_epu32(x2, m1);
-      x0 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p1, 32), x1),
-                            _mm256_set1_epi64x(k0));
-      x2 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p0, 32), x3),
-                            _mm256_set1_epi64x(k1));
+      x0 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p1, 32), x1), _mm256_set1_epi64x(k0));
+      x2 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p0, 32), x3), _mm256_set1_epi64x(k1));
       x1 = p1;
       x3 = p0;
       k0 += kPhiloxW0, k1 += kPhiloxW1;
@@ -110,13 +106,16 @@ MSP_TARGET_AVX2 inline void philox_groups_avx2(const DropoutParams& d, uint32_t 
 #endif
 
 // buf[4g + lane] = word `lane` of Philox(key, (first + g, c1, c2, c3)) for g < groups.
-inline void philox_groups(const DropoutParams& d, uint32_t first, int64_t groups, uint32_t c1,
-                          uint32_t c2, uint32_t c3, uint32_t* buf) {
+inline void philox_groups(const DropoutParams& d, uint32_t first, int64_t groups, uint32_t c1, uint32_t c2, uint32_t c3,
+                          uint32_t* buf) {
 #if defined(__x86_64__) && defined(__GNUC__)
   switch (simd_level()) {
-    case SimdLevel::kAvx512: return philox_groups_avx512(d, first, groups, c1, c2, c3, buf);
-    case SimdLevel::kAvx2: return philox_groups_avx2(d, first, groups, c1, c2, c3, buf);
-    default: break;
+    case SimdLevel::kAvx512:
+      return philox_groups_avx512(d, first, groups, c1, c2, c3, buf);
+    case SimdLevel::kAvx2:
+      return philox_groups_avx2(d, first, groups, c1, c2, c3, buf);
+    default:
+      break;
   }
 #endif
   philox_groups_scalar(d, first, groups, c1, c2, c3, buf);

@@ -273,6 +273,13 @@ class GPTConfig:
         switches=(Switch("--sequence-parallel", True),),
         group=_PARALLEL,
     )
+    tp_comm_overlap: bool = model_field(
+        False,
+        help="overlap the sequence-parallel all-gathers and reduce-scatters with the linear layers' GEMMs, "
+        "in t ring steps (needs --sequence-parallel)",
+        switches=(Switch("--tp-comm-overlap", True),),
+        group=_PARALLEL,
+    )
 
     def __post_init__(self):
         self._fill_family_defaults()
@@ -297,6 +304,7 @@ class GPTConfig:
                 stacklevel=3,
             )
             self._set("sequence_parallel", False)
+        checks.check_comm_overlap(self)
 
     def _set(self, name, value):
         """Fills a derived field during construction (the config is frozen afterwards)."""
@@ -370,5 +378,6 @@ def config_from_dict(config: dict, **overrides) -> GPTConfig:
     know are ignored, fields the dict lacks take their defaults (what older checkpoints computed)."""
     known = {f.name for f in dataclasses.fields(GPTConfig)}
     fields = {k: v for k, v in config.items() if k in known}
-    fields.update(tensor_model_parallel_size=1, context_parallel_size=1, sequence_parallel=False, **overrides)
+    serial = dict(tensor_model_parallel_size=1, context_parallel_size=1, sequence_parallel=False, tp_comm_overlap=False)
+    fields.update(serial, **overrides)
     return GPTConfig(**fields)

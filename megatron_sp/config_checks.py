@@ -140,6 +140,16 @@ def _check_rope_scaling(cfg):
         )
 
 
+def check_comm_overlap(cfg):
+    """--tp-comm-overlap cuts SP's collectives into t chunks of the s/(t·c) rows each rank holds, which
+    check_divisibility has made whole; without SP there is nothing to cut (Megatron refuses it too)."""
+    if cfg.tp_comm_overlap and not cfg.sequence_parallel:
+        raise ValueError(
+            "GPTConfig.tp_comm_overlap needs sequence_parallel on (with tensor_model_parallel_size > 1): "
+            "it overlaps the sequence-parallel all-gathers and reduce-scatters with the GEMMs."
+        )
+
+
 def check_recompute(cfg):
     g, m = cfg.recompute_granularity, cfg.recompute_method  # full: filled by GPTConfig
     if g != "full":

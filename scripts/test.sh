@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test command: sets up .venv (scripts/env.sh), lints the tree (ruff format --check, ruff check),
+# The test command: sets up .venv (scripts/env.sh), lints the tree (ruff format --check, ruff check,
+# clang-format --dry-run over csrc/ and the CUDA emulator),
 # then runs the whole suite on CPU. Extra arguments go to pytest (e.g. scripts/test.sh -k parity).
 # pytest's exit code is kept, so a run that collects no tests (exit 5) fails.
 #   MEGATRON_SP_SKIP_LINT=1          skip the lint step (a quick local run)
@@ -15,8 +16,10 @@ lint() {
   local ok=1
   python -m ruff format --check --quiet . || ok=0
   python -m ruff check --quiet . || ok=0
+  git ls-files -z 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh' 'tests/cuda_emulator/*.cpp' 'tests/cuda_emulator/*.h' \
+    | xargs -0 -r clang-format --dry-run --Werror || ok=0
   if [ "$ok" -eq 0 ]; then
-    echo "scripts/test.sh: lint failed (above): run \`ruff format . && ruff check --fix .\`, fix what remains," \
+    echo "scripts/test.sh: lint failed (above): run \`ruff format . && ruff check --fix .\` (C++: clang-format -i FILE), fix what remains," \
       "and commit (MEGATRON_SP_SKIP_LINT=1 skips this step)" >&2
     return 1
   fi

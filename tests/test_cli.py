@@ -89,6 +89,11 @@ CASES = {
         4,
         "seq_length",
     ),
+    "tp comm overlap without sp": (
+        lambda d, t: ["--tensor-model-parallel-size", "2", "--tp-comm-overlap"],
+        2,
+        "tp_comm_overlap needs sequence_parallel",
+    ),
     "dropout range": (lambda d, t: ["--hidden-dropout", "1.5"], None, "hidden_dropout"),
     "unknown flag": (lambda d, t: ["--no-such-flag"], None, "--no-such-flag"),
     "compile without fused ops": (lambda d, t: ["--torch-compile", "--no-fused-kernels"], None, "--torch-compile"),

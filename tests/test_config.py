@@ -25,6 +25,17 @@ BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=97, 
         (dict(hidden_dropout=1.0), "hidden_dropout"),
         (dict(attention_dropout=-0.1), "attention_dropout"),
         (dict(max_position_embeddings=16), "max_position_embeddings"),
+        (dict(tensor_model_parallel_size=2, tp_comm_overlap=True), "tp_comm_overlap"),  # without SP
+        (  # 34 tokens cannot be cut into the ring's 4 chunks (SP's shards): SP's own refusal
+            dict(
+                tensor_model_parallel_size=4,
+                sequence_parallel=True,
+                tp_comm_overlap=True,
+                seq_length=34,
+                max_position_embeddings=64,
+            ),
+            "seq_length",
+        ),
     ],
 )
 def test_config_rejects_with_the_field_named(override, field):
@@ -36,6 +47,17 @@ def test_sequence_parallel_without_tp_is_a_warned_no_op():
     with pytest.warns(UserWarning, match="sequence_parallel"):
         cfg = GPTConfig(**BASE, sequence_parallel=True)
     assert cfg.sequence_parallel is False
+
+
+def test_a_saved_overlapped_config_rebuilds_serially():
+    """Checkpoint tools rebuild the serial model from a saved config: --tp-comm-overlap goes with SP."""
+    import dataclasses
+
+    from megatron_sp.config import config_from_dict
+
+    saved = GPTConfig(**BASE, tensor_model_parallel_size=2, sequence_parallel=True, tp_comm_overlap=True)
+    serial = config_from_dict(dataclasses.asdict(saved))
+    assert (serial.tensor_model_parallel_size, serial.sequence_parallel, serial.tp_comm_overlap) == (1, False, False)
 
 
 def test_defaults_follow_megatron():

@@ -1,13 +1,12 @@
-"""The CUDA kernels (csrc/cuda/*.cu, unmodified) run on the CPU emulator of tests/cuda_emulator/
-against the references, so that their indexing, vector and scalar paths, grid-stride loops, warp and
-block reductions and launch sizing are checked on machines without a GPU:
+"""The CUDA kernels (csrc/cuda/*.cu, unmodified) and their torch bindings run on the CPU emulator of
+tests/cuda_emulator/, so that their indexing, vector and scalar paths, grid-stride loops, warp and block
+reductions, launch sizing and argument handling are checked on machines without a GPU:
 
-- every case of tests/cuda_emulator/run_cases.py under AddressSanitizer + UBSan (any out-of-bounds
-  load or store, or undefined behaviour, in a kernel fails the run), the launchers called directly
-  and through the torch binding (csrc/cuda/ops_cuda.cpp registered for CPU tensors as
-  megatron_sp_emulated::*, compared with the CPU ops, opcheck'd against the fake functions);
-- one case per kernel path under ThreadSanitizer (a missing __syncthreads is a data race between
-  the emulated threads: the emulator's racecheck);
+- every case of the CUDA case list (tests/cuda_cases/, the list tests/test_cuda_ops.py runs on a GPU)
+  under AddressSanitizer + UBSan (any out-of-bounds load or store, or undefined behaviour, in a kernel
+  fails the run), through the bindings registered for CPU tensors as megatron_sp_emulated::*;
+- the cases marked `race` (one per kernel path) under ThreadSanitizer (a missing __syncthreads is a
+  data race between the emulated threads: the emulator's racecheck);
 - planted bugs (an out-of-bounds read, a missing barrier, a launch over the kernel's
   __launch_bounds__) are caught, so these tests can fail;
 - the global-memory bytes each kernel moves (build mode "traffic", bench/kernel_traffic.py): the
@@ -25,42 +24,31 @@ import subprocess
 import sys
 
 import pytest
+from cuda_cases import CASES, skip_or_fail
 from cuda_emulator import build as emulator_build
-from cuda_emulator.run_cases import CASES
 
-TESTS = os.path.dirname(os.path.abspath(__file__))  # where the runner finds its package, cuda_emulator
-# One case per kernel (and barrier structure) for the slower ThreadSanitizer run; the long-row
-# LayerNorm variants have the same barriers as the short ones and take ~30 s there.
-RACE_CASES = [
-    "bda-64x4x256-off0-bf16-sm1",
-    "bda-5x3x7-off3-fp32-sm1",
-    "ln-40x1024-fp32-wfp32-sm1",
-    "ln-7x999-fp16-wfp16-sm1",
-    "rms-40x1024-fp32-wfp32-sm1",
-    "ulysses_pack-5x3x6x7-uint8",
-    "zigzag-2x24x3-p3-dim1-inv",
-    "flash-20-segments-bf16",
-]  # all four flash_attention kernels (GQA, dropout)
+from megatron_sp import ops
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+EMULATED = [name for name, case in CASES.items() if case.emulate]
+RACE_CASES = [name for name, case in CASES.items() if case.race]
 
 
 def _require(sanitizer):
     if emulator_build.compiler() is None:
-        pytest.skip("no host C++ compiler")
-    if emulator_build.runtime_library(sanitizer) is None:
-        pytest.skip(f"the compiler has no lib{sanitizer}.so")
+        skip_or_fail("no host C++ compiler")
+    if sanitizer is not None and emulator_build.runtime_library(sanitizer) is None:
+        skip_or_fail(f"the compiler has no lib{sanitizer}.so")
+    if not ops.extension_available():
+        skip_or_fail("megatron_sp._C is not built (the cases compare with its CPU ops)")
 
 
 def _run(library, sanitizer, out_json, cases=()):
     env = emulator_build.sanitizer_env(sanitizer)
     env["OMP_NUM_THREADS"] = "1"  # torch's OpenMP threads are not ThreadSanitizer-aware
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS, env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "cuda_emulator.run_cases", library, str(out_json), *cases],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS, env.get("PYTHONPATH")) if p)
+    command = [sys.executable, "-m", "cuda_emulator.run_cases", library, str(out_json), *cases]
+    proc = subprocess.run(command, env=env, cwd=TESTS, capture_output=True, text=True, timeout=1200)
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -77,12 +65,12 @@ def object_cache(tmp_path_factory):
 def asan_run(tmp_path_factory, object_cache):
     _require("asan")
     out = tmp_path_factory.mktemp("emulator-asan")
-    library = emulator_build.build(str(out / "build"), "asan", cache_dir=object_cache, binding=True)
+    library = emulator_build.build(str(out / "build"), "asan", cache_dir=object_cache)
     rc, log = _run(library, "asan", out / "results.json")
     return rc, log, _results(out / "results.json")
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", EMULATED)
 def test_kernel_on_emulator(asan_run, case):
     rc, log, results = asan_run
     if case not in results or rc != 0:
@@ -152,21 +140,28 @@ def test_planted_launch_over_launch_bounds_is_caught(tmp_path, object_cache):
     )
     results = _results(tmp_path / "results.json")
     assert rc == 0 and not results["bda-33x3x256-off512-fp32-sm132"]["ok"], log[-3000:]
-    assert "cudaError 701" in results["bda-33x3x256-off512-fp32-sm132"]["detail"]
+    assert "too many resources requested for launch" in results["bda-33x3x256-off512-fp32-sm132"]["detail"]
 
 
 def test_kernel_traffic(tmp_path, object_cache):
-    if emulator_build.compiler() is None:
-        pytest.skip("no host C++ compiler")
+    _require(None)
+    import importlib.util
+
     import torch
     from cuda_emulator.run_cases import load
-    from kernel_traffic import run_ops
 
-    lib = load(emulator_build.build(str(tmp_path / "build"), "traffic", cache_dir=object_cache))
-    lib.emu_set_sm_count(8)
+    bench = importlib.util.spec_from_file_location(
+        "kernel_traffic", os.path.join(emulator_build.ROOT, "bench", "kernel_traffic.py")
+    )
+    kernel_traffic = importlib.util.module_from_spec(bench)
+    bench.loader.exec_module(kernel_traffic)
+
+    target = load(emulator_build.build(str(tmp_path / "build"), "traffic", cache_dir=object_cache))
+    target.set_sm_count(8)
     s, b, h = 512, 2, 1024
     results = {
-        op: (compulsory, counts) for op, compulsory, counts in run_ops(lib, torch.bfloat16, s, b, h, 8, 128, 0.1)
+        op: (compulsory, counts)
+        for op, compulsory, counts in kernel_traffic.run_ops(target.ops, torch.bfloat16, s, b, h, 8, 128)
     }
     full = s * b * h * 2  # bytes of one [s, b, h] bf16 activation
     once = {

@@ -58,6 +58,7 @@ MODEL_FLAGS = {
     "--context-parallel-size": 1,
     "--cp-comm-type": "p2p",
     "--sequence-parallel": (True,),
+    "--tp-comm-overlap": (True,),
 }
 CHOICES = {
     "--position-embedding-type": ["learned_absolute", "rope", "none"],

@@ -5,7 +5,10 @@ still match; parameters replicated across a TP group are bit-identical on its ra
 Families: GPT-2 (LayerNorm, GELU, learned positions, tied) and Llama with grouped-query attention
 (RMSNorm, SwiGLU, RoPE, untied, no biases; 4 query heads, 2 key/value heads: split over 2 ranks, held
 in copies by pairs of ranks at TP=4), both built from their spec; the same harness checks any spec
-(tests/test_model_spec.py uses it for a user-defined block)."""
+(tests/test_model_spec.py uses it for a user-defined block).
+
+Every case with SP and dropout runs again with --tp-comm-overlap (`overlapped`, issue 23): the
+all-gathers and reduce-scatters cut into ring steps under the GEMMs compute the same function."""
 
 import pytest
 import torch
@@ -166,35 +169,55 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
+def overlapped(cases, sp):
+    """The cases with a last field `overlap`: False for each, then True for each case `sp(case)` says
+    runs SP with dropout on (--tp-comm-overlap needs SP; the parity contract is stated with dropout on)."""
+    return [(*c, False) for c in cases] + [(*c, True) for c in cases if sp(c)]
+
+
+def _overlap(on: bool) -> dict:
+    """The GPTConfig fields of --tp-comm-overlap."""
+    return {"tp_comm_overlap": True} if on else {}
+
+
 LAYOUTS = [(1, False), (2, False), (2, True), (4, False), (4, True)]
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-@pytest.mark.parametrize("tp,sp", LAYOUTS)
-def test_parity_with_reference(pool, tp, sp, dropout):
-    check_parity(pool, tp, sp, dropout, fused=False)
-
-
-@pytest.mark.parametrize("tp,sp,dropout", [(t, s, 0.1) for t, s in LAYOUTS] + [(4, True, 0.0)])
-def test_llama_gqa_parity_with_reference(pool, tp, sp, dropout):
-    check_parity(pool, tp, sp, dropout, fused=False, family="llama")
+@pytest.mark.parametrize(
+    "tp,sp,dropout,overlap",
+    overlapped([(t, s, d) for d in (0.0, 0.1) for t, s in LAYOUTS], sp=lambda c: c[1] and c[2] > 0),
+)
+def test_parity_with_reference(pool, tp, sp, dropout, overlap):
+    check_parity(pool, tp, sp, dropout, fused=False, extra=_overlap(overlap))
 
 
 @pytest.mark.parametrize(
-    "family,tp,sp,cp,comm",
-    [
-        ("gpt2", 1, False, 1, "p2p"),
-        ("gpt2", 4, True, 1, "p2p"),
-        ("llama", 4, True, 1, "p2p"),
-        ("llama", 1, False, 4, "p2p"),
-        ("gpt2", 2, True, 2, "a2a"),
-    ],
+    "tp,sp,dropout,overlap",
+    overlapped([(t, s, 0.1) for t, s in LAYOUTS] + [(4, True, 0.0)], sp=lambda c: c[1] and c[2] > 0),
+)
+def test_llama_gqa_parity_with_reference(pool, tp, sp, dropout, overlap):
+    """GQA's fused QKV of unequal parts (4 query, 2 + 2 key/value heads) and SwiGLU's two segments."""
+    check_parity(pool, tp, sp, dropout, fused=False, family="llama", extra=_overlap(overlap))
+
+
+@pytest.mark.parametrize(
+    "family,tp,sp,cp,comm,overlap",
+    overlapped(
+        [
+            ("gpt2", 1, False, 1, "p2p"),
+            ("gpt2", 4, True, 1, "p2p"),
+            ("llama", 4, True, 1, "p2p"),
+            ("llama", 1, False, 4, "p2p"),
+            ("gpt2", 2, True, 2, "a2a"),
+        ],
+        sp=lambda c: c[2],
+    ),
 )
 @pytest.mark.extension
-def test_parity_with_fused_kernels(pool, family, tp, sp, cp, comm):
+def test_parity_with_fused_kernels(pool, family, tp, sp, cp, comm, overlap):
     """The same contract with megatron_sp._C's bias-dropout-add, LayerNorm, RMSNorm, blockwise
     attention (ring partial blocks included) and Ulysses pack/unpack in the model."""
-    check_parity(pool, tp, sp, 0.1, fused=True, family=family, cp=cp, comm=comm)
+    check_parity(pool, tp, sp, 0.1, fused=True, family=family, cp=cp, comm=comm, extra=_overlap(overlap))
 
 
 def check_parity(pool, tp, sp, dropout, fused, family="gpt2", cp=1, comm="p2p", extra=None, compile_options=None):
@@ -239,10 +262,10 @@ def test_dropout_is_active_and_changes_loss():
     assert abs(plain.item() - dropped.item()) > 1e-4
 
 
-@pytest.mark.parametrize("tp,sp", [(1, False), (4, True)])
-def test_user_block_gets_parity_for_free(pool, tp, sp):
+@pytest.mark.parametrize("tp,sp,overlap", overlapped([(1, False), (4, True)], sp=lambda c: c[1]))
+def test_user_block_gets_parity_for_free(pool, tp, sp, overlap):
     """tests/example_parallel_residual.py: a new block variant in one file, no parallel code."""
-    check_parity(pool, tp, sp, 0.1, fused=False, family="example_parallel_residual:SPEC")
+    check_parity(pool, tp, sp, 0.1, fused=False, family="example_parallel_residual:SPEC", extra=_overlap(overlap))
 
 
 def _documents():
@@ -257,12 +280,12 @@ def _documents():
     return tokens, labels, ids, positions.expand(BATCH, SEQ), mask
 
 
-def _document_worker(tp, sp, family, cp=1, comm="p2p", dropout=0.1):
+def _document_worker(tp, sp, family, cp=1, comm="p2p", extra=None, dropout=0.1):
     from megatron_sp import parallel_state
     from megatron_sp.models.gpt import GPTModel
 
     parallel_state.initialize_model_parallel(tp, cp)
-    model = GPTModel(_config(tp, sp, dropout, False, family, cp, comm))
+    model = GPTModel(_config(tp, sp, dropout, False, family, cp, comm, extra))
     tokens, labels, ids, positions, mask = _documents()
     loss = model(tokens, labels, sample_ids=ids, position_ids=positions, attention_mask=mask)
     loss.backward()
@@ -270,17 +293,20 @@ def _document_worker(tp, sp, family, cp=1, comm="p2p", dropout=0.1):
 
 
 @pytest.mark.parametrize(
-    "family,tp,cp,comm,dropout",
-    [
-        ("gpt2", 4, 1, "p2p", 0.1),
-        ("llama", 4, 1, "p2p", 0.1),
-        ("llama", 1, 4, "p2p", 0.1),
-        ("gpt2", 2, 2, "a2a", 0.1),
-        ("llama", 1, 4, "p2p", 0.0),  # torch's kernel per ring block, documents as a mask
-        ("llama", 1, 2, "a2a", 0.0),  # SDPA over Ulysses' whole sequence, documents as a mask
-    ],
+    "family,tp,cp,comm,dropout,overlap",
+    overlapped(
+        [
+            ("gpt2", 4, 1, "p2p", 0.1),
+            ("llama", 4, 1, "p2p", 0.1),
+            ("llama", 1, 4, "p2p", 0.1),
+            ("gpt2", 2, 2, "a2a", 0.1),
+            ("llama", 1, 4, "p2p", 0.0),  # torch's kernel per ring block, documents as a mask
+            ("llama", 1, 2, "a2a", 0.0),  # SDPA over Ulysses' whole sequence, documents as a mask
+        ],
+        sp=lambda c: c[1] > 1 and c[4] > 0,
+    ),
 )
-def test_document_positions_and_masks_parity(pool, family, tp, cp, comm, dropout):
+def test_document_positions_and_masks_parity(pool, family, tp, cp, comm, dropout, overlap):
     """Reset position ids (learned positions and RoPE) and document masks at TP=4+SP, and under
     context parallelism (the mask becomes document ids; ring and Ulysses), dropout on and off (off:
     the vendor kernels, ops/attention_lse.py)."""
@@ -292,7 +318,7 @@ def test_document_positions_and_masks_parity(pool, family, tp, cp, comm, dropout
     loss.backward()
     plain = ref(tokens, labels, sample_ids=ids).item()
     assert abs(loss.item() - plain) > 1e-4  # positions and masks do change the function
-    for got_loss, grads in pool.run(_document_worker, tp, tp > 1, family, cp, comm, dropout):
+    for got_loss, grads in pool.run(_document_worker, tp, tp > 1, family, cp, comm, _overlap(overlap), dropout):
         assert abs(got_loss - loss.item()) <= 1e-5 * loss.item()
         for name, p in ref.named_parameters():
             assert _rel(grads[name], p.grad) < 1e-5, name
@@ -302,10 +328,10 @@ CP_LAYOUTS = [(1, 2), (1, 4), (2, 2)]
 
 
 @pytest.mark.parametrize("comm", ["p2p", "a2a"])
-@pytest.mark.parametrize("tp,cp", CP_LAYOUTS)
-def test_context_parallel_parity(pool, tp, cp, comm):
+@pytest.mark.parametrize("tp,cp,overlap", overlapped(CP_LAYOUTS, sp=lambda c: c[0] > 1))
+def test_context_parallel_parity(pool, tp, cp, comm, overlap):
     """Ring (p2p) and Ulysses (a2a) context parallelism, with TP+SP at tp=2, dropout on."""
-    check_parity(pool, tp, tp > 1, 0.1, fused=False, cp=cp, comm=comm)
+    check_parity(pool, tp, tp > 1, 0.1, fused=False, cp=cp, comm=comm, extra=_overlap(overlap))
 
 
 @pytest.mark.parametrize("family,tp,cp", [("gpt2", 1, 2), ("llama", 2, 2)])
@@ -316,12 +342,15 @@ def test_ring_attention_parity_without_dropout(pool, family, tp, cp):
 
 
 @pytest.mark.parametrize(
-    "family,tp,cp,comm", [("llama", 1, 4, "a2a"), ("llama", 2, 2, "p2p"), ("llama-rope-scaled", 1, 2, "p2p")]
+    "family,tp,cp,comm,overlap",
+    overlapped(
+        [("llama", 1, 4, "a2a"), ("llama", 2, 2, "p2p"), ("llama-rope-scaled", 1, 2, "p2p")], sp=lambda c: c[1] > 1
+    ),
 )
-def test_context_parallel_parity_llama_gqa(pool, family, tp, cp, comm):
+def test_context_parallel_parity_llama_gqa(pool, family, tp, cp, comm, overlap):
     """GQA under CP: 2 key/value heads repeated for Ulysses' 4-way split; ring passes the 2 heads;
     scaled RoPE on the zigzag chunks' global positions."""
-    check_parity(pool, tp, tp > 1, 0.1, fused=False, family=family, cp=cp, comm=comm)
+    check_parity(pool, tp, tp > 1, 0.1, fused=False, family=family, cp=cp, comm=comm, extra=_overlap(overlap))
 
 
 def _non_document_mask_worker():
@@ -351,12 +380,15 @@ RECOMPUTE = {
 
 
 @pytest.mark.parametrize(
-    "mode,tp,cp", [("full-uniform", 2, 1), ("full-block", 1, 2), ("selective", 2, 1), ("selective", 1, 2)]
+    "mode,tp,cp,overlap",
+    overlapped(
+        [("full-uniform", 2, 1), ("full-block", 1, 2), ("selective", 2, 1), ("selective", 1, 2)], sp=lambda c: c[1] > 1
+    ),
 )
-def test_recompute_parity(pool, mode, tp, cp):
+def test_recompute_parity(pool, mode, tp, cp, overlap):
     """Activation recomputation (Megatron's full uniform/block and selective) changes nothing: the
-    rerun draws the same dropout bits and reruns the SP/CP collectives in step on every rank."""
-    check_parity(pool, tp, tp > 1, 0.1, fused=False, cp=cp, extra=RECOMPUTE[mode])
+    rerun draws the same dropout bits and reruns the SP/CP collectives (or ring steps) in step on every rank."""
+    check_parity(pool, tp, tp > 1, 0.1, fused=False, cp=cp, extra={**RECOMPUTE[mode], **_overlap(overlap)})
 
 
 def _cp_logits_worker(cp, comm):

@@ -117,8 +117,9 @@ def test_all_to_all(pool, tp):
         assert err_out == 0.0 and err_grad == 0.0
 
 
-def _linear_worker(tp, sp):
-    """Column then row parallel linear (an MLP without activation) against nn.Linear on the full tensor."""
+def _linear_worker(tp, sp, overlap=False):
+    """Column then row parallel linear (an MLP without activation) against nn.Linear on the full tensor
+    (overlap: --tp-comm-overlap's ring steps)."""
     from megatron_sp import parallel_state
     from megatron_sp.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron_sp.tensor_parallel.sharding import gather_full, shard_full
@@ -132,8 +133,8 @@ def _linear_worker(tp, sp):
         _full(9, H, 2 * H).float(),
         _full(11, H).float(),
     )
-    col = ColumnParallelLinear(H, 2 * H, init="normal", group=g, sequence_parallel=sp)
-    row = RowParallelLinear(2 * H, H, init="normal", group=g, sequence_parallel=sp)
+    col = ColumnParallelLinear(H, 2 * H, init="normal", group=g, sequence_parallel=sp, tp_comm_overlap=overlap)
+    row = RowParallelLinear(2 * H, H, init="normal", group=g, sequence_parallel=sp, tp_comm_overlap=overlap)
     with torch.no_grad():
         for p, full in ((col.weight, W1), (col.bias, b1), (row.weight, W2), (row.bias, b2)):
             p.copy_(shard_full(full, p.shard_spec, tuple(p.shape), r, t))
@@ -147,8 +148,12 @@ def _linear_worker(tp, sp):
     return out.detach(), x.grad, grads + [bias_grad]
 
 
-@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True), (4, False), (4, True)])
-def test_column_row_parallel_linear(pool, tp, sp):
+@pytest.mark.parametrize(
+    "tp,sp,overlap",
+    [(1, False, False), (2, False, False), (2, True, False), (4, False, False), (4, True, False)]
+    + [(2, True, True), (4, True, True)],
+)
+def test_column_row_parallel_linear(pool, tp, sp, overlap):
     X, G = _full(5, S, B, H).float(), _full(6, S, B, H).float()
     W1, b1, W2, b2 = [
         _full(s, *shape).float().requires_grad_()
@@ -157,13 +162,57 @@ def test_column_row_parallel_linear(pool, tp, sp):
     x = X.clone().requires_grad_()
     ref = F.linear(F.linear(x, W1, b1), W2, b2)
     ref.backward(G)
-    for rank, (out, x_grad, grads) in enumerate(pool.run(_linear_worker, tp, sp)):
+    for rank, (out, x_grad, grads) in enumerate(pool.run(_linear_worker, tp, sp, overlap)):
         r = rank % tp  # TP rank (ranks are TP-fastest)
         want_out, want_xg = (_chunk(ref, tp, r, 0), _chunk(x.grad, tp, r, 0)) if sp else (ref, x.grad)
         torch.testing.assert_close(out, want_out.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(x_grad, want_xg, rtol=1e-5, atol=1e-5)
         for got, want in zip(grads, (W1.grad, b1.grad, W2.grad, b2.grad)):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _overlap_traffic_worker(tp):
+    """The collectives of a column + row forward and backward with and without --tp-comm-overlap
+    (bench/comm_volume.py's counter), and a row input the ring cannot cut into tp chunks."""
+    from comm_volume import CollectiveCounter
+
+    from megatron_sp import parallel_state
+    from megatron_sp.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    ps = parallel_state.initialize_model_parallel(tp)
+    g, calls = ps.tp_group, {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        col = ColumnParallelLinear(H, 2 * H, init="normal", group=g, sequence_parallel=True, tp_comm_overlap=overlap)
+        row = RowParallelLinear(2 * H, H, init="normal", group=g, sequence_parallel=True, tp_comm_overlap=overlap)
+        x = torch.randn(S // tp, B, H, requires_grad=True)
+        with CollectiveCounter() as counter:
+            row(col(x)).sum().backward()
+        calls[overlap] = [(c["kind"], c["sent"]) for c in counter.calls]
+    try:
+        row(torch.randn(S + 1, B, 2 * H // tp))
+    except ValueError as err:
+        return calls, str(err)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_comm_overlap_moves_the_same_bytes_in_ring_steps(pool, tp):
+    """Without the flag: an all-gather and a reduce-scatter each way; with it only send/receive ring
+    steps (t - 1 per collective), sending exactly as many bytes. A sequence the ring cannot cut is
+    refused in one sentence."""
+    for calls, refusal in pool.run(_overlap_traffic_worker, tp):
+        plain, ring = calls[False], calls[True]
+        assert sorted({kind for kind, _ in plain}) == ["all_gather", "reduce_scatter"]
+        assert {kind for kind, _ in ring} == {"p2p"} and len(ring) == 5 * (tp - 1)  # 2 forward, 3 backward
+        assert sum(sent for _, sent in ring) == pytest.approx(sum(sent for _, sent in plain), rel=1e-12)
+        assert f"cannot cut the sequence dimension ({S + 1}) into {tp} equal chunks" in refusal
+
+
+def test_tp_comm_overlap_needs_sequence_parallel():
+    from megatron_sp.tensor_parallel.layers import ColumnParallelLinear
+
+    with pytest.raises(ValueError, match="tp_comm_overlap needs sequence_parallel"):
+        ColumnParallelLinear(H, H, init="normal", tp_comm_overlap=True)
 
 
 def _embedding_ce_worker(tp, sp, vocab, padded):

@@ -12,6 +12,7 @@
 // finishes the bias gradient.
 // Fallback (h or feature_offset not a multiple of the vector, unaligned pointers): VEC = 1.
 #include "../philox.h"
+#include "bias_dropout_add.h"
 #include "common.cuh"
 
 namespace msp {
@@ -26,8 +27,8 @@ __device__ __forceinline__ uint32_t select_word(const Words4& w, int lane) {
 
 // keep[i] in {0, 1} for local features j0 .. j0+VEC-1 of the row (position, sample).
 template <int VEC, bool GROUPED>
-__device__ __forceinline__ void draw_keep(const DropoutParams& d, int64_t j0, int64_t position,
-                                          int64_t sample, float (&keep)[VEC]) {
+__device__ __forceinline__ void draw_keep(const DropoutParams& d, int64_t j0, int64_t position, int64_t sample,
+                                          float (&keep)[VEC]) {
   if (d.threshold == 0) {
 #pragma unroll
     for (int i = 0; i < VEC; ++i) keep[i] = 1.0f;
@@ -64,9 +65,8 @@ struct Rows {
 
 template <typename T, int VEC, bool GROUPED>
 __global__ void __launch_bounds__(kThreads)
-    bda_fwd_kernel(const T* __restrict__ x, const T* __restrict__ bias, const T* __restrict__ res,
-                   T* __restrict__ out, Rows rows_index, uint32_t rows, int64_t h,
-                   DropoutParams d) {
+    bda_fwd_kernel(const T* __restrict__ x, const T* __restrict__ bias, const T* __restrict__ res, T* __restrict__ out,
+                   Rows rows_index, uint32_t rows, int64_t h, DropoutParams d) {
   const int64_t j0 = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * VEC;
   if (j0 >= h) return;
   float bv[VEC];
@@ -76,8 +76,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int i = 0; i < VEC; ++i) bv[i] = 0.0f;
   }
-  for (uint32_t row = blockIdx.y * blockDim.y + threadIdx.y; row < rows;
-       row += gridDim.y * blockDim.y) {
+  for (uint32_t row = blockIdx.y * blockDim.y + threadIdx.y; row < rows; row += gridDim.y * blockDim.y) {
     int64_t position, sample;
     rows_index.at(row, position, sample);
     const int64_t off = int64_t(row) * h + j0;
@@ -100,8 +99,8 @@ constexpr int kBwdCols = 32, kBwdRows = kThreads / kBwdCols;
 
 template <typename T, int VEC, bool GROUPED>
 __global__ void __launch_bounds__(kThreads)
-    bda_bwd_kernel(const T* __restrict__ grad, T* __restrict__ grad_x, float* __restrict__ partial,
-                   Rows rows_index, uint32_t rows, int64_t h, DropoutParams d) {
+    bda_bwd_kernel(const T* __restrict__ grad, T* __restrict__ grad_x, float* __restrict__ partial, Rows rows_index,
+                   uint32_t rows, int64_t h, DropoutParams d) {
   __shared__ float slots[kBwdRows][kBwdCols * VEC];
   const int64_t j0 = (blockIdx.x * int64_t(kBwdCols) + threadIdx.x) * VEC;
   const bool active = j0 < h;  // no early return: every thread reaches the barrier below
@@ -109,8 +108,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
   if (active) {
-    for (uint32_t row = blockIdx.y * kBwdRows + threadIdx.y; row < rows;
-         row += gridDim.y * kBwdRows) {
+    for (uint32_t row = blockIdx.y * kBwdRows + threadIdx.y; row < rows; row += gridDim.y * kBwdRows) {
       int64_t position, sample;
       rows_index.at(row, position, sample);
       const int64_t off = int64_t(row) * h + j0;
@@ -171,11 +169,10 @@ Launch bwd_launch(int64_t rows, int64_t h, int vec) {
 }
 
 template <typename T>
-bool grouped_path(const DropoutParams& d, int64_t h, const void* a, const void* b, const void* c,
-                  const void* e) {
+bool grouped_path(const DropoutParams& d, int64_t h, const void* a, const void* b, const void* c, const void* e) {
   constexpr int VEC = 16 / sizeof(T);
-  return h % VEC == 0 && d.feature_offset % 4 == 0 && aligned16(a) && aligned16(b) &&
-         aligned16(c) && (e == nullptr || aligned16(e));
+  return h % VEC == 0 && d.feature_offset % 4 == 0 && aligned16(a) && aligned16(b) && aligned16(c) &&
+         (e == nullptr || aligned16(e));
 }
 
 template <typename T>
@@ -189,12 +186,10 @@ cudaError_t launch_fwd(const BiasDropoutAddFwd& a, cudaStream_t stream) {
   T* out = static_cast<T*>(a.out);
   if (grouped_path<T>(a.drop, a.h, x, res, out, bias)) {
     Launch l = row_launch(rows, a.h, VEC, 4);
-    bda_fwd_kernel<T, VEC, true><<<l.grid, l.block, 0, stream>>>(x, bias, res, out, idx, rows,
-                                                                     a.h, a.drop);
+    bda_fwd_kernel<T, VEC, true><<<l.grid, l.block, 0, stream>>>(x, bias, res, out, idx, rows, a.h, a.drop);
   } else {
     Launch l = row_launch(rows, a.h, 1, 4);
-    bda_fwd_kernel<T, 1, false><<<l.grid, l.block, 0, stream>>>(x, bias, res, out, idx, rows,
-                                                                    a.h, a.drop);
+    bda_fwd_kernel<T, 1, false><<<l.grid, l.block, 0, stream>>>(x, bias, res, out, idx, rows, a.h, a.drop);
   }
   return cudaGetLastError();
 }
@@ -210,11 +205,9 @@ cudaError_t launch_bwd(const BiasDropoutAddBwd& a, cudaStream_t stream) {
   const bool grouped = grouped_path<T>(a.drop, a.h, grad, grad_x, grad_x, nullptr);
   Launch l = bwd_launch(rows, a.h, grouped ? VEC : 1);
   if (grouped) {
-    bda_bwd_kernel<T, VEC, true><<<l.grid, l.block, 0, stream>>>(grad, grad_x, partial, idx, rows,
-                                                                  a.h, a.drop);
+    bda_bwd_kernel<T, VEC, true><<<l.grid, l.block, 0, stream>>>(grad, grad_x, partial, idx, rows, a.h, a.drop);
   } else {
-    bda_bwd_kernel<T, 1, false><<<l.grid, l.block, 0, stream>>>(grad, grad_x, partial, idx, rows,
-                                                                 a.h, a.drop);
+    bda_bwd_kernel<T, 1, false><<<l.grid, l.block, 0, stream>>>(grad, grad_x, partial, idx, rows, a.h, a.drop);
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || partial == nullptr) return err;
@@ -238,8 +231,7 @@ cudaError_t bias_dropout_add_fwd(const BiasDropoutAddFwd& a, cudaStream_t stream
 
 cudaError_t bias_dropout_add_bwd(const BiasDropoutAddBwd& a, cudaStream_t stream) {
   if (a.h == 0) return cudaSuccess;
-  if (a.s * a.b == 0) return a.grad_bias ? cudaMemsetAsync(a.grad_bias, 0, a.h * 4, stream)
-                                         : cudaSuccess;
+  if (a.s * a.b == 0) return a.grad_bias ? cudaMemsetAsync(a.grad_bias, 0, a.h * 4, stream) : cudaSuccess;
   if (a.s * a.b >= (int64_t(1) << 31)) return cudaErrorInvalidValue;  // 32-bit row loop
   MSP_DISPATCH_DTYPE(a.dtype, T, return launch_bwd<T>(a, stream));
   return cudaErrorInvalidValue;

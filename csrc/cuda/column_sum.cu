@@ -32,13 +32,11 @@ __global__ void column_sum_kernel(const float* __restrict__ partial, int64_t row
 
 }  // namespace
 
-cudaError_t column_sum(const float* partial, int64_t rows, int64_t cols, float* out,
-                       cudaStream_t stream) {
+cudaError_t column_sum(const float* partial, int64_t rows, int64_t cols, float* out, cudaStream_t stream) {
   if (cols == 0) return cudaSuccess;
   const int64_t blocks = (cols + kCols - 1) / kCols;
   if (blocks > int64_t(0x7FFFFFFF)) return cudaErrorInvalidValue;
-  column_sum_kernel<<<static_cast<unsigned>(blocks), dim3(kCols, kRowGroups), 0, stream>>>(
-      partial, rows, cols, out);
+  column_sum_kernel<<<static_cast<unsigned>(blocks), dim3(kCols, kRowGroups), 0, stream>>>(partial, rows, cols, out);
   return cudaGetLastError();
 }
 

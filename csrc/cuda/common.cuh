@@ -1,5 +1,5 @@
 // Device helpers shared by the kernel files: dtype conversion, 128-bit vector access, block sums,
-// launch sizing. Torch-free (see launchers.h).
+// launch sizing. Torch-free (see dtype.h).
 //
 // torch builds .cu files with -D__CUDA_NO_HALF_OPERATORS__ / __CUDA_NO_BFLOAT16_CONVERSIONS__, so
 // all conversions here are the explicit intrinsics; fp32 arithmetic uses __fadd_rn/__fmul_rn
@@ -11,7 +11,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "launchers.h"
+#include "dtype.h"
 
 namespace msp {
 namespace cuda {
@@ -23,13 +23,17 @@ __device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
 template <typename T>
 __device__ __forceinline__ T from_f32(float v);
 template <>
-__device__ __forceinline__ float from_f32<float>(float v) { return v; }
+__device__ __forceinline__ float from_f32<float>(float v) {
+  return v;
+}
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
 template <>
-__device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+__device__ __forceinline__ __half from_f32<__half>(float v) {
+  return __float2half_rn(v);
+}
 
 // N values of T in registers; a multiple of 16 bytes moves as 128-bit loads/stores.
 template <typename T, int N>
@@ -110,38 +114,37 @@ inline int sm_count() {
 
 // Sum over rows of a [rows, cols] fp32 matrix of per-block partials -> out [cols] fp32
 // (column_sum.cu).
-cudaError_t column_sum(const float* partial, int64_t rows, int64_t cols, float* out,
-                       cudaStream_t stream);
+cudaError_t column_sum(const float* partial, int64_t rows, int64_t cols, float* out, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace msp
 
 // MSP_DISPATCH_DTYPE(dtype, T, body): runs body with T the CUDA storage type of dtype.
-#define MSP_DISPATCH_DTYPE(dtype, T, ...)                         \
-  switch (dtype) {                                                \
-    case ::msp::cuda::DType::kF32: {                              \
-      using T = float;                                            \
-      __VA_ARGS__;                                                \
-      break;                                                      \
-    }                                                             \
-    case ::msp::cuda::DType::kBF16: {                             \
-      using T = __nv_bfloat16;                                    \
-      __VA_ARGS__;                                                \
-      break;                                                      \
-    }                                                             \
-    case ::msp::cuda::DType::kF16: {                              \
-      using T = __half;                                           \
-      __VA_ARGS__;                                                \
-      break;                                                      \
-    }                                                             \
+#define MSP_DISPATCH_DTYPE(dtype, T, ...) \
+  switch (dtype) {                        \
+    case ::msp::cuda::DType::kF32: {      \
+      using T = float;                    \
+      __VA_ARGS__;                        \
+      break;                              \
+    }                                     \
+    case ::msp::cuda::DType::kBF16: {     \
+      using T = __nv_bfloat16;            \
+      __VA_ARGS__;                        \
+      break;                              \
+    }                                     \
+    case ::msp::cuda::DType::kF16: {      \
+      using T = __half;                   \
+      __VA_ARGS__;                        \
+      break;                              \
+    }                                     \
   }
 
 // Parameters (bias, LayerNorm weight) are either fp32 or the activation type T.
-#define MSP_DISPATCH_PARAM(param_dtype, T, W, ...)                \
-  if ((param_dtype) == ::msp::cuda::DType::kF32) {                \
-    using W = float;                                              \
-    __VA_ARGS__;                                                  \
-  } else {                                                        \
-    using W = T;                                                  \
-    __VA_ARGS__;                                                  \
+#define MSP_DISPATCH_PARAM(param_dtype, T, W, ...) \
+  if ((param_dtype) == ::msp::cuda::DType::kF32) { \
+    using W = float;                               \
+    __VA_ARGS__;                                   \
+  } else {                                         \
+    using W = T;                                   \
+    __VA_ARGS__;                                   \
   }

@@ -28,6 +28,7 @@
 
 #include "../philox.h"
 #include "common.cuh"
+#include "flash_attention.h"
 
 namespace msp {
 namespace cuda {
@@ -52,8 +53,8 @@ struct Attn {
   const int64_t *q_pos, *k_pos, *q_seg, *k_seg, *samples;  // segments [b, s] or nullptr
   int64_t b, nq, nkv, sq, sk;
   int d, rep;
-  float scale;      // 1 / sqrt(d)
-  bool dropout;     // p > 0
+  float scale;   // 1 / sqrt(d)
+  bool dropout;  // p > 0
   DropoutParams drop;
   int64_t head_offset;
 
@@ -70,8 +71,8 @@ struct Attn {
 
 // dst[r][c] (row pitch ld) = src row r, column c as fp32 for r < valid, 0 for valid <= r < rows.
 template <typename T>
-__device__ __forceinline__ void stage_rows(float* dst, int ld, const T* src, int64_t row_stride,
-                                           int64_t col_stride, int valid, int rows, int d) {
+__device__ __forceinline__ void stage_rows(float* dst, int ld, const T* src, int64_t row_stride, int64_t col_stride,
+                                           int valid, int rows, int d) {
   for (int idx = threadIdx.x; idx < rows * d; idx += blockDim.x) {
     const int r = idx / d, c = idx - r * d;
     dst[r * ld + c] = r < valid ? to_f32(src[r * row_stride + c * col_stride]) : 0.0f;
@@ -79,8 +80,7 @@ __device__ __forceinline__ void stage_rows(float* dst, int ld, const T* src, int
 }
 
 // Key positions and segments of one tile into shared memory (threads < n), kNoPosition past sk.
-__device__ __forceinline__ void stage_keys(const Attn& a, int64_t bi, int64_t k0, int n,
-                                           int64_t* pos, int64_t* seg) {
+__device__ __forceinline__ void stage_keys(const Attn& a, int64_t bi, int64_t k0, int n, int64_t* pos, int64_t* seg) {
   if (static_cast<int>(threadIdx.x) < n) {
     const int64_t kj = k0 + threadIdx.x;
     pos[threadIdx.x] = kj < a.sk ? a.k_pos[kj] : kNoPosition;
@@ -133,8 +133,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(Attn a, FwdTensors<
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, d = a.d;
   const int64_t bi = blockIdx.z, h = blockIdx.y, g = h / a.rep, q0 = int64_t(blockIdx.x) * kFwdRows;
   const int rows = static_cast<int>(a.sq - q0 < kFwdRows ? a.sq - q0 : kFwdRows);
-  stage_rows(&q_sh[0][0], kMaxD, t.q + bi * t.qs.b + h * t.qs.n + q0 * t.qs.s, t.qs.s, t.qs.d,
-             rows, kFwdRows, d);
+  stage_rows(&q_sh[0][0], kMaxD, t.q + bi * t.qs.b + h * t.qs.n + q0 * t.qs.s, t.qs.s, t.qs.d, rows, kFwdRows, d);
   const int64_t q_max = max_query_position(a, q0, kFwdRows);
   int64_t qpos[kFwdRowsPerWarp], qseg[kFwdRowsPerWarp];
   float m[kFwdRowsPerWarp], l[kFwdRowsPerWarp], acc[kFwdRowsPerWarp][NV];
@@ -150,10 +149,8 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(Attn a, FwdTensors<
   for (int64_t k0 = 0; k0 < a.sk; k0 += kKeyTile) {
     __syncthreads();  // the previous tile's readers are done
     const int n = static_cast<int>(a.sk - k0 < kKeyTile ? a.sk - k0 : kKeyTile);
-    stage_rows(&k_sh[0][0], kLd, t.k + bi * t.ks.b + g * t.ks.n + k0 * t.ks.s, t.ks.s, t.ks.d, n,
-               kKeyTile, d);
-    stage_rows(&v_sh[0][0], kMaxD, t.v + bi * t.vs.b + g * t.vs.n + k0 * t.vs.s, t.vs.s, t.vs.d, n,
-               kKeyTile, d);
+    stage_rows(&k_sh[0][0], kLd, t.k + bi * t.ks.b + g * t.ks.n + k0 * t.ks.s, t.ks.s, t.ks.d, n, kKeyTile, d);
+    stage_rows(&v_sh[0][0], kMaxD, t.v + bi * t.vs.b + g * t.vs.n + k0 * t.vs.s, t.vs.s, t.vs.d, n, kKeyTile, d);
     stage_keys(a, bi, k0, kKeyTile, kpos_sh, kseg_sh);
     __syncthreads();
     if (min_of(kpos_sh, kKeyTile) > q_max) continue;  // block-uniform: nothing visible
@@ -161,8 +158,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(Attn a, FwdTensors<
 #pragma unroll
     for (int rr = 0; rr < kFwdRowsPerWarp; ++rr) {
       const int r = warp * kFwdRowsPerWarp + rr;
-      const bool vis = kpos_sh[lane] <= qpos[rr] &&
-                       (a.q_seg == nullptr || kseg_sh[lane] == qseg[rr]);
+      const bool vis = kpos_sh[lane] <= qpos[rr] && (a.q_seg == nullptr || kseg_sh[lane] == qseg[rr]);
       const float s = vis ? dot(q_sh[r], k_sh[lane], d) * a.scale : -INFINITY;
       const float m_new = fmaxf(m[rr], warp_max(s));
       const float base = m_new == -INFINITY ? 0.0f : m_new;  // a row that has seen nothing yet
@@ -195,8 +191,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(Attn a, FwdTensors<
 #pragma unroll
     for (int c = 0; c < NV; ++c)
       if (lane + 32 * c < d) o[lane + 32 * c] = from_f32<T>(acc[rr][c] * inv);
-    if (lane == 0)
-      t.lse[(bi * a.nq + h) * a.sq + qi] = l[rr] > 0.0f ? m[rr] + logf(l[rr]) : -INFINITY;
+    if (lane == 0) t.lse[(bi * a.nq + h) * a.sq + qi] = l[rr] > 0.0f ? m[rr] + logf(l[rr]) : -INFINITY;
   }
 }
 
@@ -235,13 +230,12 @@ struct QueryTile {
 };
 
 template <typename T>
-__device__ __forceinline__ void stage_queries(const Attn& a, const BwdTensors<T>& t, int64_t bi,
-                                              int64_t h, int64_t q0, QueryTile& tile) {
+__device__ __forceinline__ void stage_queries(const Attn& a, const BwdTensors<T>& t, int64_t bi, int64_t h, int64_t q0,
+                                              QueryTile& tile) {
   const int n = static_cast<int>(a.sq - q0 < kQueryTile ? a.sq - q0 : kQueryTile);
-  stage_rows(&tile.q[0][0], kLd, t.q + bi * t.qs.b + h * t.qs.n + q0 * t.qs.s, t.qs.s, t.qs.d, n,
-             kQueryTile, a.d);
-  stage_rows(&tile.dout[0][0], kLd, t.dout + bi * t.dos.b + h * t.dos.n + q0 * t.dos.s, t.dos.s,
-             t.dos.d, n, kQueryTile, a.d);
+  stage_rows(&tile.q[0][0], kLd, t.q + bi * t.qs.b + h * t.qs.n + q0 * t.qs.s, t.qs.s, t.qs.d, n, kQueryTile, a.d);
+  stage_rows(&tile.dout[0][0], kLd, t.dout + bi * t.dos.b + h * t.dos.n + q0 * t.dos.s, t.dos.s, t.dos.d, n, kQueryTile,
+             a.d);
   if (threadIdx.x < kQueryTile) {
     const int i = threadIdx.x;
     const int64_t qi = q0 + i;
@@ -262,10 +256,8 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(Attn a, BwdTensors
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, d = a.d;
   const int64_t bi = blockIdx.z, g = blockIdx.y, k0 = int64_t(blockIdx.x) * kBwdKeys;
   const int n = static_cast<int>(a.sk - k0 < kBwdKeys ? a.sk - k0 : kBwdKeys);
-  stage_rows(&k_sh[0][0], kMaxD, t.k + bi * t.ks.b + g * t.ks.n + k0 * t.ks.s, t.ks.s, t.ks.d, n,
-             kBwdKeys, d);
-  stage_rows(&v_sh[0][0], kMaxD, t.v + bi * t.vs.b + g * t.vs.n + k0 * t.vs.s, t.vs.s, t.vs.d, n,
-             kBwdKeys, d);
+  stage_rows(&k_sh[0][0], kMaxD, t.k + bi * t.ks.b + g * t.ks.n + k0 * t.ks.s, t.ks.s, t.ks.d, n, kBwdKeys, d);
+  stage_rows(&v_sh[0][0], kMaxD, t.v + bi * t.vs.b + g * t.vs.n + k0 * t.vs.s, t.vs.s, t.vs.d, n, kBwdKeys, d);
   stage_keys(a, bi, k0, kBwdKeys, kpos_sh, kseg_sh);
   float dk[kBwdKeysPerWarp][NV], dv[kBwdKeysPerWarp][NV];
 #pragma unroll
@@ -331,10 +323,9 @@ __global__ void __launch_bounds__(kThreads) flash_dq_kernel(Attn a, BwdTensors<T
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, d = a.d;
   const int64_t bi = blockIdx.z, h = blockIdx.y, g = h / a.rep, q0 = int64_t(blockIdx.x) * kDqRows;
   const int rows = static_cast<int>(a.sq - q0 < kDqRows ? a.sq - q0 : kDqRows);
-  stage_rows(&q_sh[0][0], kMaxD, t.q + bi * t.qs.b + h * t.qs.n + q0 * t.qs.s, t.qs.s, t.qs.d,
-             rows, kDqRows, d);
-  stage_rows(&do_sh[0][0], kMaxD, t.dout + bi * t.dos.b + h * t.dos.n + q0 * t.dos.s, t.dos.s,
-             t.dos.d, rows, kDqRows, d);
+  stage_rows(&q_sh[0][0], kMaxD, t.q + bi * t.qs.b + h * t.qs.n + q0 * t.qs.s, t.qs.s, t.qs.d, rows, kDqRows, d);
+  stage_rows(&do_sh[0][0], kMaxD, t.dout + bi * t.dos.b + h * t.dos.n + q0 * t.dos.s, t.dos.s, t.dos.d, rows, kDqRows,
+             d);
   const int64_t q_max = max_query_position(a, q0, kDqRows);
   int64_t qpos[kDqRowsPerWarp], qseg[kDqRowsPerWarp];
   float lse[kDqRowsPerWarp], delta[kDqRowsPerWarp], dq[kDqRowsPerWarp][NV];
@@ -352,18 +343,16 @@ __global__ void __launch_bounds__(kThreads) flash_dq_kernel(Attn a, BwdTensors<T
   for (int64_t k0 = 0; k0 < a.sk; k0 += kKeyTile) {
     __syncthreads();
     const int n = static_cast<int>(a.sk - k0 < kKeyTile ? a.sk - k0 : kKeyTile);
-    stage_rows(&k_sh[0][0], kLd, t.k + bi * t.ks.b + g * t.ks.n + k0 * t.ks.s, t.ks.s, t.ks.d, n,
-               kKeyTile, d);
-    stage_rows(&v_sh[0][0], kLd, t.v + bi * t.vs.b + g * t.vs.n + k0 * t.vs.s, t.vs.s, t.vs.d, n,
-               kKeyTile, d);
+    stage_rows(&k_sh[0][0], kLd, t.k + bi * t.ks.b + g * t.ks.n + k0 * t.ks.s, t.ks.s, t.ks.d, n, kKeyTile, d);
+    stage_rows(&v_sh[0][0], kLd, t.v + bi * t.vs.b + g * t.vs.n + k0 * t.vs.s, t.vs.s, t.vs.d, n, kKeyTile, d);
     stage_keys(a, bi, k0, kKeyTile, kpos_sh, kseg_sh);
     __syncthreads();
     if (min_of(kpos_sh, kKeyTile) > q_max) continue;
 #pragma unroll
     for (int rr = 0; rr < kDqRowsPerWarp; ++rr) {
       const int r = warp * kDqRowsPerWarp + rr;
-      const bool vis = kpos_sh[lane] <= qpos[rr] && lse[rr] != -INFINITY &&
-                       (a.q_seg == nullptr || kseg_sh[lane] == qseg[rr]);
+      const bool vis =
+          kpos_sh[lane] <= qpos[rr] && lse[rr] != -INFINITY && (a.q_seg == nullptr || kseg_sh[lane] == qseg[rr]);
       float ds = 0.0f;
       if (vis) {
         const float p = expf(dot(q_sh[r], k_sh[lane], d) * a.scale - lse[rr]);
@@ -403,9 +392,21 @@ bool valid_shape(int64_t b, int64_t nq, int64_t nkv, int64_t d) {
 
 template <typename Args>
 Attn attn_of(const Args& x) {
-  return Attn{x.q_positions, x.k_positions, x.q_segments, x.k_segments, x.samples, x.b, x.nq,
-              x.nkv, x.sq, x.sk, static_cast<int>(x.d), static_cast<int>(x.nq / x.nkv),
-              static_cast<float>(1.0 / sqrt(static_cast<double>(x.d))), x.dropout, x.drop,
+  return Attn{x.q_positions,
+              x.k_positions,
+              x.q_segments,
+              x.k_segments,
+              x.samples,
+              x.b,
+              x.nq,
+              x.nkv,
+              x.sq,
+              x.sk,
+              static_cast<int>(x.d),
+              static_cast<int>(x.nq / x.nkv),
+              static_cast<float>(1.0 / sqrt(static_cast<double>(x.d))),
+              x.dropout,
+              x.drop,
               x.head_offset};
 }
 
@@ -413,21 +414,26 @@ unsigned tiles(int64_t n, int tile) { return static_cast<unsigned>((n + tile - 1
 
 // Runs body with NV = 2 (d <= 64) or 4 (d <= 128): the output columns per lane (two variants
 // only, to keep the instantiations few; lanes past d idle).
-#define MSP_DISPATCH_COLUMNS(d, NV, ...)                        \
-  if ((d) <= 64) {                                              \
-    constexpr int NV = 2;                                       \
-    __VA_ARGS__;                                                \
-  } else {                                                      \
-    constexpr int NV = 4;                                       \
-    __VA_ARGS__;                                                \
+#define MSP_DISPATCH_COLUMNS(d, NV, ...) \
+  if ((d) <= 64) {                       \
+    constexpr int NV = 2;                \
+    __VA_ARGS__;                         \
+  } else {                               \
+    constexpr int NV = 4;                \
+    __VA_ARGS__;                         \
   }
 
 template <typename T>
 cudaError_t launch_fwd(const FlashAttentionFwd& x, cudaStream_t stream) {
   const Attn a = attn_of(x);
-  const FwdTensors<T> t{static_cast<const T*>(x.q), static_cast<const T*>(x.k),
-                        static_cast<const T*>(x.v), x.q_strides, x.k_strides, x.v_strides,
-                        static_cast<T*>(x.out), x.lse};
+  const FwdTensors<T> t{static_cast<const T*>(x.q),
+                        static_cast<const T*>(x.k),
+                        static_cast<const T*>(x.v),
+                        x.q_strides,
+                        x.k_strides,
+                        x.v_strides,
+                        static_cast<T*>(x.out),
+                        x.lse};
   const dim3 grid(tiles(x.sq, kFwdRows), static_cast<unsigned>(x.nq), static_cast<unsigned>(x.b));
   MSP_DISPATCH_COLUMNS(x.d, NV, flash_fwd_kernel<T, NV><<<grid, kThreads, 0, stream>>>(a, t));
   return cudaGetLastError();
@@ -436,11 +442,22 @@ cudaError_t launch_fwd(const FlashAttentionFwd& x, cudaStream_t stream) {
 template <typename T>
 cudaError_t launch_bwd(const FlashAttentionBwd& x, cudaStream_t stream) {
   const Attn a = attn_of(x);
-  const BwdTensors<T> t{
-      static_cast<const T*>(x.dout), static_cast<const T*>(x.q), static_cast<const T*>(x.k),
-      static_cast<const T*>(x.v), static_cast<const T*>(x.out), x.dout_strides, x.q_strides,
-      x.k_strides, x.v_strides, x.out_strides, x.lse, x.lse_strides, x.scratch,
-      static_cast<T*>(x.dq), static_cast<T*>(x.dk), static_cast<T*>(x.dv)};
+  const BwdTensors<T> t{static_cast<const T*>(x.dout),
+                        static_cast<const T*>(x.q),
+                        static_cast<const T*>(x.k),
+                        static_cast<const T*>(x.v),
+                        static_cast<const T*>(x.out),
+                        x.dout_strides,
+                        x.q_strides,
+                        x.k_strides,
+                        x.v_strides,
+                        x.out_strides,
+                        x.lse,
+                        x.lse_strides,
+                        x.scratch,
+                        static_cast<T*>(x.dq),
+                        static_cast<T*>(x.dk),
+                        static_cast<T*>(x.dv)};
   const int64_t rows = x.b * x.nq * x.sq;
   if (rows > 0) {
     flash_delta_kernel<T><<<tiles(rows, kWarps), kThreads, 0, stream>>>(a, t);
@@ -450,14 +467,14 @@ cudaError_t launch_bwd(const FlashAttentionBwd& x, cudaStream_t stream) {
   const unsigned nq = static_cast<unsigned>(x.nq), nkv = static_cast<unsigned>(x.nkv);
   const unsigned b = static_cast<unsigned>(x.b);
   if (x.sk > 0) {
-    MSP_DISPATCH_COLUMNS(x.d, NV, flash_dkdv_kernel<T, NV><<<dim3(tiles(x.sk, kBwdKeys), nkv, b),
-                                                              kThreads, 0, stream>>>(a, t));
+    MSP_DISPATCH_COLUMNS(x.d, NV,
+                         flash_dkdv_kernel<T, NV><<<dim3(tiles(x.sk, kBwdKeys), nkv, b), kThreads, 0, stream>>>(a, t));
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
   if (rows > 0) {
-    MSP_DISPATCH_COLUMNS(x.d, NV, flash_dq_kernel<T, NV><<<dim3(tiles(x.sq, kDqRows), nq, b),
-                                                            kThreads, 0, stream>>>(a, t));
+    MSP_DISPATCH_COLUMNS(x.d, NV,
+                         flash_dq_kernel<T, NV><<<dim3(tiles(x.sq, kDqRows), nq, b), kThreads, 0, stream>>>(a, t));
   }
   return cudaGetLastError();
 }
@@ -467,8 +484,7 @@ cudaError_t launch_bwd(const FlashAttentionBwd& x, cudaStream_t stream) {
 int64_t flash_attention_bwd_scratch(int64_t b, int64_t nq, int64_t sq) { return b * nq * sq; }
 
 cudaError_t flash_attention_fwd(const FlashAttentionFwd& x, cudaStream_t stream) {
-  if (!valid_shape(x.b, x.nq, x.nkv, x.d) || tiles(x.sq, kFwdRows) > 0x7FFFFFFFu)
-    return cudaErrorInvalidValue;
+  if (!valid_shape(x.b, x.nq, x.nkv, x.d) || tiles(x.sq, kFwdRows) > 0x7FFFFFFFu) return cudaErrorInvalidValue;
   if (x.b == 0 || x.nq == 0 || x.sq == 0) return cudaSuccess;
   MSP_DISPATCH_DTYPE(x.dtype, T, return launch_fwd<T>(x, stream));
   return cudaErrorInvalidValue;

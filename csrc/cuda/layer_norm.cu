@@ -14,6 +14,7 @@
 // and each thread accumulates dw += dy*xhat, db += dy for its own columns in registers, written
 // once as the block's partial row (about two per SM); column_sum adds the partials (this rank's
 // partial sums; under sequence parallelism the model then sums them over the TP group).
+#include "layer_norm.h"
 #include "row_norm.cuh"
 
 namespace msp {
@@ -22,9 +23,8 @@ namespace {
 
 template <typename T, typename W, int VEC, int CACHE>
 __global__ void __launch_bounds__(kMaxThreads)
-    ln_fwd_kernel(const T* __restrict__ x, const W* __restrict__ w, const W* __restrict__ b,
-                  T* __restrict__ y, float* __restrict__ mean, float* __restrict__ rstd, int64_t h,
-                  float eps) {
+    ln_fwd_kernel(const T* __restrict__ x, const W* __restrict__ w, const W* __restrict__ b, T* __restrict__ y,
+                  float* __restrict__ mean, float* __restrict__ rstd, int64_t h, float eps) {
   __shared__ float shared[32];
   const int64_t nvec = h / VEC, row = blockIdx.x;
   const T* xr = x + row * h;
@@ -78,9 +78,8 @@ __global__ void __launch_bounds__(kMaxThreads)
 template <typename T, typename W, int VEC, int CACHE>
 __global__ void __launch_bounds__(kMaxThreads)
     ln_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ w,
-                  const float* __restrict__ mean, const float* __restrict__ rstd,
-                  T* __restrict__ dx, float* __restrict__ partial, int64_t rows, int64_t h,
-                  int group) {
+                  const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
+                  float* __restrict__ partial, int64_t rows, int64_t h, int group) {
   __shared__ float shared[32];
   __shared__ float stage[kStageFloats<2>];
   constexpr int A = CACHE > 0 ? CACHE : 1;
@@ -101,8 +100,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
   const float inv_h = 1.0f / static_cast<float>(h);
   // The loop bound is the same for the whole block (the group sums are block barriers).
-  for (int64_t base = int64_t(blockIdx.x) * groups; base < rows;
-       base += int64_t(gridDim.x) * groups) {
+  for (int64_t base = int64_t(blockIdx.x) * groups; base < rows; base += int64_t(gridDim.x) * groups) {
     const int64_t row = base + g;
     const bool valid = row < rows;
     const T* dyr = dy + (valid ? row : 0) * h;
@@ -144,8 +142,7 @@ __global__ void __launch_bounds__(kMaxThreads)
       });
     }
   }
-  if constexpr (CACHE > 0)
-    store_group_accumulators<2, CACHE, VEC>(acc, stage, pw, h, nvec, tid, g, groups, group);
+  if constexpr (CACHE > 0) store_group_accumulators<2, CACHE, VEC>(acc, stage, pw, h, nvec, tid, g, groups, group);
 }
 
 template <typename T, typename W>
@@ -159,18 +156,14 @@ cudaError_t launch_fwd(const LayerNormFwd& a, cudaStream_t stream) {
   if (vector_path<T>(a.h, x, w, b, y)) {
     RowPlan p = plan_row(a.h / VEC, 4);
     if (p.per_thread <= 4)
-      ln_fwd_kernel<T, W, VEC, 4><<<grid, p.threads, 0, stream>>>(x, w, b, y, a.mean, a.rstd,
-                                                                  a.h, a.eps);
+      ln_fwd_kernel<T, W, VEC, 4><<<grid, p.threads, 0, stream>>>(x, w, b, y, a.mean, a.rstd, a.h, a.eps);
     else if (p.per_thread <= kCacheFwd)
-      ln_fwd_kernel<T, W, VEC, kCacheFwd><<<grid, p.threads, 0, stream>>>(x, w, b, y, a.mean,
-                                                                          a.rstd, a.h, a.eps);
+      ln_fwd_kernel<T, W, VEC, kCacheFwd><<<grid, p.threads, 0, stream>>>(x, w, b, y, a.mean, a.rstd, a.h, a.eps);
     else
-      ln_fwd_kernel<T, W, VEC, 0><<<grid, p.threads, 0, stream>>>(x, w, b, y, a.mean, a.rstd,
-                                                                  a.h, a.eps);
+      ln_fwd_kernel<T, W, VEC, 0><<<grid, p.threads, 0, stream>>>(x, w, b, y, a.mean, a.rstd, a.h, a.eps);
   } else {
     RowPlan p = plan_row(a.h, 4);
-    ln_fwd_kernel<T, W, 1, 0><<<grid, p.threads, 0, stream>>>(x, w, b, y, a.mean, a.rstd, a.h,
-                                                              a.eps);
+    ln_fwd_kernel<T, W, 1, 0><<<grid, p.threads, 0, stream>>>(x, w, b, y, a.mean, a.rstd, a.h, a.eps);
   }
   return cudaGetLastError();
 }
@@ -186,14 +179,14 @@ cudaError_t launch_bwd(const LayerNormBwd& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.blocks));
   const int group = p.row.threads, threads = group * p.groups;
   if (p.cached)
-    ln_bwd_kernel<T, W, VEC, kCacheBwd><<<grid, threads, 0, stream>>>(
-        dy, x, w, a.mean, a.rstd, dx, a.scratch, a.rows, a.h, group);
+    ln_bwd_kernel<T, W, VEC, kCacheBwd>
+        <<<grid, threads, 0, stream>>>(dy, x, w, a.mean, a.rstd, dx, a.scratch, a.rows, a.h, group);
   else if (p.vector)
-    ln_bwd_kernel<T, W, VEC, 0><<<grid, threads, 0, stream>>>(dy, x, w, a.mean, a.rstd, dx,
-                                                              a.scratch, a.rows, a.h, group);
+    ln_bwd_kernel<T, W, VEC, 0>
+        <<<grid, threads, 0, stream>>>(dy, x, w, a.mean, a.rstd, dx, a.scratch, a.rows, a.h, group);
   else
-    ln_bwd_kernel<T, W, 1, 0><<<grid, threads, 0, stream>>>(dy, x, w, a.mean, a.rstd, dx,
-                                                            a.scratch, a.rows, a.h, group);
+    ln_bwd_kernel<T, W, 1, 0>
+        <<<grid, threads, 0, stream>>>(dy, x, w, a.mean, a.rstd, dx, a.scratch, a.rows, a.h, group);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   return column_sum(a.scratch, p.blocks, 2 * a.h, a.grad_weight_bias, stream);
@@ -208,15 +201,13 @@ int64_t layer_norm_bwd_scratch(int64_t rows, int64_t h, DType dtype) {
 cudaError_t layer_norm_fwd(const LayerNormFwd& a, cudaStream_t stream) {
   if (a.rows == 0) return cudaSuccess;
   if (a.rows > int64_t(0x7FFFFFFF)) return cudaErrorInvalidValue;
-  MSP_DISPATCH_DTYPE(a.dtype, T,
-                     MSP_DISPATCH_PARAM(a.weight_dtype, T, W, return launch_fwd<T, W>(a, stream)));
+  MSP_DISPATCH_DTYPE(a.dtype, T, MSP_DISPATCH_PARAM(a.weight_dtype, T, W, return launch_fwd<T, W>(a, stream)));
   return cudaErrorInvalidValue;
 }
 
 cudaError_t layer_norm_bwd(const LayerNormBwd& a, cudaStream_t stream) {
   if (a.rows == 0) return cudaMemsetAsync(a.grad_weight_bias, 0, 2 * a.h * sizeof(float), stream);
-  MSP_DISPATCH_DTYPE(a.dtype, T,
-                     MSP_DISPATCH_PARAM(a.weight_dtype, T, W, return launch_bwd<T, W>(a, stream)));
+  MSP_DISPATCH_DTYPE(a.dtype, T, MSP_DISPATCH_PARAM(a.weight_dtype, T, W, return launch_bwd<T, W>(a, stream)));
   return cudaErrorInvalidValue;
 }
 

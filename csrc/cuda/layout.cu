@@ -10,6 +10,7 @@
 // stores to keep enough bytes in flight for HBM.
 #include "../layout_index.h"
 #include "common.cuh"
+#include "layout.h"
 
 namespace msp {
 namespace cuda {
@@ -22,12 +23,9 @@ struct FastDiv {
   uint32_t d, magic, shift;
   explicit FastDiv(uint32_t divisor) : d(divisor), magic(0), shift(0) {
     while (shift < 32 && (uint64_t(1) << shift) < divisor) ++shift;
-    magic = static_cast<uint32_t>(((uint64_t(1) << 32) * ((uint64_t(1) << shift) - divisor)) /
-                                      divisor + 1);
+    magic = static_cast<uint32_t>(((uint64_t(1) << 32) * ((uint64_t(1) << shift) - divisor)) / divisor + 1);
   }
-  __device__ __forceinline__ uint32_t div(uint32_t n) const {
-    return (__umulhi(n, magic) + n) >> shift;
-  }
+  __device__ __forceinline__ uint32_t div(uint32_t n) const { return (__umulhi(n, magic) + n) >> shift; }
 };
 
 struct TransposeMap {  // [a, b, run] -> [b, a, run]
@@ -51,11 +49,9 @@ struct ZigzagMap {  // [outer, 2p, run], chunks permuted within each outer index
 
 template <typename V, typename Map>
 __global__ void __launch_bounds__(kThreads)
-    permute_runs_kernel(const V* __restrict__ src, V* __restrict__ dst, uint32_t total,
-                        FastDiv run, Map map) {
+    permute_runs_kernel(const V* __restrict__ src, V* __restrict__ dst, uint32_t total, FastDiv run, Map map) {
   const uint32_t stride = gridDim.x * blockDim.x;
-  for (uint32_t base = blockIdx.x * blockDim.x + threadIdx.x; base < total;
-       base += kUnroll * stride) {
+  for (uint32_t base = blockIdx.x * blockDim.x + threadIdx.x; base < total; base += kUnroll * stride) {
     V vals[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -74,8 +70,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename V, typename Map>
-cudaError_t launch_typed(const void* src, void* dst, int64_t runs, int64_t run_bytes, Map map,
-                         cudaStream_t stream) {
+cudaError_t launch_typed(const void* src, void* dst, int64_t runs, int64_t run_bytes, Map map, cudaStream_t stream) {
   const int64_t run_v = run_bytes / int64_t(sizeof(V)), total = runs * run_v;
   if (total >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
   const int64_t want = (total + int64_t(kThreads) * kUnroll - 1) / (int64_t(kThreads) * kUnroll);
@@ -89,11 +84,9 @@ cudaError_t launch_typed(const void* src, void* dst, int64_t runs, int64_t run_b
 
 // Widest access (16, 8, 4, 2 or 1 bytes) that divides the run and both pointers.
 template <typename Map>
-cudaError_t launch_runs(const void* src, void* dst, int64_t runs, int64_t run_bytes, Map map,
-                        cudaStream_t stream) {
+cudaError_t launch_runs(const void* src, void* dst, int64_t runs, int64_t run_bytes, Map map, cudaStream_t stream) {
   if (runs == 0 || run_bytes == 0) return cudaSuccess;
-  const uint64_t bits = uint64_t(run_bytes) | reinterpret_cast<uintptr_t>(src) |
-                        reinterpret_cast<uintptr_t>(dst);
+  const uint64_t bits = uint64_t(run_bytes) | reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst);
   if (bits % 16 == 0) return launch_typed<uint4>(src, dst, runs, run_bytes, map, stream);
   if (bits % 8 == 0) return launch_typed<uint2>(src, dst, runs, run_bytes, map, stream);
   if (bits % 4 == 0) return launch_typed<uint32_t>(src, dst, runs, run_bytes, map, stream);
@@ -103,15 +96,14 @@ cudaError_t launch_runs(const void* src, void* dst, int64_t runs, int64_t run_by
 
 }  // namespace
 
-cudaError_t block_transpose(const void* src, void* dst, int64_t a, int64_t b, int64_t run_bytes,
-                            cudaStream_t stream) {
+cudaError_t block_transpose(const void* src, void* dst, int64_t a, int64_t b, int64_t run_bytes, cudaStream_t stream) {
   if (a * b >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
   TransposeMap map{FastDiv(static_cast<uint32_t>(a > 0 ? a : 1)), static_cast<uint32_t>(b)};
   return launch_runs(src, dst, a * b, run_bytes, map, stream);
 }
 
-cudaError_t zigzag_reorder(const void* src, void* dst, int64_t outer, int64_t p,
-                           int64_t run_bytes, bool inverse, cudaStream_t stream) {
+cudaError_t zigzag_reorder(const void* src, void* dst, int64_t outer, int64_t p, int64_t run_bytes, bool inverse,
+                           cudaStream_t stream) {
   if (outer * 2 * p >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
   ZigzagMap map{FastDiv(static_cast<uint32_t>(2 * p)), static_cast<uint32_t>(p), inverse};
   return launch_runs(src, dst, outer * 2 * p, run_bytes, map, stream);

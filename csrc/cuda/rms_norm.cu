@@ -13,6 +13,7 @@
 // and each thread accumulates dw += dy*xhat for its own columns in registers, written once as the
 // block's partial row (about two per SM); column_sum adds the partials (this rank's partial sum;
 // under sequence parallelism the model then sums it over the TP group).
+#include "rms_norm.h"
 #include "row_norm.cuh"
 
 namespace msp {
@@ -21,8 +22,8 @@ namespace {
 
 template <typename T, typename W, int VEC, int CACHE>
 __global__ void __launch_bounds__(kMaxThreads)
-    rms_fwd_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __restrict__ y,
-                   float* __restrict__ rstd, int64_t h, float eps) {
+    rms_fwd_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __restrict__ y, float* __restrict__ rstd,
+                   int64_t h, float eps) {
   __shared__ float shared[32];
   const int64_t nvec = h / VEC, row = blockIdx.x;
   const T* xr = x + row * h;
@@ -64,8 +65,8 @@ __global__ void __launch_bounds__(kMaxThreads)
 template <typename T, typename W, int VEC, int CACHE>
 __global__ void __launch_bounds__(kMaxThreads)
     rms_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ w,
-                   const float* __restrict__ rstd, T* __restrict__ dx,
-                   float* __restrict__ partial, int64_t rows, int64_t h, int group) {
+                   const float* __restrict__ rstd, T* __restrict__ dx, float* __restrict__ partial, int64_t rows,
+                   int64_t h, int group) {
   __shared__ float shared[32];
   __shared__ float stage[kStageFloats<1>];
   constexpr int A = CACHE > 0 ? CACHE : 1;
@@ -85,8 +86,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
   const float inv_h = 1.0f / static_cast<float>(h);
   // The loop bound is the same for the whole block (the group sum is a block barrier).
-  for (int64_t base = int64_t(blockIdx.x) * groups; base < rows;
-       base += int64_t(gridDim.x) * groups) {
+  for (int64_t base = int64_t(blockIdx.x) * groups; base < rows; base += int64_t(gridDim.x) * groups) {
     const int64_t row = base + g;
     const bool valid = row < rows;
     const T* dyr = dy + (valid ? row : 0) * h;
@@ -124,8 +124,7 @@ __global__ void __launch_bounds__(kMaxThreads)
       });
     }
   }
-  if constexpr (CACHE > 0)
-    store_group_accumulators<1, CACHE, VEC>(acc, stage, pw, h, nvec, tid, g, groups, group);
+  if constexpr (CACHE > 0) store_group_accumulators<1, CACHE, VEC>(acc, stage, pw, h, nvec, tid, g, groups, group);
 }
 
 template <typename T, typename W>
@@ -140,8 +139,7 @@ cudaError_t launch_fwd(const RmsNormFwd& a, cudaStream_t stream) {
     if (p.per_thread <= 4)
       rms_fwd_kernel<T, W, VEC, 4><<<grid, p.threads, 0, stream>>>(x, w, y, a.rstd, a.h, a.eps);
     else if (p.per_thread <= kCacheFwd)
-      rms_fwd_kernel<T, W, VEC, kCacheFwd><<<grid, p.threads, 0, stream>>>(x, w, y, a.rstd, a.h,
-                                                                           a.eps);
+      rms_fwd_kernel<T, W, VEC, kCacheFwd><<<grid, p.threads, 0, stream>>>(x, w, y, a.rstd, a.h, a.eps);
     else
       rms_fwd_kernel<T, W, VEC, 0><<<grid, p.threads, 0, stream>>>(x, w, y, a.rstd, a.h, a.eps);
   } else {
@@ -162,14 +160,12 @@ cudaError_t launch_bwd(const RmsNormBwd& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.blocks));
   const int group = p.row.threads, threads = group * p.groups;
   if (p.cached)
-    rms_bwd_kernel<T, W, VEC, kCacheBwd><<<grid, threads, 0, stream>>>(
-        dy, x, w, a.rstd, dx, a.scratch, a.rows, a.h, group);
+    rms_bwd_kernel<T, W, VEC, kCacheBwd>
+        <<<grid, threads, 0, stream>>>(dy, x, w, a.rstd, dx, a.scratch, a.rows, a.h, group);
   else if (p.vector)
-    rms_bwd_kernel<T, W, VEC, 0><<<grid, threads, 0, stream>>>(dy, x, w, a.rstd, dx, a.scratch,
-                                                               a.rows, a.h, group);
+    rms_bwd_kernel<T, W, VEC, 0><<<grid, threads, 0, stream>>>(dy, x, w, a.rstd, dx, a.scratch, a.rows, a.h, group);
   else
-    rms_bwd_kernel<T, W, 1, 0><<<grid, threads, 0, stream>>>(dy, x, w, a.rstd, dx, a.scratch,
-                                                             a.rows, a.h, group);
+    rms_bwd_kernel<T, W, 1, 0><<<grid, threads, 0, stream>>>(dy, x, w, a.rstd, dx, a.scratch, a.rows, a.h, group);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   return column_sum(a.scratch, p.blocks, a.h, a.grad_weight, stream);
@@ -177,23 +173,19 @@ cudaError_t launch_bwd(const RmsNormBwd& a, cudaStream_t stream) {
 
 }  // namespace
 
-int64_t rms_norm_bwd_scratch(int64_t rows, int64_t h, DType dtype) {
-  return bwd_partial_rows(rows, h, dtype) * h;
-}
+int64_t rms_norm_bwd_scratch(int64_t rows, int64_t h, DType dtype) { return bwd_partial_rows(rows, h, dtype) * h; }
 
 cudaError_t rms_norm_fwd(const RmsNormFwd& a, cudaStream_t stream) {
   if (a.h <= 0 || a.rows < 0 || a.rows > int64_t(0x7FFFFFFF)) return cudaErrorInvalidValue;
   if (a.rows == 0) return cudaSuccess;
-  MSP_DISPATCH_DTYPE(a.dtype, T,
-                     MSP_DISPATCH_PARAM(a.weight_dtype, T, W, return launch_fwd<T, W>(a, stream)));
+  MSP_DISPATCH_DTYPE(a.dtype, T, MSP_DISPATCH_PARAM(a.weight_dtype, T, W, return launch_fwd<T, W>(a, stream)));
   return cudaErrorInvalidValue;
 }
 
 cudaError_t rms_norm_bwd(const RmsNormBwd& a, cudaStream_t stream) {
   if (a.h <= 0 || a.rows < 0) return cudaErrorInvalidValue;
   if (a.rows == 0) return cudaMemsetAsync(a.grad_weight, 0, a.h * sizeof(float), stream);
-  MSP_DISPATCH_DTYPE(a.dtype, T,
-                     MSP_DISPATCH_PARAM(a.weight_dtype, T, W, return launch_bwd<T, W>(a, stream)));
+  MSP_DISPATCH_DTYPE(a.dtype, T, MSP_DISPATCH_PARAM(a.weight_dtype, T, W, return launch_bwd<T, W>(a, stream)));
   return cudaErrorInvalidValue;
 }
 

@@ -1,6 +1,6 @@
 // Building blocks of the row-normalisation kernels (layer_norm.cu, rms_norm.cu): launch plans,
 // per-thread walks over a row's 128-bit vectors, group sums, and the backward's hand-off of
-// per-thread weight-gradient accumulators to one partial row per block. Torch-free (launchers.h).
+// per-thread weight-gradient accumulators to one partial row per block. Torch-free (dtype.h).
 //
 // Design (shared by both norms): the forward runs one block of up to kMaxThreads threads per row,
 // each thread keeping its vectors of the row in registers; the backward runs a persistent grid of
@@ -87,10 +87,9 @@ constexpr int kStageFloats = kMaxThreads / 2 * NA * 8;
 // `stage`; group 0 then writes the block's partial rows part[n * h + column]. Every thread of the
 // block must call it.
 template <int NA, int CACHE, int VEC>
-__device__ __forceinline__ void store_group_accumulators(float (&acc)[NA][CACHE][VEC],
-                                                         float* stage, float* part, int64_t h,
-                                                         int64_t nvec, int tid, int g,
-                                                         int groups, int group) {
+__device__ __forceinline__ void store_group_accumulators(float (&acc)[NA][CACHE][VEC], float* stage, float* part,
+                                                         int64_t h, int64_t nvec, int tid, int g, int groups,
+                                                         int group) {
 #pragma unroll
   for (int k = 0; k < CACHE; ++k) {
     const int64_t v = tid + int64_t(k) * group;
@@ -120,10 +119,10 @@ __device__ __forceinline__ void store_group_accumulators(float (&acc)[NA][CACHE]
 }
 
 struct BwdPlan {
-  RowPlan row;          // threads per row (the group) and vectors per thread
+  RowPlan row;  // threads per row (the group) and vectors per thread
   bool vector, cached;
-  int groups;           // rows in flight per block (cached path only; else 1)
-  int64_t blocks;       // = partial rows
+  int groups;      // rows in flight per block (cached path only; else 1)
+  int64_t blocks;  // = partial rows
 };
 
 // 1024 threads per SM (half occupancy, as many rows in flight as the forward's) in blocks of up to

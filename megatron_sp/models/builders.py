@@ -5,6 +5,7 @@ A model spec's slots (models/blocks.py, models/attention.py) create their layers
 
     method                       SerialBuilder (oracle)        ParallelBuilder (TP, SP, CP)
     column(in, out, ...)         Linear [out, in]              ColumnParallelLinear [out/t, in], gathers x under SP
+                                                               (in ring steps under the GEMM: tp_comm_overlap)
     row(in, out, ...)            Linear [out, in]              RowParallelLinear [out, in/t], reduce(-scatter)s
     word_embedding(cfg)          [V, h] lookup                 VocabParallelEmbedding [V_pad/t, h]
     output_layer(cfg)            [V, h]                        [V_pad/t, h]
@@ -60,6 +61,7 @@ class ParallelBuilder:
     def __init__(self, cfg, ps):
         self.ps, self.group = ps, ps.tp_group
         self.tp_size, self.tp_rank, self.sequence_parallel = ps.tp_size, ps.tp_rank, cfg.sequence_parallel
+        self.tp_comm_overlap = cfg.tp_comm_overlap
 
     def column(self, in_features, out_features, *, init, bias, segments=(), units=()):
         return ColumnParallelLinear(
@@ -68,6 +70,7 @@ class ParallelBuilder:
             init=init,
             group=self.group,
             sequence_parallel=self.sequence_parallel,
+            tp_comm_overlap=self.tp_comm_overlap,
             bias=bias,
             segments=segments,
             units=units,
@@ -75,7 +78,13 @@ class ParallelBuilder:
 
     def row(self, in_features, out_features, *, init, bias):
         return RowParallelLinear(
-            in_features, out_features, init=init, group=self.group, sequence_parallel=self.sequence_parallel, bias=bias
+            in_features,
+            out_features,
+            init=init,
+            group=self.group,
+            sequence_parallel=self.sequence_parallel,
+            tp_comm_overlap=self.tp_comm_overlap,
+            bias=bias,
         )
 
     def word_embedding(self, cfg):

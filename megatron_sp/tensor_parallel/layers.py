@@ -7,6 +7,9 @@ Shard shapes on a rank of a TP group of size t (s = sequence, b = batch):
     RowParallelLinear       [out, in/t]   [s, b, in/t]                    [s/t, b, out] (SP) or [s, b, out]
     VocabParallelEmbedding  [V/t, h]      ids [b, s]                      [s/t, b, h] (SP) or [s, b, h]
 
+With tp_comm_overlap (SP only) the column layer's all-gather and the row layer's reduce-scatter are
+cut into t ring steps overlapped with the GEMMs (tensor_parallel/overlap.py); shapes are unchanged.
+
 Every parameter carries where it sits in the serial model (see `ShardSpec`), which is all
 `GPTModel.load_full_state_dict` / `full_state_dict` need. Parameters that live in the SP region
 (replicated, but each rank sees only its sequence shard) are marked `sequence_parallel=True`: their
@@ -20,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from megatron_sp.tensor_parallel import mappings
+from megatron_sp.tensor_parallel import mappings, overlap
 from megatron_sp.tensor_parallel.sharding import ShardSpec, local_dim_size
 
 INIT_TAGS = ("normal", "scaled_normal", "ones", "zeros")
@@ -81,12 +84,24 @@ class _ParallelLinear(torch.autograd.Function):
         return grad_in_shard, grad_w, grad_b, None, None
 
 
+def input_mode(sequence_parallel: bool, tp_comm_overlap: bool = False) -> str:
+    """The input-side collective of a column GEMM: "sp_overlap" (g in ring steps), "sp" (g) or "tp" (f)."""
+    if tp_comm_overlap and not sequence_parallel:
+        raise ValueError(
+            "tp_comm_overlap needs sequence_parallel: it overlaps the sequence all-gather and reduce-scatter."
+        )
+    return "sp_overlap" if tp_comm_overlap else "sp" if sequence_parallel else "tp"
+
+
 def parallel_linear(x, weight, bias, group, mode):
-    """Functional form of the column/row GEMM with its input-side collective (see _ParallelLinear)."""
+    """Functional form of the column/row GEMM with its input-side collective (see _ParallelLinear;
+    mode "sp_overlap": overlap.column_linear)."""
     if group is None or dist.get_world_size(group) == 1:
         mode = "none"
     if mode == "none":
         return nn.functional.linear(x, weight, bias)
+    if mode == "sp_overlap":
+        return overlap.column_linear(x, weight, bias, group)
     return _ParallelLinear.apply(x, weight, bias, group, mode)
 
 
@@ -98,7 +113,8 @@ def _tp_info(group):
 
 class ColumnParallelLinear(nn.Module):
     """Y = X A with A split by columns (output features). Under SP the input is seq-sharded and
-    all-gathered (g); otherwise it is copied (f). The output stays TP-sharded: [s, b, out_local].
+    all-gathered (g; with tp_comm_overlap in ring steps under the GEMM); otherwise it is copied (f).
+    The output stays TP-sharded: [s, b, out_local].
 
     segments/units: a fused layer's output parts (sizes summing to out_features) and the heads each
     is made of (see tensor_parallel/sharding.py); each part is split on its own, so the local output
@@ -113,6 +129,7 @@ class ColumnParallelLinear(nn.Module):
         init: str,
         group=None,
         sequence_parallel=False,
+        tp_comm_overlap=False,
         bias=True,
         segments: tuple = (),
         units: tuple = (),
@@ -121,6 +138,7 @@ class ColumnParallelLinear(nn.Module):
     ):
         super().__init__()
         t, _ = _tp_info(group)
+        self.mode = input_mode(sequence_parallel, tp_comm_overlap)
         if segments and sum(segments) != out_features:
             raise ValueError(f"ColumnParallelLinear: segments {segments} do not add up to {out_features}.")
         spec = ShardSpec(0, tuple(segments), tuple(units))
@@ -134,13 +152,14 @@ class ColumnParallelLinear(nn.Module):
             self.bias = mark(nn.Parameter(torch.zeros(local, dtype=dtype, device=device)), spec, init="zeros")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return parallel_linear(x, self.weight, self.bias, self.group, "sp" if self.sequence_parallel else "tp")
+        return parallel_linear(x, self.weight, self.bias, self.group, self.mode)
 
 
 class RowParallelLinear(nn.Module):
     """Y = X A with A split by rows (input features); X arrives TP-sharded [s, b, in/t].
-    The partial products are reduce-scattered along the sequence (ḡ, SP) or all-reduced (f̄).
-    The bias is added after the collective, so under SP it lives in the SP region."""
+    The partial products are reduce-scattered along the sequence (ḡ, SP; with tp_comm_overlap chunk by
+    chunk under the GEMMs) or all-reduced (f̄). The bias is added after the collective, so under SP it
+    lives in the SP region."""
 
     def __init__(
         self,
@@ -150,6 +169,7 @@ class RowParallelLinear(nn.Module):
         init: str,
         group=None,
         sequence_parallel=False,
+        tp_comm_overlap=False,
         bias=True,
         dtype=torch.float32,
         device=None,
@@ -159,6 +179,7 @@ class RowParallelLinear(nn.Module):
         if in_features % t != 0:
             raise ValueError(f"RowParallelLinear: in_features {in_features} not divisible by {t}.")
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.overlap = input_mode(sequence_parallel, tp_comm_overlap) == "sp_overlap" and t > 1
         self.weight = mark(
             nn.Parameter(torch.empty(out_features, in_features // t, dtype=dtype, device=device)),
             ShardSpec(1),
@@ -174,12 +195,17 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, *, add_bias: bool = True) -> torch.Tensor:
         """add_bias=False leaves the bias to a fused bias-dropout-add that follows."""
+        out = self._summed_product(x)
+        return out + self.bias if (add_bias and self.bias is not None) else out
+
+    def _summed_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T summed over the TP group: [s, b, in/t] -> [s/t, b, out] (SP) or [s, b, out]."""
+        if self.overlap:
+            return overlap.row_linear(x, self.weight, self.group)
         partial = torch.matmul(x, self.weight.t())  # [s, b, out] partial sum over ranks
         if self.sequence_parallel:
-            out = mappings.reduce_scatter_to_sequence_parallel_region(partial, self.group)  # [s/t, b, out]
-        else:
-            out = mappings.reduce_from_tensor_parallel_region(partial, self.group)
-        return out + self.bias if (add_bias and self.bias is not None) else out
+            return mappings.reduce_scatter_to_sequence_parallel_region(partial, self.group)
+        return mappings.reduce_from_tensor_parallel_region(partial, self.group)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,12 +1,16 @@
-"""Builds csrc/cuda/*.cu for the CPU emulator (include/msp_cuda_emulator.h) as a shared library.
+"""Builds csrc/cuda/ for the CPU emulator (include/msp_cuda_emulator.h) as a shared library: the
+kernels (*.cu) and their torch bindings (*_binding.cpp), registered for CPU tensors as
+torch.ops.megatron_sp_emulated.* (the schemas of csrc/*.cpp, renamed), with the emulator's own ops
+(control.cpp: the SM count, traffic counters).
 
 The kernel sources are used as they are; the only rewrite is the launch syntax, which no host
 compiler accepts: `kernel<T, N><<<grid, block, shmem, stream>>>(args)` becomes
 `::msp_emu::launch([&] { kernel<T, N>(args); }, grid, block, shmem, stream)` (`launch_bounded` when
-the kernel declares `__launch_bounds__`). With sanitizer "asan" the library is built with
-AddressSanitizer and UBSan (every kernel load and store is bounds-checked against the exact host
-allocations the caller passes), with "tsan" with ThreadSanitizer (races between the emulated threads:
-a missing barrier); the process that loads it must preload the runtime (`sanitizer_env`). With
+the kernel declares `__launch_bounds__`), and the bindings register for CPU in the emulated
+namespace. With sanitizer "asan" the kernels are built with AddressSanitizer and UBSan (every kernel
+load and store is bounds-checked against the exact allocations of the inputs and of the outputs and
+scratch the binding makes), with "tsan" with ThreadSanitizer (races between the emulated threads: a
+missing barrier); the process that loads it must preload the runtime (`sanitizer_env`). With
 "traffic" the kernel files call the emulator on every memory access, which counts the global-memory
 bytes each kernel moves (bench/kernel_traffic.py); no runtime to preload.
 
@@ -80,11 +84,13 @@ def translate_launches(src: str) -> str:
     out, i = [], 0
     while (j := src.find("<<<", i)) >= 0:
         k = j
+        while src[k - 1].isspace():  # clang-format may break the line before the launch
+            k -= 1
         if src[k - 1] == ">":  # template arguments: walk back to their '<'
             k = _matching(src, k - 1, ">", "<", -1)
         while k > 0 and (src[k - 1].isalnum() or src[k - 1] in "_:"):
             k -= 1
-        kernel = src[k:j]
+        kernel = src[k:j].rstrip()
         end_config = src.index(">>>", j)
         config = src[j + 3 : end_config]
         paren = end_config + 3
@@ -105,30 +111,53 @@ def translate_launches(src: str) -> str:
     return "".join(out)
 
 
-BINDING_NAMESPACE = "megatron_sp_emulated"
+NAMESPACE = "megatron_sp_emulated"
+_FRAGMENT = "TORCH_LIBRARY_FRAGMENT(megatron_sp, m) {"
+_CUDA_IMPL = "TORCH_LIBRARY_IMPL(megatron_sp, CUDA, m)"
 
 
-def _binding_sources(csrc: str, tree: str) -> list:
-    """The torch binding of the CUDA ops (csrc/cuda/ops_cuda.cpp) registered as CPU kernels of
-    the op library BINDING_NAMESPACE, and that library's schemas (csrc/ops.cpp's, renamed)."""
-    with open(os.path.join(csrc, "cuda", "ops_cuda.cpp")) as f:
-        binding = f.read()
-    impl = "TORCH_LIBRARY_IMPL(megatron_sp, CUDA, m)"
-    if binding.count(impl) != 1:
-        raise ValueError(f"ops_cuda.cpp must contain `{impl}` once")
-    binding = binding.replace(impl, f"TORCH_LIBRARY_IMPL({BINDING_NAMESPACE}, CPU, m)")
-    with open(os.path.join(csrc, "ops.cpp")) as f:
-        ops = f.read()
-    start = ops.index("TORCH_LIBRARY(megatron_sp, m)")
-    schemas = ops[start : ops.index("\n}\n", start) + 3].replace(
-        "TORCH_LIBRARY(megatron_sp, m)", f"TORCH_LIBRARY({BINDING_NAMESPACE}, m)"
-    )
-    targets = [os.path.join(tree, "cuda", "ops_cuda.cpp"), os.path.join(tree, "schemas.cpp")]
-    texts = [binding, "#include <torch/library.h>\n" + schemas]
-    for target, text in zip(targets, texts):
-        with open(target, "w") as f:
-            f.write(text)
-    return targets
+def schemas(csrc: str = CSRC) -> list:
+    """The op schemas of csrc/*.cpp (their TORCH_LIBRARY_FRAGMENT(megatron_sp, ...) blocks), in file order."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(csrc, "*.cpp"))):
+        with open(path) as f:
+            text = f.read()
+        start = 0
+        while (start := text.find(_FRAGMENT, start)) >= 0:
+            block = text[start : text.index("\n}\n", start)]
+            found += [
+                "".join(re.findall(r'"([^"]*)"', d)) for d in re.findall(r"m\.def\(((?:\s*\"[^\"]*\")+)\s*\);", block)
+            ]
+            start += len(_FRAGMENT)
+    return found
+
+
+def op_names(csrc: str = CSRC) -> list:
+    return [schema.split("(", 1)[0] for schema in schemas(csrc)]
+
+
+def _binding_source(csrc: str, tree: str) -> str:
+    """One translation unit (written into `tree`) with the CUDA bindings (csrc/cuda/*_binding.cpp)
+    registered as the CPU kernels of the op library NAMESPACE, that library's schemas (csrc/*.cpp's,
+    renamed) and the emulator's own ops (control.cpp): torch's headers, the slowest part of the
+    build, are parsed once. (Each binding compiling alone is checked by tests/test_cuda_compile.py
+    and by the real build.)"""
+    parts = []
+    for path in sorted(glob.glob(os.path.join(csrc, "cuda", "*_binding.cpp"))) + [os.path.join(HERE, "control.cpp")]:
+        with open(path) as f:
+            text = f.read()
+        if path.endswith("_binding.cpp"):
+            if text.count(_CUDA_IMPL) != 1:
+                raise ValueError(f"{path} must contain `{_CUDA_IMPL}` once")
+            text = text.replace(_CUDA_IMPL, f"TORCH_LIBRARY_IMPL({NAMESPACE}, CPU, m)")
+            text = re.sub(r'#include "([^"]+)"', lambda m: f'#include "{os.path.normpath("cuda/" + m[1])}"', text)
+        parts.append(f'#line 1 "{path}"\n{text}')
+    defs = "".join(f'  m.def("{schema}");\n' for schema in schemas(csrc))
+    parts.append(f"TORCH_LIBRARY({NAMESPACE}, m) {{\n{defs}}}\n")
+    target = os.path.join(tree, "bindings.cpp")
+    with open(target, "w") as f:
+        f.write("\n".join(parts))
+    return target
 
 
 def _torch_flags():
@@ -142,89 +171,82 @@ def _torch_flags():
     return compile_flags, [f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", "-ltorch"]
 
 
-def build(
-    out_dir: str, sanitizer: str | None = "asan", csrc: str = CSRC, cache_dir: str | None = None, binding: bool = False
-) -> str:
-    """Translates and compiles the kernels of `csrc`, the emulator and the C API; returns the
-    .so's path. With `binding`, the library also holds the torch binding of the CUDA ops,
-    registered for CPU tensors as torch.ops.megatron_sp_emulated.* (load it with
-    torch.ops.load_library; include/c10/cuda/ stands in for the CUDA guard and stream). With
-    `cache_dir`, objects are reused across builds when the source, every header and the flags are
-    unchanged (a build of a modified tree recompiles only what changed)."""
-    cxx = compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler (g++/c++) found")
-    tree = os.path.join(out_dir, "src")
+def _sanitizer_flags(sanitizer: str | None) -> tuple:
+    """(flags of the kernels and the emulator, extra flags of the kernel files alone)."""
+    if sanitizer == "asan":
+        return ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"], []
+    if sanitizer == "tsan":
+        return ["-fsanitize=thread", "-fno-omit-frame-pointer"], []
+    if sanitizer == "traffic":  # every load/store of the kernel files calls the emulator
+        calls = ["--param", "asan-instrumentation-with-call-threshold=0", "--param", "asan-stack=0"]
+        return [], ["-fsanitize=kernel-address", *calls, "--param", "asan-globals=0"]
+    if sanitizer is not None:
+        raise ValueError(f"unknown sanitizer {sanitizer!r}")
+    return [], []
+
+
+def _kernel_sources(csrc: str, tree: str) -> list:
+    """csrc/cuda/*.cu with their launches translated, as host C++ files in `tree` (and the headers)."""
     os.makedirs(os.path.join(tree, "cuda"), exist_ok=True)
     for header in glob.glob(os.path.join(csrc, "*.h")):
         shutil.copy(header, tree)
     for header in glob.glob(os.path.join(csrc, "cuda", "*.h")) + glob.glob(os.path.join(csrc, "cuda", "*.cuh")):
         shutil.copy(header, os.path.join(tree, "cuda"))
-    sources = [os.path.join(HERE, "emulator.cpp"), os.path.join(HERE, "api.cpp")]
+    sources = []
     for cu in sorted(glob.glob(os.path.join(csrc, "cuda", "*.cu"))):
         with open(cu) as f:
             text = translate_launches(f.read())
-        target = os.path.join(tree, "cuda", os.path.basename(cu) + ".cpp")
-        with open(target, "w") as f:
+        sources.append(os.path.join(tree, "cuda", os.path.basename(cu) + ".cpp"))
+        with open(sources[-1], "w") as f:
             f.write(f'#line 1 "{cu}"\n' + text)
-        sources.append(target)
-    torch_sources = _binding_sources(csrc, tree) if binding else []
-    torch_compile, torch_link = _torch_flags() if binding else ([], [])
-    kernel_flags = []
-    flags = [
-        "-std=c++20",
-        "-O1",
-        "-g",
-        "-fPIC",
-        "-pthread",
-        "-ffp-contract=off",
-        "-Wall",
-        "-Wno-unknown-pragmas",
-        "-Werror=return-type",
-        "-I",
-        os.path.join(HERE, "include"),
-        "-I",
-        tree,
-    ]
-    if sanitizer == "asan":
-        flags += ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
-    elif sanitizer == "tsan":
-        flags += ["-fsanitize=thread", "-fno-omit-frame-pointer"]
-    elif sanitizer == "traffic":  # every load/store of the kernel files calls the emulator
-        kernel_flags = [
-            "-fsanitize=kernel-address",
-            "--param",
-            "asan-instrumentation-with-call-threshold=0",
-            "--param",
-            "asan-stack=0",
-            "--param",
-            "asan-globals=0",
-        ]
-    elif sanitizer is not None:
-        raise ValueError(f"unknown sanitizer {sanitizer!r}")
+    return sources
 
-    headers = hashlib.sha256()
+
+def _headers_digest(tree: str) -> bytes:
+    digest = hashlib.sha256()
     for header in sorted(
         glob.glob(os.path.join(tree, "**", "*.*h"), recursive=True)
         + glob.glob(os.path.join(HERE, "include", "**", "*.h"), recursive=True)
     ):
         with open(header, "rb") as f:
-            headers.update(os.path.basename(header).encode() + f.read())
-    key_flags = " ".join(f for f in flags if f != tree).encode()
+            digest.update(os.path.basename(header).encode() + f.read())
+    return digest.digest()
+
+
+def build(out_dir: str, sanitizer: str | None = "asan", csrc: str = CSRC, cache_dir: str | None = None) -> str:
+    """Translates and compiles the kernels of `csrc`, the emulator, and the CUDA bindings registered
+    for CPU tensors as torch.ops.megatron_sp_emulated.* (with the emulator's own ops, control.cpp);
+    returns the .so's path, for torch.ops.load_library (include/c10/cuda/ stands in for the CUDA
+    guard and stream). The kernels and the emulator are built with the sanitizer; the bindings, which
+    only check arguments, allocate and launch, without (so their objects, the slowest to compile,
+    are shared by every mode). With `cache_dir`, objects are reused across builds when the source,
+    every header and the flags are unchanged (a build of a modified tree recompiles only what changed)."""
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++/c++) found")
+    tree = os.path.join(out_dir, "src")
+    kernel_sources = _kernel_sources(csrc, tree) + [os.path.join(HERE, "emulator.cpp")]
+    torch_sources = [_binding_source(csrc, tree)]
+    torch_compile, torch_link = _torch_flags()
+    base = ["-std=c++20", "-O1", "-g", "-fPIC", "-pthread", "-ffp-contract=off", "-Wall", "-Wno-unknown-pragmas"]
+    base += ["-Werror=return-type", "-I", os.path.join(HERE, "include"), "-I", tree]
+    sanitize, kernel_only = _sanitizer_flags(sanitizer)
+    headers = _headers_digest(tree)
 
     def compile_one(src):
-        obj = os.path.join(out_dir, os.path.basename(src) + ".o")
-        extra = torch_compile if src in torch_sources else []
+        flags = base + (torch_compile if src in torch_sources else sanitize)
         if src.endswith(".cu.cpp"):
-            extra = extra + kernel_flags
+            flags = flags + kernel_only
+        obj = os.path.join(out_dir, os.path.basename(src) + ".o")
         if cache_dir is not None:
-            with open(src, "rb") as f:
-                text = f.read().split(b"\n", 1)[-1] if src.endswith(".cu.cpp") else f.read()
-            key = hashlib.sha256(key_flags + " ".join(extra).encode() + headers.digest() + text).hexdigest()[:24]
+            with open(src, "rb") as f:  # without the #line directives (they name the source's folder)
+                text = re.sub(rb"(?m)^#line .*$", b"", f.read())
+            key_flags = " ".join(f for f in flags if f != tree).encode()
+            key = hashlib.sha256(key_flags + headers + text).hexdigest()[:24]
             cached = os.path.join(cache_dir, f"{os.path.basename(src)}.{key}.o")
             if os.path.exists(cached):
                 return cached
-        proc = subprocess.run([cxx, *flags, *extra, "-c", src, "-o", obj], capture_output=True, text=True, timeout=600)
+        proc = subprocess.run([cxx, *flags, "-c", src, "-o", obj], capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             raise RuntimeError(f"compiling {src} failed:\n{proc.stderr}")
         if cache_dir is not None:
@@ -233,12 +255,11 @@ def build(
             os.replace(cached + ".tmp", cached)
         return obj
 
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        objects = list(pool.map(compile_one, torch_sources + sources))
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:  # the slowest first
+        objects = list(pool.map(compile_one, torch_sources + kernel_sources))
     library = os.path.join(out_dir, "libmsp_cuda_emulated.so")
-    proc = subprocess.run(
-        [cxx, *flags, "-shared", *objects, "-o", library, *torch_link], capture_output=True, text=True, timeout=600
-    )
+    link = [cxx, *base, *sanitize, "-shared", *objects, "-o", library, *torch_link]
+    proc = subprocess.run(link, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"linking {library} failed:\n{proc.stderr}")
     return library
@@ -248,11 +269,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     parser.add_argument("--sanitizer", choices=["asan", "tsan", "traffic", "none"], default="asan")
-    parser.add_argument(
-        "--binding", action="store_true", help="also build the torch binding (torch.ops.megatron_sp_emulated)"
-    )
     args = parser.parse_args()
-    print(build(args.out_dir, None if args.sanitizer == "none" else args.sanitizer, binding=args.binding))
+    print(build(args.out_dir, None if args.sanitizer == "none" else args.sanitizer))
 
 
 if __name__ == "__main__":

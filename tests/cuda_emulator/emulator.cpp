@@ -5,7 +5,11 @@
 
 #include <atomic>
 #include <barrier>
+#include <condition_variable>
+#include <functional>
+#include <latch>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -25,8 +29,8 @@ int sm_count = 2;
   fprintf(stderr,
           "msp_cuda_emulator: %s (block (%u, %u, %u) of (%u, %u, %u), thread (%u, %u, %u) of "
           "(%u, %u, %u))\n",
-          what, c.block.x, c.block.y, c.block.z, c.grid_dim.x, c.grid_dim.y, c.grid_dim.z,
-          c.thread.x, c.thread.y, c.thread.z, c.block_dim.x, c.block_dim.y, c.block_dim.z);
+          what, c.block.x, c.block.y, c.block.z, c.grid_dim.x, c.grid_dim.y, c.grid_dim.z, c.thread.x, c.thread.y,
+          c.thread.z, c.block_dim.x, c.block_dim.y, c.block_dim.z);
   fflush(stderr);
   abort();
 }
@@ -85,12 +89,56 @@ uint32_t shfl_xor(uint32_t bits, unsigned int mask, int lane_mask, int width) {
 
 void set_sm_count(int sms) { sm_count = sms > 0 ? sms : 1; }
 
-void launch(const std::function<void()>& body, dim3 grid, dim3 block, size_t shared_bytes,
-            cudaStream_t) {
+namespace {
+
+// The OS threads that play a block's threads, kept across launches (creating up to 1024 threads per
+// launch cost more than the kernels): thread t takes part in every launch of more than t threads.
+struct ThreadPool {
+  std::mutex m;
+  std::condition_variable wake;
+  uint64_t generation = 0;  // one per launch
+  int active = 0;
+  const std::function<void(int)>* work = nullptr;
+  int size = 0;
+
+  // Thread t < n runs work(t); the caller keeps `work` alive until every one of them has returned.
+  void start(int n, const std::function<void(int)>& job) {
+    {
+      std::lock_guard<std::mutex> lock(m);
+      for (; size < n; ++size) std::thread([this, t = size] { serve(t); }).detach();
+      work = &job;
+      active = n;
+      ++generation;
+    }
+    wake.notify_all();
+  }
+
+  void serve(int t) {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* job;
+      {
+        std::unique_lock<std::mutex> lock(m);
+        wake.wait(lock, [&] { return generation != seen && t < active; });
+        seen = generation;
+        job = work;
+      }
+      (*job)(t);
+    }
+  }
+};
+
+ThreadPool& pool() {
+  static ThreadPool* p = new ThreadPool;  // never destroyed: its detached threads wait on it until exit
+  return *p;
+}
+
+}  // namespace
+
+void launch(const std::function<void()>& body, dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t) {
   const uint64_t threads = uint64_t(block.x) * block.y * block.z;
-  if (threads == 0 || threads > 1024 || block.z > 64 || grid.x == 0 || grid.y == 0 ||
-      grid.z == 0 || grid.x > 0x7FFFFFFFu || grid.y > 65535 || grid.z > 65535 ||
-      shared_bytes > 48 * 1024) {
+  if (threads == 0 || threads > 1024 || block.z > 64 || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
+      grid.x > 0x7FFFFFFFu || grid.y > 65535 || grid.z > 65535 || shared_bytes > 48 * 1024) {
     last_error = cudaErrorInvalidConfiguration;
     return;
   }
@@ -99,28 +147,27 @@ void launch(const std::function<void()>& body, dim3 grid, dim3 block, size_t sha
   uint3 current{0, 0, 0};
   bool done = false;
   std::barrier<> start(n + 1), finish(n + 1);
-  std::vector<std::thread> pool;
-  pool.reserve(n);
-  for (int t = 0; t < n; ++t) {
-    pool.emplace_back([&, t] {
-      ThreadContext& c = context;
-      const unsigned int u = static_cast<unsigned int>(t);
-      c.thread = {u % block.x, (u / block.x) % block.y, u / (block.x * block.y)};
-      c.block_dim = block;
-      c.grid_dim = grid;
-      c.warp = u / 32;
-      c.lane = u % 32;
-      for (;;) {
-        start.arrive_and_wait();
-        if (done) return;
-        c.block = current;
-        c.live = &live;
-        body();
-        live.leave(c.warp);
-        finish.arrive_and_wait();
-      }
-    });
-  }
+  std::latch returned(n);
+  const std::function<void(int)> work = [&](int t) {
+    ThreadContext& c = context;
+    const unsigned int u = static_cast<unsigned int>(t);
+    c.thread = {u % block.x, (u / block.x) % block.y, u / (block.x * block.y)};
+    c.block_dim = block;
+    c.grid_dim = grid;
+    c.warp = u / 32;
+    c.lane = u % 32;
+    for (;;) {
+      start.arrive_and_wait();
+      if (done) break;
+      c.block = current;
+      c.live = &live;
+      body();
+      live.leave(c.warp);
+      finish.arrive_and_wait();
+    }
+    returned.count_down();
+  };
+  pool().start(n, work);
   for (unsigned int z = 0; z < grid.z; ++z)
     for (unsigned int y = 0; y < grid.y; ++y)
       for (unsigned int x = 0; x < grid.x; ++x) {
@@ -131,11 +178,11 @@ void launch(const std::function<void()>& body, dim3 grid, dim3 block, size_t sha
       }
   done = true;
   start.arrive_and_wait();
-  for (auto& th : pool) th.join();
+  returned.wait();  // this launch's state (on this stack) outlives every use of it
 }
 
-void launch_bounded(int max_threads, const std::function<void()>& body, dim3 grid, dim3 block,
-                    size_t shared_bytes, cudaStream_t stream) {
+void launch_bounded(int max_threads, const std::function<void()>& body, dim3 grid, dim3 block, size_t shared_bytes,
+                    cudaStream_t stream) {
   if (uint64_t(block.x) * block.y * block.z > uint64_t(max_threads)) {
     last_error = cudaErrorLaunchOutOfResources;
     return;
@@ -149,11 +196,12 @@ namespace {
 
 struct Region {
   uintptr_t begin = 0, end = 0;
+  bool live = false;  // false once its memory was freed (traffic_release): a new allocation may reuse it
   std::atomic<uint64_t> loaded{0}, stored{0};
   std::unique_ptr<std::atomic<uint64_t>[]> load_bits, store_bits;  // one bit per byte
 };
 
-constexpr int kMaxRegions = 16;
+constexpr int kMaxRegions = 64;
 Region regions[kMaxRegions];
 std::atomic<int> region_count{0};
 
@@ -166,7 +214,7 @@ void count(uintptr_t addr, uintptr_t size, bool store) {
   const int n = region_count.load(std::memory_order_acquire);
   for (int r = 0; r < n; ++r) {
     Region& g = regions[r];
-    if (addr >= g.begin && addr < g.end) {
+    if (g.live && addr >= g.begin && addr < g.end) {
       if (addr + size > g.end) fail("access straddles the end of a watched region");
       (store ? g.stored : g.loaded).fetch_add(size, std::memory_order_relaxed);
       mark(store ? g.store_bits.get() : g.load_bits.get(), addr - g.begin, size);
@@ -189,6 +237,7 @@ int traffic_watch(const void* begin, size_t bytes) {
   Region& g = regions[r];
   g.begin = reinterpret_cast<uintptr_t>(begin);
   g.end = g.begin + bytes;
+  g.live = true;
   g.loaded = 0;
   g.stored = 0;
   const size_t words = (bytes + 63) / 64;
@@ -199,10 +248,20 @@ int traffic_watch(const void* begin, size_t bytes) {
   return r;
 }
 
+int traffic_region_count() { return region_count.load(); }
+
 Traffic traffic_of(int r) {
   const Region& g = regions[r];
-  return {g.loaded.load(), g.stored.load(), distinct(g.load_bits.get(), g.end - g.begin),
+  return {g.begin,
+          g.end - g.begin,
+          g.loaded.load(),
+          g.stored.load(),
+          distinct(g.load_bits.get(), g.end - g.begin),
           distinct(g.store_bits.get(), g.end - g.begin)};
+}
+
+void traffic_release(int r, const void* begin) {
+  if (r < region_count.load() && regions[r].begin == reinterpret_cast<uintptr_t>(begin)) regions[r].live = false;
 }
 
 void traffic_clear() { region_count.store(0); }
@@ -213,8 +272,8 @@ void traffic_clear() { region_count.store(0); }
 // asan-instrumentation-with-call-threshold=0 (the kernel files in "traffic" builds) for every
 // memory access.
 extern "C" {
-#define MSP_EMU_ACCESS(n)                                                                     \
-  void __asan_load##n##_noabort(uintptr_t addr) { msp_emu::count(addr, n, false); }          \
+#define MSP_EMU_ACCESS(n)                                                           \
+  void __asan_load##n##_noabort(uintptr_t addr) { msp_emu::count(addr, n, false); } \
   void __asan_store##n##_noabort(uintptr_t addr) { msp_emu::count(addr, n, true); }
 MSP_EMU_ACCESS(1)
 MSP_EMU_ACCESS(2)
@@ -250,10 +309,14 @@ cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t) {
 
 const char* cudaGetErrorString(cudaError_t err) {
   switch (err) {
-    case cudaSuccess: return "no error";
-    case cudaErrorInvalidValue: return "invalid argument";
-    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
-    case cudaErrorLaunchOutOfResources: return "too many resources requested for launch";
+    case cudaSuccess:
+      return "no error";
+    case cudaErrorInvalidValue:
+      return "invalid argument";
+    case cudaErrorInvalidConfiguration:
+      return "invalid configuration argument";
+    case cudaErrorLaunchOutOfResources:
+      return "too many resources requested for launch";
   }
   return "unknown error";
 }

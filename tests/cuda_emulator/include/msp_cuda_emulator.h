@@ -5,14 +5,13 @@
 //
 // Model: a launch runs its blocks one after another; the threads of a block are real OS threads,
 // so __syncthreads is a barrier (__syncwarp one of the warp's lanes), a warp shuffle is an exchange
-// through the warp's slots between two warp barriers, and __shared__ arrays are static storage (one block is live at a time). Threads
-// that return early leave the barriers (as exited threads do on the GPU). A shuffle over a warp
-// with an exited lane, a partial warp or a mask other than the full warp is reported as an error;
-// an invalid launch configuration, or more threads than the kernel's __launch_bounds__, fails the
-// launch (cudaGetLastError then returns it). fp32 arithmetic is the
-// host's IEEE single precision (build with -ffp-contract=off so `a * b + c` is not fused: the GPU
-// may fuse it, so results are compared with tolerances wherever the kernel does not use the
-// explicitly rounded __fadd_rn/__fmul_rn).
+// through the warp's slots between two warp barriers, and __shared__ arrays are static storage (one block is live at a
+// time). Threads that return early leave the barriers (as exited threads do on the GPU). A shuffle over a warp with an
+// exited lane, a partial warp or a mask other than the full warp is reported as an error; an invalid launch
+// configuration, or more threads than the kernel's __launch_bounds__, fails the launch (cudaGetLastError then returns
+// it). fp32 arithmetic is the host's IEEE single precision (build with -ffp-contract=off so `a * b + c` is not fused:
+// the GPU may fuse it, so results are compared with tolerances wherever the kernel does not use the explicitly rounded
+// __fadd_rn/__fmul_rn).
 #pragma once
 
 #include <math.h>
@@ -34,8 +33,7 @@ struct uint3 {
 };
 struct dim3 {
   unsigned int x, y, z;
-  constexpr dim3(unsigned int x_ = 1, unsigned int y_ = 1, unsigned int z_ = 1)
-      : x(x_), y(y_), z(z_) {}
+  constexpr dim3(unsigned int x_ = 1, unsigned int y_ = 1, unsigned int z_ = 1) : x(x_), y(y_), z(z_) {}
 };
 struct alignas(16) uint4 {
   unsigned int x, y, z, w;
@@ -120,8 +118,8 @@ void launch(const std::function<void()>& body, dim3 grid, dim3 block, size_t sha
             cudaStream_t stream = nullptr);
 // The same for a kernel declared __launch_bounds__(max_threads): more threads per block fail the
 // launch with cudaErrorLaunchOutOfResources, as on the GPU.
-void launch_bounded(int max_threads, const std::function<void()>& body, dim3 grid, dim3 block,
-                    size_t shared_bytes = 0, cudaStream_t stream = nullptr);
+void launch_bounded(int max_threads, const std::function<void()>& body, dim3 grid, dim3 block, size_t shared_bytes = 0,
+                    cudaStream_t stream = nullptr);
 // The SM count cudaDeviceGetAttribute reports (it sizes the persistent grids).
 void set_sm_count(int sms);
 
@@ -129,10 +127,14 @@ void set_sm_count(int sms);
 // -fsanitize=kernel-address in call mode, so every load and store they make calls the emulator).
 // Accesses inside a watched region are counted: bytes requested (every access) and distinct bytes
 // touched, for loads and stores separately. Accesses elsewhere (the stack, __shared__) are not.
+// tests/cuda_emulator/control.cpp watches tensors, and the allocations an op makes, through it.
 struct Traffic {
+  uintptr_t begin, bytes;
   uint64_t loaded, stored, distinct_loaded, distinct_stored;
 };
-int traffic_watch(const void* begin, size_t bytes);  // returns the region's index
+int traffic_watch(const void* begin, size_t bytes);   // returns the region's index
+void traffic_release(int region, const void* begin);  // its memory is freed: stop counting there
+int traffic_region_count();
 Traffic traffic_of(int region);
 void traffic_clear();
 

@@ -1,7 +1,7 @@
 // Layout ops for the collectives on the CPU: Ulysses pack/unpack, dim-0 gather -> last-dim
 // concatenation and back, zigzag chunk reorder.
 //
-// Design: each op is a copy of contiguous runs (op_checks.h plans them): a block transpose
+// Design: each op is a copy of contiguous runs (layout.h plans them): a block transpose
 // [a, b, run] -> [b, a, run] or a permutation of 2p chunks of [outer, 2p, run]. The copy is
 // dtype-agnostic (bytes). A task walks consecutive output runs with an incremental run iterator
 // (one division per task, not per run) and copies each run with inlined vector moves (AVX-512/AVX2
@@ -29,8 +29,8 @@
 #endif
 
 #include "cpu_simd.h"
+#include "layout.h"
 #include "layout_index.h"
-#include "op_checks.h"
 
 namespace msp {
 namespace {
@@ -99,14 +99,12 @@ template <typename Runs>
 MSP_CPU_INLINE void copy_items(const CopyPlan& c, Runs runs, int64_t t0, int64_t t1) {
   if (c.pieces == 1) {
     runs.seek(t0);
-    for (int64_t o = t0; o < t1; ++o, runs.next())
-      copy_piece(c, o * c.bytes, runs.source() * c.bytes, c.bytes);
+    for (int64_t o = t0; o < t1; ++o, runs.next()) copy_piece(c, o * c.bytes, runs.source() * c.bytes, c.bytes);
   } else {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t o = t / c.pieces, off = (t % c.pieces) * c.piece;
       runs.seek(o);
-      copy_piece(c, o * c.bytes + off, runs.source() * c.bytes + off,
-                 std::min(c.piece, c.bytes - off));
+      copy_piece(c, o * c.bytes + off, runs.source() * c.bytes + off, std::min(c.piece, c.bytes - off));
     }
   }
 #if MSP_HAS_STREAM
@@ -126,19 +124,19 @@ int64_t stream_threshold() {
 }
 
 template <typename Runs>
-void parallel_copy_runs(const at::Tensor& x, at::Tensor& out, int64_t runs, int64_t run_elems,
-                        Runs iter) {
+void parallel_copy_runs(const at::Tensor& x, at::Tensor& out, int64_t runs, int64_t run_elems, Runs iter) {
   const int64_t bytes = run_elems * x.element_size();
   if (bytes == 0 || runs == 0) return;
-  CopyPlan c{static_cast<char*>(out.data_ptr()), static_cast<const char*>(x.const_data_ptr()),
-             bytes, std::min<int64_t>(bytes, 1 << 16), 0, false};
+  CopyPlan c{static_cast<char*>(out.data_ptr()),
+             static_cast<const char*>(x.const_data_ptr()),
+             bytes,
+             std::min<int64_t>(bytes, 1 << 16),
+             0,
+             false};
   c.pieces = (bytes + c.piece - 1) / c.piece;
-  c.stream = MSP_HAS_STREAM && runs * bytes >= stream_threshold() &&
-             simd_level() != SimdLevel::kBaseline;
+  c.stream = MSP_HAS_STREAM && runs * bytes >= stream_threshold() && simd_level() != SimdLevel::kBaseline;
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / c.piece);
-  at::parallel_for(0, runs * c.pieces, grain, [&](int64_t t0, int64_t t1) {
-    copy_items_simd<Runs>(c, iter, t0, t1);
-  });
+  at::parallel_for(0, runs * c.pieces, grain, [&](int64_t t0, int64_t t1) { copy_items_simd<Runs>(c, iter, t0, t1); });
 }
 
 constexpr int64_t kShortRunBytes = 16 << 10;
@@ -155,9 +153,7 @@ at::Tensor run_block_transpose(const at::Tensor& x_in, const BlockTranspose& pla
   return out;
 }
 
-at::Tensor ulysses_pack_cpu(const at::Tensor& x, int64_t p) {
-  return run_block_transpose(x, ulysses_pack_plan(x, p));
-}
+at::Tensor ulysses_pack_cpu(const at::Tensor& x, int64_t p) { return run_block_transpose(x, ulysses_pack_plan(x, p)); }
 
 at::Tensor ulysses_unpack_cpu(const at::Tensor& x, int64_t p) {
   return run_block_transpose(x, ulysses_unpack_plan(x, p));
@@ -180,6 +176,19 @@ at::Tensor zigzag_reorder_cpu(const at::Tensor& x_in, int64_t p, int64_t dim, bo
 }
 
 }  // namespace
+
+// ulysses_pack        [s/p, b, n, d] -> [p, s/p, b, n/p, d]   (all_to_all send buffer)
+// ulysses_unpack      [p, s/p, b, n/p, d] -> [s/p, b, n, d]   (its inverse)
+// gather_to_last_dim  [t*s, ..., l] -> [s, ..., t*l]           (dim-0 all-gather -> cat(-1))
+// last_dim_to_gather  [s, ..., t*l] -> [t*s, ..., l]           (its inverse)
+// zigzag_reorder      2p chunks along dim: rank r gets chunks r and 2p-1-r (or the inverse)
+TORCH_LIBRARY_FRAGMENT(megatron_sp, m) {
+  m.def("ulysses_pack(Tensor x, int p) -> Tensor");
+  m.def("ulysses_unpack(Tensor x, int p) -> Tensor");
+  m.def("gather_to_last_dim(Tensor x, int t) -> Tensor");
+  m.def("last_dim_to_gather(Tensor x, int t) -> Tensor");
+  m.def("zigzag_reorder(Tensor x, int p, int dim, bool inverse) -> Tensor");
+}
 
 TORCH_LIBRARY_IMPL(megatron_sp, CPU, m) {
   m.impl("ulysses_pack", &ulysses_pack_cpu);

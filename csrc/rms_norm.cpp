@@ -1,6 +1,6 @@
 // RMSNorm over the last dimension on the CPU, fp32 statistics, fp32/bf16/fp16 in and out.
 //
-// Design (as layer_norm_cpu.cpp): rows are independent, so the forward is one at::parallel_for over
+// Design (as layer_norm.cpp): rows are independent, so the forward is one at::parallel_for over
 // rows; a row stays in L1/L2 between its two vectorised passes (sum of squares, normalise). The
 // backward per row needs one sum,
 //   c = mean(dy * w * xhat),  xhat = x * rstd,  dx = rstd * (dy * w - xhat * c),
@@ -18,7 +18,7 @@
 
 #include "cpu_reduce.h"
 #include "cpu_simd.h"
-#include "op_checks.h"
+#include "rms_norm.h"
 
 namespace msp {
 namespace {
@@ -35,8 +35,8 @@ MSP_CPU_INLINE float row_rstd(const T* x, int64_t h, float eps) {
 }
 
 template <typename T, typename W>
-MSP_CPU_INLINE void rms_fwd_rows(const T* x, const W* w, T* y, float* rstd, int64_t h, float eps,
-                                 int64_t r0, int64_t r1) {
+MSP_CPU_INLINE void rms_fwd_rows(const T* x, const W* w, T* y, float* rstd, int64_t h, float eps, int64_t r0,
+                                 int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     const T* xr = x + r * h;
     T* yr = y + r * h;
@@ -50,8 +50,8 @@ MSP_SIMD_VARIANTS(rms_fwd_rows)
 
 // gw: this chunk's grad_weight partial row, h floats.
 template <typename T, typename W>
-MSP_CPU_INLINE void rms_bwd_rows(const T* dy, const T* x, const W* w, const float* rstd, T* dx,
-                                 float* gw, int64_t h, int64_t r0, int64_t r1) {
+MSP_CPU_INLINE void rms_bwd_rows(const T* dy, const T* x, const W* w, const float* rstd, T* dx, float* gw, int64_t h,
+                                 int64_t r0, int64_t r1) {
   const float inv_h = 1.0f / static_cast<float>(h);
   for (int64_t r = r0; r < r1; ++r) {
     const T* dyr = dy + r * h;
@@ -87,8 +87,7 @@ void dispatch_rms_types(const at::Tensor& x, const at::Tensor& w, Fn fn) {
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& x_in, const at::Tensor& w_in,
-                                           double eps) {
+std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
   const int64_t h = check_rms_norm(x_in, w_in);
   at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
   const int64_t rows = x.numel() / h;
@@ -107,8 +106,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& x_in, const at::Ten
   return {y, rstd};
 }
 
-std::tuple<at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dy_in, const at::Tensor& x_in,
-                                           const at::Tensor& w_in, const at::Tensor& rstd_in) {
+std::tuple<at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dy_in, const at::Tensor& x_in, const at::Tensor& w_in,
+                                           const at::Tensor& rstd_in) {
   int64_t rows = 0;
   const int64_t h = check_rms_norm_bwd(dy_in, x_in, w_in, rstd_in, &rows);
   at::Tensor dy = dy_in.contiguous(), x = x_in.contiguous(), w = w_in.contiguous();
@@ -131,6 +130,12 @@ std::tuple<at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dy_in, const at::Te
 }
 
 }  // namespace
+
+// x [..., h] -> (out [..., h], rstd [rows] fp32); the backward gives (dx, dweight).
+TORCH_LIBRARY_FRAGMENT(megatron_sp, m) {
+  m.def("rms_norm_fwd(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rms_norm_bwd(Tensor grad_out, Tensor x, Tensor weight, Tensor rstd) -> (Tensor, Tensor)");
+}
 
 TORCH_LIBRARY_IMPL(megatron_sp, CPU, m) {
   m.impl("rms_norm_fwd", &fwd_cpu);

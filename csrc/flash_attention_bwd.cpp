@@ -28,9 +28,9 @@
 #include <vector>
 
 #include "cpu_simd.h"
+#include "flash_attention.h"
 #include "flash_block_cpu.h"
 #include "flash_index_cpu.h"
-#include "op_checks.h"
 
 namespace msp {
 namespace flash {
@@ -55,8 +55,7 @@ int64_t bwd_workspace_floats(int64_t dp) { return 7 * kBlock * dp + 2 * kBlock *
 
 // delta[row] = sum_c dout[row, c] * out[row, c] for rows r0 .. r1 of [b * nq * sq].
 template <typename T>
-MSP_CPU_INLINE void delta_rows(const Problem* pr, const BwdIo<T>* io, float* delta, int64_t r0,
-                               int64_t r1) {
+MSP_CPU_INLINE void delta_rows(const Problem* pr, const BwdIo<T>* io, float* delta, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t i = r % pr->sq, h = (r / pr->sq) % pr->nq, bi = r / (pr->sq * pr->nq);
     const T* g = io->dout + bi * io->dos.b + h * io->dos.n + i * io->dos.s;
@@ -98,18 +97,16 @@ MSP_CPU_INLINE void bwd_row(float* s, float* dp, float lse, float delta, const u
 // gradient products. K^T, K, V^T of the key block are packed by the caller; dq_chunk: the task's
 // fp32 copy of dQ.
 template <typename T>
-MSP_CPU_INLINE void bwd_pair(const Problem* pr, const AttnIndex* ix, const BwdIo<T>* io,
-                             int64_t bi, int64_t h, int64_t i, const KeyBlock& kb, Visibility vis,
-                             float* dq_chunk, float* ws, uint32_t* words) {
+MSP_CPU_INLINE void bwd_pair(const Problem* pr, const AttnIndex* ix, const BwdIo<T>* io, int64_t bi, int64_t h,
+                             int64_t i, const KeyBlock& kb, Visibility vis, float* dq_chunk, float* ws,
+                             uint32_t* words) {
   const int64_t dp = pr->dp, d = pr->d, q0 = i * kBlock;
   const int64_t rows = std::min(kBlock, pr->sq - q0), mrows = padded_rows(rows);
   float *Kt = ws, *Kn = Kt + kBlock * dp, *Vt = Kn + kBlock * dp, *dK = Vt + kBlock * dp;
   float *dV = dK + kBlock * dp, *Q = dV + kBlock * dp, *dO = Q + kBlock * dp;
   float *S = dO + kBlock * dp, *dP = S + kBlock * kBlock;
-  pack_rows(io->q + bi * io->qs.b + h * io->qs.n + q0 * io->qs.s, io->qs.s, io->qs.d, rows, d, Q,
-            dp, mrows);
-  pack_rows(io->dout + bi * io->dos.b + h * io->dos.n + q0 * io->dos.s, io->dos.s, io->dos.d,
-            rows, d, dO, dp, mrows);
+  pack_rows(io->q + bi * io->qs.b + h * io->qs.n + q0 * io->qs.s, io->qs.s, io->qs.d, rows, d, Q, dp, mrows);
+  pack_rows(io->dout + bi * io->dos.b + h * io->dos.n + q0 * io->dos.s, io->dos.s, io->dos.d, rows, d, dO, dp, mrows);
   gemm<false, false>(mrows, kBlock, dp, Q, dp, Kt, kBlock, S, kBlock);    // S = Q K^T
   gemm<false, false>(mrows, kBlock, dp, dO, dp, Vt, kBlock, dP, kBlock);  // dP = dO V^T
   const int64_t sample = ix->samples[bi], head = pr->head_offset + h;
@@ -117,23 +114,22 @@ MSP_CPU_INLINE void bwd_pair(const Problem* pr, const AttnIndex* ix, const BwdIo
     const int64_t qi = q0 + r, qpos = ix->q_pos[qi];
     float* s = S + r * kBlock;
     mask_row(s, pr->scale, kb, qpos, ix->q_seg ? ix->q_seg[bi * pr->sq + qi] : 0, vis);
-    const uint32_t* w =
-        pr->dropout ? keep_words(pr->drop, head, kb, qpos, sample, words) : nullptr;
+    const uint32_t* w = pr->dropout ? keep_words(pr->drop, head, kb, qpos, sample, words) : nullptr;
     bwd_row(s, dP + r * kBlock, io->lse[bi * io->lse_b + h * io->lse_n + qi * io->lse_s],
             io->delta[(bi * pr->nq + h) * pr->sq + qi], w, pr->drop, kb.n);
   }
   std::fill(S + rows * kBlock, S + mrows * kBlock, 0.0f);  // padding rows: no contribution
   std::fill(dP + rows * kBlock, dP + mrows * kBlock, 0.0f);
-  gemm<true, true>(kBlock, dp, mrows, S, kBlock, dO, dp, dV, dp);   // dV += P_d^T dO
-  gemm<true, true>(kBlock, dp, mrows, dP, kBlock, Q, dp, dK, dp);   // dK += dS^T Q
+  gemm<true, true>(kBlock, dp, mrows, S, kBlock, dO, dp, dV, dp);  // dV += P_d^T dO
+  gemm<true, true>(kBlock, dp, mrows, dP, kBlock, Q, dp, dK, dp);  // dK += dS^T Q
   float* dq = dq_chunk + ((bi * pr->nq + h) * ix->nqb * kBlock + q0) * dp;
   gemm<false, true>(mrows, dp, kBlock, dP, kBlock, Kn, dp, dq, dp);  // dQ += dS K
 }
 
 // Task (batch, key/value head g, chunk of key blocks): dK, dV of those blocks, their dQ terms.
 template <typename T>
-MSP_CPU_INLINE void bwd_task(const Problem* pr, const AttnIndex* ix, const BwdIo<T>* io,
-                             int64_t task, float* ws, uint32_t* words) {
+MSP_CPU_INLINE void bwd_task(const Problem* pr, const AttnIndex* ix, const BwdIo<T>* io, int64_t task, float* ws,
+                             uint32_t* words) {
   const int64_t chunks = io->chunks, c = task % chunks, g = (task / chunks) % pr->nkv;
   const int64_t bi = task / (chunks * pr->nkv), dp = pr->dp, d = pr->d;
   float *Kt = ws, *Kn = Kt + kBlock * dp, *Vt = Kn + kBlock * dp, *dK = Vt + kBlock * dp;
@@ -167,8 +163,7 @@ MSP_SIMD_VARIANTS(bwd_task)
 
 // dq [sq, b, nq, d] rows r0 .. r1 (of [b * nq * sq]) = scale * sum over chunks of dq32.
 template <typename T>
-MSP_CPU_INLINE void dq_rows(const Problem* pr, const AttnIndex* ix, const BwdIo<T>* io, T* dq,
-                            int64_t r0, int64_t r1) {
+MSP_CPU_INLINE void dq_rows(const Problem* pr, const AttnIndex* ix, const BwdIo<T>* io, T* dq, int64_t r0, int64_t r1) {
   const int64_t dp = pr->dp, d = pr->d, copy = pr->b * pr->nq * ix->nqb * kBlock * dp;
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t i = r % pr->sq, bh = r / pr->sq, bi = bh / pr->nq, h = bh % pr->nq;
@@ -198,13 +193,11 @@ at::Tensor grad_like(const at::Tensor& t) {  // [b, n, s, d] view of an [s, b, n
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q_pos_in,
-    const at::Tensor& k_pos_in, const c10::optional<at::Tensor>& q_seg_in,
-    const c10::optional<at::Tensor>& k_seg_in, const at::Tensor& samples_in, double p,
-    int64_t seed, int64_t layer, int64_t head_offset) {
-  check_flash_attention(q, k, v, q_pos_in, k_pos_in, q_seg_in, k_seg_in, samples_in, p,
-                        head_offset);
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& q_pos_in, const at::Tensor& k_pos_in,
+    const c10::optional<at::Tensor>& q_seg_in, const c10::optional<at::Tensor>& k_seg_in, const at::Tensor& samples_in,
+    double p, int64_t seed, int64_t layer, int64_t head_offset) {
+  check_flash_attention(q, k, v, q_pos_in, k_pos_in, q_seg_in, k_seg_in, samples_in, p, head_offset);
   check_flash_attention_bwd(dout, out, lse, q);
   const at::Tensor q_pos = q_pos_in.contiguous(), k_pos = k_pos_in.contiguous();
   const at::Tensor q_seg = q_seg_in ? q_seg_in->contiguous() : at::Tensor();
@@ -219,25 +212,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   at::Tensor dq = grad_like(q), dk = grad_like(k), dv = grad_like(v);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "flash_bwd", [&] {
     using T = scalar_t;
-    const BwdIo<T> io{dout.const_data_ptr<T>(), q.const_data_ptr<T>(), k.const_data_ptr<T>(),
-                      v.const_data_ptr<T>(), out.const_data_ptr<T>(), strides_of(dout),
-                      strides_of(q), strides_of(k), strides_of(v), strides_of(out),
-                      lse.const_data_ptr<float>(), lse.stride(0), lse.stride(1), lse.stride(2),
-                      delta.data_ptr<float>(), dq32.data_ptr<float>(), dk.data_ptr<T>(),
-                      dv.data_ptr<T>(), chunks};
+    const BwdIo<T> io{dout.const_data_ptr<T>(),
+                      q.const_data_ptr<T>(),
+                      k.const_data_ptr<T>(),
+                      v.const_data_ptr<T>(),
+                      out.const_data_ptr<T>(),
+                      strides_of(dout),
+                      strides_of(q),
+                      strides_of(k),
+                      strides_of(v),
+                      strides_of(out),
+                      lse.const_data_ptr<float>(),
+                      lse.stride(0),
+                      lse.stride(1),
+                      lse.stride(2),
+                      delta.data_ptr<float>(),
+                      dq32.data_ptr<float>(),
+                      dk.data_ptr<T>(),
+                      dv.data_ptr<T>(),
+                      chunks};
     const int64_t rows = pr.b * pr.nq * pr.sq;
-    at::parallel_for(0, rows, 256, [&](int64_t r0, int64_t r1) {
-      delta_rows_simd<T>(&pr, &io, delta.data_ptr<float>(), r0, r1);
-    });
+    at::parallel_for(0, rows, 256,
+                     [&](int64_t r0, int64_t r1) { delta_rows_simd<T>(&pr, &io, delta.data_ptr<float>(), r0, r1); });
     at::parallel_for(0, pr.b * pr.nkv * chunks, 1, [&](int64_t t0, int64_t t1) {
       std::vector<float> ws(bwd_workspace_floats(pr.dp));
       std::vector<uint32_t> words(kBlock + 8);
-      for (int64_t t = t0; t < t1; ++t)
-        bwd_task_simd<T>(&pr, &ix, &io, t, ws.data(), words.data());
+      for (int64_t t = t0; t < t1; ++t) bwd_task_simd<T>(&pr, &ix, &io, t, ws.data(), words.data());
     });
-    at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
-      dq_rows_simd<T>(&pr, &ix, &io, dq.data_ptr<T>(), r0, r1);
-    });
+    at::parallel_for(0, rows, 64,
+                     [&](int64_t r0, int64_t r1) { dq_rows_simd<T>(&pr, &ix, &io, dq.data_ptr<T>(), r0, r1); });
   });
   return {dq, dk, dv};
 }

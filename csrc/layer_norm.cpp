@@ -18,7 +18,7 @@
 
 #include "cpu_reduce.h"
 #include "cpu_simd.h"
-#include "op_checks.h"
+#include "layer_norm.h"
 
 namespace msp {
 namespace {
@@ -43,8 +43,8 @@ MSP_CPU_INLINE RowStats row_stats(const T* x, int64_t h, float eps) {
 }
 
 template <typename T, typename W>
-MSP_CPU_INLINE void ln_fwd_rows(const T* x, const W* w, const W* b, T* y, float* mean, float* rstd,
-                                int64_t h, float eps, int64_t r0, int64_t r1) {
+MSP_CPU_INLINE void ln_fwd_rows(const T* x, const W* w, const W* b, T* y, float* mean, float* rstd, int64_t h,
+                                float eps, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     const T* xr = x + r * h;
     T* yr = y + r * h;
@@ -60,9 +60,8 @@ MSP_SIMD_VARIANTS(ln_fwd_rows)
 
 // part = [grad_weight | grad_bias] partial sums, 2h floats.
 template <typename T, typename W>
-MSP_CPU_INLINE void ln_bwd_rows(const T* dy, const T* x, const W* w, const float* mean,
-                                const float* rstd, T* dx, float* part, int64_t h, int64_t r0,
-                                int64_t r1) {
+MSP_CPU_INLINE void ln_bwd_rows(const T* dy, const T* x, const W* w, const float* mean, const float* rstd, T* dx,
+                                float* part, int64_t h, int64_t r0, int64_t r1) {
   float* gw = part;
   float* gb = part + h;
   const float inv_h = 1.0f / static_cast<float>(h);
@@ -102,8 +101,7 @@ void dispatch_ln_types(const at::Tensor& x, const at::Tensor& w, Fn fn) {
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& x_in,
-                                                       const at::Tensor& w_in,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& x_in, const at::Tensor& w_in,
                                                        const at::Tensor& b_in, double eps) {
   const int64_t h = check_layer_norm(x_in, w_in, b_in);
   at::Tensor x = x_in.contiguous(), w = w_in.contiguous(), b = b_in.contiguous();
@@ -126,10 +124,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& x_in,
   return {y, mean, rstd};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dy_in,
-                                                       const at::Tensor& x_in,
-                                                       const at::Tensor& w_in,
-                                                       const at::Tensor& mean_in,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dy_in, const at::Tensor& x_in,
+                                                       const at::Tensor& w_in, const at::Tensor& mean_in,
                                                        const at::Tensor& rstd_in) {
   int64_t rows = 0;
   const int64_t h = check_layer_norm_bwd(dy_in, x_in, w_in, mean_in, rstd_in, &rows);
@@ -156,6 +152,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dy_in,
 }
 
 }  // namespace
+
+// x [..., h] -> (out [..., h], mean [rows] fp32, rstd [rows] fp32); the backward gives (dx, dweight, dbias).
+TORCH_LIBRARY_FRAGMENT(megatron_sp, m) {
+  m.def("layer_norm_fwd(Tensor x, Tensor weight, Tensor bias, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "layer_norm_bwd(Tensor grad_out, Tensor x, Tensor weight, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor)");
+}
 
 TORCH_LIBRARY_IMPL(megatron_sp, CPU, m) {
   m.impl("layer_norm_fwd", &fwd_cpu);

@@ -16,9 +16,9 @@
 
 #include <vector>
 
+#include "bias_dropout_add.h"
 #include "cpu_reduce.h"
 #include "cpu_simd.h"
-#include "op_checks.h"
 #include "philox.h"
 #include "philox_cpu.h"
 
@@ -32,23 +32,21 @@ struct RowIndex {
 };
 
 // Words of local features 0..h-1 of one row; buf holds h + 8 words. Returns the row's first word.
-const uint32_t* draw_row_words(const DropoutParams& d, int64_t pos, int64_t sample, int64_t h,
-                               uint32_t* buf) {
+const uint32_t* draw_row_words(const DropoutParams& d, int64_t pos, int64_t sample, int64_t h, uint32_t* buf) {
   const int64_t first = d.feature_offset / 4, groups = (d.feature_offset + h + 3) / 4 - first;
   const uint64_t s = static_cast<uint64_t>(sample);
-  philox_groups(d, static_cast<uint32_t>(first), groups, static_cast<uint32_t>(pos),
-                static_cast<uint32_t>(s), static_cast<uint32_t>(s >> 32), buf);
+  philox_groups(d, static_cast<uint32_t>(first), groups, static_cast<uint32_t>(pos), static_cast<uint32_t>(s),
+                static_cast<uint32_t>(s >> 32), buf);
   return buf + d.feature_offset % 4;
 }
 
 template <typename T>
-MSP_CPU_INLINE void bda_fwd_row(const T* x, const float* bias, const T* res, T* out,
-                                const uint32_t* words, const DropoutParams& d, int64_t h) {
+MSP_CPU_INLINE void bda_fwd_row(const T* x, const float* bias, const T* res, T* out, const uint32_t* words,
+                                const DropoutParams& d, int64_t h) {
   const float scale = d.scale;
   if (words == nullptr) {
 #pragma omp simd
-    for (int64_t j = 0; j < h; ++j)
-      out[j] = from_f32<T>(to_f32(res[j]) + (to_f32(x[j]) + bias[j]) * scale);
+    for (int64_t j = 0; j < h; ++j) out[j] = from_f32<T>(to_f32(res[j]) + (to_f32(x[j]) + bias[j]) * scale);
     return;
   }
   const uint32_t thr = d.threshold;
@@ -61,8 +59,8 @@ MSP_CPU_INLINE void bda_fwd_row(const T* x, const float* bias, const T* res, T* 
 MSP_SIMD_VARIANTS(bda_fwd_row)
 
 template <typename T>
-MSP_CPU_INLINE void bda_bwd_row(const T* g, T* gx, float* gbias, const uint32_t* words,
-                                const DropoutParams& d, int64_t h) {
+MSP_CPU_INLINE void bda_bwd_row(const T* g, T* gx, float* gbias, const uint32_t* words, const DropoutParams& d,
+                                int64_t h) {
   const float scale = d.scale;
   const uint32_t thr = d.threshold;
 #pragma omp simd
@@ -75,8 +73,7 @@ MSP_CPU_INLINE void bda_bwd_row(const T* g, T* gx, float* gbias, const uint32_t*
 }
 MSP_SIMD_VARIANTS(bda_bwd_row)
 
-const uint32_t* row_words(const DropoutParams& d, const RowIndex& idx, int64_t row, int64_t h,
-                          uint32_t* buf) {
+const uint32_t* row_words(const DropoutParams& d, const RowIndex& idx, int64_t row, int64_t h, uint32_t* buf) {
   if (d.threshold == 0) return nullptr;  // p == 0: keep everything, skip Philox
   int64_t pos = idx.positions[row / idx.b], sample = idx.samples[row % idx.b];
   return draw_row_words(d, pos, sample, h, buf);
@@ -87,9 +84,8 @@ at::Tensor bias_row_f32(const c10::optional<at::Tensor>& bias, int64_t h) {
   return bias->to(at::kFloat).contiguous();
 }
 
-at::Tensor fwd_cpu(const at::Tensor& x_in, const c10::optional<at::Tensor>& bias,
-                   const at::Tensor& res_in, const at::Tensor& positions_in,
-                   const at::Tensor& samples_in, double p, int64_t seed, int64_t layer,
+at::Tensor fwd_cpu(const at::Tensor& x_in, const c10::optional<at::Tensor>& bias, const at::Tensor& res_in,
+                   const at::Tensor& positions_in, const at::Tensor& samples_in, double p, int64_t seed, int64_t layer,
                    int64_t site, int64_t feature_offset) {
   check_bias_dropout_add(x_in, bias, res_in, positions_in, samples_in, p, feature_offset);
   at::Tensor x = x_in.contiguous(), res = res_in.contiguous(), out = at::empty_like(x);
@@ -115,13 +111,9 @@ at::Tensor fwd_cpu(const at::Tensor& x_in, const c10::optional<at::Tensor>& bias
 }
 
 std::tuple<at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& grad_in, const at::Tensor& pos_in,
-                                           const at::Tensor& samples_in, double p, int64_t seed,
-                                           int64_t layer, int64_t site, int64_t feature_offset,
-                                           bool bias_grad) {
-  TORCH_CHECK(grad_in.dim() == 3 && is_float_type(grad_in.scalar_type()),
-              "bias_dropout_add_bwd expects a float grad_out [s, b, h], got ", grad_in.sizes());
-  check_dropout_index(pos_in, samples_in, grad_in.size(0), grad_in.size(1), grad_in);
-  check_dropout_scalars(p, feature_offset);
+                                           const at::Tensor& samples_in, double p, int64_t seed, int64_t layer,
+                                           int64_t site, int64_t feature_offset, bool bias_grad) {
+  check_bias_dropout_add_bwd(grad_in, pos_in, samples_in, p, feature_offset);
   at::Tensor g = grad_in.contiguous(), gx = at::empty_like(g);
   at::Tensor positions = pos_in.contiguous(), samples = samples_in.contiguous();
   const int64_t h = g.size(2), rows = g.size(0) * g.size(1);
@@ -144,6 +136,17 @@ std::tuple<at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& grad_in, const at::
 }
 
 }  // namespace
+
+// x, residual [s, b, h]; bias [h] or None; token positions [s]; sample ids [b] -> out [s, b, h]; the backward
+// gives (grad_x [s, b, h], grad_bias [h] fp32, or [0] without bias_grad).
+TORCH_LIBRARY_FRAGMENT(megatron_sp, m) {
+  m.def(
+      "bias_dropout_add_fwd(Tensor x, Tensor? bias, Tensor residual, Tensor token_positions, Tensor sample_ids, float "
+      "p, int seed, int layer, int site, int feature_offset) -> Tensor");
+  m.def(
+      "bias_dropout_add_bwd(Tensor grad_out, Tensor token_positions, Tensor sample_ids, float p, int seed, int layer, "
+      "int site, int feature_offset, bool bias_grad) -> (Tensor, Tensor)");
+}
 
 TORCH_LIBRARY_IMPL(megatron_sp, CPU, m) {
   m.impl("bias_dropout_add_fwd", &fwd_cpu);

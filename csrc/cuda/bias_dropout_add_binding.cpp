@@ -1,0 +1,73 @@
+// The CUDA binding of bias_dropout_add: checks (../bias_dropout_add.h), output and scratch allocation, and
+// the launch (bias_dropout_add.cu) on the current stream.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "../bias_dropout_add.h"
+#include "bias_dropout_add.h"
+#include "binding.h"
+
+namespace msp {
+namespace {
+
+at::Tensor bda_fwd_cuda(const at::Tensor& x_in, const c10::optional<at::Tensor>& bias_in, const at::Tensor& res_in,
+                        const at::Tensor& positions_in, const at::Tensor& samples_in, double p, int64_t seed,
+                        int64_t layer, int64_t site, int64_t feature_offset) {
+  check_bias_dropout_add(x_in, bias_in, res_in, positions_in, samples_in, p, feature_offset);
+  c10::cuda::CUDAGuard guard(x_in.device());
+  at::Tensor x = x_in.contiguous(), res = res_in.contiguous(), out = at::empty_like(x);
+  at::Tensor positions = positions_in.contiguous(), samples = samples_in.contiguous();
+  at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
+  cuda::BiasDropoutAddFwd args{x.const_data_ptr(),
+                               bias.defined() ? bias.const_data_ptr() : nullptr,
+                               res.const_data_ptr(),
+                               out.data_ptr(),
+                               positions.const_data_ptr<int64_t>(),
+                               samples.const_data_ptr<int64_t>(),
+                               x.size(0),
+                               x.size(1),
+                               x.size(2),
+                               cuda_dtype(x.scalar_type()),
+                               make_dropout_params(p, seed, layer, site, feature_offset)};
+  check_launch(cuda::bias_dropout_add_fwd(args, current_stream()), "bias_dropout_add_fwd");
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> bda_bwd_cuda(const at::Tensor& grad_in, const at::Tensor& pos_in,
+                                                const at::Tensor& samples_in, double p, int64_t seed, int64_t layer,
+                                                int64_t site, int64_t feature_offset, bool bias_grad) {
+  check_bias_dropout_add_bwd(grad_in, pos_in, samples_in, p, feature_offset);
+  c10::cuda::CUDAGuard guard(grad_in.device());
+  at::Tensor g = grad_in.contiguous(), gx = at::empty_like(g);
+  at::Tensor positions = pos_in.contiguous(), samples = samples_in.contiguous();
+  const int64_t s = g.size(0), b = g.size(1), h = g.size(2);
+  const cuda::DType dtype = cuda_dtype(g.scalar_type());
+  at::Tensor gbias = at::empty({bias_grad ? h : 0}, g.options().dtype(at::kFloat));
+  at::Tensor scratch =
+      at::empty({bias_grad ? cuda::bias_dropout_add_bwd_scratch(s, b, h, dtype) : 0}, g.options().dtype(at::kFloat));
+  cuda::BiasDropoutAddBwd args{g.const_data_ptr(),
+                               gx.data_ptr(),
+                               bias_grad ? gbias.data_ptr<float>() : nullptr,
+                               scratch.data_ptr<float>(),
+                               positions.const_data_ptr<int64_t>(),
+                               samples.const_data_ptr<int64_t>(),
+                               s,
+                               b,
+                               h,
+                               dtype,
+                               make_dropout_params(p, seed, layer, site, feature_offset)};
+  check_launch(cuda::bias_dropout_add_bwd(args, current_stream()), "bias_dropout_add_bwd");
+  return {gx, gbias};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(megatron_sp, CUDA, m) {
+  m.impl("bias_dropout_add_fwd", &bda_fwd_cuda);
+  m.impl("bias_dropout_add_bwd", &bda_bwd_cuda);
+}
+
+}  // namespace msp
