@@ -128,7 +128,7 @@ def run_stage(stage: Stage, budget, left: float, passed: set, out: str, scratch:
     if reason:
         return Result(stage.name, f"skipped: {reason}")
     if left < minimum:
-        return Result(stage.name, f"skipped: {left:.0f} s left, needs {minimum} s")
+        return Result(stage.name, f"skipped: {max(left, 0):.0f} s left, needs {minimum} s")
     log = os.path.join(out if stage.log else scratch, stage.log or f"{stage.name}.log")
     stage_log = os.path.join(scratch, f"{stage.name}.stage.log")  # this stage's output alone (figures)
     env = dict(os.environ, **stage.env)

@@ -4,6 +4,7 @@ did not pass; the summary is rewritten after every stage and printed last; at mo
 $OUT. The runner with stand-in commands, then the real script as a CPU dry run on tiny shapes."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -48,11 +49,16 @@ def test_stages_are_capped_skipped_and_summarised(tmp_path):
 
 
 def test_cpu_dry_run_within_a_small_deadline(tmp_path):
-    """GPU_CHECK_DEVICE=cpu with a 25 s deadline: the first stages run on tiny shapes, the last ones
-    are skipped for time; every stage is in the summary, which ends the output."""
-    out = tmp_path / "out"
-    env = dict(os.environ, OUT=str(out), GPU_CHECK_DEVICE="cpu", GPU_CHECK_DEADLINE="25", PYTHON=sys.executable)
+    """GPU_CHECK_DEVICE=cpu with a 20 s deadline, less than the stages' minima add up to: the first
+    stages run on tiny shapes, the rest are skipped (for time, or because the build was); every stage
+    is in the summary, in order, and the summary ends the output. Which stage is the first cut depends
+    on the machine's load, so only what holds under any load is asserted."""
+    out, deadline = tmp_path / "out", 20
+    env = dict(os.environ, OUT=str(out), GPU_CHECK_DEVICE="cpu", GPU_CHECK_DEADLINE=str(deadline))
+    env["PYTHON"] = sys.executable
+    start = time.monotonic()
     proc = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert time.monotonic() - start < deadline + 20, "the deadline was overrun"
     assert proc.returncode in (0, 1), proc.stderr[-2000:]
     summary = (out / "summary.md").read_text()
     assert proc.stdout.rstrip().endswith(summary.rstrip()), "the summary must be printed last"
@@ -60,6 +66,7 @@ def test_cpu_dry_run_within_a_small_deadline(tmp_path):
     names = ["environment", "speed_reference", "build", "tests", "speed_fused_p0", "speed_fused_p01", "kernels"]
     assert [n for n in rows if n != "stage"] == names
     assert rows["environment"] == "passed", summary
-    assert rows["kernels"].startswith("skipped:") and "s left" in rows["kernels"], summary
+    assert any(re.match(r"skipped: \d+ s left, needs \d+ s", s) for s in rows.values()), summary
+    assert rows["kernels"].startswith("skipped:"), summary
     assert not any(s.startswith("failed") for s in rows.values()), summary
-    assert len(os.listdir(out)) <= 7
+    assert "summary.md" in os.listdir(out) and len(os.listdir(out)) <= gpu_check.MAX_OUT_FILES

@@ -24,10 +24,12 @@ import torch
 from megatron_sp.ops._extension import BUILT_DEVICES
 
 
-def compile_problem(use_fused_kernels: bool, device: str) -> Optional[str]:
+def compile_problem(use_fused_kernels: bool, device: str, tp_comm_overlap: bool = False) -> Optional[str]:
     """Why the layers cannot be compiled on `device` (one sentence), or None."""
     if not use_fused_kernels:
         return "--torch-compile compiles the layers around the fused ops: drop --no-fused-kernels."
+    if tp_comm_overlap:  # its isend/irecv ring would break every layer's graph at each step
+        return "--torch-compile cannot trace --tp-comm-overlap's point-to-point ring: use one of the two."
     if device not in BUILT_DEVICES:
         return (
             f"--torch-compile needs megatron_sp._C built with {device} kernels (built for: "
@@ -39,7 +41,8 @@ def compile_problem(use_fused_kernels: bool, device: str) -> Optional[str]:
 def compile_layers(model, **options):
     """Compiles each of `model.layers` in place (nn.Module.compile: parameter names and state-dict keys
     do not change); options go to torch.compile. Returns the model."""
-    problem = compile_problem(model.cfg.use_fused_kernels, next(model.parameters()).device.type)
+    cfg = model.cfg
+    problem = compile_problem(cfg.use_fused_kernels, next(model.parameters()).device.type, cfg.tp_comm_overlap)
     if problem:
         raise ValueError(problem)
     layers = list(model.layers)

@@ -55,7 +55,7 @@ def parse_inputs(argv):
     if args.torch_compile:
         from megatron_sp.models.compile import compile_problem
 
-        problem = compile_problem(args.use_fused_kernels, args.device)
+        problem = compile_problem(args.use_fused_kernels, args.device, args.tp_comm_overlap)
         if problem:
             raise ArgumentError(problem)
     if args.distributed_backend is None:
