@@ -250,7 +250,7 @@ def last_line(pattern: str) -> Callable[[str], str]:
 def kernels_figures(text: str) -> str:
     cases = len(re.findall(r"^\S.* \(\d", text, re.M))
     failed = len(re.findall(r"^\s*FAILED", text, re.M))
-    return f"{cases} cases, {failed} failed"
+    return f"{cases} cases measured, {failed} failed"
 
 
 # ---- the stages ---------------------------------------------------------------------------------
