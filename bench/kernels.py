@@ -401,7 +401,7 @@ def format_case(case: Case, times: Dict[str, float], copy_bw) -> List[str]:
         if k != "fused":
             row += f"   fused speed-up x{t / fused:6.2f}"
         if case.flops:
-            row += f"   {case.flops / t / 1e12:7.2f} TFLOP/s"
+            row += f"   {case.flops / t / 1e12:8.3f} TFLOP/s"
         elif copy_bw:
             bw = case.nbytes / t
             row += f"   {bw / 1e12:6.3f} TB/s  {100 * bw / copy_bw:5.1f}% of copy"
