@@ -18,6 +18,11 @@ The vendor kernels by device (all compute softmax(q kᵀ / √d) v with an fp32 
 They take equal query and key/value head counts, so grouped key/value heads are repeated to the query
 heads here and their gradients summed back. The backward is given the final (merged over the ring)
 out and lse, as the kernels' own backward ops allow, so one key block's gradients need no other block.
+
+FlexAttention (document block masks) was not taken: on torch 2.13's CPU build it is either compiled
+by inductor per shape and mask or run as its unfused math fallback (with a warning, ~3 s for one
+[1, 4, 256, 64] call), while the ops above take the documents as an additive mask, return the
+log-sum-exp as they are, and need no compilation on either device.
 """
 
 from __future__ import annotations
