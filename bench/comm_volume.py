@@ -11,7 +11,10 @@ library calls them as attributes of the `torch.distributed` module (`dist.all_re
 `import torch.distributed as dist`), so replacing those attributes intercepts every call. Wrapped:
 all_reduce, all_gather_into_tensor / all_gather_single / _all_gather_base, reduce_scatter_tensor /
 reduce_scatter_single / _reduce_scatter_base, all_gather (list), reduce_scatter (list),
-all_to_all_single, all_to_all (list), batch_isend_irecv (ring attention: the isend bytes). A call made
+all_to_all_single, all_to_all (list), batch_isend_irecv (ring attention: the isend bytes), and the
+functional collectives tensor_parallel/mappings.py and layers.py call (what torch.compile can trace:
+all_reduce, all_gather_tensor, reduce_scatter_tensor, all_to_all_single of
+torch.distributed._functional_collectives, called as attributes of that module). A call made
 from inside another wrapped call is not counted twice. Each call records its op, phase (forward /
 backward / sp-grad-sync), the library function that issued it, the group size t and the tensor bytes,
 and is charged the standard ring-algorithm cost per rank:
@@ -60,6 +63,16 @@ WRAPPED = OrderedDict(
         ("batch_isend_irecv", "p2p"),
     ]
 )
+# torch.distributed._functional_collectives attribute -> kind; each takes its tensor as `self` and
+# returns a new one (all_gather_tensor's output: t times its input)
+FUNCTIONAL = OrderedDict(
+    [
+        ("all_reduce", "all_reduce"),
+        ("all_gather_tensor", "all_gather"),
+        ("reduce_scatter_tensor", "reduce_scatter"),
+        ("all_to_all_single", "all_to_all"),
+    ]
+)
 # mappings' raw helpers are skipped when naming the call site (the caller of interest is above them)
 _HELPERS = {
     "_all_reduce",
@@ -86,8 +99,9 @@ class CollectiveCounter:
 
     def __init__(self):
         import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
 
-        self._dist = dist
+        self._dist, self._funcol = dist, funcol
         self.calls = []
         self.phase = "forward"
         self._saved = {}
@@ -111,7 +125,10 @@ class CollectiveCounter:
                 return orig(*args, **kwargs)
             bound = dict(zip(params, args), **kwargs)
             t = counter._world_size(bound.get("group"))
-            if kind == "all_reduce":
+            if "self" in bound:  # a functional collective
+                raw = _nbytes(bound["self"]) * (t if kind == "all_gather" else 1)
+                sent = (2 if kind == "all_reduce" else 1) * (t - 1) / t * raw
+            elif kind == "all_reduce":
                 raw = _nbytes(bound["tensor"])
                 sent = 2 * (t - 1) / t * raw
             elif kind == "all_gather":
@@ -154,11 +171,17 @@ class CollectiveCounter:
                 continue
             self._saved[name] = orig
             setattr(dist, name, self._wrap(name, kind, orig))
+        for name, kind in FUNCTIONAL.items():
+            orig = getattr(self._funcol, name)
+            self._saved["funcol." + name] = orig
+            setattr(self._funcol, name, self._wrap("funcol." + name, kind, orig))
         return self
 
     def __exit__(self, *exc):
         for name, orig in self._saved.items():
-            if name != "get_world_size":
+            if name.startswith("funcol."):
+                setattr(self._funcol, name[len("funcol.") :], orig)
+            elif name != "get_world_size":
                 setattr(self._dist, name, orig)
         self._saved.clear()
 

@@ -7,7 +7,9 @@
     python bench/kernels.py --device cpu --only flash_attention --repeats 5
 
 Every case is validated before it is timed (fused vs reference: masks bit-identical, values within
-the dtype's tolerance); a failed check exits 1. CPU: wall-clock minimum over interleaved runs (the
+the dtype's tolerance); a case that fails (its check, or any error) is reported as FAILED and the
+others still run; the exit status is then 1. Each case is printed (and appended to --markdown) as
+soon as it is measured, so a run cut short keeps what it measured. CPU: wall-clock minimum over interleaved runs (the
 minimum, not the median, because shared CI machines are noisy and the work is deterministic).
 CUDA: CUDA-event median; bandwidth = compulsory bytes (each input read once, each output written
 once) / time, and % of the measured device-to-device copy bandwidth (copy_ of a slab as large as the
@@ -15,7 +17,11 @@ largest case). Baselines: `reference` is the op's PyTorch reference in megatron_
 numerics); `native` is what eager code usually calls (F.dropout with torch's RNG, F.layer_norm or
 F.rms_norm in the input dtype); `compiled` is torch.compile of the native (or reference) code.
 flash_attention: `explicit` is the s x s softmax of models/attention.causal_attention(explicit=True)
-(its backward: autograd of that graph); the Python reference (block loops) runs up to s = 1024 only.
+(its backward: autograd of that graph); the Python reference (block loops) runs up to s = 1024 only;
+`sdpa p=0` is F.scaled_dot_product_attention without dropout (the speed our dropout kernel is held
+to), `vendor lse` the log-sum-exp kernel ring attention uses at dropout 0 (ops/attention_lse.py).
+Attention rows give TFLOP/s (causal: 2 b n s² d multiply-adds x 2 forward, 2.5x that backward)
+instead of bandwidth: the kernels are compute-bound.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import torch.nn.functional as F
 from megatron_sp import ops
 from megatron_sp.models.attention import causal_attention
 from megatron_sp.ops import layout
+from megatron_sp.ops.attention_lse import attention_with_lse, attention_with_lse_backward
 from megatron_sp.ops.flash_attention import (
     AttentionDropout,
     flash_attention_bwd_reference,
@@ -55,6 +62,7 @@ class Case:
     baselines: Dict[str, Callable[[], object]]
     check: Callable[[], None]  # raises when the fused result is wrong
     compiled: Dict[str, Callable[[], object]] = field(default_factory=dict)
+    flops: float = 0.0  # compute-bound cases (attention): floating-point operations per call
 
 
 # ---- cases --------------------------------------------------------------------------------------
@@ -183,9 +191,9 @@ def _rms_cases(rows, h, dtype, dev, compile_):
 
 
 def _flash_cases(b, n, s, d, p, dtype, dev, with_reference):
-    """Causal self-attention fwd and bwd: the fused op, the explicit s x s softmax, the reference.
-    The forward outputs and the explicit graph the backwards need are made on first use (so that
-    --only other cases do not pay for them)."""
+    """Causal self-attention fwd and bwd: the fused op, the explicit s x s softmax, the reference, SDPA
+    and the vendor log-sum-exp kernel (both without dropout). The forward outputs and the graphs the
+    backwards need are made on first use (so that --only other cases do not pay for them)."""
     q, k, v = (torch.randn(b, n, s, d, device=dev, dtype=dtype) for _ in range(3))
     pos, samples = torch.arange(s, device=dev), torch.arange(b, device=dev)
     index, drop = DropoutIndex(pos, samples), AttentionDropout(p, 1234, 3, 0)
@@ -194,34 +202,43 @@ def _flash_cases(b, n, s, d, p, dtype, dev, with_reference):
     fused = lambda: MSP.flash_attention_fwd(q, k, v, *args, p, 1234, 3, 0)
     explicit = lambda: causal_attention(*leaves, dropout_p=p, seed=1234, layer=3, index=index, explicit=True)
     ref = lambda: flash_attention_fwd_reference(q, k, v, *args, drop)
+    sdpa = lambda: F.scaled_dot_product_attention(*leaves, is_causal=True)
+    vendor = lambda: attention_with_lse(q, k, v, causal=True)
     state = {}
 
-    def saved():  # (out, lse) of the fused forward, dout, the explicit graph
+    def saved():  # (out, lse) of the fused forward, dout, the explicit and SDPA graphs, the vendor (out, lse)
         if not state:
-            state.update(fwd=fused(), dout=torch.randn_like(q), graph=explicit())
+            state.update(fwd=fused(), dout=torch.randn_like(q), graph=explicit(), sdpa=sdpa(), vendor=vendor())
         return state
 
     fused_bwd = lambda: MSP.flash_attention_bwd(saved()["dout"], q, k, v, *saved()["fwd"], *args, p, 1234, 3, 0)
     ref_bwd = lambda: flash_attention_bwd_reference(saved()["dout"], q, k, v, *saved()["fwd"], *args, drop)
     explicit_bwd = lambda: torch.autograd.grad(saved()["graph"], leaves, saved()["dout"], retain_graph=True)
+    sdpa_bwd = lambda: torch.autograd.grad(saved()["sdpa"], leaves, saved()["dout"], retain_graph=True)
+    vendor_bwd = lambda: attention_with_lse_backward(saved()["dout"], q, k, v, *saved()["vendor"], causal=True)
 
-    def check():  # against the reference where it runs, else the explicit softmax
+    def check():  # against the reference where it runs, else the explicit softmax; the vendor vs SDPA
         want = ref()[0] if with_reference else saved()["graph"].detach()
         assert_close_dtype(saved()["fwd"][0], want, dtype, scale=2.0)
+        assert_close_dtype(saved()["vendor"][0], saved()["sdpa"].detach(), dtype, scale=2.0)
 
     def check_bwd():
         want = ref_bwd() if with_reference else explicit_bwd()
         for a, e in zip(fused_bwd(), want):
             assert_close_dtype(a, e, dtype, scale=2 * (1 + e.float().abs().max().item()))
+        for a, e in zip(vendor_bwd(), sdpa_bwd()):
+            assert_close_dtype(a, e, dtype, scale=2 * (1 + e.float().abs().max().item()))
 
     name = f"[{b},{n},{s},{d}] p={p}"
     nbytes = 4 * q.numel() * q.element_size()
-    base_fwd, base_bwd = {"explicit": explicit}, {"explicit": explicit_bwd}
+    flops = 2 * 2 * b * n * s * s * d / 2  # two [s, s] x d matmuls, causal half
+    base_fwd = {"explicit": explicit, "sdpa p=0": sdpa, "vendor lse p=0": vendor}
+    base_bwd = {"explicit": explicit_bwd, "sdpa p=0": sdpa_bwd, "vendor lse p=0": vendor_bwd}
     if with_reference:
         base_fwd["reference"], base_bwd["reference"] = ref, ref_bwd
     return [
-        Case(f"flash_attention fwd {name}", nbytes, fused, base_fwd, check),
-        Case(f"flash_attention bwd {name}", 2 * nbytes, fused_bwd, base_bwd, check_bwd),
+        Case(f"flash_attention fwd {name}", nbytes, fused, base_fwd, check, flops=flops),
+        Case(f"flash_attention bwd {name}", 2 * nbytes, fused_bwd, base_bwd, check_bwd, flops=2.5 * flops),
     ]
 
 
@@ -349,26 +366,31 @@ def header(args) -> List[str]:
     return lines
 
 
-def run(args) -> List[str]:
+def run(args, emit) -> int:
+    """Measures every case, passing each report's lines to `emit` as soon as they exist; returns the
+    number of cases that failed."""
     dtype = DTYPES[args.dtype]
     cases = build_cases(args.device, dtype, args.compile and args.device == "cuda", args.scale)
     cases = [c for c in cases if args.only is None or args.only in c.name]
     if not cases:
         raise SystemExit(f"no case name contains --only {args.only!r}")
-    lines = header(args)
+    emit(header(args))
     timer = time_cuda if args.device == "cuda" else time_cpu
     copy_bw = None
     if args.device == "cuda":
         copy_bw = copy_bandwidth(max(c.nbytes for c in cases), args.repeats)
-        lines.append(f"device copy bandwidth: {copy_bw / 1e12:.3f} TB/s (read + write)")
-    lines.append("")
-    lines += saved_bytes_lines(256, 2, 1024, dtype, args.device)
+        emit([f"device copy bandwidth: {copy_bw / 1e12:.3f} TB/s (read + write)"])
+    emit([""] + saved_bytes_lines(256, 2, 1024, dtype, args.device))
+    failed = 0
     for case in cases:
-        case.check()
-        fns = {"fused": case.fused, **case.baselines, **case.compiled}
-        times = timer(fns, args.repeats)
-        lines += format_case(case, times, copy_bw)
-    return lines
+        try:
+            case.check()
+            times = timer({"fused": case.fused, **case.baselines, **case.compiled}, args.repeats)
+            emit(format_case(case, times, copy_bw))
+        except Exception as err:  # one case's failure must not lose the others' figures
+            failed += 1
+            emit([f"{case.name}", f"  FAILED: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"])
+    return failed
 
 
 def format_case(case: Case, times: Dict[str, float], copy_bw) -> List[str]:
@@ -378,7 +400,9 @@ def format_case(case: Case, times: Dict[str, float], copy_bw) -> List[str]:
         row = f"  {k:<20} {t * 1e3:9.3f} ms"
         if k != "fused":
             row += f"   fused speed-up x{t / fused:6.2f}"
-        if copy_bw:
+        if case.flops:
+            row += f"   {case.flops / t / 1e12:8.3f} TFLOP/s"
+        elif copy_bw:
             bw = case.nbytes / t
             row += f"   {bw / 1e12:6.3f} TB/s  {100 * bw / copy_bw:5.1f}% of copy"
         out.append(row)
@@ -406,12 +430,25 @@ def main(argv=None) -> int:
         print("--device cuda needs a GPU")
         return 1
     torch.manual_seed(0)
-    lines = run(args)
-    print("\n".join(lines))
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write("```\n" + "\n".join(lines) + "\n```\n")
-    return 0
+    markdown = open(args.markdown, "w") if args.markdown else None
+
+    def emit(lines):
+        print("\n".join(lines), flush=True)
+        if markdown:
+            markdown.write("\n".join(lines) + "\n")
+            markdown.flush()
+
+    if markdown:
+        markdown.write("```\n")
+    try:
+        failed = run(args, emit)
+    finally:
+        if markdown:
+            markdown.write("```\n")
+            markdown.close()
+    if failed:
+        print(f"{failed} case(s) FAILED")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

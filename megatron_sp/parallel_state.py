@@ -17,7 +17,6 @@ set-up at all.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -81,25 +80,6 @@ def _check_factors(world_size: int, tp: int, cp: int) -> int:
     return world_size // (tp * cp)
 
 
-def world_timeout() -> Optional[timedelta]:
-    """The collective timeout the default process group was created with (None if unknown).
-
-    `dist.new_group` does not inherit it: without an explicit timeout a subgroup gets torch's
-    backend default (30 min for gloo, 10 min for NCCL), so a hung TP peer would block its group
-    for that long whatever --distributed-timeout-minutes says.
-    """
-    import torch
-
-    try:
-        group = dist.distributed_c10d._get_default_group()
-        for device in ("cpu", "cuda"):
-            if torch.device(device) in group._device_types:
-                return group._get_backend(torch.device(device)).options._timeout
-    except (AttributeError, RuntimeError, ValueError):  # private API: degrade to torch's default
-        return None
-    return None
-
-
 def _new_groups(rank_lists, my_rank, timeout):
     """Creates every group of one axis (collectively, same order on all ranks); returns mine."""
     mine = None
@@ -115,8 +95,10 @@ def initialize_model_parallel(
 ) -> ParallelState:
     """Builds the TP/CP/DP groups (collective over the whole world) and makes them current.
 
-    timeout: every group's collective timeout; default: the world's (init_process_group's), so a
-    dead or hung peer fails its TP/CP/DP group as fast as the world.
+    timeout: every group's collective timeout. `dist.new_group` does not inherit the world's, so pass
+    the one given to init_process_group (pretrain.py passes --distributed-timeout-minutes): a dead or
+    hung peer then fails its TP/CP/DP group as fast as the world. None: torch's default for a new
+    group (30 min on gloo, 10 min on NCCL).
     """
     global _STATE
     tp, cp = tensor_model_parallel_size, context_parallel_size
@@ -127,13 +109,6 @@ def initialize_model_parallel(
     world, me = dist.get_world_size(), dist.get_rank()
     dp = _check_factors(world, tp, cp)
     tp_lists, cp_lists, dp_lists, dp_cp_lists = grid_ranks(tp, cp, dp)
-    timeout = timeout if timeout is not None else world_timeout()
-    if timeout is None:
-        warnings.warn(
-            "cannot read the world's collective timeout (torch internals changed?): the TP/CP/DP "
-            "groups get torch's default (30 min on gloo); pass timeout= explicitly",
-            stacklevel=2,
-        )
     _STATE = ParallelState(
         tp_size=tp,
         cp_size=cp,

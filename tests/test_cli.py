@@ -96,6 +96,18 @@ CASES = {
     ),
     "dropout range": (lambda d, t: ["--hidden-dropout", "1.5"], None, "hidden_dropout"),
     "unknown flag": (lambda d, t: ["--no-such-flag"], None, "--no-such-flag"),
+    "compile without fused ops": (lambda d, t: ["--torch-compile", "--no-fused-kernels"], None, "--torch-compile"),
+    "compile with tp comm overlap": (
+        lambda d, t: [
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--tp-comm-overlap",
+            "--torch-compile",
+        ],
+        2,
+        "--tp-comm-overlap",
+    ),
 }
 
 

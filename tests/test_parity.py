@@ -102,13 +102,16 @@ def _copies(model, ps):
     return out
 
 
-def _parity_worker(tp, sp, dropout, fused=FUSED, family="gpt2", cp=1, comm="p2p", extra=None):
+def _parity_worker(tp, sp, dropout, fused=FUSED, family="gpt2", cp=1, comm="p2p", extra=None, compile_options=None):
     from megatron_sp import parallel_state
+    from megatron_sp.models.compile import compile_layers
     from megatron_sp.models.gpt import GPTModel
     from megatron_sp.training.optimizer import global_grad_norm
 
     ps = parallel_state.initialize_model_parallel(tp, cp)
     model = GPTModel(_config(tp, sp, dropout, fused, family, cp, comm, extra))
+    if compile_options is not None:  # --torch-compile
+        compile_layers(model, **compile_options)
     init = model.full_state_dict()
 
     def grads_and_norm():
@@ -218,14 +221,26 @@ def test_parity_with_fused_kernels(pool, family, tp, sp, cp, comm, overlap):
 
 
 def check_parity(
-    pool, tp, sp, dropout, fused, family="gpt2", cp=1, comm="p2p", extra=None, shared=None, final_rtol=1e-5
+    pool,
+    tp,
+    sp,
+    dropout,
+    fused,
+    family="gpt2",
+    cp=1,
+    comm="p2p",
+    extra=None,
+    shared=None,
+    final_rtol=1e-5,
+    compile_options=None,
 ):
-    """The parallel model (extra: more GPTConfig fields, e.g. recomputation) against the plain reference
-    (shared: fields of both, the model variant). final_rtol: the weights after the AdamW steps (the
-    losses and first gradients are held to 1e-5)."""
+    """The parallel model (extra: more GPTConfig fields, e.g. recomputation; compile_options: its layers
+    compiled with them) against the plain reference (shared: fields of both, the model variant).
+    final_rtol: the weights after the AdamW steps (the losses and first gradients are held to 1e-5)."""
     init, ref_losses, ref_grads, ref_final = _reference(dropout, family, shared)
     extra = {**(shared or {}), **(extra or {})}
-    results = [r for r in pool.run(_parity_worker, tp, sp, dropout, fused, family, cp, comm, extra) if r is not None]
+    args = (tp, sp, dropout, fused, family, cp, comm, extra, compile_options)
+    results = [r for r in pool.run(_parity_worker, *args) if r is not None]
     assert len(results) == tp
     for res in results:
         assert res["init"].keys() == init.keys()
@@ -287,12 +302,12 @@ def _documents():
     return tokens, labels, ids, positions.expand(BATCH, SEQ), mask
 
 
-def _document_worker(tp, sp, family, cp=1, comm="p2p", extra=None):
+def _document_worker(tp, sp, family, cp=1, comm="p2p", extra=None, dropout=0.1):
     from megatron_sp import parallel_state
     from megatron_sp.models.gpt import GPTModel
 
     parallel_state.initialize_model_parallel(tp, cp)
-    model = GPTModel(_config(tp, sp, 0.1, False, family, cp, comm, extra))
+    model = GPTModel(_config(tp, sp, dropout, False, family, cp, comm, extra))
     tokens, labels, ids, positions, mask = _documents()
     loss = model(tokens, labels, sample_ids=ids, position_ids=positions, attention_mask=mask)
     loss.backward()
@@ -300,24 +315,32 @@ def _document_worker(tp, sp, family, cp=1, comm="p2p", extra=None):
 
 
 @pytest.mark.parametrize(
-    "family,tp,cp,comm,overlap",
+    "family,tp,cp,comm,dropout,overlap",
     overlapped(
-        [("gpt2", 4, 1, "p2p"), ("llama", 4, 1, "p2p"), ("llama", 1, 4, "p2p"), ("gpt2", 2, 2, "a2a")],
-        sp=lambda c: c[1] > 1,
+        [
+            ("gpt2", 4, 1, "p2p", 0.1),
+            ("llama", 4, 1, "p2p", 0.1),
+            ("llama", 1, 4, "p2p", 0.1),
+            ("gpt2", 2, 2, "a2a", 0.1),
+            ("llama", 1, 4, "p2p", 0.0),  # torch's kernel per ring block, documents as a mask
+            ("llama", 1, 2, "a2a", 0.0),  # SDPA over Ulysses' whole sequence, documents as a mask
+        ],
+        sp=lambda c: c[1] > 1 and c[4] > 0,
     ),
 )
-def test_document_positions_and_masks_parity(pool, family, tp, cp, comm, overlap):
+def test_document_positions_and_masks_parity(pool, family, tp, cp, comm, dropout, overlap):
     """Reset position ids (learned positions and RoPE) and document masks at TP=4+SP, and under
-    context parallelism (the mask becomes document ids; ring and Ulysses), dropout on."""
+    context parallelism (the mask becomes document ids; ring and Ulysses), dropout on and off (off:
+    the vendor kernels, ops/attention_lse.py)."""
     from megatron_sp.models.reference import ReferenceGPT
 
-    ref = ReferenceGPT(_config(dropout=0.1, family=family))
+    ref = ReferenceGPT(_config(dropout=dropout, family=family))
     tokens, labels, ids, positions, mask = _documents()
     loss = ref(tokens, labels, sample_ids=ids, position_ids=positions, attention_mask=mask)
     loss.backward()
     plain = ref(tokens, labels, sample_ids=ids).item()
     assert abs(loss.item() - plain) > 1e-4  # positions and masks do change the function
-    for got_loss, grads in pool.run(_document_worker, tp, tp > 1, family, cp, comm, _overlap(overlap)):
+    for got_loss, grads in pool.run(_document_worker, tp, tp > 1, family, cp, comm, _overlap(overlap), dropout):
         assert abs(got_loss - loss.item()) <= 1e-5 * loss.item()
         for name, p in ref.named_parameters():
             assert _rel(grads[name], p.grad) < 1e-5, name
@@ -331,6 +354,13 @@ CP_LAYOUTS = [(1, 2), (1, 4), (2, 2)]
 def test_context_parallel_parity(pool, tp, cp, comm, overlap):
     """Ring (p2p) and Ulysses (a2a) context parallelism, with TP+SP at tp=2, dropout on."""
     check_parity(pool, tp, tp > 1, 0.1, fused=False, cp=cp, comm=comm, extra=_overlap(overlap))
+
+
+@pytest.mark.parametrize("family,tp,cp", [("gpt2", 1, 2), ("llama", 2, 2)])
+def test_ring_attention_parity_without_dropout(pool, family, tp, cp):
+    """Attention dropout 0 (Llama's setting): every ring block runs torch's flash kernel
+    (ops/attention_lse.py), merged by our log-sum-exp; GQA's 2 key/value heads repeated per block."""
+    check_parity(pool, tp, tp > 1, 0.0, fused=False, family=family, cp=cp, comm="p2p")
 
 
 @pytest.mark.parametrize(

@@ -1,12 +1,13 @@
 """Ring attention over the CP group (Liu et al. 2023; Megatron-LM's p2p context parallelism).
 
 Each rank keeps its queries and passes its key/value block around the ring: at step i it attends to
-the block of rank (r - i) mod p with the blockwise kernel (ops/flash_attention.py), while the next
+the block of rank (r - i) mod p (ops/attention_lse.py: torch's flash kernels without attention
+dropout, our blockwise kernel with the invariant dropout; both return the log-sum-exp), while the next
 block is already in flight (isend/irecv, overlapped with the compute), and merges the partial
 results by log-sum-exp. Zigzag split (split.py): rank r holds sequence chunks r and 2p-1-r, so
 against the block of rank j its work is always half a block pair:
 
-    j == r   its own block, causal                            q [c_r | c_2p-1-r] × k [c_r | c_2p-1-r]
+    j == r   its own block, causal (same tokens, increasing)  q [c_r | c_2p-1-r] × k [c_r | c_2p-1-r]
     j <  r   both query chunks see only the block's first chunk     q [both] × k [c_j]
     j >  r   only the second query chunk sees anything, all of it   q [c_2p-1-r] × k [both]
 
@@ -14,15 +15,23 @@ The backward walks the ring again from the saved q, k, v, merged out and log-sum
 its query's contribution to the travelling block's dK, dV, which arrive at their owner after p steps
 (the incoming partial sums overlap the compute of the next contribution). Dropout masks are keyed by
 global (sample, head, query, key) positions, so every rank draws the serial model's bits.
+
+Forward and backward are one custom op each (megatron_sp::ring_attention[_backward]), so that
+torch.compile keeps a layer in one graph: it cannot trace the point-to-point calls, and sees the
+whole ring as one opaque call (its fake gives the shapes).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_sp.ops.flash_attention import AttentionDropout, flash_attention_bwd, flash_attention_fwd, merge_partials
+from megatron_sp.context_parallel.split import CPSplit
+from megatron_sp.ops.attention_lse import block_attention_bwd, block_attention_fwd
+from megatron_sp.ops.flash_attention import AttentionDropout, merge_partials
 
 
 class _Ring:
@@ -57,83 +66,161 @@ def _halves(j, r, c):
     return slice(c, None), slice(None)
 
 
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, split, sample_ids, drop, fused, ring):
-        r, p = split.rank, split.size
-        c = q.shape[2] // 2
-        q_pos = split.positions(r, q.device)
-        q_doc = split.document_ids(r)
-        b, n, s, d = q.shape  # out laid out [s, b, n, d]: proj's input is a view of it
-        out = torch.zeros(s, b, n, d, dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        kv = (k, v)
-        for step in range(p):
-            handles, incoming = ring.shift(kv) if step < p - 1 else ([], None)
-            j = (r - step) % p
-            qs, ks = _halves(j, r, c)
-            k_pos, k_doc = split.positions(j, q.device), split.document_ids(j)
-            part, part_lse = flash_attention_fwd(
-                q[:, :, qs],
-                kv[0][:, :, ks],
-                kv[1][:, :, ks],
-                q_pos[qs],
-                k_pos[ks],
-                None if q_doc is None else q_doc[:, qs],
-                None if k_doc is None else k_doc[:, ks],
-                sample_ids,
-                drop,
-                fused,
-            )
-            out[:, :, qs], lse[:, :, qs] = merge_partials(out[:, :, qs], lse[:, :, qs], part, part_lse.float())
-            _wait(handles)
-            kv = incoming
-        ctx.save_for_backward(q, k, v, out, lse, sample_ids)
-        ctx.split, ctx.drop, ctx.fused, ctx.ring = split, drop, fused, ring
-        return out
+def _ring_forward(q, k, v, split, sample_ids, drop, fused, ring):
+    """(out [b, n, s, d] laid out [s, b, n, d], lse [b, n, s] fp32) of this rank's queries over the ring."""
+    r, p = split.rank, split.size
+    c = q.shape[2] // 2
+    q_pos = split.positions(r, q.device)
+    q_doc = split.document_ids(r)
+    b, n, s, d = q.shape  # out laid out [s, b, n, d]: proj's input is a view of it
+    out = torch.zeros(s, b, n, d, dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    kv = (k, v)
+    for step in range(p):
+        handles, incoming = ring.shift(kv) if step < p - 1 else ([], None)
+        j = (r - step) % p
+        qs, ks = _halves(j, r, c)
+        k_pos, k_doc = split.positions(j, q.device), split.document_ids(j)
+        part, part_lse = block_attention_fwd(
+            q[:, :, qs],
+            kv[0][:, :, ks],
+            kv[1][:, :, ks],
+            q_pos[qs],
+            k_pos[ks],
+            None if q_doc is None else q_doc[:, qs],
+            None if k_doc is None else k_doc[:, ks],
+            sample_ids,
+            drop,
+            fused,
+            causal=j == r,
+        )
+        out[:, :, qs], lse[:, :, qs] = merge_partials(out[:, :, qs], lse[:, :, qs], part, part_lse.float())
+        _wait(handles)
+        kv = incoming
+    return out, lse
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, sample_ids = ctx.saved_tensors
-        split, ring = ctx.split, ctx.ring
-        r, p = split.rank, split.size
-        c = q.shape[2] // 2
-        dout = dout.contiguous()
-        q_pos, q_doc = split.positions(r, q.device), split.document_ids(r)
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        kv, pending = (k, v), None
-        for step in range(p):
-            handles, incoming = ring.shift(kv) if step < p - 1 else ([], None)
-            j = (r - step) % p
-            qs, ks = _halves(j, r, c)
-            k_pos, k_doc = split.positions(j, q.device), split.document_ids(j)
-            dq_part, dk_part, dv_part = flash_attention_bwd(
-                dout[:, :, qs],
-                q[:, :, qs],
-                kv[0][:, :, ks],
-                kv[1][:, :, ks],
-                out[:, :, qs],
-                lse[:, :, qs],
-                q_pos[qs],
-                k_pos[ks],
-                None if q_doc is None else q_doc[:, qs],
-                None if k_doc is None else k_doc[:, ks],
-                sample_ids,
-                ctx.drop,
-                ctx.fused,
-            )
-            dq[:, :, qs] += dq_part.float()
-            dkv = torch.zeros(2, *kv[0].shape, dtype=torch.float32, device=q.device)  # this block's dK, dV
-            dkv[0][:, :, ks], dkv[1][:, :, ks] = dk_part.float(), dv_part.float()
-            if pending is not None:  # the partial sums of the ranks before us
-                _wait(pending[0])
-                dkv += pending[1][0]
-            pending = ring.shift([dkv], tag=2)  # towards the block's next holder, then home
-            _wait(handles)
-            kv = incoming
-        _wait(pending[0])
-        dk, dv = pending[1][0]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+def _ring_backward(dout, q, k, v, out, lse, split, sample_ids, drop, fused, ring):
+    """(dq, dk, dv): the ring walked again; each block's dK, dV travel with it back to their owner."""
+    r, p = split.rank, split.size
+    c = q.shape[2] // 2
+    dout = dout.contiguous()
+    q_pos, q_doc = split.positions(r, q.device), split.document_ids(r)
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    kv, pending = (k, v), None
+    for step in range(p):
+        handles, incoming = ring.shift(kv) if step < p - 1 else ([], None)
+        j = (r - step) % p
+        qs, ks = _halves(j, r, c)
+        k_pos, k_doc = split.positions(j, q.device), split.document_ids(j)
+        dq_part, dk_part, dv_part = block_attention_bwd(
+            dout[:, :, qs],
+            q[:, :, qs],
+            kv[0][:, :, ks],
+            kv[1][:, :, ks],
+            out[:, :, qs],
+            lse[:, :, qs],
+            q_pos[qs],
+            k_pos[ks],
+            None if q_doc is None else q_doc[:, qs],
+            None if k_doc is None else k_doc[:, ks],
+            sample_ids,
+            drop,
+            fused,
+            causal=j == r,
+        )
+        dq[:, :, qs] += dq_part.float()
+        dkv = torch.zeros(2, *kv[0].shape, dtype=torch.float32, device=q.device)  # this block's dK, dV
+        dkv[0][:, :, ks], dkv[1][:, :, ks] = dk_part.float(), dv_part.float()
+        if pending is not None:  # the partial sums of the ranks before us
+            _wait(pending[0])
+            dkv += pending[1][0]
+        pending = ring.shift([dkv], tag=2)  # towards the block's next holder, then home
+        _wait(handles)
+        kv = incoming
+    _wait(pending[0])
+    dk, dv = pending[1][0]  # views of one buffer: a custom op's outputs may not alias, hence copies
+    return dq.to(q.dtype), dk.to(k.dtype, copy=True), dv.to(v.dtype, copy=True)
+
+
+# ---- the ring as one custom op: torch.compile keeps it whole (no graph break at the p2p calls) ----
+
+
+def _setting(seq_length, group_name, document_ids, p, seed, layer, head_offset):
+    """(CPSplit, _Ring, AttentionDropout) from the op's plain arguments."""
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    split = CPSplit(seq_length, size, rank, "p2p", document_ids)
+    return split, _Ring(group, rank, size), AttentionDropout(p, seed, layer, head_offset)
+
+
+@torch.library.custom_op("megatron_sp::ring_attention", mutates_args=())
+def ring_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sample_ids: torch.Tensor,
+    document_ids: Optional[torch.Tensor],
+    seq_length: int,
+    group_name: str,
+    p: float,
+    seed: int,
+    layer: int,
+    head_offset: int,
+    fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of ring attention; document_ids [b, s] of the whole sequence or None."""
+    split, ring, drop = _setting(seq_length, group_name, document_ids, p, seed, layer, head_offset)
+    return _ring_forward(q, k, v, split, sample_ids, drop, fused, ring)
+
+
+@torch.library.custom_op("megatron_sp::ring_attention_backward", mutates_args=())
+def ring_attention_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    sample_ids: torch.Tensor,
+    document_ids: Optional[torch.Tensor],
+    seq_length: int,
+    group_name: str,
+    p: float,
+    seed: int,
+    layer: int,
+    head_offset: int,
+    fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    split, ring, drop = _setting(seq_length, group_name, document_ids, p, seed, layer, head_offset)
+    return _ring_backward(dout, q, k, v, out, lse, split, sample_ids, drop, fused, ring)
+
+
+@ring_attention_op.register_fake
+def _(q, k, v, sample_ids, document_ids, seq_length, group_name, p, seed, layer, head_offset, fused):
+    b, n, s, d = q.shape
+    return q.new_empty(s, b, n, d).permute(1, 2, 0, 3), q.new_empty((b, n, s), dtype=torch.float32)
+
+
+@ring_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, *settings):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, sample_ids, document_ids, *settings = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(q, k, v, output[0], output[1], sample_ids, document_ids)
+    ctx.settings = settings
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, sample_ids, document_ids = ctx.saved_tensors
+    grads = ring_attention_backward_op(dout, q, k, v, out, lse, sample_ids, document_ids, *ctx.settings)
+    return (*grads,) + (None,) * 9
+
+
+ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class RingAttention(nn.Module):
@@ -142,18 +229,23 @@ class RingAttention(nn.Module):
     def __init__(self, cfg, layer: int, ps):
         super().__init__()
         self.cfg, self.layer = cfg, layer
-        self.ring = _Ring(ps.cp_group, ps.cp_rank, ps.cp_size)
+        self.group_name = ps.cp_group.group_name
 
     def forward(self, q, k, v, seq, head_offset: int):
         p = self.cfg.attention_dropout if seq.training else 0.0
-        drop = AttentionDropout(p, self.cfg.seed, self.layer, head_offset)
-        return _RingAttention.apply(
+        split = seq.cp_split
+        out, _ = ring_attention_op(
             q.contiguous(),
             k.contiguous(),
             v.contiguous(),
-            seq.cp_split,
             seq.tp_index.sample_ids,
-            drop,
-            self.cfg.use_fused_kernels,
-            self.ring,
+            split.whole_document_ids,
+            split.seq_length,
+            self.group_name,
+            float(p),
+            int(self.cfg.seed),
+            int(self.layer),
+            int(head_offset),
+            bool(self.cfg.use_fused_kernels),
         )
+        return out

@@ -7,9 +7,9 @@ CausalAttention by default); the builder wraps it for context parallelism (model
     returns   [b, n_q, s, d]
 
 Without attention dropout the core is F.scaled_dot_product_attention (flash / memory-efficient kernels,
-no s² tensor kept). With attention dropout it is our blockwise attention (ops/flash_attention.py),
-because the dropout mask must be the parallelism-invariant one (ops/philox.py), which SDPA
-cannot take; it regenerates the mask per block and keeps no s² tensor either.
+no s² score tensor kept), documents included (as a mask). With attention dropout it is our blockwise
+attention (ops/flash_attention.py), because the dropout mask must be the parallelism-invariant one
+(ops/philox.py), which SDPA cannot take; it regenerates the mask per block and keeps no s² tensor either.
 """
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ from megatron_sp.ops.flash_attention import AttentionDropout, flash_attention
 from megatron_sp.ops.philox import DropoutIndex, apply_keep_mask, attention_keep_mask
 
 EXPLICIT_BACKENDS = ("unfused", "local")  # --attention-backend values that never use SDPA
+
+
+def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """[b, 1, s, s] bool, True = masked out (Megatron's convention): keys of another document."""
+    return (document_ids[:, :, None] != document_ids[:, None, :]).unsqueeze(1)
 
 
 def allowed_mask(attention_mask: Optional[torch.Tensor], s: int, device) -> Optional[torch.Tensor]:
@@ -89,10 +94,10 @@ class CausalAttention(nn.Module):
     Ulysses' whole sequence): q, k, v [b, heads, s, d] -> [b, n_q, s, d]; head_offset: the global
     index of local query head 0 (it keys the dropout mask).
 
-    No dropout and no document ids: SDPA (with the mask if any). Dropout, or documents given as ids
-    (context parallelism): blockwise attention (ops/flash_attention.py), which keeps no s×s tensor and
-    draws the same dropout bits. `--attention-backend unfused`/`local`, or a mask that is not
-    block-diagonal by documents: the explicit softmax."""
+    No dropout: SDPA, with the mask if any (documents given as ids under context parallelism become
+    one). Dropout: blockwise attention (ops/flash_attention.py), which keeps no s×s tensor and draws
+    the same dropout bits. `--attention-backend unfused`/`local`, or a mask that is not block-diagonal
+    by documents: the explicit softmax."""
 
     def __init__(self, cfg, *, layer, builder, block_spec):
         super().__init__()
@@ -104,12 +109,15 @@ class CausalAttention(nn.Module):
             seq.attention_mask is not None and seq.document_ids is None
         )
         index = seq.tp_index
-        if explicit or (p == 0.0 and (seq.document_ids is None or seq.attention_mask is not None)):
+        if explicit or p == 0.0:
+            mask = seq.attention_mask
+            if mask is None and seq.document_ids is not None:  # Ulysses' whole sequence: ids, no mask
+                mask = document_mask(seq.document_ids)
             return causal_attention(
                 q,
                 k,
                 v,
-                attention_mask=seq.attention_mask,
+                attention_mask=mask,
                 dropout_p=p,
                 seed=self.cfg.seed,
                 layer=self.layer,

@@ -43,8 +43,8 @@ class AttentionDropout:
     head_offset: int = 0
 
 
-def _visible(q_pos, k_pos, q_seg, k_seg):
-    """[b or 1, 1, s_q, s_k] bool: key visible to query."""
+def visible(q_pos, k_pos, q_seg=None, k_seg=None):
+    """[b or 1, 1, s_q, s_k] bool: key visible to query (causal by position, within a document)."""
     allowed = k_pos.view(1, 1, 1, -1) <= q_pos.view(1, 1, -1, 1)
     if q_seg is not None:
         allowed = allowed & (q_seg[:, None, :, None] == k_seg[:, None, None, :])
@@ -85,7 +85,7 @@ def flash_attention_fwd_reference(
             ks = slice(k0, min(k0 + block, k.shape[2]))
             s = torch.matmul(qb, kf[:, :, ks].transpose(-1, -2)) * scale  # [b, n, bq, bk]
             seg = (q_segments[:, qs], k_segments[:, ks]) if q_segments is not None else (None, None)
-            s = s.masked_fill(~_visible(q_positions[qs], k_positions[ks], *seg), float("-inf"))
+            s = s.masked_fill(~visible(q_positions[qs], k_positions[ks], *seg), float("-inf"))
             m_new = torch.maximum(m, s.amax(-1))
             base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows seeing nothing
             p = torch.exp(s - base.unsqueeze(-1))
@@ -134,8 +134,8 @@ def flash_attention_bwd_reference(
             ks = slice(k0, min(k0 + block, sk))
             s = torch.matmul(qf[:, :, qs], kf[:, :, ks].transpose(-1, -2)) * scale
             seg = (q_segments[:, qs], k_segments[:, ks]) if q_segments is not None else (None, None)
-            visible = _visible(q_positions[qs], k_positions[ks], *seg)
-            p = torch.exp(s - safe_lse[:, :, qs].unsqueeze(-1)).masked_fill(~visible, 0.0)
+            seen = visible(q_positions[qs], k_positions[ks], *seg)
+            p = torch.exp(s - safe_lse[:, :, qs].unsqueeze(-1)).masked_fill(~seen, 0.0)
             p = p.masked_fill(torch.isinf(lse[:, :, qs]).unsqueeze(-1), 0.0)
             dp = torch.matmul(dof[:, :, qs], vf[:, :, ks].transpose(-1, -2))
             if drop.p > 0.0:

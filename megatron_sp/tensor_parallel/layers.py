@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from megatron_sp.tensor_parallel import mappings, overlap
@@ -65,29 +66,21 @@ class _ParallelLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         group, mode = ctx.group, ctx.mode
-        total, gather = x, None
-        if mode == "sp":  # re-gather the saved shard while the input-gradient GEMM runs
-            total = torch.empty(
-                (dist.get_world_size(group) * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device
-            )
-            gather = dist.all_gather_into_tensor(total, x.contiguous(), group=group, async_op=True)
+        # Functional collectives start at once and are waited for at first use (eagerly, and as
+        # torch.compile traces them: the async c10d calls would break the graph).
+        total = funcol.all_gather_tensor(x.contiguous(), 0, group) if mode == "sp" else x  # re-gather
         # Under autocast the GEMMs ran in grad_out's dtype; autograd casts our grads back to the
         # dtypes of x and weight (fp32 master weights).
-        grad_in = torch.matmul(grad_out, weight.to(grad_out.dtype))
-        if gather is not None:
-            gather.wait()
+        grad_in = torch.matmul(grad_out, weight.to(grad_out.dtype))  # overlaps the re-gather
         total = total.to(grad_out.dtype)
-        handle, grad_in_shard = None, grad_in
         if mode == "sp":
-            grad_in_shard = torch.empty(x.shape, dtype=grad_in.dtype, device=grad_in.device)
-            handle = dist.reduce_scatter_tensor(grad_in_shard, grad_in.contiguous(), group=group, async_op=True)
+            grad_in = funcol.reduce_scatter_tensor(grad_in.contiguous(), "sum", 0, group)
         elif mode == "tp":
-            handle = dist.all_reduce(grad_in, group=group, async_op=True)
+            grad_in = funcol.all_reduce(grad_in, "sum", group)
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_w = torch.matmul(g2.t(), total.reshape(-1, total.shape[-1]))
+        grad_w = torch.matmul(g2.t(), total.reshape(-1, total.shape[-1]))  # overlaps grad_in's collective
         grad_b = g2.sum(0) if ctx.has_bias else None
-        if handle is not None:
-            handle.wait()
+        grad_in_shard = funcol.wait_tensor(grad_in) if mode != "none" else grad_in
         return grad_in_shard, grad_w, grad_b, None, None
 
 

@@ -12,9 +12,10 @@ import warnings
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
-# torch 2.13 renames the tensor collectives (*_single); the old names work on every version we
-# support (2.11 on the GPU machines), so keep them and silence the notice.
+# torch 2.13 renames the tensor collectives (*_single), the functional ones too; the old names work
+# on every version we support (2.11 on the GPU machines), so keep them and silence the notice.
 warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\..*_single`")
 
 
@@ -27,29 +28,23 @@ def _rank(group) -> int:
 
 
 # ---- raw collectives (no autograd) -------------------------------------------------------------
+# Functional collectives: they return a new tensor (no in-place write into an input or a torch.empty
+# buffer), which is what torch.compile traces faithfully; waited for at once, as the c10d calls were.
 
 
 def _all_reduce(x, group):
-    x = x.contiguous()
-    dist.all_reduce(x, group=group)
-    return x
+    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
 
 
 def _all_gather_dim0(x, group):
-    x = x.contiguous()
-    out = torch.empty((_size(group) * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
-    return out
+    return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, group))
 
 
 def _reduce_scatter_dim0(x, group):
     t = _size(group)
     if x.shape[0] % t != 0:
         raise ValueError(f"reduce-scatter along dim 0 needs its size ({x.shape[0]}) divisible by {t}.")
-    x = x.contiguous()
-    out = torch.empty((x.shape[0] // t,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, group=group)
-    return out
+    return funcol.wait_tensor(funcol.reduce_scatter_tensor(x.contiguous(), "sum", 0, group))
 
 
 def _split_dim(x, dim, group):
@@ -76,36 +71,36 @@ def _all_to_all(x, group, scatter_dim, gather_dim):
     """Splits x along scatter_dim across ranks and concatenates the received pieces along gather_dim."""
     t = _size(group)
     send = torch.stack(x.chunk(t, dim=scatter_dim), dim=0).contiguous()  # [t, ...piece]
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    recv = funcol.wait_tensor(funcol.all_to_all_single(send, None, None, group))
     return torch.cat(recv.unbind(0), dim=gather_dim)
 
 
 # ---- autograd functions ----------------------------------------------------------------------
 
 
+_OPS = {
+    "identity": lambda x, g: x,
+    "all_reduce": _all_reduce,
+    "all_gather_dim0": _all_gather_dim0,
+    "reduce_scatter_dim0": _reduce_scatter_dim0,
+    "split_dim0": lambda x, g: _split_dim(x, 0, g),
+    "split_last": lambda x, g: _split_dim(x, -1, g),
+    "all_gather_last": _all_gather_last,
+    "reduce_scatter_last": _reduce_scatter_last,
+}
+
+
 class _Collective(torch.autograd.Function):
     """One autograd Function for every mapping: forward op and backward op chosen by name."""
-
-    OPS = {
-        "identity": lambda x, g: x,
-        "all_reduce": _all_reduce,
-        "all_gather_dim0": _all_gather_dim0,
-        "reduce_scatter_dim0": _reduce_scatter_dim0,
-        "split_dim0": lambda x, g: _split_dim(x, 0, g),
-        "split_last": lambda x, g: _split_dim(x, -1, g),
-        "all_gather_last": _all_gather_last,
-        "reduce_scatter_last": _reduce_scatter_last,
-    }
 
     @staticmethod
     def forward(ctx, x, group, forward_op, backward_op):
         ctx.group, ctx.backward_op = group, backward_op
-        return _Collective.OPS[forward_op](x, group)
+        return _OPS[forward_op](x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _Collective.OPS[ctx.backward_op](grad, ctx.group), None, None, None
+        return _OPS[ctx.backward_op](grad, ctx.group), None, None, None
 
 
 def _apply(x, group, forward_op, backward_op):

@@ -195,6 +195,11 @@ def _precision_args(p):
         action="store_true",
         help="the default: the model is built on the meta device, each rank drawing only its shard",
     )
+    g.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="compile each transformer layer with torch.compile (ours: Megatron-LM has no such flag)",
+    )
 
 
 def _data_args(p):

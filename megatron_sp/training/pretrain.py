@@ -15,6 +15,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 
@@ -56,6 +57,12 @@ def parse_inputs(argv):
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ArgumentError("--device cuda was asked for but no CUDA device is available; use --device cpu.")
+    if args.torch_compile:
+        from megatron_sp.models.compile import compile_problem
+
+        problem = compile_problem(args.use_fused_kernels, args.device, args.tp_comm_overlap)
+        if problem:
+            raise ArgumentError(problem)
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if args.device == "cuda" else "gloo"
     if args.data_cache_path is None:
@@ -215,13 +222,21 @@ class Trainer:
         self.args, self.cfg = setup.args, setup.cfg
         args = self.args
         torch.manual_seed(args.seed)
-        self.ps = parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.context_parallel_size)
+        self.ps = parallel_state.initialize_model_parallel(
+            args.tensor_model_parallel_size,
+            args.context_parallel_size,
+            timeout=timedelta(minutes=args.distributed_timeout_minutes),  # the world's (init_distributed)
+        )
         self.log = TrainingLogger(
             args, enabled=torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True
         )
         from megatron_sp.models.gpt import GPTModel
 
         self.model = GPTModel(self.cfg, self.ps, device=args.device)  # (on meta, then this rank's shards)
+        if args.torch_compile:  # each layer compiles at its first call; parameter names are unchanged
+            from megatron_sp.models.compile import compile_layers
+
+            compile_layers(self.model)
         self.optimizer = build_optimizer(self.model, args, args.device, self.ps)
         self.scaler = build_loss_scaler(args)
         self.grad_sync = (
@@ -363,6 +378,8 @@ class Trainer:
         units = state.consumed_train_samples + batch if args.lr_unit == "samples" else state.iteration + 1
         lr = self.schedule.apply(self.optimizer, units, self.decoupled)
         self.runtime.before_step(state.iteration + 1)
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         result = train_step(
             self.model,

@@ -3,6 +3,8 @@ TensorBoard and wandb read it) and the start-up description."""
 
 from __future__ import annotations
 
+import torch
+
 from megatron_sp.training.optimizer import count_zero_grads, global_param_norm, local_optimizer
 from megatron_sp.training.throughput import throughput
 
@@ -33,6 +35,8 @@ def record(trainer, result, lr, batch, elapsed) -> dict:
         else None,
         "timers": result.timers,
         "memory": trainer.runtime.memory() if args.log_memory_to_tensorboard else None,
+        # this step's peak of allocated GPU memory (bench/gpu_check.sh reports it per run)
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None,
         **throughput(trainer.cfg.flops_per_token(), batch * args.seq_length, elapsed, args.world_size, trainer.peak),
     }
 

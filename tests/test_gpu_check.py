@@ -1,0 +1,72 @@
+"""bench/gpu_check.sh (bench/gpu_check.py): stages run in order under one deadline, each cut at its
+cap (its process group killed), skipped when the time left is below its minimum or a stage it needs
+did not pass; the summary is rewritten after every stage and printed last; at most 7 files land in
+$OUT. The runner with stand-in commands, then the real script as a CPU dry run on tiny shapes."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import gpu_check
+from gpu_check import Stage, run_all
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _py(code):
+    return [sys.executable, "-c", code]
+
+
+def test_stages_are_capped_skipped_and_summarised(tmp_path):
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    out.mkdir(), scratch.mkdir()
+    stages = [
+        Stage("ok", [_py("print('figure 42')")], log="ok.log", figures=gpu_check.last_line("figure")),
+        Stage("fails", [_py("import sys; sys.exit(3)")]),
+        Stage("hangs", [_py("import time; time.sleep(60)")]),
+        Stage("after_failure", [_py("pass")], needs=("fails",)),
+        Stage("too_big", [_py("pass")]),
+        Stage("small", [_py("pass")]),
+    ]
+    budgets = {"ok": (10, 1), "fails": (10, 1), "hangs": (2, 1), "after_failure": (10, 1)}
+    budgets.update(too_big=(10, 60), small=(10, 1))
+    start = time.monotonic()
+    results = run_all(stages, budgets, 20, str(out), str(scratch), "# test")
+    assert time.monotonic() - start < 15, "the hanging stage was not cut at its cap"
+    status = {r.name: r.status for r in results}
+    assert status["ok"] == "passed" and results[0].figures == "figure 42"
+    assert status["fails"] == "failed (exit 3)"
+    assert status["hangs"].startswith("timed out after 2")
+    assert status["after_failure"] == "skipped: needs fails"
+    assert status["too_big"].startswith("skipped:") and "needs 60 s" in status["too_big"]
+    assert status["small"] == "passed"  # a later stage that fits still runs
+    summary = (out / "summary.md").read_text()
+    for r in results:
+        assert f"| {r.name} | {r.status} |" in summary
+    assert sorted(os.listdir(out)) == ["ok.log", "summary.md"]  # the others log to scratch
+
+
+def test_cpu_dry_run_within_a_small_deadline(tmp_path):
+    """GPU_CHECK_DEVICE=cpu with a 20 s deadline, less than the stages' minima add up to: the first
+    stages run on tiny shapes, the rest are skipped (for time, or because the build was); every stage
+    is in the summary, in order, and the summary ends the output. Which stage is the first cut depends
+    on the machine's load, so only what holds under any load is asserted."""
+    out, deadline = tmp_path / "out", 20
+    env = dict(os.environ, OUT=str(out), GPU_CHECK_DEVICE="cpu", GPU_CHECK_DEADLINE=str(deadline))
+    env["PYTHON"] = sys.executable
+    start = time.monotonic()
+    proc = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert time.monotonic() - start < deadline + 20, "the deadline was overrun"
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    summary = (out / "summary.md").read_text()
+    assert proc.stdout.rstrip().endswith(summary.rstrip()), "the summary must be printed last"
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in summary.splitlines() if line[:2] == "| "}
+    names = ["environment", "speed_reference", "build", "tests", "speed_fused_p0", "speed_fused_p01", "kernels"]
+    assert [n for n in rows if n != "stage"] == names
+    assert rows["environment"] == "passed", summary
+    assert any(re.match(r"skipped: \d+ s left, needs \d+ s", s) for s in rows.values()), summary
+    assert rows["kernels"].startswith("skipped:"), summary
+    assert not any(s.startswith("failed") for s in rows.values()), summary
+    assert "summary.md" in os.listdir(out) and len(os.listdir(out)) <= gpu_check.MAX_OUT_FILES
