@@ -19,7 +19,8 @@ prepare_grads + step, fp32, TP 2 x DP 2, for the code it runs; run it against an
 archive main megatron_sp | tar -x -C DIR; PYTHONPATH=DIR python bench/precision_memory.py
 --copies-only`) for the figure before the gradient buffers.
 
-build memory: in a fresh world of t processes, each rank resets its peak RSS (/proc/self/clear_refs),
+build memory: in a fresh world of t processes, each rank builds a tiny model first (so that the code
+pages and allocator pools any build touches are resident), resets its peak RSS (/proc/self/clear_refs),
 builds GPTModel (meta device, then its shard drawn in place), and reports the peak RSS growth beside
 its shard's bytes.
 """
@@ -184,6 +185,7 @@ def build_worker(tp, hidden, layers, vocab):
         raise RuntimeError(f"/proc/self/status has no {field}")
 
     parallel_state.initialize_model_parallel(tp)
+    GPTModel(_config(tp, 64, 1, vocab=256, seq=64))  # warm-up: the code pages and allocator pools a build touches
     cfg = _config(tp, hidden, layers, vocab=vocab, seq=1024)
     before = status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:

@@ -108,7 +108,8 @@ std::tuple<at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& grad_in, const at::
                                            const at::Tensor& samples_in, double p, int64_t seed, int64_t layer,
                                            int64_t site, int64_t feature_offset, bool bias_grad,
                                            c10::optional<at::ScalarType> grad_x_dtype) {
-  const at::ScalarType dx_type = check_bias_dropout_add_bwd(grad_in, pos_in, samples_in, p, feature_offset, grad_x_dtype);
+  const at::ScalarType dx_type =
+      check_bias_dropout_add_bwd(grad_in, pos_in, samples_in, p, feature_offset, grad_x_dtype);
   at::Tensor g = grad_in.contiguous(), gx = at::empty_like(g, g.options().dtype(dx_type));
   at::Tensor positions = pos_in.contiguous(), samples = samples_in.contiguous();
   const int64_t h = g.size(2), rows = g.size(0) * g.size(1);

@@ -110,7 +110,8 @@ at::Tensor bwd_cpu(const at::Tensor& grad_in, const at::Tensor& positions_in, co
     const G* gp = g.data_ptr<G>();
     D* gxp = gx.data_ptr<D>();
     for_rows(rows, h, [&](int64_t r0, int64_t r1, uint32_t* buf) {
-      for (int64_t r = r0; r < r1; ++r) emb_bwd_row_simd<G, D>(gp + r * h, gxp + r * h, row_words(d, idx, r, h, buf), d, h);
+      for (int64_t r = r0; r < r1; ++r)
+        emb_bwd_row_simd<G, D>(gp + r * h, gxp + r * h, row_words(d, idx, r, h, buf), d, h);
     });
   });
   return gx;

@@ -19,8 +19,8 @@ inline at::ScalarType check_embedding_dropout(const at::Tensor& x, const c10::op
                 "embedding_dropout: y must match x in shape, dtype and device");
   }
   const at::ScalarType out = out_dtype.value_or(x.scalar_type());
-  TORCH_CHECK(out == x.scalar_type() || out == at::kFloat, "embedding_dropout: out_dtype must be x's dtype or fp32, got ",
-              out);
+  TORCH_CHECK(out == x.scalar_type() || out == at::kFloat,
+              "embedding_dropout: out_dtype must be x's dtype or fp32, got ", out);
   check_dropout_index(positions, samples, x.size(0), x.size(1), x);
   check_dropout_scalars(p, feature_offset);
   return out;

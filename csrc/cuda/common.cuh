@@ -151,7 +151,7 @@ cudaError_t column_sum(const float* partial, int64_t rows, int64_t cols, float* 
 
 // A tensor that is either of the low-precision type T or fp32 (the fp32 residual stream and its gradient
 // beside bf16/fp16 activations): W = float for kF32, else T.
-#define MSP_DISPATCH_WIDE(dtype, T, W, ...)   \
+#define MSP_DISPATCH_WIDE(dtype, T, W, ...)  \
   if ((dtype) == ::msp::cuda::DType::kF32) { \
     using W = float;                         \
     __VA_ARGS__;                             \

@@ -74,7 +74,8 @@ inline Launch row_launch(int64_t rows, int64_t h, int vec, int waves) {
 
 // The vector path: rows of whole 16-byte vectors of T, groups of four features, aligned pointers.
 template <typename T>
-inline bool grouped_path(const DropoutParams& d, int64_t h, const void* a, const void* b, const void* c, const void* e) {
+inline bool grouped_path(const DropoutParams& d, int64_t h, const void* a, const void* b, const void* c,
+                         const void* e) {
   constexpr int VEC = 16 / sizeof(T);
   return h % VEC == 0 && d.feature_offset % 4 == 0 && aligned16(a) && aligned16(b) && aligned16(c) &&
          (e == nullptr || aligned16(e));

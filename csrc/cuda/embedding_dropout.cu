@@ -42,9 +42,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename G, typename D, int VEC, bool GROUPED>
-__global__ void __launch_bounds__(kThreads)
-    emb_bwd_kernel(const G* __restrict__ grad, D* __restrict__ grad_x, Rows rows_index, uint32_t rows, int64_t h,
-                   DropoutParams d) {
+__global__ void __launch_bounds__(kThreads) emb_bwd_kernel(const G* __restrict__ grad, D* __restrict__ grad_x,
+                                                           Rows rows_index, uint32_t rows, int64_t h, DropoutParams d) {
   const int64_t j0 = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * VEC;
   if (j0 >= h) return;
   for (uint32_t row = blockIdx.y * blockDim.y + threadIdx.y; row < rows; row += gridDim.y * blockDim.y) {
