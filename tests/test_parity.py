@@ -611,7 +611,7 @@ def _fused_dispatch_worker(modes):
     )
     out = {}
     for mode in modes:
-        model = GPTModel(_config(2, True, dropout=0.1, fused=True, extra=dict(PRECISION_MODES[mode], num_layers=1)))
+        model = GPTModel(_config(2, True, dropout=0.1, fused=True, extra=PRECISION_MODES[mode]))
         opt = build_optimizer(model, hyper, "cpu", ps)
         tokens, labels, ids = _batch(ps.dp_rank)
         batches = iter([{"tokens": tokens, "labels": labels, "sample_ids": ids}])

@@ -464,7 +464,8 @@ def test_fp16_underflow_at_the_largest_scale_stops():
     verdicts = []
     while not verdicts or verdicts[-1] == "underflow":
         verdicts.append(scaler.update(grad_norm=0.0))
-    assert verdicts[-1] == "no_gradient" and scaler.scale == scaler.max_scale == 2.0**32  # Megatron's initial scale
+    # the largest scale is Megatron's initial one, 2^32
+    assert verdicts[-1] == "no_gradient" and scaler.scale == scaler.max_scale == 2.0**32
     assert len(verdicts) - 1 == math.ceil((32 - math.log2(1e-20)) / 8)  # x256 per zero-gradient step
     with pytest.raises(ValueError, match="initial loss scale"):
         DynamicLossScaler(0.0)
