@@ -15,7 +15,7 @@ OUT="${OUT_DIR:-runs/default}"
 mkdir -p "$OUT"
 rm -f "$OUT/log.jsonl"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-python -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_gpt_sp.py \
+bash launch/local.sh "$NPROC" \
     --device cpu --distributed-backend gloo \
     --tensor-model-parallel-size "$NPROC" --sequence-parallel \
     --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \

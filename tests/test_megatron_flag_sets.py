@@ -237,7 +237,7 @@ def test_quoted_split_and_unquoted_schedule_read_as_megatron():
 
 def test_readme_flag_table_is_the_generated_one():
     """Every flag of the 19 sets is handled (implemented, no effect, refused, or issue 17's) and the
-    README's table says so: `python tools/megatron_flag_table.py --write` regenerates it."""
+    docs/megatron_flags.md's table says so: `python tools/megatron_flag_table.py --write` regenerates it."""
     from tools import megatron_flag_table
 
     assert megatron_flag_table.readme_table() == megatron_flag_table.table()

@@ -1,6 +1,6 @@
 """The numerical contract: GPTModel at TP ∈ {1, 2, 4} × SP ∈ {off, on}, dropout off and on, computes the
 loss and every gradient of ReferenceGPT (fp32, 1e-5 relative); after 3 AdamW steps the parameters
-still match; parameters replicated across a TP group are bit-identical on its ranks.
+still match (3e-5: see check_parity); parameters replicated across a TP group are bit-identical on its ranks.
 
 Families: GPT-2 (LayerNorm, GELU, learned positions, tied) and Llama with grouped-query attention
 (RMSNorm, SwiGLU, RoPE, untied, no biases; 4 query heads, 2 key/value heads: split over 2 ranks, held
@@ -231,12 +231,16 @@ def check_parity(
     comm="p2p",
     extra=None,
     shared=None,
-    final_rtol=1e-5,
+    final_rtol=3e-5,
     compile_options=None,
 ):
     """The parallel model (extra: more GPTConfig fields, e.g. recomputation; compile_options: its layers
     compiled with them) against the plain reference (shared: fields of both, the model variant).
-    final_rtol: the weights after the AdamW steps (the losses and first gradients are held to 1e-5)."""
+    final_rtol: the weights after the AdamW steps (the losses and first gradients are held to 1e-5).
+    Its default 3e-5: AdamW's first steps are sign(g)·lr where |g| is near its eps (a GELU unit that is
+    off for every token has such gradients in its fc1 bias), so 1e-7 gradient differences become ~1e-5
+    in those weights (measured: layers.0.mlp.fc1.bias 1.37e-5 at gpt2 TP=4 fused, 1.46e-5 at TP=2 x CP=2,
+    with the by-shard initial values; every other weight < 1e-5). A wrong step is off by >= 1e-3."""
     init, ref_losses, ref_grads, ref_final = _reference(dropout, family, shared)
     extra = {**(shared or {}), **(extra or {})}
     args = (tp, sp, dropout, fused, family, cp, comm, extra, compile_options)

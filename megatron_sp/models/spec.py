@@ -8,7 +8,7 @@ Every slot is a class called as `Slot(cfg, layer=..., builder=..., block_spec=..
 is models/builders.py's; the contracts are in models/blocks.py). `defaults` fills the GPTConfig
 fields a user left at None (the family's normalisation, activation, positions, ...). A new block
 variant is one file with its classes and a `SPEC = ModelSpec(...)`, plus one line in
-megatron_sp/families.py (README: "Write your own model").
+megatron_sp/families.py (docs/models.md: "Write your own model").
 """
 
 from __future__ import annotations

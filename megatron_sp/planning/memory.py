@@ -45,9 +45,10 @@ class Precision:
 
 def precision(mode: str, megatron_mixed: bool, grad_reduce_in_bf16: bool = False) -> Precision:
     """mode fp32 / bf16 / fp16; megatron_mixed: low-precision weights with fp32 main weights in the
-    optimizer (Megatron's --bf16), else autocast over fp32 weights (today's main)."""
+    optimizer (Megatron's --bf16, the program since issue 17, whose gradients are views of contiguous
+    buffers in every mode), else autocast over fp32 weights with flat bucket copies (the program before)."""
     if mode == "fp32":
-        return Precision("fp32", 4, 4, 0, 4, True)
+        return Precision("fp32", 4, 4, 0, 4, not megatron_mixed)
     if not megatron_mixed:
         return Precision(f"{mode} (autocast, fp32 weights)", 4, 4, 0, 2, True)
     return Precision(f"{mode} (fp32 main weights)", 2, 2 if grad_reduce_in_bf16 else 4, 4, 2, False)

@@ -311,7 +311,7 @@ def _checkpoint_args(p):
 
 
 def _compat_args(p):
-    megatron_flags.add_no_effect_flags(p.add_argument_group("accepted without effect (see README)"))
+    megatron_flags.add_no_effect_flags(p.add_argument_group("accepted without effect (see docs/megatron_flags.md)"))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,9 +1,9 @@
 """Megatron-LM flags that pretrain_gpt_sp.py accepts although they change nothing here, and those it
 refuses because they need a feature megatron_sp does not have. Both tables are read by
-training/arguments.py (the parser) and by the README's flag table (tools/megatron_flag_table.py), so a
+training/arguments.py (the parser) and by docs/megatron_flags.md's flag table (tools/megatron_flag_table.py), so a
 flag's treatment is written once, here; the flags that do something are in arguments.py and config.py.
 
-    NO_EFFECT   (flags, value, reason)      parsed and ignored; the reason is what the README says
+    NO_EFFECT   (flags, value, reason)      parsed and ignored; the reason is what docs/megatron_flags.md says
     REFUSED     (prefix or flag, feature)   one sentence naming the missing feature, before any check
                                             of the other flags (a Mixtral script is told "mixture of
                                             experts", not about its first unknown flag)
