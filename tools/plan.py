@@ -65,8 +65,8 @@ def build_plan_parser():
         "--mixed-precision",
         choices=["auto", "autocast", "megatron"],
         default="auto",
-        help="what --bf16/--fp16 mean: autocast over fp32 weights (the program before issue 17), megatron (bf16 weights, fp32 main "
-        "weights and grads); auto: megatron once the program offers --grad-reduce-in-bf16",
+        help="what --bf16/--fp16 mean: autocast over fp32 weights (the program before issue 17), megatron "
+        "(bf16 weights, fp32 main weights and grads); auto: megatron once the program offers --grad-reduce-in-bf16",
     )
     g.add_argument("--top", type=int, default=10, help="layouts printed")
     g.add_argument(
