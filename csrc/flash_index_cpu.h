@@ -1,7 +1,7 @@
 // Visibility and dropout bookkeeping of the CPU blockwise attention (flash_attention.cpp,
 // flash_attention_bwd.cpp): per-block summaries of the positions and document segments that
 // let a block pair be skipped (nothing visible) or left unmasked (everything visible), the row
-// mask, and the attention-dropout words (random.py's attention_keep_mask, bit for bit).
+// mask, and the attention-dropout words (philox.py's attention_keep_mask, bit for bit).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -21,7 +21,7 @@
 namespace msp {
 namespace flash {
 
-constexpr int64_t kSiteAttentionProbs = 1;  // random.py's SITE_ATTENTION_PROBS
+constexpr int64_t kSiteAttentionProbs = 1;  // philox.py's SITE_ATTENTION_PROBS
 
 struct Strides {
   int64_t b, n, s, d;
@@ -136,7 +136,7 @@ MSP_CPU_INLINE void mask_row(float* s, float scale, const KeyBlock& kb, int64_t 
 }
 
 // Philox words of (query qpos, keys of kb) for global head `head`: feature head * 2^20 + key
-// position, counter (feature / 4, qpos, sample), word feature % 4 (random.py's
+// position, counter (feature / 4, qpos, sample), word feature % 4 (philox.py's
 // attention_keep_mask). buf holds kBlock + 8 words; returns the word of key 0.
 inline const uint32_t* keep_words(const DropoutParams& d, int64_t head, const KeyBlock& kb, int64_t qpos,
                                   int64_t sample, uint32_t* buf) {

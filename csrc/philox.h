@@ -2,7 +2,7 @@
 //
 // Design: this header is torch-free and compiles as plain C++ or as CUDA (__host__ __device__), so
 // the CPU kernels, the CUDA kernels and the nvcc-only compile test all use the very same function.
-// The Python reference is megatron_sp/tensor_parallel/random.py; for one element
+// The Python reference is megatron_sp/ops/philox.py; for one element
 //
 //     key     = (seed mod 2^32, layer * 16 + site)
 //     counter = (feature / 4, token_position, sample_id mod 2^32, sample_id div 2^32)
@@ -77,7 +77,7 @@ MSP_HD Words4 dropout_words(const DropoutParams& d, uint64_t group, int64_t posi
 // bit for bit in fp32, including signed zeros and non-finite inputs.
 MSP_HD float keep_factor(const DropoutParams& d, uint32_t word) { return word >= d.threshold ? 1.0f : 0.0f; }
 
-// Host side: the same key, threshold and scale as random.py's dropout_key / drop_threshold.
+// Host side: the same key, threshold and scale as philox.py's dropout_key / drop_threshold.
 // nearbyint rounds half to even under the default rounding mode, like Python's round().
 inline DropoutParams make_dropout_params(double p, int64_t seed, int64_t layer, int64_t site, int64_t feature_offset) {
   double t = nearbyint(p * 4294967296.0);

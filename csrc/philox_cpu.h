@@ -7,7 +7,7 @@
 // itself. Bits above 32 in a lane are garbage that never reaches the low 32 bits (xor is bitwise,
 // vpmuludq reads only the low half), and only the low halves are stored. The four word vectors are
 // then transposed so that buf[4g + lane] holds word `lane` of group g, the scalar layout
-// (philox.h), which the tests check bit for bit against random.py.
+// (philox.h), which the tests check bit for bit against ops/philox.py.
 #pragma once
 
 #include <immintrin.h>

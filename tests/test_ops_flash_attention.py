@@ -130,7 +130,7 @@ def test_zigzag_positions_and_unseen_segments():
 @needs_op
 def test_backward_key_block_split():
     """One (batch, key/value head) and several key blocks: the backward splits the key blocks over
-    chunks, each with its own fp32 dQ copy (csrc/flash_attention_bwd_cpu.cpp)."""
+    chunks, each with its own fp32 dQ copy (csrc/flash_attention_bwd.cpp)."""
     gen = torch.Generator().manual_seed(5)
     q, k, v = _qkv(1, 3, 1, 200, 200, 16, torch.float32, gen)
     pos = torch.arange(200)

@@ -1,5 +1,5 @@
 // bias_dropout_add on CUDA: out = residual + dropout(x + bias) with the Philox dropout of
-// philox.h (bit-identical masks to megatron_sp/tensor_parallel/random.py and to the CPU op).
+// philox.h (bit-identical masks to megatron_sp/ops/philox.py and to the CPU op).
 //
 // Design: the [s, b, h] slab is rows x h with rows = s*b (row r is token r / b, sample r % b).
 // Threads tile (column vector, row): threadIdx.x walks 128-bit column vectors, the y dimension

@@ -272,7 +272,7 @@ def flash_attention(
     return FlashAttention.apply(q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, drop, fused)
 
 
-# ---- the fused op (csrc/flash_attention_cpu.cpp, csrc/cuda/flash_attention.cu) ------------------
+# ---- the fused op (csrc/flash_attention.cpp, csrc/cuda/flash_attention.cu) ------------------
 
 
 def _seq_major(shape, like, dtype=None):
