@@ -8,8 +8,8 @@ program builds.
 
 Precision (bytes per parameter: weight + gradient + optimizer state):
     fp32                          4 + 4 + 8            moments / r with the distributed optimizer
-    bf16 / fp16 as autocast       4 + 4 + 8            (today's --bf16 / --fp16: fp32 weights)
-    bf16 / fp16, Megatron's       2 + 4 + 12           fp32 main grads, main weights + moments / r
+    bf16 / fp16 as autocast       4 + 4 + 8            (--bf16 / --fp16 before issue 17)
+    bf16 / fp16, Megatron's       2 + 4 + 12           what --bf16 / --fp16 run: main weights + moments / r
                                   2 + 2 + 12           with --grad-reduce-in-bf16
     FSDP2 (ZeRO-3)                all three / r        plus two layers gathered (modelled)
 r = DP x CP replicas.
