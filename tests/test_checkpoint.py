@@ -93,6 +93,24 @@ def test_resharded_resume_matches(runs, tmp_path, tp):
         assert abs(a - b) <= 1e-5 * abs(b), (tp, got, want)
 
 
+@pytest.mark.slow
+def test_fsdp2_resumes_plain_checkpoints_and_theirs_resume_elsewhere(runs, tmp_path):
+    """The replicated TP=2+SP checkpoint of iteration 10 resumes under --use-torch-fsdp2 at TP=2+SP × DP=2
+    (weights and AdamW moments chunked over the replicas), whose own checkpoint of iteration 15 (the
+    canonical entries gathered from the shards) resumes at TP=1 × DP=2 with the distributed optimizer:
+    every loss on the uninterrupted run's curve."""
+    fsdp = ["--use-torch-fsdp2", "--save", str(tmp_path / "fsdp"), "--exit-interval", "15"]
+    log = ["--log-jsonl", str(tmp_path / "f.jsonl")]
+    check(torchrun(4, RUN + TP2_SP + fsdp + log + ["--load", str(runs / "ckpt")], cwd=tmp_path))
+    zero = ["--use-distributed-optimizer", "--load", str(tmp_path / "fsdp")]
+    check(torchrun(2, RUN + zero + ["--log-jsonl", str(tmp_path / "z.jsonl")], cwd=tmp_path))
+    want = losses(runs / "straight.jsonl")[10:]
+    got = losses(tmp_path / "f.jsonl") + losses(tmp_path / "z.jsonl")
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert abs(a - b) <= 1e-5 * abs(b), (got, want)
+
+
 SMALL = TINY + ["--global-batch-size", "4"]
 EVERY2 = ["--save-interval", "2"]
 
