@@ -82,7 +82,24 @@ FLAG_CASES = {
     ),
     "hysteresis 0": (["--fp16", "--hysteresis", "0"], "--hysteresis must be"),
     "loss scale window 0.5": (["--fp16", "--loss-scale-window", "0.5"], "--loss-scale-window must be"),
+    "fsdp2 and distributed optimizer": (
+        ["--use-torch-fsdp2", "--use-distributed-optimizer"],
+        "--use-torch-fsdp2 cannot be combined with --use-distributed-optimizer",
+    ),
+    "fsdp2 and bf16": (["--use-torch-fsdp2", "--bf16"], "--use-torch-fsdp2 cannot be combined with --bf16"),
+    "fsdp2 and tp comm overlap": (["--use-torch-fsdp2", "--tp-comm-overlap"], "with --tp-comm-overlap"),
+    "fsdp2 with one replica": (["--use-torch-fsdp2"], "--use-torch-fsdp2 shards over the data- and context-parallel"),
 }
+
+
+def test_fsdp2_refuses_key_value_heads_held_in_copies():
+    from megatron_sp.config import GPTConfig
+    from megatron_sp.training.fsdp import config_problem
+
+    cfg = dict(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16, model="llama")
+    assert config_problem(GPTConfig(**cfg, num_query_groups=2, tensor_model_parallel_size=2)) is None
+    sentence = config_problem(GPTConfig(**cfg, num_query_groups=1, tensor_model_parallel_size=2))
+    assert "--use-torch-fsdp2" in sentence and "--num-query-groups 1" in sentence
 
 
 @pytest.mark.parametrize("case", sorted(FLAG_CASES))

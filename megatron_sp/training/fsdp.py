@@ -26,8 +26,9 @@ the gathered layers (the one computing and the one prefetched) and one layer's u
 What does not compose (refused in one sentence by `problem(args)`): --use-distributed-optimizer
 (FSDP2 shards the optimizer state itself), --bf16/--fp16 (the fp32 path only, for now), grouped-query
 key/value heads held in copies over TP (their copy sums need the unsharded layout), a single replica
-(nothing to shard over), --tp-comm-overlap, --log-params-norm, --log-num-zeros-in-grad and pipeline
-parallelism.
+(nothing to shard over), --tp-comm-overlap and --torch-compile (not verified with it), --log-params-norm,
+--log-num-zeros-in-grad and pipeline parallelism. --overlap-grad-reduce (on by default) has no effect:
+FSDP2 overlaps its own reduce-scatters.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def problem(args) -> str | None:
         ("use_distributed_optimizer", "--use-distributed-optimizer", "FSDP2 shards the optimizer state itself"),
         ("bf16", "--bf16", "the FSDP2 path trains in fp32 only so far"),
         ("fp16", "--fp16", "the FSDP2 path trains in fp32 only so far"),
-        ("tp_comm_overlap", "--tp-comm-overlap", "its ring GEMMs read the TP weights outside FSDP2's gather"),
+        ("tp_comm_overlap", "--tp-comm-overlap", "its TP rings are not verified under FSDP2's all-gathers"),
+        ("torch_compile", "--torch-compile", "compiled layers are not verified under fully_shard"),
         ("log_params_norm", "--log-params-norm", "the norm of FSDP2's sharded weights is not implemented"),
         ("log_num_zeros_in_grad", "--log-num-zeros-in-grad", "FSDP2's gradients have no gradient buffers to count"),
     )
