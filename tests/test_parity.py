@@ -576,7 +576,7 @@ def test_distributed_optimizer_with_a_replica_that_owns_nothing(pool):
         assert r["sum"] == r["plain"]
 
 
-def _fsdp2_worker(tp, cp, family):
+def _fsdp2_worker(tp, cp, family, dtype):
     """Three real training steps (training/loop.py train_step, 2 micro-batches, dropout on, clipping
     active) of the same model with the replicated optimizer and with --use-torch-fsdp2's (training/
     fsdp.py); returns the losses, gradient norms, the largest parameter difference after the steps and
@@ -591,9 +591,11 @@ def _fsdp2_worker(tp, cp, family):
 
     ps = parallel_state.initialize_model_parallel(tp, cp)
     args = SimpleNamespace(weight_decay=0.1, lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
-    cfg = _config(tp, tp > 1, dropout=0.1, cp=cp, family=family)
+    cfg = _config(tp, tp > 1, dropout=0.1, cp=cp, family=family, extra={"params_dtype": dtype})
     plain, sharded = GPTModel(cfg), GPTModel(cfg)
     runs = [(plain, build_optimizer(plain, args, "cpu", ps)), (sharded, build_fsdp_optimizer(sharded, args, "cpu", ps))]
+    computed = []  # the dtype of a layer's gathered weight in its forward (bf16: FSDP2's param_dtype)
+    sharded.layers[0].ln1.register_forward_pre_hook(lambda m, _: computed.append(m.weight.dtype))
     out = {"losses": [], "norms": []}
     for step in range(STEPS):
         results = []
@@ -604,21 +606,27 @@ def _fsdp2_worker(tp, cp, family):
         out["losses"].append([r.loss for r in results])
         out["norms"].append([r.grad_norm for r in results])
     params = dict(sharded.named_parameters())
-    out["same"] = max(
+    out["same"] = max(  # against the fp32 main weights (with --bf16; else the parameters themselves)
         _rel(_without_key_bias(n, params[n].full_tensor()), _without_key_bias(n, p))
-        for n, p in plain.named_parameters()
+        for n, p in runs[0][1].main_params().items()
     )
+    out["dtypes"] = {str(computed[0]), str(params["layers.0.ln1.weight"].dtype)}
     out["share"] = sum(p.to_local().numel() for p in params.values()) / sum(p.numel() for p in plain.parameters())
     out["replicas"] = ps.dp_size * ps.cp_size
     return out
 
 
-@pytest.mark.parametrize("tp,cp,family", [(1, 1, "gpt2"), (2, 1, "llama"), (1, 2, "gpt2")])
-def test_fsdp2_trains_like_plain_data_parallelism(pool, tp, cp, family):
+@pytest.mark.parametrize(
+    "tp,cp,family,dtype",
+    [(1, 1, "gpt2", "fp32"), (2, 1, "llama", "fp32"), (1, 2, "gpt2", "fp32"), (2, 1, "llama", "bf16")],
+)
+def test_fsdp2_trains_like_plain_data_parallelism(pool, tp, cp, family, dtype):
     """ZeRO-3 (FSDP2 over the DP×CP replicas) at DP4, TP2+SP×DP2 and CP2×DP2, fp32 with dropout: every
     loss and clipped gradient norm of plain DP within 1e-5, the same parameters after the steps, and
-    each rank holding about 1/replicas of its TP shards (dim 0 chunks, the last ones padded)."""
-    for r in pool.run(_fsdp2_worker, tp, cp, family):
+    each rank holding about 1/replicas of its TP shards (dim 0 chunks, the last ones padded). --bf16:
+    FSDP2 gathers bf16 weights from fp32 shards, which track plain --bf16's fp32 main weights."""
+    for r in pool.run(_fsdp2_worker, tp, cp, family, dtype):
+        assert r["dtypes"] == ({"torch.bfloat16", "torch.float32"} if dtype == "bf16" else {"torch.float32"})
         for plain, sharded in r["losses"] + r["norms"]:
             assert abs(plain - sharded) <= 1e-5 * abs(plain), r
         assert r["norms"][0][0] > 0.1  # clipping was active

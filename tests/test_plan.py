@@ -135,7 +135,8 @@ def world():
 def measured(world):
     out = {}
     for name, flags in {**LAYOUTS, **FSDP2_LAYOUTS}.items():
-        for mode in precision_modes() if name in ALL_MODES else [[]]:
+        modes = precision_modes() if name in ALL_MODES else [[], ["--bf16"]] if name in FSDP2_LAYOUTS else [[]]
+        for mode in modes:
             # fp16: a scale that lets the first steps update (Megatron's 2^32 skips ~32 steps halving it)
             scale = ["--initial-loss-scale", "128"] if "--fp16" in mode else []
             out[name, " ".join(mode) or "fp32"] = world.run(_measure, TINY + flags + mode + scale)
@@ -151,6 +152,8 @@ def _predict(rank, argv):
     replicas = rank["dp"] * rank["cfg"].context_parallel_size
     weights, grads, _ = mem.states_bytes(shapes, prec, sharding, replicas)
     opt = mem.optimizer_shares(shapes, prec.optimizer, sharding, replicas)[rank["replica"]]
+    if sharding == "fsdp2":  # every replica holds the same padded chunks
+        opt = mem.states_bytes(shapes, prec, sharding, replicas)[2]
     return shapes, prec, weights, grads, opt
 
 

@@ -86,7 +86,11 @@ FLAG_CASES = {
         ["--use-torch-fsdp2", "--use-distributed-optimizer"],
         "--use-torch-fsdp2 cannot be combined with --use-distributed-optimizer",
     ),
-    "fsdp2 and bf16": (["--use-torch-fsdp2", "--bf16"], "--use-torch-fsdp2 cannot be combined with --bf16"),
+    "fsdp2 and fp16": (["--use-torch-fsdp2", "--fp16"], "--use-torch-fsdp2 cannot be combined with --fp16"),
+    "fsdp2 and bf16 grads": (
+        ["--use-torch-fsdp2", "--bf16", "--grad-reduce-in-bf16"],
+        "--use-torch-fsdp2 cannot be combined with --grad-reduce-in-bf16",
+    ),
     "fsdp2 and tp comm overlap": (["--use-torch-fsdp2", "--tp-comm-overlap"], "with --tp-comm-overlap"),
     "fsdp2 with one replica": (["--use-torch-fsdp2"], "--use-torch-fsdp2 shards over the data- and context-parallel"),
 }

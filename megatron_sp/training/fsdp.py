@@ -55,8 +55,8 @@ def problem(args) -> str | None:
         return None
     conflicts = (
         ("use_distributed_optimizer", "--use-distributed-optimizer", "FSDP2 shards the optimizer state itself"),
-        ("bf16", "--bf16", "the FSDP2 path trains in fp32 only so far"),
-        ("fp16", "--fp16", "the FSDP2 path trains in fp32 only so far"),
+        ("fp16", "--fp16", "FSDP2's path has no loss scaling (use --bf16)"),
+        ("grad_reduce_in_bf16", "--grad-reduce-in-bf16", "FSDP2 reduce-scatters its gradients in fp32"),
         ("tp_comm_overlap", "--tp-comm-overlap", "its TP rings are not verified under FSDP2's all-gathers"),
         ("torch_compile", "--torch-compile", "compiled layers are not verified under fully_shard"),
         ("log_params_norm", "--log-params-norm", "the norm of FSDP2's sharded weights is not implemented"),
@@ -99,14 +99,18 @@ def replica_mesh(ps: ParallelState, device: str):
 def shard_model(model, ps: ParallelState, device: str):
     """fully_shard each transformer layer and the root, in place (see the module docstring); returns
     the mesh. The parameters become DTensors sharded on dim 0 and keep their attributes."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     attrs = {n: {a: getattr(p, a) for a in _ATTRS if hasattr(p, a)} for n, p in model.named_parameters()}
+    policy = MixedPrecisionPolicy()
+    if model.cfg.params_dtype == "bf16":  # fp32 shards (the main weights: the bf16 values, as --bf16's are)
+        policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32, cast_forward_inputs=False)  # (fp32 residual kept)
+        model.float()  # (in place: the same Parameter objects)
     mesh = replica_mesh(ps, device)
     layers = list(model.layers)
     for i, layer in enumerate(layers):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=i < len(layers) - 1)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=i < len(layers) - 1, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
     for i, layer in enumerate(layers):  # explicit prefetch: the next layer's all-gather runs during this one
         if i + 1 < len(layers):
             layer.set_modules_to_forward_prefetch([layers[i + 1]])
