@@ -20,11 +20,16 @@ left after the backward is ours (`FSDPOptimizer.finalize_grads`): the SP-region 
 the local shards. Clipping sums the squares of the local shards: TP-split ones over the whole world,
 TP-replicated ones over the DP×CP group only (every TP rank holds the same shard of those).
 
-Bytes per parameter on a rank (r = DP × CP replicas), fp32: weights 4/r, gradient 4/r, AdamW 8/r, plus
-the gathered layers (the one computing and the one prefetched) and one layer's unsharded gradient.
+--bf16 (Megatron's meaning: bf16 compute, fp32 main weights): the model is built in bf16 as usual and
+turned to fp32 before sharding, so the fp32 shards are the main weights holding the bf16-rounded initial
+values, exactly --bf16's; FSDP2's MixedPrecisionPolicy gathers them in bf16 and reduces the gradients in
+fp32. Layer inputs are not cast (an --fp32-residual-connection residual stays fp32).
+
+Bytes per parameter on a rank (r = DP × CP replicas), fp32 and --bf16: weights 4/r, gradient 4/r, AdamW
+8/r, plus the gathered layers (the one computing and the one prefetched) and one layer's unsharded gradient.
 
 What does not compose (refused in one sentence by `problem(args)`): --use-distributed-optimizer
-(FSDP2 shards the optimizer state itself), --bf16/--fp16 (the fp32 path only, for now), grouped-query
+(FSDP2 shards the optimizer state itself), --fp16 (no loss scaling here), --grad-reduce-in-bf16, grouped-query
 key/value heads held in copies over TP (their copy sums need the unsharded layout), a single replica
 (nothing to shard over), --tp-comm-overlap and --torch-compile (not verified with it), --log-params-norm,
 --log-num-zeros-in-grad and pipeline parallelism. --overlap-grad-reduce (on by default) has no effect:
