@@ -50,6 +50,8 @@ def _optimizer_words(trainer) -> str:
     replicas = trainer.ps.dp_size * trainer.ps.cp_size
     if trainer.optimizer.partition is None:
         return "AdamW"
+    if trainer.args.use_torch_fsdp2:
+        return f"FSDP2: weights, gradients and AdamW state sharded over {replicas} replicas"
     mine = sum(p.numel() for g in local_optimizer(trainer.optimizer).param_groups for p in g["params"])
     total = sum(p.numel() for p in trainer.model.parameters())
     return f"AdamW state sharded over {replicas} replicas (this rank: {mine / total:.0%} of its parameters)"
