@@ -576,7 +576,7 @@ def test_distributed_optimizer_with_a_replica_that_owns_nothing(pool):
         assert r["sum"] == r["plain"]
 
 
-def _fsdp2_worker(tp, cp, family, dtype):
+def _fsdp2_worker(tp, cp, family, dtype, overlap):
     """Three real training steps (training/loop.py train_step, 2 micro-batches, dropout on, clipping
     active) of the same model with the replicated optimizer and with --use-torch-fsdp2's (training/
     fsdp.py); returns the losses, gradient norms, the largest parameter difference after the steps and
@@ -591,7 +591,9 @@ def _fsdp2_worker(tp, cp, family, dtype):
 
     ps = parallel_state.initialize_model_parallel(tp, cp)
     args = SimpleNamespace(weight_decay=0.1, lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
-    cfg = _config(tp, tp > 1, dropout=0.1, cp=cp, family=family, extra={"params_dtype": dtype})
+    cfg = _config(
+        tp, tp > 1, dropout=0.1, cp=cp, family=family, extra={"params_dtype": dtype, "tp_comm_overlap": overlap}
+    )
     plain, sharded = GPTModel(cfg), GPTModel(cfg)
     runs = [(plain, build_optimizer(plain, args, "cpu", ps)), (sharded, build_fsdp_optimizer(sharded, args, "cpu", ps))]
     computed = []  # the dtype of a layer's gathered weight in its forward (bf16: FSDP2's param_dtype)
@@ -617,15 +619,22 @@ def _fsdp2_worker(tp, cp, family, dtype):
 
 
 @pytest.mark.parametrize(
-    "tp,cp,family,dtype",
-    [(1, 1, "gpt2", "fp32"), (2, 1, "llama", "fp32"), (1, 2, "gpt2", "fp32"), (2, 1, "llama", "bf16")],
+    "tp,cp,family,dtype,overlap",
+    [
+        (1, 1, "gpt2", "fp32", False),
+        (2, 1, "llama", "fp32", False),
+        (1, 2, "gpt2", "fp32", False),
+        (2, 1, "llama", "bf16", False),
+        (2, 1, "gpt2", "fp32", True),
+    ],
 )
-def test_fsdp2_trains_like_plain_data_parallelism(pool, tp, cp, family, dtype):
+def test_fsdp2_trains_like_plain_data_parallelism(pool, tp, cp, family, dtype, overlap):
     """ZeRO-3 (FSDP2 over the DP×CP replicas) at DP4, TP2+SP×DP2 and CP2×DP2, fp32 with dropout: every
     loss and clipped gradient norm of plain DP within 1e-5, the same parameters after the steps, and
     each rank holding about 1/replicas of its TP shards (dim 0 chunks, the last ones padded). --bf16:
-    FSDP2 gathers bf16 weights from fp32 shards, which track plain --bf16's fp32 main weights."""
-    for r in pool.run(_fsdp2_worker, tp, cp, family, dtype):
+    FSDP2 gathers bf16 weights from fp32 shards, which track plain --bf16's fp32 main weights. With
+    --tp-comm-overlap the ring GEMMs read the gathered TP weights."""
+    for r in pool.run(_fsdp2_worker, tp, cp, family, dtype, overlap):
         assert r["dtypes"] == ({"torch.bfloat16", "torch.float32"} if dtype == "bf16" else {"torch.float32"})
         for plain, sharded in r["losses"] + r["norms"]:
             assert abs(plain - sharded) <= 1e-5 * abs(plain), r

@@ -91,7 +91,7 @@ FLAG_CASES = {
         ["--use-torch-fsdp2", "--bf16", "--grad-reduce-in-bf16"],
         "--use-torch-fsdp2 cannot be combined with --grad-reduce-in-bf16",
     ),
-    "fsdp2 and tp comm overlap": (["--use-torch-fsdp2", "--tp-comm-overlap"], "with --tp-comm-overlap"),
+    "fsdp2 and torch compile": (["--use-torch-fsdp2", "--torch-compile"], "with --torch-compile"),
     "fsdp2 with one replica": (["--use-torch-fsdp2"], "--use-torch-fsdp2 shards over the data- and context-parallel"),
 }
 

@@ -31,7 +31,7 @@ Bytes per parameter on a rank (r = DP × CP replicas), fp32 and --bf16: weights 
 What does not compose (refused in one sentence by `problem(args)`): --use-distributed-optimizer
 (FSDP2 shards the optimizer state itself), --fp16 (no loss scaling here), --grad-reduce-in-bf16, grouped-query
 key/value heads held in copies over TP (their copy sums need the unsharded layout), a single replica
-(nothing to shard over), --tp-comm-overlap and --torch-compile (not verified with it), --log-params-norm,
+(nothing to shard over), --torch-compile (not verified with it), --log-params-norm,
 --log-num-zeros-in-grad and pipeline parallelism. --overlap-grad-reduce (on by default) has no effect:
 FSDP2 overlaps its own reduce-scatters.
 """
@@ -62,7 +62,6 @@ def problem(args) -> str | None:
         ("use_distributed_optimizer", "--use-distributed-optimizer", "FSDP2 shards the optimizer state itself"),
         ("fp16", "--fp16", "FSDP2's path has no loss scaling (use --bf16)"),
         ("grad_reduce_in_bf16", "--grad-reduce-in-bf16", "FSDP2 reduce-scatters its gradients in fp32"),
-        ("tp_comm_overlap", "--tp-comm-overlap", "its TP rings are not verified under FSDP2's all-gathers"),
         ("torch_compile", "--torch-compile", "compiled layers are not verified under fully_shard"),
         ("log_params_norm", "--log-params-norm", "the norm of FSDP2's sharded weights is not implemented"),
         ("log_num_zeros_in_grad", "--log-num-zeros-in-grad", "FSDP2's gradients have no gradient buffers to count"),
