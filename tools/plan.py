@@ -287,7 +287,8 @@ def report(args, base, prec, cluster, fits, too_big) -> None:
         print(table(HEADERS, [_row(i + 1, p) for i, p in enumerate(runnable[: args.top])]))
     if modelled:
         print(
-            "modelled, not runnable yet (pipeline parallelism; FSDP2 with --fp16 or key/value heads in copies), fastest first:"
+            "modelled, not runnable yet (pipeline parallelism; FSDP2 with --fp16 or key/value heads in copies), "
+            "fastest first:"
         )
         start = len(runnable[: args.top])
         print(table(HEADERS, [_row(start + i + 1, p) for i, p in enumerate(modelled[: max(3, args.top // 2)])]))
