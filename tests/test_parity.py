@@ -587,7 +587,7 @@ def _fsdp2_worker(tp, cp, family, dtype, overlap):
     from megatron_sp.models.gpt import GPTModel
     from megatron_sp.training.fsdp import build_fsdp_optimizer
     from megatron_sp.training.loop import train_step
-    from megatron_sp.training.optimizer import build_optimizer
+    from megatron_sp.training.optimizer import build_optimizer, count_zero_grads, global_param_norm
 
     ps = parallel_state.initialize_model_parallel(tp, cp)
     args = SimpleNamespace(weight_decay=0.1, lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
@@ -613,6 +613,15 @@ def _fsdp2_worker(tp, cp, family, dtype, overlap):
         for n, p in runs[0][1].main_params().items()
     )
     out["dtypes"] = {str(computed[0]), str(params["layers.0.ln1.weight"].dtype)}
+    plain_opt, fsdp_opt = runs[0][1], runs[1][1]  # --log-params-norm and --log-num-zeros-in-grad's figures
+    out["params_norm"] = [
+        global_param_norm(list(plain_opt.main_params().values()), ps),
+        global_param_norm(fsdp_opt.local_params(), ps, fsdp_opt.partition),
+    ]
+    out["zeros"] = [
+        count_zero_grads(list(plain.parameters()), ps),
+        count_zero_grads(fsdp_opt.local_params(), ps, fsdp_opt.partition),
+    ]
     out["share"] = sum(p.to_local().numel() for p in params.values()) / sum(p.numel() for p in plain.parameters())
     out["replicas"] = ps.dp_size * ps.cp_size
     return out
@@ -639,6 +648,10 @@ def test_fsdp2_trains_like_plain_data_parallelism(pool, tp, cp, family, dtype, o
         for plain, sharded in r["losses"] + r["norms"]:
             assert abs(plain - sharded) <= 1e-5 * abs(plain), r
         assert r["norms"][0][0] > 0.1  # clipping was active
+        plain_norm, fsdp_norm = r["params_norm"]
+        assert abs(plain_norm - fsdp_norm) <= 1e-5 * plain_norm, r["params_norm"]
+        plain_zeros, fsdp_zeros = r["zeros"]  # (unseen tokens' embedding rows, key biases: exactly 0; CP sums
+        assert plain_zeros > 0 and abs(plain_zeros - fsdp_zeros) <= 0.01 * plain_zeros, r["zeros"]  # may round)
         assert r["same"] < 1e-5, r["same"]
         assert r["share"] <= 1.0 / r["replicas"] + 0.05, r["share"]
 

@@ -31,9 +31,8 @@ Bytes per parameter on a rank (r = DP × CP replicas), fp32 and --bf16: weights 
 What does not compose (refused in one sentence by `problem(args)`): --use-distributed-optimizer
 (FSDP2 shards the optimizer state itself), --fp16 (no loss scaling here), --grad-reduce-in-bf16, grouped-query
 key/value heads held in copies over TP (their copy sums need the unsharded layout), a single replica
-(nothing to shard over), --torch-compile (not verified with it), --log-params-norm,
---log-num-zeros-in-grad and pipeline parallelism. --overlap-grad-reduce (on by default) has no effect:
-FSDP2 overlaps its own reduce-scatters.
+(nothing to shard over), --torch-compile (not verified with it) and pipeline parallelism.
+--overlap-grad-reduce (on by default) has no effect: FSDP2 overlaps its own reduce-scatters.
 """
 
 from __future__ import annotations
@@ -63,8 +62,6 @@ def problem(args) -> str | None:
         ("fp16", "--fp16", "FSDP2's path has no loss scaling (use --bf16)"),
         ("grad_reduce_in_bf16", "--grad-reduce-in-bf16", "FSDP2 reduce-scatters its gradients in fp32"),
         ("torch_compile", "--torch-compile", "compiled layers are not verified under fully_shard"),
-        ("log_params_norm", "--log-params-norm", "the norm of FSDP2's sharded weights is not implemented"),
-        ("log_num_zeros_in_grad", "--log-num-zeros-in-grad", "FSDP2's gradients have no gradient buffers to count"),
     )
     for name, flag, why in conflicts:
         if getattr(args, name, False):
@@ -148,6 +145,7 @@ def _local_view(p) -> torch.Tensor:
     p's attributes (a TP-split spec without segments: no copies under FSDP2, config_problem)."""
     view = p._local_tensor.detach()
     view.grad = p.grad._local_tensor if p.grad is not None else None
+    view.main_grad = view.grad  # (the reduced gradient, where count_zero_grads reads it)
     spec = getattr(p, "shard_spec", None)
     view.shard_spec = ShardSpec(spec.dim) if spec is not None and spec.dim is not None else spec
     view.sequence_parallel = getattr(p, "sequence_parallel", False)
@@ -188,6 +186,11 @@ class FSDPOptimizer:
         """After the last backward: FSDP2 has reduce-scattered over DP×CP; the SP-region partial sums
         over TP remain, on the local shards (the same slice on every TP rank)."""
         model.partial_grads.reduce([_local_view(p) for p in self.params], cp_summed=True)
+
+    def local_params(self) -> list:
+        """This rank's shards as plain tensors, their gradient shards as .grad and .main_grad (the norm and
+        zero-count logs read them with `partition`)."""
+        return [_local_view(p) for p in self.params]
 
     def prepare_grads(self) -> list:
         """This rank's shards, each with its gradient shard as .grad (clip and scale those in place)."""
