@@ -40,7 +40,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from megatron_sp.checkpointing.canonical import empty_dcp_target, from_canonical_local
 from megatron_sp.checkpointing.states import ModelState, OptimizerState
@@ -243,9 +242,6 @@ class FSDPModelState(ModelState):
     """ModelState of an FSDP2 model: saves each parameter's TP-local tensor (gathered over DP×CP), so
     the entries are canonical.py's; loads by taking this rank's chunk of them."""
 
-    def __init__(self, model, ps):
-        super().__init__(model, ps)
-
     def _saved(self):
         return [(n, _gathered(p, p)) for n, p in self.model.named_parameters()]
 
@@ -303,14 +299,3 @@ class FSDPOptimizerState(OptimizerState):
 def checkpoint_states(model, optimizer: FSDPOptimizer, ps) -> dict:
     """The model and optimizer entries of a checkpoint of an FSDP2 run (pretrain.Trainer's others as usual)."""
     return {"model": FSDPModelState(model, ps), "optim": FSDPOptimizerState(optimizer.optim, model, ps)}
-
-
-def sharded_bytes(model) -> dict:
-    """Bytes this rank holds of the sharded weights and gradients (bench/fsdp_memory.py)."""
-    out = {"weights": 0, "grads": 0}
-    for p in model.parameters():
-        out["weights"] += p._local_tensor.numel() * p._local_tensor.element_size()
-        if p.grad is not None:
-            out["grads"] += p.grad._local_tensor.numel() * p.grad._local_tensor.element_size()
-    dist.barrier()
-    return out
