@@ -576,7 +576,7 @@ def test_distributed_optimizer_with_a_replica_that_owns_nothing(pool):
         assert r["sum"] == r["plain"]
 
 
-def _fsdp2_worker(tp, cp, family, dtype, overlap):
+def _fsdp2_worker(tp, cp, family, dtype, overlap, root=None):
     """Three real training steps (training/loop.py train_step, 2 micro-batches, dropout on, clipping
     active) of the same model with the replicated optimizer and with --use-torch-fsdp2's (training/
     fsdp.py); returns the losses, gradient norms, the largest parameter difference after the steps and
@@ -623,8 +623,37 @@ def _fsdp2_worker(tp, cp, family, dtype, overlap):
         count_zero_grads(fsdp_opt.local_params(), ps, fsdp_opt.partition),
     ]
     out["share"] = sum(p.to_local().numel() for p in params.values()) / sum(p.numel() for p in plain.parameters())
+    if root is not None:
+        out["resumed"] = _fsdp2_checkpoint_resumes_plain(root, cfg, ps, args, sharded, fsdp_opt, plain_opt)
     out["replicas"] = ps.dp_size * ps.cp_size
     return out
+
+
+def _fsdp2_checkpoint_resumes_plain(root, cfg, ps, args, sharded, fsdp_opt, plain_opt):
+    """FSDP2's checkpoint (checkpointer.save of training/fsdp.py's states) loaded by a fresh replicated
+    model and optimizer: the largest difference from the trained plain run's weights and AdamW moments."""
+    from megatron_sp import checkpointing
+    from megatron_sp.models.gpt import GPTModel
+    from megatron_sp.training.fsdp import checkpoint_states
+    from megatron_sp.training.optimizer import build_optimizer
+
+    quiet = lambda *a: None  # noqa: E731
+    saved = {**checkpoint_states(sharded, fsdp_opt, ps), "train_state": checkpointing.TrainState(iteration=STEPS)}
+    checkpointing.save(root, saved, cfg, ps, log=quiet)
+    fresh = GPTModel(cfg)
+    opt = build_optimizer(fresh, args, "cpu", ps)
+    states = {
+        "model": checkpointing.ModelState(fresh, ps, opt.main_params()),
+        "optim": checkpointing.OptimizerState(opt.optim, fresh, ps, opt.main_params()),
+        "train_state": checkpointing.TrainState(),
+    }
+    checkpointing.load(root, states, cfg, log=quiet)
+    want, got = plain_opt.main_params(), opt.main_params()
+    worst = max(_rel(got[n], want[n]) for n in want)
+    for n in want:
+        for key in ("exp_avg", "exp_avg_sq"):
+            worst = max(worst, _rel(opt.optim.state[got[n]][key], plain_opt.optim.state[want[n]][key]))
+    return worst
 
 
 @pytest.mark.parametrize(
@@ -637,13 +666,17 @@ def _fsdp2_worker(tp, cp, family, dtype, overlap):
         (2, 1, "gpt2", "fp32", True),
     ],
 )
-def test_fsdp2_trains_like_plain_data_parallelism(pool, tp, cp, family, dtype, overlap):
+def test_fsdp2_trains_like_plain_data_parallelism(pool, tmp_path, tp, cp, family, dtype, overlap):
     """ZeRO-3 (FSDP2 over the DP×CP replicas) at DP4, TP2+SP×DP2 and CP2×DP2, fp32 with dropout: every
     loss and clipped gradient norm of plain DP within 1e-5, the same parameters after the steps, and
     each rank holding about 1/replicas of its TP shards (dim 0 chunks, the last ones padded). --bf16:
     FSDP2 gathers bf16 weights from fp32 shards, which track plain --bf16's fp32 main weights. With
-    --tp-comm-overlap the ring GEMMs read the gathered TP weights."""
-    for r in pool.run(_fsdp2_worker, tp, cp, family, dtype, overlap):
+    --tp-comm-overlap the ring GEMMs read the gathered TP weights. At TP2+SP×DP2 (fp32) FSDP2's checkpoint
+    (the canonical entries gathered from the shards) resumes as the replicated run's weights and moments."""
+    root = str(tmp_path) if (tp, dtype, overlap) == (2, "fp32", False) else None
+    for r in pool.run(_fsdp2_worker, tp, cp, family, dtype, overlap, root):
+        if root is not None:
+            assert r["resumed"] < 1e-5, r["resumed"]
         assert r["dtypes"] == ({"torch.bfloat16", "torch.float32"} if dtype == "bf16" else {"torch.float32"})
         for plain, sharded in r["losses"] + r["norms"]:
             assert abs(plain - sharded) <= 1e-5 * abs(plain), r
