@@ -10,6 +10,8 @@ in copies by pairs of ranks at TP=4), both built from their spec; the same harne
 Every case with SP and dropout runs again with --tp-comm-overlap (`overlapped`, issue 23): the
 all-gathers and reduce-scatters cut into ring steps under the GEMMs compute the same function."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -591,9 +593,9 @@ def _fsdp2_worker(tp, cp, family, dtype, overlap, root=None):
 
     ps = parallel_state.initialize_model_parallel(tp, cp)
     args = SimpleNamespace(weight_decay=0.1, lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
-    cfg = _config(
-        tp, tp > 1, dropout=0.1, cp=cp, family=family, extra={"params_dtype": dtype, "tp_comm_overlap": overlap}
-    )
+    mqa = family == "llama-mqa"  # one key/value head: held in copies by both TP ranks
+    extra = {"params_dtype": dtype, "tp_comm_overlap": overlap, **({"num_query_groups": 1} if mqa else {})}
+    cfg = dataclasses.replace(_config(tp, tp > 1, dropout=0.1, cp=cp, family="llama" if mqa else family), **extra)
     plain, sharded = GPTModel(cfg), GPTModel(cfg)
     runs = [(plain, build_optimizer(plain, args, "cpu", ps)), (sharded, build_fsdp_optimizer(sharded, args, "cpu", ps))]
     computed = []  # the dtype of a layer's gathered weight in its forward (bf16: FSDP2's param_dtype)
@@ -664,16 +666,19 @@ def _fsdp2_checkpoint_resumes_plain(root, cfg, ps, args, sharded, fsdp_opt, plai
         (1, 2, "gpt2", "fp32", False),
         (2, 1, "llama", "bf16", False),
         (2, 1, "gpt2", "fp32", True),
+        (2, 1, "llama-mqa", "fp32", False),
     ],
 )
 def test_fsdp2_trains_like_plain_data_parallelism(pool, tmp_path, tp, cp, family, dtype, overlap):
     """ZeRO-3 (FSDP2 over the DP×CP replicas) at DP4, TP2+SP×DP2 and CP2×DP2, fp32 with dropout: every
     loss and clipped gradient norm of plain DP within 1e-5, the same parameters after the steps, and
-    each rank holding about 1/replicas of its TP shards (dim 0 chunks, the last ones padded). --bf16:
-    FSDP2 gathers bf16 weights from fp32 shards, which track plain --bf16's fp32 main weights. With
-    --tp-comm-overlap the ring GEMMs read the gathered TP weights. At TP2+SP×DP2 (fp32) FSDP2's checkpoint
-    (the canonical entries gathered from the shards) resumes as the replicated run's weights and moments."""
-    root = str(tmp_path) if (tp, dtype, overlap) == (2, "fp32", False) else None
+    each rank holding about 1/replicas of its TP shards (dim 0 chunks, the last ones padded); so are
+    the parameter norm and the zero count of the logs. --bf16: FSDP2 gathers bf16 weights from fp32
+    shards, which track plain --bf16's fp32 main weights. --tp-comm-overlap: the ring GEMMs read the
+    gathered TP weights. One key/value head at TP2: both ranks hold it in copies, whose gradients are
+    summed on the shards and counted once by the norms. At TP2+SP×DP2 (fp32) FSDP2's checkpoint (the
+    canonical entries gathered from the shards) resumes as the replicated run's weights and moments."""
+    root = str(tmp_path) if (tp, dtype, overlap) == (2, "fp32", False) else None  # (llama, llama-mqa)
     for r in pool.run(_fsdp2_worker, tp, cp, family, dtype, overlap, root):
         if root is not None:
             assert r["resumed"] < 1e-5, r["resumed"]

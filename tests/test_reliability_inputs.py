@@ -96,16 +96,6 @@ FLAG_CASES = {
 }
 
 
-def test_fsdp2_refuses_key_value_heads_held_in_copies():
-    from megatron_sp.config import GPTConfig
-    from megatron_sp.training.fsdp import config_problem
-
-    cfg = dict(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16, model="llama")
-    assert config_problem(GPTConfig(**cfg, num_query_groups=2, tensor_model_parallel_size=2)) is None
-    sentence = config_problem(GPTConfig(**cfg, num_query_groups=1, tensor_model_parallel_size=2))
-    assert "--use-torch-fsdp2" in sentence and "--num-query-groups 1" in sentence
-
-
 @pytest.mark.parametrize("case", sorted(FLAG_CASES))
 def test_bad_flag_is_one_sentence(case, capsys):
     argv, needle = FLAG_CASES[case]

@@ -286,10 +286,7 @@ def report(args, base, prec, cluster, fits, too_big) -> None:
         print("runnable today, fastest first:")
         print(table(HEADERS, [_row(i + 1, p) for i, p in enumerate(runnable[: args.top])]))
     if modelled:
-        print(
-            "modelled, not runnable yet (pipeline parallelism; FSDP2 with --fp16 or key/value heads in copies), "
-            "fastest first:"
-        )
+        print("modelled, not runnable yet (pipeline parallelism; FSDP2 with --fp16), fastest first:")
         start = len(runnable[: args.top])
         print(table(HEADERS, [_row(start + i + 1, p) for i, p in enumerate(modelled[: max(3, args.top // 2)])]))
     best = fits[0]
@@ -301,7 +298,7 @@ def report(args, base, prec, cluster, fits, too_big) -> None:
     )
     print(
         "note: pipeline parallelism does not exist yet (pp > 1: modelled, not runnable); FSDP2 runs in fp32 and "
-        "--bf16 without key/value heads held in copies; recompute full = uniform chunks of 1 layer."
+        "--bf16; recompute full = uniform chunks of 1 layer."
     )
 
 

@@ -3,8 +3,8 @@
 A layout is (tp, cp, dp, pp, sp, recompute, sharding) with tp * cp * dp * pp = GPUs, tp within a
 node; GPTConfig's own checks decide whether the model splits that way (heads, groups, MLP width,
 sequence). A layout is runnable when the program offers it today: pp = 1 (no pipeline parallelism
-yet) and FSDP2 where the program's parser accepts --use-torch-fsdp2, in fp32 or bf16, without key/value
-heads held in copies (training/fsdp.py refuses the rest).
+yet) and FSDP2 where the program's parser accepts --use-torch-fsdp2, in fp32 or bf16 (training/fsdp.py
+refuses --fp16).
 """
 
 from __future__ import annotations
@@ -112,10 +112,7 @@ def fsdp2_notes(cfg, prec, offered: bool) -> list:
     """Why an FSDP2 layout does not run today (training/fsdp.py refuses these), or nothing."""
     if not offered:
         return ["FSDP2 modelled, not runnable yet"]
-    notes = [f"FSDP2 runs fp32 and --bf16 only (not {prec.name})"] if prec.name.startswith("fp16") else []
-    if cfg.tensor_model_parallel_size > cfg.num_query_groups:
-        notes.append("FSDP2 refuses key/value heads held in copies")
-    return notes
+    return [f"FSDP2 runs fp32 and --bf16 only (not {prec.name})"] if prec.name.startswith("fp16") else []
 
 
 def memory_split(cfg, layout: Layout, prec, micro_batch: int, micro_batches: int):

@@ -28,23 +28,29 @@ fp32. Layer inputs are not cast (an --fp32-residual-connection residual stays fp
 Bytes per parameter on a rank (r = DP × CP replicas), fp32 and --bf16: weights 4/r, gradient 4/r, AdamW
 8/r, plus the gathered layers (the one computing and the one prefetched) and one layer's unsharded gradient.
 
+Key/value heads held in copies over TP (grouped-query attention with fewer heads than TP ranks): their
+copy sums need the TP-local layout, so those parameters' gradient shards are placed in a zeroed TP-local
+tensor for the sum (a QKV weight's worth, transient) and taken back; the norms count the copied rows on
+the first copy's ranks only.
+
 What does not compose (refused in one sentence by `problem(args)`): --use-distributed-optimizer
-(FSDP2 shards the optimizer state itself), --fp16 (no loss scaling here), --grad-reduce-in-bf16, grouped-query
-key/value heads held in copies over TP (their copy sums need the unsharded layout), a single replica
-(nothing to shard over), --torch-compile (not verified with it) and pipeline parallelism.
+(FSDP2 shards the optimizer state itself), --fp16 (no loss scaling here), --grad-reduce-in-bf16, a
+single replica (nothing to shard over), --torch-compile (not verified with it) and pipeline parallelism.
 --overlap-grad-reduce (on by default) has no effect: FSDP2 overlaps its own reduce-scatters.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
 from megatron_sp.checkpointing.canonical import empty_dcp_target, from_canonical_local
 from megatron_sp.checkpointing.states import ModelState, OptimizerState
 from megatron_sp.parallel_state import ParallelState
-from megatron_sp.tensor_parallel.sharding import ShardSpec
+from megatron_sp.tensor_parallel.sharding import ShardSpec, segment_shards
 from megatron_sp.training.distributed_optimizer import replica_group
 
 _ATTRS = ("shard_spec", "sequence_parallel", "init_tag")  # what our sums, norms and checkpoints read
@@ -72,16 +78,6 @@ def problem(args) -> str | None:
         return (
             f"{FLAG} shards over the data- and context-parallel replicas and this layout has one "
             f"(world size {args.world_size} = --tensor-model-parallel-size); drop {FLAG} or add ranks."
-        )
-    return None
-
-
-def config_problem(cfg) -> str | None:
-    """The model-shaped reason FSDP2 cannot train cfg, or None: key/value heads held in copies."""
-    if cfg.tensor_model_parallel_size > cfg.num_query_groups:
-        return (
-            f"{FLAG} cannot be combined with --tensor-model-parallel-size {cfg.tensor_model_parallel_size} > "
-            f"--num-query-groups {cfg.num_query_groups}: key/value heads held in copies need their unsharded layout."
         )
     return None
 
@@ -139,16 +135,80 @@ class ReplicaShards:
         return True
 
 
-def _local_view(p) -> torch.Tensor:
-    """A plain tensor aliasing this rank's shard of p (a DTensor), its gradient's shard as .grad, and
-    p's attributes (a TP-split spec without segments: no copies under FSDP2, config_problem)."""
-    view = p._local_tensor.detach()
-    view.grad = p.grad._local_tensor if p.grad is not None else None
-    view.main_grad = view.grad  # (the reduced gradient, where count_zero_grads reads it)
+def _chunk_rows(p) -> tuple:
+    """The rows [a, b) of dim 0 of p's TP-local tensor that this rank's FSDP2 shard holds (torch.chunk)."""
+    n, mesh = p.shape[0], p.device_mesh
+    size = math.ceil(n / mesh.size())
+    a = min(mesh.get_local_rank() * size, n)
+    return a, min(a + size, n)
+
+
+def _copy_rows(p, ps: ParallelState) -> list:
+    """[(start, stop, first copy?)] of dim 0 of p's TP-local tensor, one per segment, when a segment is
+    held in copies over TP (grouped-query key/value heads with fewer heads than TP ranks); else []."""
     spec = getattr(p, "shard_spec", None)
+    if spec is None or not spec.segments or spec.dim % p.dim() != 0:
+        return []
+    shards = segment_shards(spec, p.shape[0], ps.tp_rank, ps.tp_size)
+    if all(s.copies == 1 for s in shards):
+        return []
+    rows, start = [], 0
+    for s in shards:
+        rows.append((start, start + s.size, s.first_copy))
+        start += s.size
+    return rows
+
+
+def _view(t, grad, spec, sequence_parallel, counted=True) -> torch.Tensor:
+    view = t.detach()
+    view.grad = grad
+    view.main_grad = grad  # (the reduced gradient, where count_zero_grads reads it)
     view.shard_spec = ShardSpec(spec.dim) if spec is not None and spec.dim is not None else spec
-    view.sequence_parallel = getattr(p, "sequence_parallel", False)
+    view.sequence_parallel = sequence_parallel
+    view.norm_counted = counted  # (False: a copy that other TP ranks count)
     return view
+
+
+def _local_views(p, ps: ParallelState) -> list:
+    """Plain tensors aliasing this rank's shard of p (a DTensor), each with its gradient's shard as .grad
+    and p's attributes (a TP-split spec without segments). Rows held in copies over TP come as their own
+    views, counted by the norms on the first copy's ranks only."""
+    local = p._local_tensor
+    grad = p.grad._local_tensor if p.grad is not None else None
+    spec, sp = getattr(p, "shard_spec", None), getattr(p, "sequence_parallel", False)
+    rows = _copy_rows(p, ps)
+    if not rows:
+        return [_view(local, grad, spec, sp)]
+    a, b = _chunk_rows(p)
+    out = []
+    for start, stop, first in rows:
+        lo, hi = max(start, a) - a, min(stop, b) - a
+        if lo < hi:
+            out.append(_view(local[lo:hi], grad[lo:hi] if grad is not None else None, spec, sp, first))
+    return out
+
+
+def _reduce_partial_grads(model, params, ps: ParallelState) -> None:
+    """The SP-region partial sums over TP on the gradient shards (every TP rank holds the same rows);
+    a parameter with rows held in copies is summed on its TP-local layout (zeros outside this rank's
+    rows), which the copy sums need, then its rows are taken back."""
+    items, copied = [], []
+    for p in params:
+        if p.grad is None:
+            continue
+        spec, sp, grad = getattr(p, "shard_spec", None), getattr(p, "sequence_parallel", False), p.grad._local_tensor
+        if not _copy_rows(p, ps):
+            plain = ShardSpec(spec.dim) if spec is not None and spec.split else spec
+            items.append(SimpleNamespace(shard_spec=plain, sequence_parallel=sp, grad=grad))
+            continue
+        a, b = _chunk_rows(p)
+        full = grad.new_zeros(p.shape)  # [TP-local rows, ...]
+        full[a:b] = grad
+        items.append(SimpleNamespace(shard_spec=spec, sequence_parallel=sp, grad=full))
+        copied.append((grad, full, a, b))
+    model.partial_grads.reduce(items, cp_summed=True, grad=lambda q: q.grad)
+    for grad, full, a, b in copied:
+        grad.copy_(full[a:b])
 
 
 class FSDPOptimizer:
@@ -182,18 +242,18 @@ class FSDPOptimizer:
 
     @torch.no_grad()
     def finalize_grads(self, model):
-        """After the last backward: FSDP2 has reduce-scattered over DP×CP; the SP-region partial sums
-        over TP remain, on the local shards (the same slice on every TP rank)."""
-        model.partial_grads.reduce([_local_view(p) for p in self.params], cp_summed=True)
+        """After the last backward: FSDP2 has reduce-scattered over DP×CP; the partial sums over TP
+        remain (SP-region parameters, key/value copies), on the local shards."""
+        _reduce_partial_grads(model, self.params, self.ps)
 
     def local_params(self) -> list:
         """This rank's shards as plain tensors, their gradient shards as .grad and .main_grad (the norm and
         zero-count logs read them with `partition`)."""
-        return [_local_view(p) for p in self.params]
+        return [v for p in self.params for v in _local_views(p, self.ps)]
 
     def prepare_grads(self) -> list:
         """This rank's shards, each with its gradient shard as .grad (clip and scale those in place)."""
-        return [_local_view(p) for p in self.params if p.grad is not None]
+        return [v for p in self.params if p.grad is not None for v in _local_views(p, self.ps)]
 
     @torch.no_grad()
     def step(self):

@@ -190,6 +190,8 @@ def _global_sum(params, tensor_of, measure, ps: ParallelState, partition) -> tor
     device = tensor_of(params[0]).device if params else _collective_device()
     split, replicated = [], []
     for p in params:
+        if not getattr(p, "norm_counted", True):  # a copy that other ranks count (training/fsdp.py)
+            continue
         spec = getattr(p, "shard_spec", None)
         if spec is None or spec.dim is None:
             replicated.append(tensor_of(p))

@@ -94,11 +94,6 @@ def check_inputs(argv) -> Setup:
         prefixes, _ = parse_data_path(args.data_path)
         for prefix in prefixes:
             check_train_split(validate_indexed_prefix(prefix, vocab_size=tokenizer.vocab_size), args.split)
-    if args.use_torch_fsdp2:
-        from megatron_sp.training.fsdp import config_problem
-
-        if config_problem(cfg):
-            raise ArgumentError(config_problem(cfg))
     checkpointing.check_inputs(args.load, args.save, cfg)
     check_fits(cfg, args)
     return Setup(args, cfg, tokenizer, prefixes)
