@@ -104,11 +104,11 @@ def plan_layout(base: dict, layout: Layout, prec, cluster, batch: Batch, runnabl
     if layout.pp > 1:
         notes.append("pp modelled, not runnable yet")
     if layout.sharding == "fsdp2":
-        notes += fsdp2_notes(cfg, prec, runnable_fsdp2)
+        notes += fsdp2_notes(prec, runnable_fsdp2)
     return Plan(layout, memory, comm, time, m, not notes, "; ".join(notes))
 
 
-def fsdp2_notes(cfg, prec, offered: bool) -> list:
+def fsdp2_notes(prec, offered: bool) -> list:
     """Why an FSDP2 layout does not run today (training/fsdp.py refuses these), or nothing."""
     if not offered:
         return ["FSDP2 modelled, not runnable yet"]
