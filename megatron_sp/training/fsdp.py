@@ -47,7 +47,7 @@ from types import SimpleNamespace
 
 import torch
 
-from megatron_sp.checkpointing.canonical import empty_dcp_target, from_canonical_local
+from megatron_sp.checkpointing.canonical import empty_dcp_target, from_canonical_local, to_dcp_tensor
 from megatron_sp.checkpointing.states import ModelState, OptimizerState
 from megatron_sp.parallel_state import ParallelState
 from megatron_sp.tensor_parallel.sharding import ShardSpec, segment_shards
@@ -326,14 +326,9 @@ class FSDPOptimizerState(OptimizerState):
             local = {"step": torch.as_tensor(st.get("step", 0.0), dtype=torch.float32).cpu().clone()}
             for key in ("exp_avg", "exp_avg_sq"):
                 full = _gathered(st[key], p) if key in st else _like(p)
-                local[key] = self._entry(full)
+                local[key] = to_dcp_tensor(full, full, self.ps)
             out[name] = local
         return out
-
-    def _entry(self, full):
-        from megatron_sp.checkpointing.canonical import to_dcp_tensor
-
-        return to_dcp_tensor(full, full, self.ps)
 
     def load_target(self) -> dict:
         return {
@@ -347,8 +342,10 @@ class FSDPOptimizerState(OptimizerState):
 
     @torch.no_grad()
     def load_state_dict(self, loaded: dict) -> None:
+        fused = any(g.get("fused") or g.get("capturable") for g in self.optimizer.param_groups)
         for name, p in self.params:
-            saved, state = loaded[name], {"step": loaded[name]["step"].clone()}
+            saved = loaded[name]
+            state = {"step": saved["step"].clone().to(p.device if fused else "cpu")}
             for key in ("exp_avg", "exp_avg_sq"):
                 moment = torch.zeros_like(p)  # a DTensor sharded as p
                 moment._local_tensor.copy_(_my_chunk(from_canonical_local(saved[key], _like(p), self.ps), p))
