@@ -589,6 +589,7 @@ def _fsdp2_worker(tp, cp, family, dtype, overlap, root=None):
     from megatron_sp.models.gpt import GPTModel
     from megatron_sp.training.fsdp import build_fsdp_optimizer
     from megatron_sp.training.loop import train_step
+    from megatron_sp.training.loss_scale import DynamicLossScaler
     from megatron_sp.training.optimizer import build_optimizer, count_zero_grads, global_param_norm
 
     ps = parallel_state.initialize_model_parallel(tp, cp)
@@ -601,12 +602,14 @@ def _fsdp2_worker(tp, cp, family, dtype, overlap, root=None):
     computed = []  # the dtype of a layer's gathered weight in its forward (bf16: FSDP2's param_dtype)
     sharded.layers[0].ln1.register_forward_pre_hook(lambda m, _: computed.append(m.weight.dtype))
     out = {"losses": [], "norms": []}
+    scalers = [DynamicLossScaler(initial_scale=128.0) if dtype == "fp16" else None for _ in runs]
     for step in range(STEPS):
         results = []
-        for model, opt in runs:
+        for (model, opt), scaler in zip(runs, scalers):
             micro = [_batch(100 * step + 10 * ps.dp_rank + m) for m in range(2)]  # each DP rank its own
             data = iter({"tokens": t, "labels": y, "sample_ids": i} for t, y, i in micro)
-            results.append(train_step(model, opt, data, 2, ps, device="cpu", clip_grad=0.1, iteration=step + 1))
+            kw = dict(device="cpu", clip_grad=0.1, iteration=step + 1, scaler=scaler)
+            results.append(train_step(model, opt, data, 2, ps, **kw))
         out["losses"].append([r.loss for r in results])
         out["norms"].append([r.grad_norm for r in results])
     params = dict(sharded.named_parameters())
@@ -665,6 +668,7 @@ def _fsdp2_checkpoint_resumes_plain(root, cfg, ps, args, sharded, fsdp_opt, plai
         (2, 1, "llama", "fp32", False),
         (1, 2, "gpt2", "fp32", False),
         (2, 1, "llama", "bf16", False),
+        (2, 1, "llama", "fp16", False),
         (2, 1, "gpt2", "fp32", True),
         (2, 1, "llama-mqa", "fp32", False),
     ],
@@ -673,16 +677,18 @@ def test_fsdp2_trains_like_plain_data_parallelism(pool, tmp_path, tp, cp, family
     """ZeRO-3 (FSDP2 over the DP×CP replicas) at DP4, TP2+SP×DP2 and CP2×DP2, fp32 with dropout: every
     loss and clipped gradient norm of plain DP within 1e-5, the same parameters after the steps, and
     each rank holding about 1/replicas of its TP shards (dim 0 chunks, the last ones padded); so are
-    the parameter norm and the zero count of the logs. --bf16: FSDP2 gathers bf16 weights from fp32
-    shards, which track plain --bf16's fp32 main weights. --tp-comm-overlap: the ring GEMMs read the
-    gathered TP weights. One key/value head at TP2: both ranks hold it in copies, whose gradients are
-    summed on the shards and counted once by the norms. At TP2+SP×DP2 (fp32) FSDP2's checkpoint (the
-    canonical entries gathered from the shards) resumes as the replicated run's weights and moments."""
+    the parameter norm and the zero count of the logs. --bf16 / --fp16 (loss-scaled): FSDP2 gathers
+    bf16 / fp16 weights from fp32 shards, which track the plain run's fp32 main weights.
+    --tp-comm-overlap: the ring GEMMs read the gathered TP weights. One key/value head at TP2: both
+    ranks hold it in copies, whose gradients are summed on the shards and counted once by the norms.
+    At TP2+SP×DP2 (fp32) FSDP2's checkpoint (the canonical entries gathered from the shards) resumes
+    as the replicated run's weights and moments."""
     root = str(tmp_path) if (tp, dtype, overlap) == (2, "fp32", False) else None  # (llama, llama-mqa)
     for r in pool.run(_fsdp2_worker, tp, cp, family, dtype, overlap, root):
         if root is not None:
             assert r["resumed"] < 1e-5, r["resumed"]
-        assert r["dtypes"] == ({"torch.bfloat16", "torch.float32"} if dtype == "bf16" else {"torch.float32"})
+        low = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}.get(dtype)
+        assert r["dtypes"] == ({low, "torch.float32"} if low else {"torch.float32"})
         for plain, sharded in r["losses"] + r["norms"]:
             assert abs(plain - sharded) <= 1e-5 * abs(plain), r
         assert r["norms"][0][0] > 0.1  # clipping was active

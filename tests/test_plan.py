@@ -135,7 +135,7 @@ def world():
 def measured(world):
     out = {}
     for name, flags in {**LAYOUTS, **FSDP2_LAYOUTS}.items():
-        modes = precision_modes() if name in ALL_MODES else [[], ["--bf16"]] if name in FSDP2_LAYOUTS else [[]]
+        modes = precision_modes() if name in ALL_MODES or name in FSDP2_LAYOUTS else [[]]
         for mode in modes:
             # fp16: a scale that lets the first steps update (Megatron's 2^32 skips ~32 steps halving it)
             scale = ["--initial-loss-scale", "128"] if "--fp16" in mode else []

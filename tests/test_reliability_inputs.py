@@ -86,7 +86,6 @@ FLAG_CASES = {
         ["--use-torch-fsdp2", "--use-distributed-optimizer"],
         "--use-torch-fsdp2 cannot be combined with --use-distributed-optimizer",
     ),
-    "fsdp2 and fp16": (["--use-torch-fsdp2", "--fp16"], "--use-torch-fsdp2 cannot be combined with --fp16"),
     "fsdp2 and bf16 grads": (
         ["--use-torch-fsdp2", "--bf16", "--grad-reduce-in-bf16"],
         "--use-torch-fsdp2 cannot be combined with --grad-reduce-in-bf16",

@@ -3,8 +3,7 @@
 A layout is (tp, cp, dp, pp, sp, recompute, sharding) with tp * cp * dp * pp = GPUs, tp within a
 node; GPTConfig's own checks decide whether the model splits that way (heads, groups, MLP width,
 sequence). A layout is runnable when the program offers it today: pp = 1 (no pipeline parallelism
-yet) and FSDP2 where the program's parser accepts --use-torch-fsdp2, in fp32 or bf16 (training/fsdp.py
-refuses --fp16).
+yet) and FSDP2 where the program's parser accepts --use-torch-fsdp2.
 """
 
 from __future__ import annotations
@@ -109,10 +108,8 @@ def plan_layout(base: dict, layout: Layout, prec, cluster, batch: Batch, runnabl
 
 
 def fsdp2_notes(prec, offered: bool) -> list:
-    """Why an FSDP2 layout does not run today (training/fsdp.py refuses these), or nothing."""
-    if not offered:
-        return ["FSDP2 modelled, not runnable yet"]
-    return [f"FSDP2 runs fp32 and --bf16 only (not {prec.name})"] if prec.name.startswith("fp16") else []
+    """Why an FSDP2 layout does not run today, or nothing (it runs wherever the parser offers the flag)."""
+    return [] if offered else ["FSDP2 modelled, not runnable yet"]
 
 
 def memory_split(cfg, layout: Layout, prec, micro_batch: int, micro_batches: int):

@@ -11,7 +11,7 @@ Precision (bytes per parameter: weight + gradient + optimizer state):
     bf16 / fp16 as autocast       4 + 4 + 8            (--bf16 / --fp16 before issue 17)
     bf16 / fp16, Megatron's       2 + 4 + 12           what --bf16 / --fp16 run: main weights + moments / r
                                   2 + 2 + 12           with --grad-reduce-in-bf16
-    FSDP2 (ZeRO-3), fp32 / --bf16 (4 + 4 + 8) / r      fp32 shards (--bf16's main weights), fp32 gradients;
+    FSDP2 (ZeRO-3), every mode    (4 + 4 + 8) / r      fp32 shards (the main weights), fp32 gradients;
                                                        plus two layers gathered (modelled)
 r = DP x CP replicas.
 """

@@ -20,12 +20,13 @@ left after the backward is ours (`FSDPOptimizer.finalize_grads`): the SP-region 
 the local shards. Clipping sums the squares of the local shards: TP-split ones over the whole world,
 TP-replicated ones over the DP×CP group only (every TP rank holds the same shard of those).
 
---bf16 (Megatron's meaning: bf16 compute, fp32 main weights): the model is built in bf16 as usual and
-turned to fp32 before sharding, so the fp32 shards are the main weights holding the bf16-rounded initial
-values, exactly --bf16's; FSDP2's MixedPrecisionPolicy gathers them in bf16 and reduces the gradients in
-fp32. Layer inputs are not cast (an --fp32-residual-connection residual stays fp32).
+--bf16 / --fp16 (Megatron's meaning: low-precision compute, fp32 main weights): the model is built in
+bf16 / fp16 as usual and turned to fp32 before sharding, so the fp32 shards are the main weights holding
+the rounded initial values, exactly the plain run's; FSDP2's MixedPrecisionPolicy gathers them in the
+low precision and reduces the gradients in fp32. Layer inputs are not cast (an --fp32-residual-connection
+residual stays fp32). fp16's loss scaler unscales and checks the gradient shards (loop.py, as ever).
 
-Bytes per parameter on a rank (r = DP × CP replicas), fp32 and --bf16: weights 4/r, gradient 4/r, AdamW
+Bytes per parameter on a rank (r = DP × CP replicas), in every precision mode: weights 4/r, gradient 4/r, AdamW
 8/r, plus the gathered layers (the one computing and the one prefetched) and one layer's unsharded gradient.
 
 Key/value heads held in copies over TP (grouped-query attention with fewer heads than TP ranks): their
@@ -34,7 +35,7 @@ tensor for the sum (a QKV weight's worth, transient) and taken back; the norms c
 the first copy's ranks only.
 
 What does not compose (refused in one sentence by `problem(args)`): --use-distributed-optimizer
-(FSDP2 shards the optimizer state itself), --fp16 (no loss scaling here), --grad-reduce-in-bf16, a
+(FSDP2 shards the optimizer state itself), --grad-reduce-in-bf16 (FSDP2 reduces in fp32), a
 single replica (nothing to shard over), --torch-compile (not verified with it) and pipeline parallelism.
 --overlap-grad-reduce (on by default) has no effect: FSDP2 overlaps its own reduce-scatters.
 """
@@ -64,7 +65,6 @@ def problem(args) -> str | None:
         return None
     conflicts = (
         ("use_distributed_optimizer", "--use-distributed-optimizer", "FSDP2 shards the optimizer state itself"),
-        ("fp16", "--fp16", "FSDP2's path has no loss scaling (use --bf16)"),
         ("grad_reduce_in_bf16", "--grad-reduce-in-bf16", "FSDP2 reduce-scatters its gradients in fp32"),
         ("torch_compile", "--torch-compile", "compiled layers are not verified under fully_shard"),
     )
@@ -99,8 +99,9 @@ def shard_model(model, ps: ParallelState, device: str):
 
     attrs = {n: {a: getattr(p, a) for a in _ATTRS if hasattr(p, a)} for n, p in model.named_parameters()}
     policy = MixedPrecisionPolicy()
-    if model.cfg.params_dtype == "bf16":  # fp32 shards (the main weights: the bf16 values, as --bf16's are)
-        policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32, cast_forward_inputs=False)  # (fp32 residual kept)
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(model.cfg.params_dtype)
+    if low is not None:  # fp32 shards (the main weights: the rounded values, as --bf16's / --fp16's are)
+        policy = MixedPrecisionPolicy(low, torch.float32, cast_forward_inputs=False)  # (fp32 residual kept)
         model.float()  # (in place: the same Parameter objects)
     mesh = replica_mesh(ps, device)
     layers = list(model.layers)
