@@ -10,6 +10,8 @@ in copies by pairs of ranks at TP=4), both built from their spec; the same harne
 Every case with SP and dropout runs again with --tp-comm-overlap (`overlapped`, issue 23): the
 all-gathers and reduce-scatters cut into ring steps under the GEMMs compute the same function."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -574,6 +576,128 @@ def test_distributed_optimizer_with_a_replica_that_owns_nothing(pool):
         assert max(r["same"]) < 1e-5, r["same"]
         assert all(abs(a - b) <= 1e-6 * a for a, b in r["norms"]), r["norms"]
         assert r["sum"] == r["plain"]
+
+
+def _fsdp2_worker(tp, cp, family, dtype, overlap, root=None):
+    """Three real training steps (training/loop.py train_step, 2 micro-batches, dropout on, clipping
+    active) of the same model with the replicated optimizer and with --use-torch-fsdp2's (training/
+    fsdp.py); returns the losses, gradient norms, the largest parameter difference after the steps and
+    this rank's share of the parameter elements under FSDP2."""
+    from types import SimpleNamespace
+
+    from megatron_sp import parallel_state
+    from megatron_sp.models.gpt import GPTModel
+    from megatron_sp.training.fsdp import build_fsdp_optimizer
+    from megatron_sp.training.loop import train_step
+    from megatron_sp.training.loss_scale import DynamicLossScaler
+    from megatron_sp.training.optimizer import build_optimizer, count_zero_grads, global_param_norm
+
+    ps = parallel_state.initialize_model_parallel(tp, cp)
+    args = SimpleNamespace(weight_decay=0.1, lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
+    mqa = family == "llama-mqa"  # one key/value head: held in copies by both TP ranks
+    extra = {"params_dtype": dtype, "tp_comm_overlap": overlap, **({"num_query_groups": 1} if mqa else {})}
+    cfg = dataclasses.replace(_config(tp, tp > 1, dropout=0.1, cp=cp, family="llama" if mqa else family), **extra)
+    plain, sharded = GPTModel(cfg), GPTModel(cfg)
+    runs = [(plain, build_optimizer(plain, args, "cpu", ps)), (sharded, build_fsdp_optimizer(sharded, args, "cpu", ps))]
+    computed = []  # the dtype of a layer's gathered weight in its forward (bf16: FSDP2's param_dtype)
+    sharded.layers[0].ln1.register_forward_pre_hook(lambda m, _: computed.append(m.weight.dtype))
+    out = {"losses": [], "norms": []}
+    scalers = [DynamicLossScaler(initial_scale=128.0) if dtype == "fp16" else None for _ in runs]
+    for step in range(STEPS):
+        results = []
+        for (model, opt), scaler in zip(runs, scalers):
+            micro = [_batch(100 * step + 10 * ps.dp_rank + m) for m in range(2)]  # each DP rank its own
+            data = iter({"tokens": t, "labels": y, "sample_ids": i} for t, y, i in micro)
+            kw = dict(device="cpu", clip_grad=0.1, iteration=step + 1, scaler=scaler)
+            results.append(train_step(model, opt, data, 2, ps, **kw))
+        out["losses"].append([r.loss for r in results])
+        out["norms"].append([r.grad_norm for r in results])
+    params = dict(sharded.named_parameters())
+    out["same"] = max(  # against the fp32 main weights (with --bf16; else the parameters themselves)
+        _rel(_without_key_bias(n, params[n].full_tensor()), _without_key_bias(n, p))
+        for n, p in runs[0][1].main_params().items()
+    )
+    out["dtypes"] = {str(computed[0]), str(params["layers.0.ln1.weight"].dtype)}
+    plain_opt, fsdp_opt = runs[0][1], runs[1][1]  # --log-params-norm and --log-num-zeros-in-grad's figures
+    out["params_norm"] = [
+        global_param_norm(list(plain_opt.main_params().values()), ps),
+        global_param_norm(fsdp_opt.local_params(), ps, fsdp_opt.partition),
+    ]
+    out["zeros"] = [
+        count_zero_grads(list(plain.parameters()), ps),
+        count_zero_grads(fsdp_opt.local_params(), ps, fsdp_opt.partition),
+    ]
+    out["share"] = sum(p.to_local().numel() for p in params.values()) / sum(p.numel() for p in plain.parameters())
+    if root is not None:
+        out["resumed"] = _fsdp2_checkpoint_resumes_plain(root, cfg, ps, args, sharded, fsdp_opt, plain_opt)
+    out["replicas"] = ps.dp_size * ps.cp_size
+    return out
+
+
+def _fsdp2_checkpoint_resumes_plain(root, cfg, ps, args, sharded, fsdp_opt, plain_opt):
+    """FSDP2's checkpoint (checkpointer.save of training/fsdp.py's states) loaded by a fresh replicated
+    model and optimizer: the largest difference from the trained plain run's weights and AdamW moments."""
+    from megatron_sp import checkpointing
+    from megatron_sp.models.gpt import GPTModel
+    from megatron_sp.training.fsdp import checkpoint_states
+    from megatron_sp.training.optimizer import build_optimizer
+
+    quiet = lambda *a: None  # noqa: E731
+    saved = {**checkpoint_states(sharded, fsdp_opt, ps), "train_state": checkpointing.TrainState(iteration=STEPS)}
+    checkpointing.save(root, saved, cfg, ps, log=quiet)
+    fresh = GPTModel(cfg)
+    opt = build_optimizer(fresh, args, "cpu", ps)
+    states = {
+        "model": checkpointing.ModelState(fresh, ps, opt.main_params()),
+        "optim": checkpointing.OptimizerState(opt.optim, fresh, ps, opt.main_params()),
+        "train_state": checkpointing.TrainState(),
+    }
+    checkpointing.load(root, states, cfg, log=quiet)
+    want, got = plain_opt.main_params(), opt.main_params()
+    worst = max(_rel(got[n], want[n]) for n in want)
+    for n in want:
+        for key in ("exp_avg", "exp_avg_sq"):
+            worst = max(worst, _rel(opt.optim.state[got[n]][key], plain_opt.optim.state[want[n]][key]))
+    return worst
+
+
+@pytest.mark.parametrize(
+    "tp,cp,family,dtype,overlap",
+    [
+        (1, 1, "gpt2", "fp32", False),
+        (2, 1, "llama", "fp32", False),
+        (1, 2, "gpt2", "fp32", False),
+        (2, 1, "llama", "bf16", False),
+        (2, 1, "llama", "fp16", False),
+        (2, 1, "gpt2", "fp32", True),
+        (2, 1, "llama-mqa", "fp32", False),
+    ],
+)
+def test_fsdp2_trains_like_plain_data_parallelism(pool, tmp_path, tp, cp, family, dtype, overlap):
+    """ZeRO-3 (FSDP2 over the DP×CP replicas) at DP4, TP2+SP×DP2 and CP2×DP2, fp32 with dropout: every
+    loss and clipped gradient norm of plain DP within 1e-5, the same parameters after the steps, and
+    each rank holding about 1/replicas of its TP shards (dim 0 chunks, the last ones padded); so are
+    the parameter norm and the zero count of the logs. --bf16 / --fp16 (loss-scaled): FSDP2 gathers
+    bf16 / fp16 weights from fp32 shards, which track the plain run's fp32 main weights.
+    --tp-comm-overlap: the ring GEMMs read the gathered TP weights. One key/value head at TP2: both
+    ranks hold it in copies, whose gradients are summed on the shards and counted once by the norms.
+    At TP2+SP×DP2 (fp32) FSDP2's checkpoint (the canonical entries gathered from the shards) resumes
+    as the replicated run's weights and moments."""
+    root = str(tmp_path) if (tp, dtype, overlap) == (2, "fp32", False) else None  # (llama, llama-mqa)
+    for r in pool.run(_fsdp2_worker, tp, cp, family, dtype, overlap, root):
+        if root is not None:
+            assert r["resumed"] < 1e-5, r["resumed"]
+        low = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}.get(dtype)
+        assert r["dtypes"] == ({low, "torch.float32"} if low else {"torch.float32"})
+        for plain, sharded in r["losses"] + r["norms"]:
+            assert abs(plain - sharded) <= 1e-5 * abs(plain), r
+        assert r["norms"][0][0] > 0.1  # clipping was active
+        plain_norm, fsdp_norm = r["params_norm"]
+        assert abs(plain_norm - fsdp_norm) <= 1e-5 * plain_norm, r["params_norm"]
+        plain_zeros, fsdp_zeros = r["zeros"]  # (unseen tokens' embedding rows, key biases: exactly 0; CP sums
+        assert plain_zeros > 0 and abs(plain_zeros - fsdp_zeros) <= 0.01 * plain_zeros, r["zeros"]  # may round)
+        assert r["same"] < 1e-5, r["same"]
+        assert r["share"] <= 1.0 / r["replicas"] + 0.05, r["share"]
 
 
 PRECISION_MODES = {

@@ -43,6 +43,10 @@ LAYOUTS = {  # world of 4
     ],
     "tp4-gqa-copies": ["--model", "llama", "--num-query-groups", "2", "--tensor-model-parallel-size", "4"],
 }
+FSDP2_LAYOUTS = {  # --use-torch-fsdp2: only the states are compared (its collectives run over the replicas)
+    "tp2-sp-dp2-fsdp2": ["--model", "llama", "--num-query-groups", "2", "--tensor-model-parallel-size", "2"]
+    + ["--sequence-parallel", "--use-torch-fsdp2"],
+}
 
 
 ALL_MODES = ("tp2-sp-dp2-distopt", "cp2-dp2-distopt")  # every precision mode; the others fp32 (test time)
@@ -55,11 +59,13 @@ def precision_modes():
 
 
 def _tensor_bytes(tensors) -> int:
+    """Bytes this rank holds (of a DTensor: its local shard)."""
     seen, total = set(), 0
     for t in tensors:
         if t is not None and id(t) not in seen:
             seen.add(id(t))
-            total += t.numel() * t.element_size()
+            local = t.to_local() if hasattr(t, "to_local") else t
+            total += local.numel() * local.element_size()
     return total
 
 
@@ -89,10 +95,14 @@ def _measure(argv):
     masters = [p for g in opt.param_groups for p in g["params"] if id(p) not in own]
     model.zero_grad(set_to_none=True)
     batch = loop.to_device(next(batches), "cpu")
-    with CollectiveCounter() as sent:
-        with SavedTensorCounter(model) as counter:
-            loss = loop.forward_loss(model, batch)
+    if args.use_torch_fsdp2:  # (the counter reads plain parameters; only the states are compared)
+        loss, sent, counter = loop.forward_loss(model, batch), None, None
         loss.backward()
+    else:
+        with CollectiveCounter() as sent:
+            with SavedTensorCounter(model) as counter:
+                loss = loop.forward_loss(model, batch)
+            loss.backward()
     grads = [p.grad for p in model.parameters()] + [getattr(p, "main_grad", None) for p in model.parameters()]
     group = replica_group(ps)
     return dict(
@@ -100,11 +110,13 @@ def _measure(argv):
         grads=_tensor_bytes(grads),
         optimizer=_tensor_bytes(state + masters),
         replica=dist.get_rank(group) if group is not None else 0,
-        saved=counter.total(),
+        saved=counter.total() if counter else None,
         sent={
             kind: sum(c["sent"] for c in sent.calls if c["t"] == size)
             for kind, size in (("tp", ps.tp_size), ("cp", ps.cp_size))
-        },
+        }
+        if sent
+        else None,
         cfg=trainer.cfg,
         dp=ps.dp_size,
         shapes=[tuple(p.shape) for p in model.parameters()],
@@ -122,8 +134,9 @@ def world():
 @pytest.fixture(scope="module")
 def measured(world):
     out = {}
-    for name, flags in LAYOUTS.items():
-        for mode in precision_modes() if name in ALL_MODES else [[]]:
+    for name, flags in {**LAYOUTS, **FSDP2_LAYOUTS}.items():
+        modes = precision_modes() if name in ALL_MODES or name in FSDP2_LAYOUTS else [[]]
+        for mode in modes:
             # fp16: a scale that lets the first steps update (Megatron's 2^32 skips ~32 steps halving it)
             scale = ["--initial-loss-scale", "128"] if "--fp16" in mode else []
             out[name, " ".join(mode) or "fp32"] = world.run(_measure, TINY + flags + mode + scale)
@@ -134,21 +147,23 @@ def _predict(rank, argv):
     parser, offered = plan.build_plan_parser()
     args = parser.parse_args(argv + ["--gpus", "4", "--gpus-per-node", "4"])
     prec = plan.precision_of(args, offered)
-    sharding = "distributed" if args.use_distributed_optimizer else "replicated"
+    sharding = "fsdp2" if args.use_torch_fsdp2 else "distributed" if args.use_distributed_optimizer else "replicated"
     shapes = [s for _, s in mem.rank_parameters(rank["cfg"])]
     replicas = rank["dp"] * rank["cfg"].context_parallel_size
     weights, grads, _ = mem.states_bytes(shapes, prec, sharding, replicas)
     opt = mem.optimizer_shares(shapes, prec.optimizer, sharding, replicas)[rank["replica"]]
+    if sharding == "fsdp2":  # every replica holds the same padded chunks
+        opt = mem.states_bytes(shapes, prec, sharding, replicas)[2]
     return shapes, prec, weights, grads, opt
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", list(LAYOUTS) + list(FSDP2_LAYOUTS))
 def test_states_per_rank_are_the_tensor_bytes(measured, layout):
     for (name, mode), ranks in measured.items():
         if name != layout:
             continue
         for rank in ranks:
-            argv = TINY + LAYOUTS[name] + ([] if mode == "fp32" else [mode])
+            argv = TINY + {**LAYOUTS, **FSDP2_LAYOUTS}[name] + ([] if mode == "fp32" else [mode])
             shapes, prec, weights, grads, opt = _predict(rank, argv)
             assert shapes == rank["shapes"], (mode, "parameter shapes")
             assert (rank["weights"], rank["grads"], rank["optimizer"]) == (weights, grads, opt), (mode, prec.name)

@@ -82,6 +82,16 @@ FLAG_CASES = {
     ),
     "hysteresis 0": (["--fp16", "--hysteresis", "0"], "--hysteresis must be"),
     "loss scale window 0.5": (["--fp16", "--loss-scale-window", "0.5"], "--loss-scale-window must be"),
+    "fsdp2 and distributed optimizer": (
+        ["--use-torch-fsdp2", "--use-distributed-optimizer"],
+        "--use-torch-fsdp2 cannot be combined with --use-distributed-optimizer",
+    ),
+    "fsdp2 and bf16 grads": (
+        ["--use-torch-fsdp2", "--bf16", "--grad-reduce-in-bf16"],
+        "--use-torch-fsdp2 cannot be combined with --grad-reduce-in-bf16",
+    ),
+    "fsdp2 and torch compile": (["--use-torch-fsdp2", "--torch-compile"], "with --torch-compile"),
+    "fsdp2 with one replica": (["--use-torch-fsdp2"], "--use-torch-fsdp2 shards over the data- and context-parallel"),
 }
 
 

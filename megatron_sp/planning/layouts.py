@@ -3,7 +3,7 @@
 A layout is (tp, cp, dp, pp, sp, recompute, sharding) with tp * cp * dp * pp = GPUs, tp within a
 node; GPTConfig's own checks decide whether the model splits that way (heads, groups, MLP width,
 sequence). A layout is runnable when the program offers it today: pp = 1 (no pipeline parallelism
-yet) and FSDP2 only where the program's parser accepts --use-torch-fsdp2.
+yet) and FSDP2 where the program's parser accepts --use-torch-fsdp2.
 """
 
 from __future__ import annotations
@@ -102,9 +102,14 @@ def plan_layout(base: dict, layout: Layout, prec, cluster, batch: Batch, runnabl
     notes = []
     if layout.pp > 1:
         notes.append("pp modelled, not runnable yet")
-    if layout.sharding == "fsdp2" and not runnable_fsdp2:
-        notes.append("FSDP2 modelled, not runnable yet")
+    if layout.sharding == "fsdp2":
+        notes += fsdp2_notes(prec, runnable_fsdp2)
     return Plan(layout, memory, comm, time, m, not notes, "; ".join(notes))
+
+
+def fsdp2_notes(prec, offered: bool) -> list:
+    """Why an FSDP2 layout does not run today, or nothing (it runs wherever the parser offers the flag)."""
+    return [] if offered else ["FSDP2 modelled, not runnable yet"]
 
 
 def memory_split(cfg, layout: Layout, prec, micro_batch: int, micro_batches: int):

@@ -11,7 +11,8 @@ Precision (bytes per parameter: weight + gradient + optimizer state):
     bf16 / fp16 as autocast       4 + 4 + 8            (--bf16 / --fp16 before issue 17)
     bf16 / fp16, Megatron's       2 + 4 + 12           what --bf16 / --fp16 run: main weights + moments / r
                                   2 + 2 + 12           with --grad-reduce-in-bf16
-    FSDP2 (ZeRO-3)                all three / r        plus two layers gathered (modelled)
+    FSDP2 (ZeRO-3), every mode    (4 + 4 + 8) / r      fp32 shards (the main weights), fp32 gradients;
+                                                       plus two layers gathered (modelled)
 r = DP x CP replicas.
 """
 
@@ -139,9 +140,9 @@ class MemorySplit:
 def states_bytes(shapes, prec: Precision, sharding: str, replicas: int) -> tuple:
     """(weights, gradients, optimizer state of the largest share) bytes on a rank."""
     n = sum(numel(s) for s in shapes)
-    if sharding == "fsdp2" and replicas > 1:
+    if sharding == "fsdp2" and replicas > 1:  # training/fsdp.py: fp32 shards and gradients in every mode
         shard = _fsdp_shard(shapes, replicas)
-        return prec.weight * shard, prec.grad * shard, prec.optimizer * shard
+        return act.FP32 * shard, act.FP32 * shard, prec.moments * shard
     return prec.weight * n, prec.grad * n, max(optimizer_shares(shapes, prec.optimizer, sharding, replicas))
 
 

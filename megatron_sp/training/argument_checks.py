@@ -46,6 +46,7 @@ def validate(args) -> None:
             + "."
         )
     args.data_parallel_size = args.world_size // (tp * cp)
+    _check_fsdp2(args)
     _batch_schedule(args)
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save DIR.")
@@ -227,6 +228,16 @@ def _check_features(args) -> None:
             raise ArgumentError("--activations-checkpoint-method means full recomputation; drop one of the two.")
         args.recompute_granularity = "full"
         args.recompute_method = args.recompute_method or args.activations_checkpoint_method
+
+
+def _check_fsdp2(args) -> None:
+    """--use-torch-fsdp2's impossible combinations (training/fsdp.py says why each)."""
+    if not args.use_torch_fsdp2:
+        return
+    from megatron_sp.training.fsdp import problem
+
+    if problem(args):
+        raise ArgumentError(problem(args))
 
 
 def _check_tokenizer(args) -> None:

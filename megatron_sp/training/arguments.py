@@ -70,6 +70,12 @@ def _parallel_args(p):
         help="shard the AdamW moments over the data- (and context-) parallel replicas (ZeRO-1)",
     )
     g.add_argument(
+        "--use-torch-fsdp2",
+        action="store_true",
+        help="ZeRO-3 with torch FSDP2 (fully_shard per layer): shard weights, gradients and AdamW state over "
+        "the data- (and context-) parallel replicas, composed with TP+SP and CP (training/fsdp.py); not with PP",
+    )
+    g.add_argument(
         "--overlap-grad-reduce",
         action=argparse.BooleanOptionalAction,
         default=True,

@@ -142,7 +142,10 @@ def train_step(
             f"check the data, or use --bf16 instead of --fp16."
         )
     partition = optimizer.partition  # distributed optimizer: reduce to owners
-    finalize_model_grads(model, ps, optimizer.grad_buffers, grad_sync, partition)
+    if optimizer.grad_buffers is None:  # FSDP2 reduce-scattered them in the backward (training/fsdp.py)
+        optimizer.finalize_grads(model)
+    else:
+        finalize_model_grads(model, ps, optimizer.grad_buffers, grad_sync, partition)
     params = optimizer.prepare_grads()  # fp32 main weights with their gradients (only the owned ones)
     if per_token_loss and params:  # the DP average divided by dp size; the loss wants the token count
         torch._foreach_mul_([p.grad for p in params], ps.dp_size / tokens)

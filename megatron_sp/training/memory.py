@@ -30,13 +30,17 @@ def state_bytes(cfg, args) -> int:
     --use-distributed-optimizer (training/optimizer.py):
         fp32           4 weight + 4 gradient + 8 AdamW moments (/r)
         bf16 / fp16    2 weight + 4 gradient (2 with --grad-reduce-in-bf16) + 12 main weight and moments (/r)
+        FSDP2          (4 + 4 + 8) / r, fp32 and bf16 (training/fsdp.py)
     """
     per_rank = cfg.num_parameters() // max(1, args.tensor_model_parallel_size)
+    replicas = max(1, args.data_parallel_size * getattr(args, "context_parallel_size", 1))
+    if getattr(args, "use_torch_fsdp2", False):
+        return int(per_rank * 16 / replicas)
     low = getattr(args, "params_dtype", "fp32") != "fp32"
     weight, grad = (2, 2 if getattr(args, "grad_reduce_in_bf16", False) else 4) if low else (4, 4)
     optim = 12 if low else 8
     if getattr(args, "use_distributed_optimizer", False):
-        optim /= max(1, args.data_parallel_size * getattr(args, "context_parallel_size", 1))
+        optim /= replicas
     return int(per_rank * (weight + grad + optim))
 
 
@@ -69,7 +73,7 @@ def check_fits(cfg, args) -> None:
         raise MemoryShortage(
             f"the model's {cfg.num_parameters() / 1e6:.1f}M parameters need at least {_gb(need)} per rank for "
             f"weights, gradients and AdamW state but {args.device} has {_gb(free)} free: use a smaller model, "
-            f"a larger --tensor-model-parallel-size or --use-distributed-optimizer."
+            f"a larger --tensor-model-parallel-size, --use-distributed-optimizer or --use-torch-fsdp2."
         )
 
 

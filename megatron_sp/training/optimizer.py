@@ -164,9 +164,10 @@ def global_grad_norm(params, ps: ParallelState, partition: Partition | None = No
     return _global_sum(grads, lambda p: p.grad.detach(), _sum_of_squares, ps, partition).sqrt()
 
 
-def global_param_norm(params, ps: ParallelState) -> float:
-    """L2 norm of the full (serial) parameters, each counted once (--log-params-norm)."""
-    return _global_sum(list(params), lambda p: p.detach(), _sum_of_squares, ps, None).sqrt().item()
+def global_param_norm(params, ps: ParallelState, partition=None) -> float:
+    """L2 norm of the full (serial) parameters, each counted once (--log-params-norm); partition: the
+    replicas each hold their own part of `params` (FSDP2's shards: training/fsdp.py)."""
+    return _global_sum(list(params), lambda p: p.detach(), _sum_of_squares, ps, partition).sqrt().item()
 
 
 def count_zero_grads(params, ps: ParallelState, partition: Partition | None = None) -> int:
@@ -189,6 +190,8 @@ def _global_sum(params, tensor_of, measure, ps: ParallelState, partition) -> tor
     device = tensor_of(params[0]).device if params else _collective_device()
     split, replicated = [], []
     for p in params:
+        if not getattr(p, "norm_counted", True):  # a copy that other ranks count (training/fsdp.py)
+            continue
         spec = getattr(p, "shard_spec", None)
         if spec is None or spec.dim is None:
             replicated.append(tensor_of(p))

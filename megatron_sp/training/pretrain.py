@@ -237,11 +237,16 @@ class Trainer:
             from megatron_sp.models.compile import compile_layers
 
             compile_layers(self.model)
-        self.optimizer = build_optimizer(self.model, args, args.device, self.ps)
+        if args.use_torch_fsdp2:  # ZeRO-3: FSDP2 owns the gradients and their reduction
+            from megatron_sp.training.fsdp import build_fsdp_optimizer
+
+            self.optimizer = build_fsdp_optimizer(self.model, args, args.device, self.ps)
+        else:
+            self.optimizer = build_optimizer(self.model, args, args.device, self.ps)
         self.scaler = build_loss_scaler(args)
         self.grad_sync = (
             OverlappedGradSync(self.optimizer.grad_buffers, self.ps, partition=self.optimizer.partition)
-            if args.overlap_grad_reduce and self.ps.dp_size * self.ps.cp_size > 1
+            if args.overlap_grad_reduce and self.ps.dp_size * self.ps.cp_size > 1 and not args.use_torch_fsdp2
             else None
         )
         self.schedule = LRSchedule(
@@ -261,11 +266,19 @@ class Trainer:
 
     def _checkpoint_states(self) -> dict:
         """What a checkpoint of this run holds (megatron_sp/checkpointing/states.py)."""
+        if self.args.use_torch_fsdp2:  # the same canonical entries, gathered from the FSDP2 shards
+            from megatron_sp.training.fsdp import checkpoint_states
+
+            tensors = checkpoint_states(self.model, self.optimizer, self.ps)
+        else:
+            tensors = {
+                "model": checkpointing.ModelState(self.model, self.ps, self.optimizer.main_params()),
+                "optim": checkpointing.OptimizerState(
+                    local_optimizer(self.optimizer), self.model, self.ps, self.optimizer.main_params()
+                ),
+            }
         return {
-            "model": checkpointing.ModelState(self.model, self.ps, self.optimizer.main_params()),
-            "optim": checkpointing.OptimizerState(
-                local_optimizer(self.optimizer), self.model, self.ps, self.optimizer.main_params()
-            ),
+            **tensors,
             "train_state": self.state,
             "loss_scale": self.scaler,  # None without --fp16
             "rng": checkpointing.RNGState(),

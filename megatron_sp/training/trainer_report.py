@@ -14,6 +14,9 @@ def record(trainer, result, lr, batch, elapsed) -> dict:
     args, state = trainer.args, trainer.state
     params = list(trainer.model.parameters())
     partition = getattr(trainer.optimizer, "partition", None)
+    held = partition if hasattr(trainer.optimizer, "local_params") else None  # FSDP2: norms of the shards
+    if held is not None:
+        params = trainer.optimizer.local_params()
     return {
         "iteration": state.iteration,
         "lm_loss": result.loss,
@@ -29,7 +32,7 @@ def record(trainer, result, lr, batch, elapsed) -> dict:
         "skipped": result.skipped,
         "peak_tflops": trainer.peak,
         "loss_scale": trainer.scaler.scale if trainer.scaler else None,
-        "params_norm": global_param_norm(params, trainer.ps) if args.log_params_norm else None,
+        "params_norm": global_param_norm(params, trainer.ps, held) if args.log_params_norm else None,
         "num_zeros": count_zero_grads(_stepped(params, partition), trainer.ps, partition)
         if args.log_num_zeros_in_grad
         else None,
@@ -50,6 +53,8 @@ def _optimizer_words(trainer) -> str:
     replicas = trainer.ps.dp_size * trainer.ps.cp_size
     if trainer.optimizer.partition is None:
         return "AdamW"
+    if trainer.args.use_torch_fsdp2:
+        return f"FSDP2: weights, gradients and AdamW state sharded over {replicas} replicas"
     mine = sum(p.numel() for g in local_optimizer(trainer.optimizer).param_groups for p in g["params"])
     total = sum(p.numel() for p in trainer.model.parameters())
     return f"AdamW state sharded over {replicas} replicas (this rank: {mine / total:.0%} of its parameters)"

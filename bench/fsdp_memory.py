@@ -1,0 +1,120 @@
+"""Resident memory per rank: plain data parallelism vs --use-torch-fsdp2 (ZeRO-3), 4 replicas on CPU.
+
+    python bench/fsdp_memory.py                         # ~160M parameters: 12 layers, hidden 1024
+    python bench/fsdp_memory.py --num-layers 2 --hidden-size 256 --steps 1   # a quick look
+
+Each mode runs in its own gloo world of 4 processes (peak resident memory is a process's whole life):
+build the model and its optimizer (training/optimizer.py's replicated AdamW with gradient buffers, or
+training/fsdp.py's), train `--steps` real steps (training/loop.py train_step, fp32, micro-batch 1), and
+report per rank the peak resident set (ru_maxrss), the resident set before the model was built (torch's
+own), and the bytes per parameter of the tensors it holds after a step (weights, gradients, AdamW moments),
+beside the formula: plain 4 + 4 + 8, FSDP2 4/r + 4/r + 8/r (r = 4 replicas; each parameter's dim 0 is
+padded to a multiple of r). Building the model still draws the TP-local initial tensors whole (4 bytes
+per parameter for a moment) before fully_shard shards them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from _cli import table
+
+from megatron_sp.testing import LocalWorld
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        import os
+
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _measure(fsdp: bool, layers: int, hidden: int, seq: int, steps: int) -> dict:
+    import resource
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_sp import parallel_state
+    from megatron_sp.config import GPTConfig
+    from megatron_sp.models.gpt import GPTModel
+    from megatron_sp.training.fsdp import build_fsdp_optimizer
+    from megatron_sp.training.loop import train_step
+    from megatron_sp.training.optimizer import build_optimizer
+
+    torch.set_num_threads(1)
+    ps = parallel_state.initialize_model_parallel(1, 1)
+    cfg = GPTConfig(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=16,
+        vocab_size=8192,
+        seq_length=seq,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    before = _rss_mib()
+    model = GPTModel(cfg, ps)
+    args = SimpleNamespace(weight_decay=0.1, lr=1e-4, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
+    opt = build_fsdp_optimizer(model, args, "cpu", ps) if fsdp else build_optimizer(model, args, "cpu", ps)
+    g = torch.Generator().manual_seed(ps.dp_rank)
+    batches = ({"tokens": torch.randint(0, 8192, (1, seq), generator=g)} for _ in range(steps))
+    data = ({"tokens": b["tokens"], "labels": b["tokens"].roll(-1, 1)} for b in batches)
+    start = time.perf_counter()
+    for step in range(steps):
+        train_step(model, opt, data, 1, ps, device="cpu", clip_grad=1.0, iteration=step + 1)
+    seconds = (time.perf_counter() - start) / steps
+    local = (lambda t: t._local_tensor) if fsdp else (lambda t: t)
+    nbytes = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts)  # noqa: E731
+    grads = [p.grad for p in model.parameters()] if fsdp else []
+    moments = [t for st in opt.optim.state.values() for k, t in st.items() if k != "step"]
+    return {
+        "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "before": before,
+        "params": cfg.num_parameters(),
+        "weights": nbytes(model.parameters()),
+        "grads": nbytes(grads) if fsdp else opt.grad_buffers.nbytes(),
+        "moments": nbytes(moments),
+        "seconds": seconds,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-layers", type=int, default=12)
+    parser.add_argument("--hidden-size", type=int, default=1024)
+    parser.add_argument("--seq-length", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args()
+    rows, peaks = [], {}
+    for fsdp in (False, True):
+        with LocalWorld(4) as world:
+            ranks = world.run(_measure, fsdp, args.num_layers, args.hidden_size, args.seq_length, args.steps)
+        n, r = ranks[0]["params"], 4
+        per = lambda key: max(x[key] for x in ranks) / n  # noqa: E731
+        formula = (4 / r, 4 / r, 8 / r) if fsdp else (4, 4, 8)
+        peaks[fsdp] = max(x["peak"] for x in ranks)
+        rows.append(
+            [
+                "FSDP2 (ZeRO-3)" if fsdp else "plain DP",
+                f"{n / 1e6:.1f}M",
+                f"{max(x['before'] for x in ranks):.0f}",
+                f"{peaks[fsdp]:.0f}",
+                f"{per('weights'):.3f} ({formula[0]:g})",
+                f"{per('grads'):.3f} ({formula[1]:g})",
+                f"{per('moments'):.3f} ({formula[2]:g})",
+                f"{max(x['seconds'] for x in ranks):.2f}",
+            ]
+        )
+    print(
+        f"Per rank, 4 replicas (gloo, CPU, fp32): {args.num_layers} layers, hidden {args.hidden_size}, "
+        f"seq {args.seq_length}, micro-batch 1; bytes/param measured (formula)"
+    )
+    headers = ["mode", "params", "RSS before MiB", "peak RSS MiB", "weights B/p", "grads B/p", "AdamW B/p", "s/step"]
+    print(table(headers, rows))
+    print(f"peak RSS FSDP2 / plain: {peaks[True] / peaks[False]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

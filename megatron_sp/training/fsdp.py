@@ -1,0 +1,359 @@
+"""ZeRO-3 with torch's FSDP2 (`--use-torch-fsdp2`, Megatron-LM's flag): the weights, gradients and AdamW
+state of every TP rank's shards are sharded again over that rank's DP×CP replicas.
+
+    module               fully_shard group       all-gather                   reshard after forward
+    transformer layer i  its parameters          in its forward (layer i+1's  yes (the last layer: no, its
+                                                 prefetched by layer i; in    backward follows at once)
+                                                 the backward layer i-1's)
+    the root (GPTModel)  embedding, final norm,  before the embedding         no
+                         output layer
+
+Our TP shards are plain tensors (tensor_parallel/sharding.py), so FSDP2 over the 1-D mesh of this rank's
+DP×CP group shards each TP rank's local tensors on dim 0 (torch.chunk, the last chunks padded); every TP
+rank shards the same way, so our TP collectives and partial sums act on matching slices.
+
+Gradients: FSDP2 reduce-scatters each micro-batch's gradients in the backward and accumulates them in
+the sharded `.grad` (DTensors); its reduction is a *sum* over DP×CP divided by dp_size, which is plain
+DP's semantics (the DP mean of the CP partial sums: training/grad_sync.py). The gradient buffers and the
+DP sync of training/grad_buffers.py / grad_sync.py are not built: FSDP2 owns the gradients. What is
+left after the backward is ours (`FSDPOptimizer.finalize_grads`): the SP-region partial sums over TP, on
+the local shards. Clipping sums the squares of the local shards: TP-split ones over the whole world,
+TP-replicated ones over the DP×CP group only (every TP rank holds the same shard of those).
+
+--bf16 / --fp16 (Megatron's meaning: low-precision compute, fp32 main weights): the model is built in
+bf16 / fp16 as usual and turned to fp32 before sharding, so the fp32 shards are the main weights holding
+the rounded initial values, exactly the plain run's; FSDP2's MixedPrecisionPolicy gathers them in the
+low precision and reduces the gradients in fp32. Layer inputs are not cast (an --fp32-residual-connection
+residual stays fp32). fp16's loss scaler unscales and checks the gradient shards (loop.py, as ever).
+
+Bytes per parameter on a rank (r = DP × CP replicas), in every precision mode: weights 4/r, gradient 4/r, AdamW
+8/r, plus the gathered layers (the one computing and the one prefetched) and one layer's unsharded gradient.
+
+Key/value heads held in copies over TP (grouped-query attention with fewer heads than TP ranks): their
+copy sums need the TP-local layout, so those parameters' gradient shards are placed in a zeroed TP-local
+tensor for the sum (a QKV weight's worth, transient) and taken back; the norms count the copied rows on
+the first copy's ranks only.
+
+What does not compose (refused in one sentence by `problem(args)`): --use-distributed-optimizer
+(FSDP2 shards the optimizer state itself), --grad-reduce-in-bf16 (FSDP2 reduces in fp32), a
+single replica (nothing to shard over), --torch-compile (not verified with it) and pipeline parallelism.
+--overlap-grad-reduce (on by default) has no effect: FSDP2 overlaps its own reduce-scatters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from megatron_sp.checkpointing.canonical import empty_dcp_target, from_canonical_local, to_dcp_tensor
+from megatron_sp.checkpointing.states import ModelState, OptimizerState
+from megatron_sp.parallel_state import ParallelState
+from megatron_sp.tensor_parallel.sharding import ShardSpec, segment_shards
+from megatron_sp.training.distributed_optimizer import replica_group
+
+_ATTRS = ("shard_spec", "sequence_parallel", "init_tag")  # what our sums, norms and checkpoints read
+
+FLAG = "--use-torch-fsdp2"
+
+
+def problem(args) -> str | None:
+    """The one-sentence reason the command line cannot run with --use-torch-fsdp2, or None."""
+    if not getattr(args, "use_torch_fsdp2", False):
+        return None
+    conflicts = (
+        ("use_distributed_optimizer", "--use-distributed-optimizer", "FSDP2 shards the optimizer state itself"),
+        ("grad_reduce_in_bf16", "--grad-reduce-in-bf16", "FSDP2 reduce-scatters its gradients in fp32"),
+        ("torch_compile", "--torch-compile", "compiled layers are not verified under fully_shard"),
+    )
+    for name, flag, why in conflicts:
+        if getattr(args, name, False):
+            return f"{FLAG} cannot be combined with {flag}: {why}."
+    if getattr(args, "pipeline_model_parallel_size", 1) > 1:
+        return f"{FLAG} cannot be combined with --pipeline-model-parallel-size > 1 yet."
+    replicas = args.data_parallel_size * args.context_parallel_size
+    if replicas == 1:
+        return (
+            f"{FLAG} shards over the data- and context-parallel replicas and this layout has one "
+            f"(world size {args.world_size} = --tensor-model-parallel-size); drop {FLAG} or add ranks."
+        )
+    return None
+
+
+# ---- wrapping --------------------------------------------------------------------------------------
+
+
+def replica_mesh(ps: ParallelState, device: str):
+    """The 1-D DeviceMesh of this rank's DP×CP group (the ranks holding the same TP shards)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(replica_group(ps), "cuda" if device == "cuda" else "cpu")
+
+
+def shard_model(model, ps: ParallelState, device: str):
+    """fully_shard each transformer layer and the root, in place (see the module docstring); returns
+    the mesh. The parameters become DTensors sharded on dim 0 and keep their attributes."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    attrs = {n: {a: getattr(p, a) for a in _ATTRS if hasattr(p, a)} for n, p in model.named_parameters()}
+    policy = MixedPrecisionPolicy()
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(model.cfg.params_dtype)
+    if low is not None:  # fp32 shards (the main weights: the rounded values, as --bf16's / --fp16's are)
+        policy = MixedPrecisionPolicy(low, torch.float32, cast_forward_inputs=False)  # (fp32 residual kept)
+        model.float()  # (in place: the same Parameter objects)
+    mesh = replica_mesh(ps, device)
+    layers = list(model.layers)
+    for i, layer in enumerate(layers):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=i < len(layers) - 1, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    for i, layer in enumerate(layers):  # explicit prefetch: the next layer's all-gather runs during this one
+        if i + 1 < len(layers):
+            layer.set_modules_to_forward_prefetch([layers[i + 1]])
+        if i > 0:
+            layer.set_modules_to_backward_prefetch([layers[i - 1]])
+    for module in [*layers, model]:  # a sum over DP×CP divided by dp: the DP mean of the CP partial sums
+        module.set_force_sum_reduction_for_comms(True)
+        module.set_gradient_divide_factor(float(ps.dp_size))
+    for name, p in model.named_parameters():
+        for a, value in attrs[name].items():
+            setattr(p, a, value)
+    return mesh
+
+
+# ---- the optimizer ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplicaShards:
+    """Stands where a distributed optimizer's Partition stands for the gradient norm (optimizer.py's
+    _global_sum): every rank holds a disjoint shard of its TP rank's tensors over `group`."""
+
+    group: object
+
+    def mine(self, p) -> bool:
+        return True
+
+
+def _chunk_rows(p) -> tuple:
+    """The rows [a, b) of dim 0 of p's TP-local tensor that this rank's FSDP2 shard holds (torch.chunk)."""
+    n, mesh = p.shape[0], p.device_mesh
+    size = math.ceil(n / mesh.size())
+    a = min(mesh.get_local_rank() * size, n)
+    return a, min(a + size, n)
+
+
+def _copy_rows(p, ps: ParallelState) -> list:
+    """[(start, stop, first copy?)] of dim 0 of p's TP-local tensor, one per segment, when a segment is
+    held in copies over TP (grouped-query key/value heads with fewer heads than TP ranks); else []."""
+    spec = getattr(p, "shard_spec", None)
+    if spec is None or not spec.segments or spec.dim % p.dim() != 0:
+        return []
+    shards = segment_shards(spec, p.shape[0], ps.tp_rank, ps.tp_size)
+    if all(s.copies == 1 for s in shards):
+        return []
+    rows, start = [], 0
+    for s in shards:
+        rows.append((start, start + s.size, s.first_copy))
+        start += s.size
+    return rows
+
+
+def _view(t, grad, spec, sequence_parallel, counted=True) -> torch.Tensor:
+    view = t.detach()
+    view.grad = grad
+    view.main_grad = grad  # (the reduced gradient, where count_zero_grads reads it)
+    view.shard_spec = ShardSpec(spec.dim) if spec is not None and spec.dim is not None else spec
+    view.sequence_parallel = sequence_parallel
+    view.norm_counted = counted  # (False: a copy that other TP ranks count)
+    return view
+
+
+def _local_views(p, ps: ParallelState) -> list:
+    """Plain tensors aliasing this rank's shard of p (a DTensor), each with its gradient's shard as .grad
+    and p's attributes (a TP-split spec without segments). Rows held in copies over TP come as their own
+    views, counted by the norms on the first copy's ranks only."""
+    local = p._local_tensor
+    grad = p.grad._local_tensor if p.grad is not None else None
+    spec, sp = getattr(p, "shard_spec", None), getattr(p, "sequence_parallel", False)
+    rows = _copy_rows(p, ps)
+    if not rows:
+        return [_view(local, grad, spec, sp)]
+    a, b = _chunk_rows(p)
+    out = []
+    for start, stop, first in rows:
+        lo, hi = max(start, a) - a, min(stop, b) - a
+        if lo < hi:
+            out.append(_view(local[lo:hi], grad[lo:hi] if grad is not None else None, spec, sp, first))
+    return out
+
+
+def _reduce_partial_grads(model, params, ps: ParallelState) -> None:
+    """The SP-region partial sums over TP on the gradient shards (every TP rank holds the same rows);
+    a parameter with rows held in copies is summed on its TP-local layout (zeros outside this rank's
+    rows), which the copy sums need, then its rows are taken back."""
+    items, copied = [], []
+    for p in params:
+        if p.grad is None:
+            continue
+        spec, sp, grad = getattr(p, "shard_spec", None), getattr(p, "sequence_parallel", False), p.grad._local_tensor
+        if not _copy_rows(p, ps):
+            plain = ShardSpec(spec.dim) if spec is not None and spec.split else spec
+            items.append(SimpleNamespace(shard_spec=plain, sequence_parallel=sp, grad=grad))
+            continue
+        a, b = _chunk_rows(p)
+        full = grad.new_zeros(p.shape)  # [TP-local rows, ...]
+        full[a:b] = grad
+        items.append(SimpleNamespace(shard_spec=spec, sequence_parallel=sp, grad=full))
+        copied.append((grad, full, a, b))
+    model.partial_grads.reduce(items, cp_summed=True, grad=lambda q: q.grad)
+    for grad, full, a, b in copied:
+        grad.copy_(full[a:b])
+
+
+class FSDPOptimizer:
+    """AdamW over the model's FSDP2-sharded fp32 parameters (DTensors): MixedPrecisionOptimizer's
+    interface (training/optimizer.py) for the training loop, with no gradient buffers."""
+
+    grad_buffers = None
+
+    def __init__(self, model, ps: ParallelState, make_optimizer, weight_decay: float, decoupled=False):
+        from megatron_sp.training.optimizer import param_groups
+
+        self.model, self.ps = model, ps
+        self.partition = ReplicaShards(replica_group(ps))
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.optim = make_optimizer([g for g in param_groups(named, weight_decay, decoupled) if g["params"]])
+
+    @property
+    def param_groups(self):
+        return self.optim.param_groups
+
+    @property
+    def state(self):
+        return self.optim.state
+
+    def main_params(self) -> dict:
+        return dict(self.model.named_parameters())
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.optim.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def finalize_grads(self, model):
+        """After the last backward: FSDP2 has reduce-scattered over DP×CP; the partial sums over TP
+        remain (SP-region parameters, key/value copies), on the local shards."""
+        _reduce_partial_grads(model, self.params, self.ps)
+
+    def local_params(self) -> list:
+        """This rank's shards as plain tensors, their gradient shards as .grad and .main_grad (the norm and
+        zero-count logs read them with `partition`)."""
+        return [v for p in self.params for v in _local_views(p, self.ps)]
+
+    def prepare_grads(self) -> list:
+        """This rank's shards, each with its gradient shard as .grad (clip and scale those in place)."""
+        return [v for p in self.params if p.grad is not None for v in _local_views(p, self.ps)]
+
+    @torch.no_grad()
+    def step(self):
+        self.optim.step()
+
+
+def build_fsdp_optimizer(model, args, device: str, ps: ParallelState) -> FSDPOptimizer:
+    """Shards the model (shard_model) and returns its optimizer (optimizer.py's AdamW factory)."""
+    from megatron_sp.training.optimizer import _adamw
+
+    shard_model(model, ps, device)
+    decoupled = getattr(args, "decoupled_lr", None) is not None
+    return FSDPOptimizer(model, ps, _adamw(args, device, distributed=True), args.weight_decay, decoupled)
+
+
+# ---- checkpoints: today's canonical entries --------------------------------------------------------
+
+
+def _like(p) -> torch.Tensor:
+    """A zero fp32 tensor of p's TP-local shape with p's attributes (what canonical.py converts)."""
+    t = torch.zeros(p.shape, dtype=torch.float32, device=p._local_tensor.device)
+    for a in _ATTRS:
+        if hasattr(p, a):
+            setattr(t, a, getattr(p, a))
+    return t
+
+
+def _gathered(dt, p) -> torch.Tensor:
+    """The TP-local tensor of a DP×CP-sharded DTensor (collective over the mesh), with p's attributes."""
+    t = dt.full_tensor()
+    for a in _ATTRS:
+        if hasattr(p, a):
+            setattr(t, a, getattr(p, a))
+    return t
+
+
+def _my_chunk(full: torch.Tensor, p) -> torch.Tensor:
+    """This rank's dim-0 chunk of a TP-local tensor, as FSDP2 shards it (torch.chunk; empty past the end)."""
+    mesh = p.device_mesh
+    chunks = torch.chunk(full, mesh.size(), dim=0)
+    rank = mesh.get_local_rank()
+    return chunks[rank] if rank < len(chunks) else full.new_zeros((0,) + tuple(full.shape[1:]))
+
+
+class FSDPModelState(ModelState):
+    """ModelState of an FSDP2 model: saves each parameter's TP-local tensor (gathered over DP×CP), so
+    the entries are canonical.py's; loads by taking this rank's chunk of them."""
+
+    def _saved(self):
+        return [(n, _gathered(p, p)) for n, p in self.model.named_parameters()]
+
+    def load_target(self) -> dict:
+        return {n: empty_dcp_target(_like(p), self.ps) for n, p in self.model.named_parameters()}
+
+    @torch.no_grad()
+    def load_state_dict(self, loaded: dict) -> None:
+        for name, p in self.model.named_parameters():
+            value = from_canonical_local(loaded[name], _like(p), self.ps)
+            p._local_tensor.copy_(_my_chunk(value, p))
+
+
+class FSDPOptimizerState(OptimizerState):
+    """OptimizerState of an FSDPOptimizer: the AdamW moments gathered to their TP-local tensors (the
+    replicated optimizer's canonical entries) on save, this rank's chunk of them on load."""
+
+    def state_dict(self) -> dict:
+        out = {}
+        for name, p in self.params:
+            st = self.optimizer.state.get(p, {})
+            local = {"step": torch.as_tensor(st.get("step", 0.0), dtype=torch.float32).cpu().clone()}
+            for key in ("exp_avg", "exp_avg_sq"):
+                full = _gathered(st[key], p) if key in st else _like(p)
+                local[key] = to_dcp_tensor(full, full, self.ps)
+            out[name] = local
+        return out
+
+    def load_target(self) -> dict:
+        return {
+            name: {
+                "exp_avg": empty_dcp_target(_like(p), self.ps),
+                "exp_avg_sq": empty_dcp_target(_like(p), self.ps),
+                "step": torch.zeros((), dtype=torch.float32),
+            }
+            for name, p in self.params
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, loaded: dict) -> None:
+        fused = any(g.get("fused") or g.get("capturable") for g in self.optimizer.param_groups)
+        for name, p in self.params:
+            saved = loaded[name]
+            state = {"step": saved["step"].clone().to(p.device if fused else "cpu")}
+            for key in ("exp_avg", "exp_avg_sq"):
+                moment = torch.zeros_like(p)  # a DTensor sharded as p
+                moment._local_tensor.copy_(_my_chunk(from_canonical_local(saved[key], _like(p), self.ps), p))
+                state[key] = moment
+            self.optimizer.state[p] = state
+
+
+def checkpoint_states(model, optimizer: FSDPOptimizer, ps) -> dict:
+    """The model and optimizer entries of a checkpoint of an FSDP2 run (pretrain.Trainer's others as usual)."""
+    return {"model": FSDPModelState(model, ps), "optim": FSDPOptimizerState(optimizer.optim, model, ps)}
