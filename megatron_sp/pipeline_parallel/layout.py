@@ -58,6 +58,26 @@ class PipelineLayout:
             )
         rank_layers(num_layers, self)  # raises on counts that do not divide
 
+    def check_microbatches(self, num_microbatches: int) -> None:
+        """Raises ValueError (one sentence) when the schedule cannot run this many micro-batches."""
+        p, m = self.pp_size, num_microbatches
+        if self.v_shape and m < p:
+            raise ValueError(
+                f"--pipeline-schedule zbv needs at least --pipeline-model-parallel-size {p} micro-batches "
+                f"per step, not {m}."
+            )
+        interleaved = self.vp_size > 1 or self.schedule == "interleaved-zb"
+        if interleaved and not self.v_shape and m % p != 0:
+            raise ValueError(
+                f"an interleaved pipeline schedule needs a micro-batch count that is a multiple of "
+                f"--pipeline-model-parallel-size {p}, not {m} (global batch / (micro-batch × DP))."
+            )
+        if self.schedule == "1f1b" and m < p:
+            raise ValueError(
+                f"the 1F1B pipeline schedule needs at least --pipeline-model-parallel-size {p} micro-batches "
+                f"per step, not {m}; raise --global-batch-size or lower --micro-batch-size."
+            )
+
     def stage_rank(self, stage: int) -> int:
         """The pipeline rank holding `stage`."""
         p = self.pp_size

@@ -191,6 +191,7 @@ class PipelineGPT(nn.Module):
         batch, s = tokens.shape
         if batch % num_microbatches != 0:
             raise ValueError(f"the batch of {batch} samples does not split into {num_microbatches} micro-batches.")
+        self.layout.check_microbatches(num_microbatches)
         if sample_ids is None:  # global sample indices across the micro-batches, as the whole batch's
             sample_ids = torch.arange(batch, device=tokens.device)
         inputs = dict(
