@@ -117,6 +117,7 @@ class PipelineGPT(nn.Module):
         elif holds_last and not cfg.untie_embeddings_and_output_weights:  # the tied copy, same name
             self.embedding = nn.Module()
             self.embedding.word_embeddings = builder.word_embedding(cfg)
+            self.embedding.word_embeddings.weight.pipeline_copy = True  # norms count the first stage's
         self.layers = nn.ModuleDict(
             {str(i): block_spec.build(cfg, layer=i + 1, builder=builder) for layers in ranges for i in layers}
         )
@@ -210,7 +211,7 @@ class PipelineGPT(nn.Module):
         target = loss_mask if loss_mask is not None else labels
         if forward_only:
             with torch.no_grad():
-                schedule.eval(*first_args, target=target, **inputs)
+                schedule.eval(*first_args, target=target, return_outputs=False, **inputs)
         else:
             schedule.step(*first_args, target=target, return_outputs=False, **inputs)
             self._embedding_pending = True
