@@ -1,6 +1,6 @@
 """Checkpoints: exact resume (bit for bit), resharding TP=2+SP -> TP=1 and TP=4, to and from the
-distributed optimizer and pipeline stages (PP=2), atomic save under kill -9, --finetune / --no-load-optim, the safetensors conversion
-tool, and save/load restoring the states they are given in place."""
+distributed optimizer and pipeline stages (PP=2), atomic save under kill -9, --finetune / --no-load-optim,
+the safetensors conversion tool, and save/load restoring the states they are given in place."""
 
 import json
 import os
@@ -69,9 +69,9 @@ RESHARDED = {  # layout resumed at: (ranks, flags); "zero" and "pp2" save at 15,
 def test_resharded_resume_matches(runs, tmp_path, layout):
     """TP=2+SP -> TP=4+SP; -> TP=1 × DP=2 with the distributed optimizer (the AdamW state of a
     replicated run sharded over the replicas); -> PP=2 (1F1B: one layer per stage, the tied embedding
-    on both; PP × TP+SP is tests/test_pipeline.py's): the last two save a checkpoint at iteration 15 that then resumes at TP=2+SP
-    with the replicated optimizer. Every loss on the uninterrupted run's curve (a lost or misplaced
-    moment would move it)."""
+    on both; PP × TP+SP is tests/test_pipeline.py's): the last two save a checkpoint at iteration 15
+    that then resumes at TP=2+SP with the replicated optimizer. Every loss on the uninterrupted run's
+    curve (a lost or misplaced moment would move it)."""
     ranks, flags = RESHARDED[layout]
     if layout != "tp4":
         flags = flags + ["--save", str(tmp_path / "zero"), "--save-interval", "5"]
