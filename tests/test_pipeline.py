@@ -145,3 +145,43 @@ def test_pipeline_matches_the_serial_model(world, case):
         assert same_params  # the stages' parameters, merged, are the serial model's (init by name)
         assert err < 1e-5
         assert losses == pytest.approx(want, rel=1e-5, abs=0)
+
+
+def _per_token_and_eval():
+    """PP2 × TP2+SP interleaved: per-token loss with a loss mask and a loss scale (the gradient of the
+    masked token sum, times the scale), then the forward-only pass in eval mode (dropout off)."""
+    from megatron_sp.models.reference import ReferenceGPT
+    from megatron_sp.pipeline_parallel.model import PipelineGPT
+
+    m, micro, scale = 4, 1, 2.0
+    ps = parallel_state.initialize_model_parallel(2, 1, pipeline_model_parallel_size=2)
+    cfg = _config("gpt2", 2, 1, True)
+    tokens, labels = _batch(m * micro, seed=1)
+    mask = (torch.rand(tokens.shape, generator=torch.Generator().manual_seed(2)) > 0.3).float()
+    ids = torch.arange(m * micro)
+    reference = ReferenceGPT(cfg).train()
+    sums = [
+        reference(tokens[i : i + 1], labels[i : i + 1], loss_mask=mask[i : i + 1], sample_ids=ids[i : i + 1])
+        * mask[i].sum()
+        for i in range(m)
+    ]
+    tokens_total = mask.sum()
+    (sum(sums) / tokens_total).backward()
+    pipe = PipelineGPT(cfg, PipelineLayout(2, 2), ps).train()
+    pipe.step(tokens, labels, num_microbatches=m, loss_mask=mask, per_token=True, scale=scale)
+    grads = pipe.full_grad_dict()
+    err = max(
+        ((grads[k] / (scale * tokens_total) - p.grad).abs().max() / p.grad.abs().max()).item()
+        for k, p in reference.named_parameters()
+    )
+    reference.eval(), pipe.eval()
+    with torch.no_grad():
+        want = [reference(tokens[i : i + 1], labels[i : i + 1], loss_mask=mask[i : i + 1]).item() for i in range(m)]
+    got = pipe.step(tokens, labels, num_microbatches=m, loss_mask=mask, forward_only=True).tolist()
+    return err, got, want
+
+
+def test_per_token_loss_scale_and_evaluation(world):
+    for err, got, want in world.run(_per_token_and_eval):
+        assert err < 1e-5
+        assert got == pytest.approx(want, rel=1e-5, abs=0)

@@ -26,12 +26,14 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 def state_bytes(cfg, args) -> int:
     """Bytes of weights, gradients and optimizer state on one rank, a lower bound (no activations, no
-    buffers): Megatron's accounting per parameter, r = DP x CP replicas sharing the optimizer state with
+    buffers; with pipeline stages, the largest stage's share of at least 1/pp): Megatron's accounting
+    per parameter, r = DP x CP replicas sharing the optimizer state with
     --use-distributed-optimizer (training/optimizer.py):
         fp32           4 weight + 4 gradient + 8 AdamW moments (/r)
         bf16 / fp16    2 weight + 4 gradient (2 with --grad-reduce-in-bf16) + 12 main weight and moments (/r)
     """
-    per_rank = cfg.num_parameters() // max(1, args.tensor_model_parallel_size)
+    stages = max(1, getattr(args, "pipeline_model_parallel_size", 1))  # the largest stage holds >= 1/pp
+    per_rank = cfg.num_parameters() // (max(1, args.tensor_model_parallel_size) * stages)
     low = getattr(args, "params_dtype", "fp32") != "fp32"
     weight, grad = (2, 2 if getattr(args, "grad_reduce_in_bf16", False) else 4) if low else (4, 4)
     optim = 12 if low else 8
