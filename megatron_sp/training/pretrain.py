@@ -318,7 +318,9 @@ class Trainer:
         if meta is not None:
             self.log.info(
                 f" loaded checkpoint {checkpointing.checkpoint_dir(args.load, meta['iteration'])} (saved at "
-                f"TP={meta['tensor_model_parallel_size']}, iteration {meta['iteration']})"
+                f"TP={meta['tensor_model_parallel_size']}"
+                f"{f', PP={pp}' if (pp := meta.get('pipeline_model_parallel_size', 1)) > 1 else ''}, "
+                f"iteration {meta['iteration']})"
                 f"{' for finetuning' if args.finetune else ''}"
             )
 
