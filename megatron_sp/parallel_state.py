@@ -1,11 +1,14 @@
-"""Process groups for tensor (TP), context (CP) and data (DP) parallelism.
+"""Process groups for tensor (TP), context (CP), data (DP) and pipeline (PP) parallelism.
 
 One frozen dataclass, `ParallelState`, holds the groups and this rank's coordinates. The rank grid is
-Megatron's order with TP fastest-varying:
+Megatron's order ("tp-cp-ep-dp-pp") with TP fastest-varying and PP slowest:
 
-    global_rank = tp_rank + tp_size * (cp_rank + cp_size * dp_rank)
+    global_rank = tp_rank + tp_size * (cp_rank + cp_size * (dp_rank + dp_size * pp_rank))
 
-so a TP group is `tp_size` consecutive ranks (one node's GPUs in practice, where NVLink is).
+so a TP group is `tp_size` consecutive ranks (one node's GPUs in practice, where NVLink is) and a
+pipeline stage is a contiguous block of tp·cp·dp ranks. With pp_size 1 the grid is the (tp, cp, dp)
+one. The embedding group is, per (tp, cp, dp) coordinate, the first and the last stage of the
+pipeline: the ranks holding a tied word embedding's copies, whose gradients are summed (Megatron's).
 The groups live on whatever backend torch.distributed was initialised with (gloo on CPU, NCCL on
 GPU). Without torch.distributed every size is 1 and every group is None, so the serial path needs no
 set-up at all.
@@ -26,7 +29,7 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class ParallelState:
-    """This rank's place in the (dp, cp, tp) grid and the process groups along each axis."""
+    """This rank's place in the (pp, dp, cp, tp) grid and the process groups along each axis."""
 
     tp_size: int = 1
     cp_size: int = 1
@@ -38,46 +41,71 @@ class ParallelState:
     cp_group: Optional[object] = None  # ranks that share one sequence (context parallel)
     dp_group: Optional[object] = None  # ranks holding the same shards, different data
     dp_cp_group: Optional[object] = None  # gradient reduction group: data and context parallel ranks
+    pp_size: int = 1
+    pp_rank: int = 0
+    pp_group: Optional[object] = None  # the stages of one pipeline (same tp, cp, dp coordinates)
+    pp_ranks: tuple = (0,)  # global ranks of pp_group, by stage (torch.distributed.pipelining's peers)
+    embedding_group: Optional[object] = None  # first and last stage of this pipeline (None at pp 1)
 
     def __post_init__(self):
-        for name in ("tp_size", "cp_size", "dp_size"):
+        for name in ("tp_size", "cp_size", "dp_size", "pp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ParallelState.{name} must be >= 1, got {getattr(self, name)}.")
-        for axis in ("tp", "cp", "dp"):
+        for axis in ("tp", "cp", "dp", "pp"):
             rank, size = getattr(self, f"{axis}_rank"), getattr(self, f"{axis}_size")
             if not 0 <= rank < size:
                 raise ValueError(f"ParallelState.{axis}_rank={rank} is outside [0, {axis}_size={size}).")
 
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.cp_size * self.dp_size
+        return self.tp_size * self.cp_size * self.dp_size * self.pp_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
 
 
 _STATE: Optional[ParallelState] = None
 
 
-def grid_ranks(tp_size: int, cp_size: int, dp_size: int):
-    """Lists of global ranks forming each TP, CP, DP and DP×CP group (TP fastest)."""
+def grid_ranks(tp_size: int, cp_size: int, dp_size: int, pp_size: int = 1):
+    """Lists of global ranks forming each TP, CP, DP and DP×CP group (TP fastest, PP slowest), the
+    groups of every pipeline stage in turn."""
 
-    def rank(tp, cp, dp):
-        return tp + tp_size * (cp + cp_size * dp)
+    def rank(tp, cp, dp, pp=0):
+        return tp + tp_size * (cp + cp_size * (dp + dp_size * pp))
 
-    tp = [[rank(t, c, d) for t in range(tp_size)] for d in range(dp_size) for c in range(cp_size)]
-    cp = [[rank(t, c, d) for c in range(cp_size)] for d in range(dp_size) for t in range(tp_size)]
-    dp = [[rank(t, c, d) for d in range(dp_size)] for c in range(cp_size) for t in range(tp_size)]
-    dp_cp = [[rank(t, c, d) for d in range(dp_size) for c in range(cp_size)] for t in range(tp_size)]
+    stages = range(pp_size)
+    tp = [[rank(t, c, d, p) for t in range(tp_size)] for p in stages for d in range(dp_size) for c in range(cp_size)]
+    cp = [[rank(t, c, d, p) for c in range(cp_size)] for p in stages for d in range(dp_size) for t in range(tp_size)]
+    dp = [[rank(t, c, d, p) for d in range(dp_size)] for p in stages for c in range(cp_size) for t in range(tp_size)]
+    dp_cp = [[rank(t, c, d, p) for d in range(dp_size) for c in range(cp_size)] for p in stages for t in range(tp_size)]
     return tp, cp, dp, dp_cp
 
 
-def _check_factors(world_size: int, tp: int, cp: int) -> int:
-    if tp < 1 or cp < 1:
-        raise ValueError(f"tensor_model_parallel_size ({tp}) and context_parallel_size ({cp}) must be >= 1.")
-    if world_size % (tp * cp) != 0:
+def pipeline_ranks(tp_size: int, cp_size: int, dp_size: int, pp_size: int):
+    """Global ranks of every pipeline (one per (tp, cp, dp) coordinate), each by stage."""
+    block = tp_size * cp_size * dp_size  # ranks per stage
+    return [[r + block * p for p in range(pp_size)] for r in range(block)]
+
+
+def _check_factors(world_size: int, tp: int, cp: int, pp: int = 1) -> int:
+    if tp < 1 or cp < 1 or pp < 1:
+        raise ValueError(
+            f"tensor_model_parallel_size ({tp}), context_parallel_size ({cp}) and "
+            f"pipeline_model_parallel_size ({pp}) must be >= 1."
+        )
+    if world_size % (tp * cp * pp) != 0:
         raise ValueError(
             f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) × "
-            f"context_parallel_size ({cp}); choose sizes whose product divides the number of ranks."
+            f"context_parallel_size ({cp}) × pipeline_model_parallel_size ({pp}); choose sizes whose "
+            f"product divides the number of ranks."
         )
-    return world_size // (tp * cp)
+    return world_size // (tp * cp * pp)
 
 
 def _new_groups(rank_lists, my_rank, timeout):
@@ -91,9 +119,12 @@ def _new_groups(rank_lists, my_rank, timeout):
 
 
 def initialize_model_parallel(
-    tensor_model_parallel_size: int = 1, context_parallel_size: int = 1, timeout: Optional[timedelta] = None
+    tensor_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    timeout: Optional[timedelta] = None,
+    pipeline_model_parallel_size: int = 1,
 ) -> ParallelState:
-    """Builds the TP/CP/DP groups (collective over the whole world) and makes them current.
+    """Builds the TP/CP/DP/PP groups (collective over the whole world) and makes them current.
 
     timeout: every group's collective timeout. `dist.new_group` does not inherit the world's, so pass
     the one given to init_process_group (pretrain.py passes --distributed-timeout-minutes): a dead or
@@ -101,25 +132,37 @@ def initialize_model_parallel(
     group (30 min on gloo, 10 min on NCCL).
     """
     global _STATE
-    tp, cp = tensor_model_parallel_size, context_parallel_size
+    tp, cp, pp = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
     if not dist.is_initialized():
-        _check_factors(1, tp, cp)
+        _check_factors(1, tp, cp, pp)
         _STATE = ParallelState()
         return _STATE
     world, me = dist.get_world_size(), dist.get_rank()
-    dp = _check_factors(world, tp, cp)
-    tp_lists, cp_lists, dp_lists, dp_cp_lists = grid_ranks(tp, cp, dp)
-    _STATE = ParallelState(
-        tp_size=tp,
-        cp_size=cp,
-        dp_size=dp,
-        tp_rank=me % tp,
-        cp_rank=(me // tp) % cp,
-        dp_rank=me // (tp * cp),
+    dp = _check_factors(world, tp, cp, pp)
+    tp_lists, cp_lists, dp_lists, dp_cp_lists = grid_ranks(tp, cp, dp, pp)
+    groups = dict(
         tp_group=_new_groups(tp_lists, me, timeout),
         cp_group=_new_groups(cp_lists, me, timeout),
         dp_group=_new_groups(dp_lists, me, timeout),
         dp_cp_group=_new_groups(dp_cp_lists, me, timeout),
+    )
+    if pp > 1:
+        pipelines = pipeline_ranks(tp, cp, dp, pp)
+        groups["pp_group"] = _new_groups(pipelines, me, timeout)
+        groups["embedding_group"] = _new_groups([[ranks[0], ranks[-1]] for ranks in pipelines], me, timeout)
+        groups["pp_ranks"] = tuple(next(ranks for ranks in pipelines if me in ranks))
+    else:
+        groups["pp_ranks"] = (me,)
+    _STATE = ParallelState(
+        tp_size=tp,
+        cp_size=cp,
+        dp_size=dp,
+        pp_size=pp,
+        tp_rank=me % tp,
+        cp_rank=(me // tp) % cp,
+        dp_rank=(me // (tp * cp)) % dp,
+        pp_rank=me // (tp * cp * dp),
+        **groups,
     )
     return _STATE
 

@@ -1,6 +1,6 @@
 """Checkpoints: exact resume (bit for bit), resharding TP=2+SP -> TP=1 and TP=4, to and from the
-distributed optimizer, atomic save under kill -9, --finetune / --no-load-optim, the safetensors conversion
-tool, and save/load restoring the states they are given in place."""
+distributed optimizer and pipeline stages (PP=2), atomic save under kill -9, --finetune / --no-load-optim,
+the safetensors conversion tool, and save/load restoring the states they are given in place."""
 
 import json
 import os
@@ -57,27 +57,33 @@ def test_exact_resume_is_bit_identical(runs, tmp_path):
     ReferenceGPT(config_from_dict(meta["config"]), initialise=False).load_state_dict(state)  # strict: every key, shape
 
 
+RESHARDED = {  # layout resumed at: (ranks, flags); "zero" and "pp2" save at 15, which TP=2+SP resumes
+    "tp4": (4, ["--tensor-model-parallel-size", "4", "--sequence-parallel"]),
+    "zero": (2, ["--use-distributed-optimizer"]),
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 4])
-def test_resharded_resume_matches(runs, tmp_path, tp):
-    """TP=2+SP -> TP=4+SP, and -> TP=1 × DP=2 with the distributed optimizer (the AdamW state of a
-    replicated run sharded over the replicas), whose own checkpoint of iteration 15 then resumes at
-    TP=2+SP with the replicated optimizer: every loss on the uninterrupted run's curve (a lost or
-    misplaced moment would move it)."""
-    flags = (
-        ["--tensor-model-parallel-size", "4", "--sequence-parallel"]
-        if tp == 4
-        else ["--use-distributed-optimizer", "--save", str(tmp_path / "zero"), "--save-interval", "5"]
-    )
+@pytest.mark.parametrize("layout", sorted(RESHARDED))
+def test_resharded_resume_matches(runs, tmp_path, layout):
+    """TP=2+SP -> TP=4+SP; -> TP=1 × DP=2 with the distributed optimizer (the AdamW state of a
+    replicated run sharded over the replicas); -> PP=2 (1F1B: one layer per stage, the tied embedding
+    on both; PP × TP+SP is tests/test_pipeline.py's): the last two save a checkpoint at iteration 15
+    that then resumes at TP=2+SP with the replicated optimizer. Every loss on the uninterrupted run's
+    curve (a lost or misplaced moment would move it)."""
+    ranks, flags = RESHARDED[layout]
+    if layout != "tp4":
+        flags = flags + ["--save", str(tmp_path / "zero"), "--save-interval", "5"]
     check(
         torchrun(
-            tp if tp == 4 else 2,
+            ranks,
             RUN + flags + ["--load", str(runs / "ckpt"), "--log-jsonl", str(tmp_path / "r.jsonl")],
             cwd=tmp_path,
         )
     )
     got, want = losses(tmp_path / "r.jsonl"), losses(runs / "straight.jsonl")[10:]
-    if tp == 1:
+    if layout != "tp4":
         (tmp_path / "zero" / checkpointing.LATEST).write_text("15\n")  # resume from iteration 15
         check(
             torchrun(
@@ -90,7 +96,12 @@ def test_resharded_resume_matches(runs, tmp_path, tp):
         want += want[5:]
     assert len(got) == len(want)
     for a, b in zip(got, want):
-        assert abs(a - b) <= 1e-5 * abs(b), (tp, got, want)
+        assert abs(a - b) <= 1e-5 * abs(b), (layout, got, want)
+    if layout == "pp2":  # the tools read a pipeline checkpoint whole (every stage's entries, strictly)
+        from tools.generate import load_model
+
+        model, cfg = load_model(str(tmp_path / "zero"), 15)
+        assert cfg.num_layers == 2 and len(model.layers) == 2
 
 
 @pytest.mark.slow

@@ -4,7 +4,8 @@ each train 2 iterations or are refused in one sentence naming the missing featur
 
 Shrinking changes sizes, never meanings: 2 layers × 64 wide, 4 heads (2 key/value groups where the
 set has GQA), 32 tokens, 2 iterations, micro batch 1 and 2 micro-batches per step (a batch schedule
-becomes 0:DP then 2·DP); TP 8 becomes 4; data and tokenizer files (none exist here) become mock data
+becomes 0:DP then 2·DP, times PP); TP 8 becomes 4; PP becomes 2 (one layer per stage, TP shrunk to
+fit); data and tokenizer files (none exist here) become mock data
 with NullTokenizer --vocab-size 512; paths go to a temporary directory; nccl becomes gloo. Sets whose
 TP × CP is 1 train in this process; the others in one 4-rank gloo world shared by the module.
 
@@ -77,18 +78,21 @@ def _get(argv, flag, default=None):
 
 def shrink(argv, tmp):
     """The set at CPU size (see the module docstring)."""
-    tp = min(int(_get(argv, "--tensor-model-parallel-size", 1)), WORLD)
+    pp = min(int(_get(argv, "--pipeline-model-parallel-size", 1)), 2)
     cp = int(_get(argv, "--context-parallel-size", 1))
-    dp = WORLD // (tp * cp) if tp * cp > 1 else 1
+    tp = min(int(_get(argv, "--tensor-model-parallel-size", 1)), WORLD // (pp * cp))
+    dp = WORLD // (tp * cp * pp) if tp * cp * pp > 1 else 1
     sizes = {"--num-layers": "2", "--hidden-size": "64", "--num-attention-heads": "4", "--seq-length": "32"}
     sizes.update({f: v for f, v in (("--ffn-hidden-size", "128"), ("--kv-channels", "16")) if f in argv})
     sizes.update({f: v for f, v in (("--num-query-groups", "2"), ("--max-position-embeddings", "32")) if f in argv})
     sizes.update({"--tensor-model-parallel-size": str(tp), "--micro-batch-size": "1"})
+    if "--pipeline-model-parallel-size" in argv:
+        sizes["--pipeline-model-parallel-size"] = str(pp)
     schedule = "--step-batch-size-schedule" in argv
-    if schedule:
-        sizes["--step-batch-size-schedule"] = f"0:{dp} {32 * dp}:{2 * dp}"  # tokens: batch dp, then 2 dp
+    if schedule:  # tokens: batch pp·dp (1F1B: at least pp micro-batches), then 2 pp·dp
+        sizes["--step-batch-size-schedule"] = f"0:{pp * dp} {32 * pp * dp}:{2 * pp * dp}"
     if "--global-batch-size" in argv or not schedule:
-        sizes["--global-batch-size"] = str(2 * dp)
+        sizes["--global-batch-size"] = str(2 * (pp if schedule else 1) * dp)
     if "--train-samples" in argv:
         sizes["--train-samples"] = str(3 * dp if schedule else 4 * dp)
     else:
@@ -104,7 +108,7 @@ def shrink(argv, tmp):
     paths = {"$CKPT": tmp / "ckpt", "$TB": tmp / "tb", "$CACHE": tmp / "cache", "$WANDB": tmp / "wandb"}
     for key, path in paths.items():
         argv = [a.replace(key, str(path)) for a in argv]
-    return argv, tp * cp
+    return argv, tp * cp * pp
 
 
 def _known(flag) -> bool:
@@ -213,7 +217,23 @@ def test_legacy_position_flags_read_as_megatron_lm(flags, position):
     [
         (["--lr-decay"], "unrecognized arguments: --lr-decay"),  # no abbreviations (--lr-decay-style)
         (["--moe-router-topk", "2", "--bogus"], "mixture of experts"),  # the feature first
-        (["--pipeline-model-parallel-size", "2"], "pipeline parallelism is not implemented yet (issue 18)"),
+        (["--pipeline-model-parallel-size", "3"], "× --pipeline-model-parallel-size 3."),
+        (["--pipeline-model-parallel-size", "2", "--num-layers", "3"], "does not split evenly over 2 ranks"),
+        (["--pipeline-model-parallel-size", "2", "--torch-compile"], "with --torch-compile is not implemented yet"),
+        (["--pipeline-schedule", "zbv"], "need --pipeline-model-parallel-size > 1"),
+        (
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--virtual-pipeline-model-parallel-size",
+                "2",
+                "--num-layers",
+                "4",
+                "--global-batch-size",
+                "6",
+            ],
+            "multiple of --pipeline-model-parallel-size 2",
+        ),
         (["--ckpt-format", "torch"], "--ckpt-format torch_dist"),
         (["--rope-type", "yarn"], "--rope-type yarn: plain RoPE is the only kind here"),  # gpt-oss's is rope
         (["--optimizer", "sgd"], "--optimizer sgd: AdamW (Megatron-LM's adam"),

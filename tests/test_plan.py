@@ -267,7 +267,20 @@ def test_plan_prints_runnable_layouts_first(capsys):
     out = capsys.readouterr().out
     assert "runnable today, fastest first:" in out and "modelled, not runnable yet" in out
     runnable = out.split("runnable today, fastest first:")[1].split("modelled")[0]
-    assert " pp1 " in runnable and " pp2 " not in runnable
+    assert " pp1 " in runnable or " pp2 " in runnable  # pipeline layouts run too (not with FSDP2)
+
+
+def test_pipeline_layouts_are_runnable_but_not_with_fsdp2():
+    from megatron_sp.planning import cost
+    from megatron_sp.planning import layouts as lay
+
+    base = dict(model="llama", num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=1000, seq_length=512)
+    cluster = cost.Cluster(8, 8, 80.0, 4.0, 100.0, 0.5, 300.0, 25.0)
+    prec, batch = mem.precision("bf16", True), lay.Batch(1, 64)
+    pp = lay.plan_layout(base, lay.Layout(2, 1, 2, 2, True, None, "distributed"), prec, cluster, batch, True)
+    assert pp.runnable and pp.time.bubble > 0
+    fsdp2 = lay.plan_layout(base, lay.Layout(2, 1, 2, 2, True, None, "fsdp2"), prec, cluster, batch, True)
+    assert not fsdp2.runnable and "FSDP2" in fsdp2.note
 
 
 def test_step_time_model_compute_is_the_flops_over_every_gpu():

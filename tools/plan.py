@@ -286,7 +286,7 @@ def report(args, base, prec, cluster, fits, too_big) -> None:
         print("runnable today, fastest first:")
         print(table(HEADERS, [_row(i + 1, p) for i, p in enumerate(runnable[: args.top])]))
     if modelled:
-        print("modelled, not runnable yet (pipeline parallelism), fastest first:")
+        print("modelled, not runnable yet (FSDP2 with pipeline parallelism), fastest first:")
         start = len(runnable[: args.top])
         print(table(HEADERS, [_row(start + i + 1, p) for i, p in enumerate(modelled[: max(3, args.top // 2)])]))
     best = fits[0]
@@ -297,8 +297,8 @@ def report(args, base, prec, cluster, fits, too_big) -> None:
         f"PP sends {t.pp:.3f}, bubble {t.bubble:.3f}"
     )
     print(
-        "note: pipeline parallelism does not exist yet (pp > 1: modelled, not runnable); FSDP2 runs in every "
-        "precision mode; recompute full = uniform chunks of 1 layer."
+        "note: pp > 1 is 1F1B with even stages, and not with FSDP2 yet; FSDP2 runs in every precision mode; "
+        "recompute full = uniform chunks of 1 layer."
     )
 
 

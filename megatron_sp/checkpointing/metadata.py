@@ -6,7 +6,8 @@ checkpointer.save). paths.read_metadata_json reads it back and checks its schema
     format                      "megatron_sp-dcp-1"
     iteration, train_state      where training stands (TrainState); tokens_seen
     config                      every GPTConfig field, resolved (family defaults filled in)
-    tensor_model_parallel_size, data_parallel_size, sequence_parallel   the layout it was saved at
+    tensor_model_parallel_size, data_parallel_size, pipeline_model_parallel_size, sequence_parallel
+                                                                        the layout it was saved at
     <key>                       each JSON state given to save (loss_scale, ...), null when absent
     files                       {file: {size, sha256}} of every other file of the checkpoint
     converted_from, ...         what a tool adds
@@ -34,6 +35,7 @@ def describe(cfg, ps, train_state: dict, entries: dict) -> dict:
         "tokens_seen": train_state["consumed_train_samples"] * cfg.seq_length,
         "tensor_model_parallel_size": ps.tp_size,
         "data_parallel_size": ps.dp_size,
+        "pipeline_model_parallel_size": ps.pp_size,
         "sequence_parallel": cfg.sequence_parallel,
         "config": dataclasses.asdict(cfg),
         "format": FORMAT,

@@ -98,22 +98,26 @@ class LanguageModel(nn.Module):
         return self.head(self.final_ln(x), weight, seq)
 
     def _layers(self, x, seq):
-        """The transformer layers; with full recomputation some run under activation checkpointing,
-        which keeps only their input and runs them again in the backward (dropout masks are keyed by
-        position, so the rerun draws the same bits; collectives rerun in the same order on every rank)."""
-        cfg, layers = self.cfg, list(self.layers)
-        if cfg.recompute_granularity != "full" or not torch.is_grad_enabled():
-            for block in layers:
-                x = block(x, seq)
-            return x
-        n = cfg.recompute_num_layers
-        if cfg.recompute_method == "block":  # the first n layers, one at a time
-            for i, block in enumerate(layers):
-                x = checkpoint(block, x, seq, use_reentrant=False) if i < n else block(x, seq)
-            return x
-        for start in range(0, len(layers), n):  # uniform: chunks of n layers
-            x = checkpoint(_run_chunk, layers[start : start + n], x, seq, use_reentrant=False)
+        return run_layers(self.cfg, list(self.layers), x, seq)
+
+
+def run_layers(cfg, layers, x, seq):
+    """The transformer layers `layers` (a list of blocks) on x; with full recomputation some run under
+    activation checkpointing, which keeps only their input and runs them again in the backward (dropout
+    masks are keyed by position, so the rerun draws the same bits; collectives rerun in the same order on
+    every rank). A pipeline stage passes its own layers: "block" recomputes the first n of each stage."""
+    if cfg.recompute_granularity != "full" or not torch.is_grad_enabled():
+        for block in layers:
+            x = block(x, seq)
         return x
+    n = cfg.recompute_num_layers
+    if cfg.recompute_method == "block":  # the first n layers, one at a time
+        for i, block in enumerate(layers):
+            x = checkpoint(block, x, seq, use_reentrant=False) if i < n else block(x, seq)
+        return x
+    for start in range(0, len(layers), n):  # uniform: chunks of n layers
+        x = checkpoint(_run_chunk, layers[start : start + n], x, seq, use_reentrant=False)
+    return x
 
 
 def _run_chunk(blocks, x, seq):

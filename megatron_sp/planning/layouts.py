@@ -2,8 +2,8 @@
 
 A layout is (tp, cp, dp, pp, sp, recompute, sharding) with tp * cp * dp * pp = GPUs, tp within a
 node; GPTConfig's own checks decide whether the model splits that way (heads, groups, MLP width,
-sequence). A layout is runnable when the program offers it today: pp = 1 (no pipeline parallelism
-yet) and FSDP2 where the program's parser accepts --use-torch-fsdp2.
+sequence). A layout is runnable when the program offers it today: FSDP2 only where the program's
+parser accepts --use-torch-fsdp2, and not with pipeline parallelism (pp > 1 × FSDP2: not yet).
 """
 
 from __future__ import annotations
@@ -100,9 +100,9 @@ def plan_layout(base: dict, layout: Layout, prec, cluster, batch: Batch, runnabl
     comm = cost.communication(cfg, layout, prec, batch.micro, m, params)
     time = cost.step_time(cfg, layout, prec, cluster, batch.micro, m, comm)
     notes = []
-    if layout.pp > 1:
-        notes.append("pp modelled, not runnable yet")
-    if layout.sharding == "fsdp2":
+    if layout.pp > 1 and layout.sharding == "fsdp2":
+        notes.append("pp x FSDP2 modelled, not runnable yet")
+    elif layout.sharding == "fsdp2":
         notes += fsdp2_notes(prec, runnable_fsdp2)
     return Plan(layout, memory, comm, time, m, not notes, "; ".join(notes))
 

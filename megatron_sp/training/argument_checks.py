@@ -36,18 +36,22 @@ def validate(args) -> None:
     ):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
-    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
-    if cp <= 0:
-        raise ArgumentError(f"--context-parallel-size must be positive, got {cp}.")
-    if args.world_size % (tp * cp) != 0:
+    tp, cp, pp = args.tensor_model_parallel_size, args.context_parallel_size, args.pipeline_model_parallel_size
+    if cp <= 0 or pp <= 0:
+        raise ArgumentError(
+            f"--context-parallel-size and --pipeline-model-parallel-size must be positive, got {cp}, {pp}."
+        )
+    if args.world_size % (tp * cp * pp) != 0:
         raise ArgumentError(
             f"world size {args.world_size} is not divisible by --tensor-model-parallel-size {tp}"
             + (f" × --context-parallel-size {cp}" if cp > 1 else "")
+            + (f" × --pipeline-model-parallel-size {pp}" if pp > 1 else "")
             + "."
         )
-    args.data_parallel_size = args.world_size // (tp * cp)
+    args.data_parallel_size = args.world_size // (tp * cp * pp)
     _check_fsdp2(args)
     _batch_schedule(args)
+    _check_pipeline(args)
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save DIR.")
     _check_tokenizer(args)
@@ -209,8 +213,6 @@ def _check_data_flags(args) -> None:
 def _check_features(args) -> None:
     """Flags whose value asks for a feature megatron_sp lacks (pipeline, experts, other checkpoint
     formats) or for another flag (Megatron-LM's own rules), and the older recompute spelling."""
-    if args.pipeline_model_parallel_size != 1:
-        raise ArgumentError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: {megatron_flags.PP}.")
     if args.expert_model_parallel_size != 1:
         raise ArgumentError(f"--expert-model-parallel-size {args.expert_model_parallel_size}: {megatron_flags.MOE}.")
     if args.ckpt_format != "torch_dist":
@@ -307,3 +309,49 @@ def _position_flags(args) -> None:
                 f"give one of them."
             )
         args.position_embedding_type = "none"
+
+
+def _check_pipeline(args) -> None:
+    """args.pipeline_layout (None at pp 1) from the pipeline flags; the layout, the micro-batch count
+    and the options pipeline parallelism cannot serve yet, each refused in one sentence."""
+    from megatron_sp.pipeline_parallel.layout import layout_from_args
+
+    pp = args.pipeline_model_parallel_size
+    args.pipeline_layout = None
+    layout_flags = (
+        args.virtual_pipeline_model_parallel_size,
+        args.num_layers_per_virtual_pipeline_stage,
+        args.decoder_first_pipeline_num_layers,
+        args.decoder_last_pipeline_num_layers,
+    )
+    if pp == 1:
+        if any(flag is not None for flag in layout_flags) or args.pipeline_schedule != "1f1b":
+            raise ArgumentError(
+                "the virtual-stage, first/last-stage and --pipeline-schedule flags need "
+                "--pipeline-model-parallel-size > 1."
+            )
+        return
+    for flag, refused in (
+        ("--torch-compile", args.torch_compile),
+        ("--use-torch-fsdp2", getattr(args, "use_torch_fsdp2", False)),
+    ):
+        if refused:
+            raise ArgumentError(
+                f"--pipeline-model-parallel-size {pp} with {flag} is not implemented yet; drop one of the two."
+            )
+    try:
+        layout = layout_from_args(
+            pp,
+            args.virtual_pipeline_model_parallel_size,
+            args.num_layers_per_virtual_pipeline_stage,
+            args.num_layers,
+            args.decoder_first_pipeline_num_layers,
+            args.decoder_last_pipeline_num_layers,
+            args.pipeline_schedule,
+        )
+        layout.check(args.num_layers)
+        for _, batch in args.batch_schedule.steps:
+            layout.check_microbatches(batch // (args.micro_batch_size * args.data_parallel_size))
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
+    args.pipeline_layout = layout

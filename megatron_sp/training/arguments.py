@@ -54,12 +54,30 @@ def _model_args(p):
     )
 
 
+def _pipeline_args(g):
+    """Pipeline parallelism's layout and schedule (megatron_sp/pipeline_parallel/layout.py)."""
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None, help="model chunks per rank")
+    g.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="layers per model chunk (sets the above)",
+    )
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None, help="layers of the first stage")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None, help="layers of the last stage")
+    g.add_argument(
+        "--pipeline-schedule",
+        choices=["1f1b", "gpipe", "interleaved-zb", "zbv"],
+        default="1f1b",
+        help="torch.distributed.pipelining schedule (1f1b: interleaved with virtual stages; ours, not Megatron's)",
+    )
+
+
 def _parallel_args(p):
     g = p.add_argument_group("parallelism")
     add_config_flags(g, "parallelism")
-    g.add_argument(
-        "--pipeline-model-parallel-size", type=int, default=1, help="only 1 (pipeline parallelism: issue 18)"
-    )
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="pipeline stages (docs/parallelism.md)")
+    _pipeline_args(g)
     g.add_argument("--expert-model-parallel-size", type=int, default=1, help="only 1 (no mixture of experts)")
     g.add_argument(
         "--distributed-backend", choices=["nccl", "gloo"], default=None, help="default: nccl on cuda, gloo on cpu"

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp.parallel_state import ParallelState
+from megatron_sp.training import pipeline_step
 from megatron_sp.training.grad_sync import OverlappedGradSync, finalize_model_grads
 from megatron_sp.training.loss_scale import DynamicLossScaler
 from megatron_sp.training.optimizer import clip_grads
@@ -90,6 +91,8 @@ class _Stopwatch:
 def _accumulate(model, data_iter, num_micro_batches, device, scale, grad_sync, per_token):
     """Forward and backward of every micro-batch; returns (losses, token counts). Per-token loss:
     each backward is of the micro-batch's loss *sum* (rescaled by the global token count later)."""
+    if pipeline_step.is_pipeline(model):
+        return _accumulate_pipeline(model, data_iter, num_micro_batches, device, scale, per_token)
     losses, counts = [], []
     for micro in range(num_micro_batches):
         if grad_sync is not None and micro == num_micro_batches - 1:
@@ -102,6 +105,15 @@ def _accumulate(model, data_iter, num_micro_batches, device, scale, grad_sync, p
         losses.append(loss.detach() * count if per_token else loss.detach())
         counts.append(count)
     return losses, counts
+
+
+def _accumulate_pipeline(model, data_iter, num_micro_batches, device, scale, per_token):
+    """_accumulate under pipeline parallelism: one schedule run (training/pipeline_step.py)."""
+    micro, whole = pipeline_step.read_global_batch(data_iter, num_micro_batches, device, to_device)
+    values = pipeline_step.run_schedule(model, whole, num_micro_batches, scale=scale, per_token=per_token)
+    pipeline_step.collect_grads(model)
+    counts = [token_count(b).to(values.device) for b in micro]
+    return [v * c if per_token else v for v, c in zip(values, counts)], counts
 
 
 def train_step(
@@ -185,6 +197,8 @@ def evaluate(
     model.eval()
     losses, counts = [], []
     try:
+        if pipeline_step.is_pipeline(model):
+            return _evaluate_pipeline(model, data_iter, iters, num_micro_batches, ps, device, per_token_loss)
         for _ in range(iters * num_micro_batches):
             batch = to_device(next(data_iter), device)
             loss = forward_loss(model, batch)
@@ -193,6 +207,20 @@ def evaluate(
             counts.append(count)
     finally:
         model.train()
+    if per_token_loss:
+        return sum_over_data_parallel(losses, ps, device) / max(sum_over_data_parallel(counts, ps, device), 1.0)
+    return mean_over_data_parallel(losses, ps, device)
+
+
+def _evaluate_pipeline(model, data_iter, iters, num_micro_batches, ps, device, per_token_loss) -> float:
+    """evaluate under pipeline parallelism: the schedule's forward-only pass per global batch."""
+    losses, counts = [], []
+    for _ in range(iters):
+        micro, whole = pipeline_step.read_global_batch(data_iter, num_micro_batches, device, to_device)
+        values = pipeline_step.run_schedule(model, whole, num_micro_batches, forward_only=True)
+        batch_counts = [token_count(b).to(values.device) for b in micro]
+        losses += [v * c if per_token_loss else v for v, c in zip(values, batch_counts)]
+        counts += batch_counts
     if per_token_loss:
         return sum_over_data_parallel(losses, ps, device) / max(sum_over_data_parallel(counts, ps, device), 1.0)
     return mean_over_data_parallel(losses, ps, device)

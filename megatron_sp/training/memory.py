@@ -26,13 +26,15 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 def state_bytes(cfg, args) -> int:
     """Bytes of weights, gradients and optimizer state on one rank, a lower bound (no activations, no
-    buffers): Megatron's accounting per parameter, r = DP x CP replicas sharing the optimizer state with
+    buffers; with pipeline stages, the largest stage's share of at least 1/pp): Megatron's accounting
+    per parameter, r = DP x CP replicas sharing the optimizer state with
     --use-distributed-optimizer (training/optimizer.py):
         fp32           4 weight + 4 gradient + 8 AdamW moments (/r)
         bf16 / fp16    2 weight + 4 gradient (2 with --grad-reduce-in-bf16) + 12 main weight and moments (/r)
         FSDP2          (4 + 4 + 8) / r, fp32 and bf16 (training/fsdp.py)
     """
-    per_rank = cfg.num_parameters() // max(1, args.tensor_model_parallel_size)
+    stages = max(1, getattr(args, "pipeline_model_parallel_size", 1))  # the largest stage holds >= 1/pp
+    per_rank = cfg.num_parameters() // (max(1, args.tensor_model_parallel_size) * stages)
     replicas = max(1, args.data_parallel_size * getattr(args, "context_parallel_size", 1))
     if getattr(args, "use_torch_fsdp2", False):
         return int(per_rank * 16 / replicas)

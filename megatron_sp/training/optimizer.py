@@ -32,7 +32,12 @@ from megatron_sp.training.distributed_optimizer import ParamBroadcast, Partition
 from megatron_sp.training.grad_buffers import GradBuffers
 from megatron_sp.training.loss_scale import ConstantLossScaler, DynamicLossScaler, _collective_device  # noqa: F401
 
-_PARAM_ATTRS = ("shard_spec", "sequence_parallel", "init_tag")  # what the norm and the partial sums read
+_PARAM_ATTRS = (
+    "shard_spec",
+    "sequence_parallel",
+    "init_tag",
+    "pipeline_copy",
+)  # what the norm and the partial sums read
 
 # Megatron-LM's "embedding or output" parameters, which --decoupled-lr trains with an LR of their own.
 DECOUPLED = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -189,6 +194,7 @@ def _global_sum(params, tensor_of, measure, ps: ParallelState, partition) -> tor
     replicated tensors and copies counted once (with a partition: what each replica owns)."""
     device = tensor_of(params[0]).device if params else _collective_device()
     split, replicated = [], []
+    params = [p for p in params if not getattr(p, "pipeline_copy", False)]  # a tied copy: counted once
     for p in params:
         if not getattr(p, "norm_counted", True):  # a copy that other ranks count (training/fsdp.py)
             continue
@@ -207,6 +213,10 @@ def _global_sum(params, tensor_of, measure, ps: ParallelState, partition) -> tor
         dist.all_reduce(whole, group=partition.group)
     elif ps.tp_size > 1:
         dist.all_reduce(sharded, group=ps.tp_group)  # TP shards: sum over the group
+    if ps.pp_size > 1:  # each stage its own parameters (the world-wide sum above already spans them)
+        total = whole if partition is not None else sharded + whole
+        dist.all_reduce(total, group=ps.pp_group)
+        return sharded + total if partition is not None else total
     return sharded + whole  # replicas: this rank's copy
 
 

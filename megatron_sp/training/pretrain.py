@@ -215,6 +215,17 @@ def _main(argv, signals) -> int:
         destroy_distributed()
 
 
+def build_model(cfg, args, ps):
+    """GPTModel, or this rank's pipeline stages (PipelineGPT) with --pipeline-model-parallel-size > 1."""
+    if ps.pp_size > 1:
+        from megatron_sp.pipeline_parallel.model import PipelineGPT
+
+        return PipelineGPT(cfg, args.pipeline_layout, ps, device=args.device)
+    from megatron_sp.models.gpt import GPTModel
+
+    return GPTModel(cfg, ps, device=args.device)
+
+
 class Trainer:
     """Holds the run's state; `run()` trains until --train-iters, --exit-interval or a signal."""
 
@@ -226,13 +237,12 @@ class Trainer:
             args.tensor_model_parallel_size,
             args.context_parallel_size,
             timeout=timedelta(minutes=args.distributed_timeout_minutes),  # the world's (init_distributed)
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         )
         self.log = TrainingLogger(
             args, enabled=torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True
         )
-        from megatron_sp.models.gpt import GPTModel
-
-        self.model = GPTModel(self.cfg, self.ps, device=args.device)  # (on meta, then this rank's shards)
+        self.model = build_model(self.cfg, args, self.ps)  # (on meta, then this rank's shards)
         if args.torch_compile:  # each layer compiles at its first call; parameter names are unchanged
             from megatron_sp.models.compile import compile_layers
 
@@ -246,7 +256,10 @@ class Trainer:
         self.scaler = build_loss_scaler(args)
         self.grad_sync = (
             OverlappedGradSync(self.optimizer.grad_buffers, self.ps, partition=self.optimizer.partition)
-            if args.overlap_grad_reduce and self.ps.dp_size * self.ps.cp_size > 1 and not args.use_torch_fsdp2
+            if args.overlap_grad_reduce
+            and self.ps.dp_size * self.ps.cp_size > 1
+            and not args.use_torch_fsdp2
+            and self.ps.pp_size == 1
             else None
         )
         self.schedule = LRSchedule(
@@ -321,7 +334,9 @@ class Trainer:
         if meta is not None:
             self.log.info(
                 f" loaded checkpoint {checkpointing.checkpoint_dir(args.load, meta['iteration'])} (saved at "
-                f"TP={meta['tensor_model_parallel_size']}, iteration {meta['iteration']})"
+                f"TP={meta['tensor_model_parallel_size']}"
+                f"{f', PP={pp}' if (pp := meta.get('pipeline_model_parallel_size', 1)) > 1 else ''}, "
+                f"iteration {meta['iteration']})"
                 f"{' for finetuning' if args.finetune else ''}"
             )
 

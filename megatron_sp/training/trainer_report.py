@@ -60,13 +60,21 @@ def _optimizer_words(trainer) -> str:
     return f"AdamW state sharded over {replicas} replicas (this rank: {mine / total:.0%} of its parameters)"
 
 
+def _pipeline_words(args) -> str:
+    layout = getattr(args, "pipeline_layout", None)
+    if layout is None:
+        return ""
+    chunks = f", {layout.vp_size} chunks per rank" if layout.vp_size > 1 else ""
+    return f" × PP {layout.pp_size} ({layout.schedule}{chunks})"
+
+
 def describe(trainer) -> None:
     """The start-up line: layout, model, batch, optimizer, MFU peak (and where a resume starts)."""
     a, c = trainer.args, trainer.cfg
     trainer.log.info(
         f" megatron_sp: world {a.world_size} = TP {a.tensor_model_parallel_size}"
         f"{f' × CP {c.context_parallel_size} ({c.cp_comm_type})' if c.context_parallel_size > 1 else ''}"
-        f" × DP {a.data_parallel_size}"
+        f" × DP {a.data_parallel_size}{_pipeline_words(a)}"
         f"{' + SP' if c.sequence_parallel else ''} | device {a.device} ({a.distributed_backend}) | "
         f"model {c.model}: {c.normalization}, {c.activation}, {c.position_embedding_type} positions, "
         f"{c.num_attention_heads} heads / {c.num_query_groups} kv | "

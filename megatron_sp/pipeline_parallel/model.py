@@ -1,0 +1,303 @@
+"""PipelineGPT: this rank's pipeline stages of the TP+SP(+CP) model, run by a torch.distributed.pipelining
+schedule. The same function, parameter names and full state dicts as GPTModel / ReferenceGPT.
+
+A rank builds only the stages it holds (pipeline_parallel/layout.py), on the meta device, then
+materialises its shards as GPTModel does: the parameter names are the global ones (`layers.{i}.…`,
+layer ids i + 1 keying dropout), so every parameter starts bit-identical to the serial model's.
+
+    stage 0        tokens [mb, s] -> embedding -> its layers -> x [s_sp, mb, h]   (sent to stage 1)
+    stage k        x [s_sp, mb, h] -> its layers -> x                            (s_sp = s / cp / t under SP)
+    last stage     x -> its layers -> final norm -> head -> the micro-batch's mean loss
+
+The schedule passes positional arguments to the first stage only and keyword arguments to every
+stage: each stage gets the micro-batch's tokens, labels, loss_mask, position_ids, attention_mask and
+sample_ids as keywords (every rank of a pipeline reads the same batch), so each builds the micro-batch's
+SequenceContext itself (dropout indices, positions, document masks) and only activations travel.
+
+Tied embeddings (GPT-2): the last stage holds a copy of `embedding.word_embeddings.weight`, drawn
+identically (the same name); `finalize_embedding_grads` sums the two copies' gradients over the
+embedding group (first and last pipeline rank) before the step, so the copies stay identical. Under the
+V shape (zbv) rank 0 holds both stages and the two share one parameter.
+
+full_state_dict / full_grad_dict are collective over the TP and PP groups: every rank of a pipeline
+gets the whole model's dict, gathered over TP and merged over the stages.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import pipelining
+
+from megatron_sp import parallel_state
+from megatron_sp.models.blocks import residual_dtype
+from megatron_sp.models.builders import ParallelBuilder
+from megatron_sp.models.gpt import _check_parallel_sizes, _full_shape, _gradient
+from megatron_sp.models.init import check_init_tags, torch_dtype
+from megatron_sp.models.language_model import LanguageModel, run_layers
+from megatron_sp.models.registry import get_spec
+from megatron_sp.pipeline_parallel.layout import PipelineLayout, stage_layers
+from megatron_sp.tensor_parallel.partial_grads import PartialGrads
+from megatron_sp.tensor_parallel.sharding import gather_full, shard_full
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask", "sample_ids")
+
+
+class StageChunk(nn.Module):
+    """One pipeline stage's forward (a view of the owner's modules: it holds no parameter of its own)."""
+
+    def __init__(self, owner: "PipelineGPT", layers: range, *, first: bool, last: bool):
+        super().__init__()
+        self.cfg, self.builder, self.partial_grads = owner.cfg, owner.builder, owner.partial_grads
+        self.first, self.last = first, last
+        self.embedding = owner.embedding if first else None
+        self.blocks = nn.ModuleList(owner.layers[str(i)] for i in layers)
+        if last:
+            self.final_ln, self.head = owner.final_ln, owner.head
+            self.output = owner.output_layer if owner.output_layer is not None else owner.embedding.word_embeddings
+
+    def forward(self, x, *, tokens, labels=None, **batch):
+        """x: the tokens [mb, s] on the first stage, else the hidden states [s_sp, mb, h]."""
+        if torch.is_grad_enabled():
+            self.partial_grads.expect()
+        seq = self.builder.sequence_context(self.cfg, tokens, labels=labels, training=self.training, **_batch(batch))
+        if self.first:
+            x = self.embedding(seq.tokens, seq)  # [s_sp, mb, h]
+        x = run_layers(self.cfg, list(self.blocks), x, seq)
+        if not self.last:
+            return x
+        return self.head(self.final_ln(x), self.output.weight, seq)
+
+
+def _batch(batch):
+    return {k: batch.get(k) for k in ("loss_mask", "position_ids", "attention_mask", "sample_ids")}
+
+
+class PipelineGPT(nn.Module):
+    """This rank's stages of cfg's model under `layout` (see the module docstring).
+
+    step(tokens, labels, num_microbatches=m, ...) runs forward and backward of the whole batch [B, s]
+    (B = m · micro-batch) through the schedule and returns the m micro-batch losses [m] on every rank of
+    the pipeline; gradients accumulate in the parameters (each micro-batch's loss weighted 1/m, or its
+    token count with per_token=True, times `scale`)."""
+
+    def __init__(self, cfg, layout: PipelineLayout, ps=None, spec=None, *, device=None):
+        super().__init__()
+        ps = ps if ps is not None else parallel_state.get()
+        _check_parallel_sizes(cfg, ps)
+        if layout.pp_size != ps.pp_size:
+            raise ValueError(f"the layout's pp_size ({layout.pp_size}) is not the PP group size ({ps.pp_size}).")
+        layout.check(cfg.num_layers)
+        self.cfg, self.ps, self.layout = cfg, ps, layout
+        self.builder = ParallelBuilder(cfg, ps)
+        self.partial_grads = PartialGrads(ps)
+        self.stage_ids = layout.rank_stages(ps.pp_rank)
+        self.last_stage = layout.num_stages - 1
+        ranges = stage_layers(cfg.num_layers, layout)
+        with torch.device("meta"):
+            self._build(spec if spec is not None else get_spec(cfg.model), [ranges[s] for s in self.stage_ids])
+        device = device if device is not None else torch.get_default_device()
+        self.device = torch.device(device)
+        LanguageModel.materialise(self, self.device, tp_rank=ps.tp_rank, tp_size=ps.tp_size)
+        chunks = [
+            StageChunk(self, ranges[s], first=s == 0, last=s == self.last_stage).to(self.device) for s in self.stage_ids
+        ]
+        self._chunks = chunks  # a plain list: views, not children (their parameters are this module's)
+        self._schedules = {}
+        self._embedding_pending = False
+
+    def _build(self, spec, ranges):
+        cfg, builder, block_spec = self.cfg, self.builder, spec.block
+        holds_first, holds_last = 0 in self.stage_ids, self.last_stage in self.stage_ids
+        self.spec = spec
+        self.embedding = self.final_ln = self.output_layer = self.head = None
+        if holds_first:
+            self.embedding = spec.embedding(cfg, layer=0, builder=builder, block_spec=block_spec)
+        elif holds_last and not cfg.untie_embeddings_and_output_weights:  # the tied copy, same name
+            self.embedding = nn.Module()
+            self.embedding.word_embeddings = builder.word_embedding(cfg)
+            self.embedding.word_embeddings.weight.pipeline_copy = True  # norms count the first stage's
+        self.layers = nn.ModuleDict(
+            {str(i): block_spec.build(cfg, layer=i + 1, builder=builder) for layers in ranges for i in layers}
+        )
+        if holds_last:
+            n = cfg.num_layers
+            self.final_ln = spec.final_norm(cfg, layer=n + 1, builder=builder, block_spec=block_spec)
+            if cfg.untie_embeddings_and_output_weights:
+                self.output_layer = builder.output_layer(cfg)
+            self.head = builder.lm_head(cfg)
+        check_init_tags(self)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        for chunk in getattr(self, "_chunks", []):
+            chunk.train(mode)
+        return self
+
+    # ---- the schedule ------------------------------------------------------------------------
+    def _schedule(self, micro_batch: int, seq_length: int, num_microbatches: int):
+        key = (micro_batch, seq_length, num_microbatches)
+        if key not in self._schedules:
+            stages = [
+                self._pipeline_stage(s, chunk, micro_batch, seq_length)
+                for s, chunk in zip(self.stage_ids, self._chunks)
+            ]
+            self._schedules[key] = _make_schedule(self.layout.schedule, stages, num_microbatches, self._loss)
+        return self._schedules[key]
+
+    def _pipeline_stage(self, stage, chunk, micro_batch, seq_length):
+        ps, cfg = self.ps, self.cfg
+        s_sp = seq_length // ps.cp_size // (ps.tp_size if cfg.sequence_parallel else 1)
+        hidden = torch.empty(
+            (s_sp, micro_batch, cfg.hidden_size),
+            dtype=residual_dtype(cfg, torch_dtype(cfg.params_dtype)),
+            device="meta",
+            requires_grad=True,  # the stage sends back its input's gradient
+        )
+        tokens = torch.empty((micro_batch, seq_length), dtype=torch.long, device="meta")
+        loss = torch.empty((), dtype=torch.float32, device="meta")
+        return pipelining.PipelineStage(
+            chunk,
+            stage,
+            self.layout.num_stages,
+            self.device,
+            input_args=tokens if stage == 0 else hidden,
+            output_args=loss if stage == self.last_stage else hidden,
+            group=ps.pp_group,
+        )
+
+    def _loss(self, output, target):
+        """The schedule's loss_fn: the last stage's micro-batch loss, weighted (the backward's seed)."""
+        self._micro_losses.append(output.detach())
+        count = target.sum() if target.dtype.is_floating_point else torch.tensor(float(target.numel()))
+        weight = count.to(output.dtype) if self._per_token else 1.0 / self._num_microbatches
+        return output * (self._scale * weight)
+
+    def step(
+        self,
+        tokens,
+        labels,
+        *,
+        num_microbatches: int,
+        loss_mask=None,
+        position_ids=None,
+        attention_mask=None,
+        sample_ids=None,
+        scale: float = 1.0,
+        per_token: bool = False,
+        forward_only: bool = False,
+    ) -> torch.Tensor:
+        """See the class docstring; forward_only: the evaluation pass (no backward, no gradients)."""
+        batch, s = tokens.shape
+        if batch % num_microbatches != 0:
+            raise ValueError(f"the batch of {batch} samples does not split into {num_microbatches} micro-batches.")
+        self.layout.check_microbatches(num_microbatches)
+        if sample_ids is None:  # global sample indices across the micro-batches, as the whole batch's
+            sample_ids = torch.arange(batch, device=tokens.device)
+        inputs = dict(
+            tokens=tokens,
+            labels=labels,
+            loss_mask=loss_mask,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            sample_ids=sample_ids,
+        )
+        inputs = {k: v for k, v in inputs.items() if v is not None}
+        schedule = self._schedule(batch // num_microbatches, s, num_microbatches)
+        self._micro_losses, self._scale, self._per_token = [], scale, per_token
+        self._num_microbatches = num_microbatches
+        first_args = (tokens,) if 0 in self.stage_ids else ()
+        target = loss_mask if loss_mask is not None else labels
+        if forward_only:
+            with torch.no_grad():
+                schedule.eval(*first_args, target=target, return_outputs=False, **inputs)
+        else:
+            schedule.step(*first_args, target=target, return_outputs=False, **inputs)
+            self._embedding_pending = True
+        return self._broadcast_losses(num_microbatches)
+
+    def _broadcast_losses(self, num_microbatches):
+        """The last stage's micro-batch losses [m], on every rank of the pipeline."""
+        losses = torch.zeros(num_microbatches, dtype=torch.float32, device=self.device)
+        if self._micro_losses:
+            losses.copy_(torch.stack([loss.float() for loss in self._micro_losses]))
+        if self.ps.pp_size > 1:
+            src = self.ps.pp_ranks[self.layout.stage_rank(self.last_stage)]
+            dist.broadcast(losses, src=src, group=self.ps.pp_group)
+        return losses
+
+    # ---- gradients ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def finalize_embedding_grads(self, grad=None) -> None:
+        """Sums the tied word embedding's gradient over its first- and last-stage copies (collective
+        over the embedding group; nothing when untied, at pp 1, or when one rank holds both stages)."""
+        pending, self._embedding_pending = self._embedding_pending, False
+        layout = self.layout
+        if not pending or self.cfg.untie_embeddings_and_output_weights or self.ps.pp_size == 1:
+            return
+        if layout.stage_rank(0) == layout.stage_rank(self.last_stage) or self.embedding is None:
+            return
+        g = (grad or _gradient)(self.embedding.word_embeddings.weight)
+        if g is None:
+            g = torch.zeros_like(self.embedding.word_embeddings.weight)
+            self.embedding.word_embeddings.weight.grad = g
+        dist.all_reduce(g, group=self.ps.embedding_group)
+
+    # ---- full <-> sharded state --------------------------------------------------------------
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict):
+        """Loads a ReferenceGPT-shaped state dict, keeping this rank's stages and shards."""
+        params = dict(self.named_parameters())
+        missing = sorted(set(params) - set(state_dict))
+        if missing:
+            raise KeyError(f"state dict mismatch: missing {missing[:5]}")
+        for name, p in params.items():
+            want = _full_shape(p, self.ps.tp_size)
+            if tuple(state_dict[name].shape) != want:
+                raise ValueError(f"{name}: full tensor {tuple(state_dict[name].shape)} is not the model's {want}.")
+            full = state_dict[name].to(p.device)
+            p.copy_(shard_full(full, p.shard_spec, tuple(p.shape), self.ps.tp_rank, self.ps.tp_size))
+
+    @torch.no_grad()
+    def full_state_dict(self):
+        """Collective over the TP and PP groups: the whole model's unsharded parameters, ReferenceGPT keys."""
+        local = {name: gather_full(p.detach(), p.shard_spec, self.ps.tp_group) for name, p in self.named_parameters()}
+        return self._merge_stages(local)
+
+    @torch.no_grad()
+    def full_grad_dict(self):
+        """Collective: the whole model's unsharded gradients (partial sums and tied copies summed first)."""
+        self.partial_grads.reduce(self.parameters(), grad=_gradient)
+        self.finalize_embedding_grads()
+        local = {
+            name: gather_full(_gradient(p), p.shard_spec, self.ps.tp_group)
+            for name, p in self.named_parameters()
+            if _gradient(p) is not None
+        }
+        return self._merge_stages(local)
+
+    def _merge_stages(self, local: dict) -> dict:
+        if self.ps.pp_size == 1:
+            return local
+        parts = [None] * self.ps.pp_size
+        dist.all_gather_object(parts, {k: v.cpu() for k, v in local.items()}, group=self.ps.pp_group)
+        merged = {}
+        for part in parts:  # a tied copy appears twice, identical: the first one is kept
+            for name, tensor in part.items():
+                merged.setdefault(name, tensor.to(self.device))
+        return merged
+
+
+def _make_schedule(name: str, stages: list, num_microbatches: int, loss_fn):
+    """The torch.distributed.pipelining schedule of --pipeline-schedule for this rank's stages."""
+    kwargs = dict(n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    if name == "gpipe":
+        return pipelining.ScheduleGPipe(stages[0], **kwargs)
+    if name == "zbv":
+        return pipelining.ScheduleZBVZeroBubble(stages, **kwargs)
+    if name == "interleaved-zb":
+        return pipelining.ScheduleInterleavedZeroBubble(stages, **kwargs)
+    if len(stages) == 1:
+        return pipelining.Schedule1F1B(stages[0], **kwargs)
+    return pipelining.ScheduleInterleaved1F1B(stages, **kwargs)

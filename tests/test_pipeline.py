@@ -1,0 +1,187 @@
+"""Pipeline parallelism through the API: PipelineGPT (torch.distributed.pipelining schedules) against
+ReferenceGPT, fp32, dropout on: the loss of every micro-batch and the gathered gradients within 1e-5, for
+PP 2 and 4, PP2×TP2+SP, PP2×CP2, PP2×DP2, interleaved (2 virtual stages per rank), zero-bubble (zbv,
+interleaved-zb), GPipe, uneven first/last stages; GPT-2 (tied embeddings) and Llama (GQA). One 4-rank
+world for the module; the layouts and the rank grid are checked without one."""
+
+import pytest
+import torch
+
+from megatron_sp import parallel_state
+from megatron_sp.pipeline_parallel.layout import PipelineLayout, layout_from_args, rank_layers, stage_layers
+from megatron_sp.testing import LocalWorld
+
+VOCAB, SEQ = 61, 8
+
+
+# ---- layouts and the grid (no world) -----------------------------------------------------------
+def test_stage_layers_follow_megatron():
+    assert stage_layers(8, PipelineLayout(4)) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert stage_layers(6, PipelineLayout(3, first=1, last=1)) == [range(0, 1), range(1, 5), range(5, 6)]
+    interleaved = PipelineLayout(2, 2)  # chunks round-robin: stages 0, 2 on rank 0
+    assert [interleaved.stage_rank(s) for s in range(4)] == [0, 1, 0, 1]
+    assert stage_layers(8, interleaved) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    v = PipelineLayout(2, 2, schedule="zbv")  # V: rank 0 holds the first and the last stage
+    assert v.rank_stages(0) == [0, 3] and v.rank_stages(1) == [1, 2]
+    assert layout_from_args(2, layers_per_virtual_stage=1, num_layers=8).vp_size == 4
+
+
+@pytest.mark.parametrize(
+    "layout, layers, words",
+    [
+        (PipelineLayout(3), 4, "does not split evenly over 3 ranks"),
+        (PipelineLayout(3, first=1), 4, "middle ranks"),
+        (PipelineLayout(2, 2), 6, "multiple of 2"),
+        (PipelineLayout(2, 1, schedule="zbv"), 4, "2 virtual stages per rank"),
+    ],
+)
+def test_layouts_that_cannot_split_say_why(layout, layers, words):
+    with pytest.raises(ValueError, match=words):
+        layout.check(layers)
+
+
+def test_micro_batch_counts_a_schedule_cannot_run_are_refused():
+    with pytest.raises(ValueError, match="multiple of --pipeline-model-parallel-size 2"):
+        PipelineLayout(2, 2).check_microbatches(3)
+    with pytest.raises(ValueError, match="at least --pipeline-model-parallel-size 4"):
+        PipelineLayout(4).check_microbatches(2)
+    PipelineLayout(2, 2).check_microbatches(4)
+    assert rank_layers(8, PipelineLayout(2, first=3)) == [3, 5]
+
+
+def test_the_pipeline_axis_is_slowest_and_leaves_pp1_as_it_was():
+    tp, cp, dp, dp_cp = parallel_state.grid_ranks(2, 1, 2, 2)
+    assert tp == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dp == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert parallel_state.pipeline_ranks(2, 1, 2, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert parallel_state.grid_ranks(2, 2, 2, 1) == parallel_state.grid_ranks(2, 2, 2)
+
+
+# ---- parity in a 4-rank world ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def world():
+    w = LocalWorld(4)
+    yield w
+    w.close()
+
+
+def _config(model, tp, cp, sp, layers=4):
+    from megatron_sp.config import GPTConfig
+
+    extra = dict(num_query_groups=2, ffn_hidden_size=32) if model == "llama" else {}
+    return GPTConfig(
+        model=model,
+        num_layers=layers,
+        hidden_size=16,
+        num_attention_heads=4,
+        vocab_size=VOCAB,
+        seq_length=SEQ,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        sequence_parallel=sp,
+        **extra,
+    )  # dropout 0.1 / 0.1: on
+
+
+def _batch(samples, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (samples, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (samples, SEQ), generator=g)
+    return tokens, labels
+
+
+def _parity(model, layout_kw, tp=1, cp=1, sp=False, m=2, micro=2, layers=4):
+    """On every rank: (max relative gradient error, micro-batch losses, reference losses, keys match)."""
+    import torch.distributed as dist
+
+    from megatron_sp.models.reference import ReferenceGPT
+    from megatron_sp.pipeline_parallel.model import PipelineGPT
+
+    layout = PipelineLayout(**layout_kw)
+    ps = parallel_state.initialize_model_parallel(tp, cp, pipeline_model_parallel_size=layout.pp_size)
+    cfg = _config(model, tp, cp, sp, layers)
+    samples = ps.dp_size * m * micro
+    tokens, labels = _batch(samples)
+    reference = ReferenceGPT(cfg).train()
+    reference(tokens, labels).backward()
+    with torch.no_grad():  # each micro-batch's loss, as the reference computes it (global sample ids)
+        ids = torch.arange(samples)
+        want = [
+            reference(tokens[i : i + micro], labels[i : i + micro], sample_ids=ids[i : i + micro])
+            for i in range(0, samples, micro)
+        ]
+    mine = slice(ps.dp_rank * m * micro, (ps.dp_rank + 1) * m * micro)
+    pipe = PipelineGPT(cfg, layout, ps).train()
+    losses = pipe.step(tokens[mine], labels[mine], num_microbatches=m, sample_ids=ids[mine])
+    grads = pipe.full_grad_dict()
+    for g in grads.values():  # the data-parallel mean (the training loop's job)
+        if ps.dp_size > 1:
+            dist.all_reduce(g, group=ps.dp_group)
+            g /= ps.dp_size
+    params = pipe.full_state_dict()
+    ref_params = reference.state_dict()
+    err = max(((grads[k] - p.grad).abs().max() / p.grad.abs().max()).item() for k, p in reference.named_parameters())
+    same_params = set(params) == set(ref_params) and all(torch.equal(params[k], v) for k, v in ref_params.items())
+    return err, losses.tolist(), [w.item() for w in want][mine.start // micro : mine.stop // micro], same_params
+
+
+CASES = {
+    "pp4-gpt2": dict(model="gpt2", layout_kw=dict(pp_size=4), m=4),
+    "pp2-tp2-sp-gpt2": dict(model="gpt2", layout_kw=dict(pp_size=2), tp=2, sp=True),
+    "pp2-cp2-llama": dict(model="llama", layout_kw=dict(pp_size=2), cp=2),
+    "pp2-dp2-gpt2": dict(model="gpt2", layout_kw=dict(pp_size=2)),
+    "interleaved-tp2-sp-llama": dict(model="llama", layout_kw=dict(pp_size=2, vp_size=2), tp=2, sp=True),
+    "zbv-tp2-gpt2": dict(model="gpt2", layout_kw=dict(pp_size=2, vp_size=2, schedule="zbv"), tp=2, sp=True),
+    "interleaved-zb-llama": dict(
+        model="llama", layout_kw=dict(pp_size=4, vp_size=2, schedule="interleaved-zb"), m=4, layers=8
+    ),
+    "gpipe-uneven-gpt2": dict(model="gpt2", layout_kw=dict(pp_size=2, first=1, last=3, schedule="gpipe"), tp=2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pipeline_matches_the_serial_model(world, case):
+    for err, losses, want, same_params in world.run(_parity, **CASES[case]):
+        assert same_params  # the stages' parameters, merged, are the serial model's (init by name)
+        assert err < 1e-5
+        assert losses == pytest.approx(want, rel=1e-5, abs=0)
+
+
+def _per_token_and_eval():
+    """PP2 × TP2+SP interleaved: per-token loss with a loss mask and a loss scale (the gradient of the
+    masked token sum, times the scale), then the forward-only pass in eval mode (dropout off)."""
+    from megatron_sp.models.reference import ReferenceGPT
+    from megatron_sp.pipeline_parallel.model import PipelineGPT
+
+    m, micro, scale = 4, 1, 2.0
+    ps = parallel_state.initialize_model_parallel(2, 1, pipeline_model_parallel_size=2)
+    cfg = _config("gpt2", 2, 1, True)
+    tokens, labels = _batch(m * micro, seed=1)
+    mask = (torch.rand(tokens.shape, generator=torch.Generator().manual_seed(2)) > 0.3).float()
+    ids = torch.arange(m * micro)
+    reference = ReferenceGPT(cfg).train()
+    sums = [
+        reference(tokens[i : i + 1], labels[i : i + 1], loss_mask=mask[i : i + 1], sample_ids=ids[i : i + 1])
+        * mask[i].sum()
+        for i in range(m)
+    ]
+    tokens_total = mask.sum()
+    (sum(sums) / tokens_total).backward()
+    pipe = PipelineGPT(cfg, PipelineLayout(2, 2), ps).train()
+    pipe.step(tokens, labels, num_microbatches=m, loss_mask=mask, per_token=True, scale=scale)
+    grads = pipe.full_grad_dict()
+    err = max(
+        ((grads[k] / (scale * tokens_total) - p.grad).abs().max() / p.grad.abs().max()).item()
+        for k, p in reference.named_parameters()
+    )
+    reference.eval(), pipe.eval()
+    with torch.no_grad():
+        want = [reference(tokens[i : i + 1], labels[i : i + 1], loss_mask=mask[i : i + 1]).item() for i in range(m)]
+    got = pipe.step(tokens, labels, num_microbatches=m, loss_mask=mask, forward_only=True).tolist()
+    return err, got, want
+
+
+def test_per_token_loss_scale_and_evaluation(world):
+    for err, got, want in world.run(_per_token_and_eval):
+        assert err < 1e-5
+        assert got == pytest.approx(want, rel=1e-5, abs=0)
