@@ -41,7 +41,7 @@ from megatron_sp.pipeline_parallel.layout import PipelineLayout, stage_layers
 from megatron_sp.tensor_parallel.partial_grads import PartialGrads
 from megatron_sp.tensor_parallel.sharding import gather_full, shard_full
 
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask", "sample_ids")
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask", "sample_ids")  # step()'s fields
 
 
 class StageChunk(nn.Module):
@@ -100,9 +100,7 @@ class PipelineGPT(nn.Module):
         device = device if device is not None else torch.get_default_device()
         self.device = torch.device(device)
         LanguageModel.materialise(self, self.device, tp_rank=ps.tp_rank, tp_size=ps.tp_size)
-        chunks = [
-            StageChunk(self, ranges[s], first=s == 0, last=s == self.last_stage).to(self.device) for s in self.stage_ids
-        ]
+        chunks = [StageChunk(self, ranges[s], first=s == 0, last=s == self.last_stage) for s in self.stage_ids]
         self._chunks = chunks  # a plain list: views, not children (their parameters are this module's)
         self._schedules = {}
         self._embedding_pending = False

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask", "sample_ids")
+from megatron_sp.pipeline_parallel.model import BATCH_KEYS
 
 
 def is_pipeline(model) -> bool:
