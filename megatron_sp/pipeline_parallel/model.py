@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import pipelining
 
 from megatron_sp import parallel_state
 from megatron_sp.models.blocks import residual_dtype
@@ -155,6 +154,8 @@ class PipelineGPT(nn.Module):
         )
         tokens = torch.empty((micro_batch, seq_length), dtype=torch.long, device="meta")
         loss = torch.empty((), dtype=torch.float32, device="meta")
+        from torch.distributed import pipelining  # (here: importing it costs every run ~1 s)
+
         return pipelining.PipelineStage(
             chunk,
             stage,
@@ -289,6 +290,8 @@ class PipelineGPT(nn.Module):
 
 def _make_schedule(name: str, stages: list, num_microbatches: int, loss_fn):
     """The torch.distributed.pipelining schedule of --pipeline-schedule for this rank's stages."""
+    from torch.distributed import pipelining
+
     kwargs = dict(n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False)
     if name == "gpipe":
         return pipelining.ScheduleGPipe(stages[0], **kwargs)
