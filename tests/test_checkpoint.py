@@ -57,21 +57,23 @@ def test_exact_resume_is_bit_identical(runs, tmp_path):
     ReferenceGPT(config_from_dict(meta["config"]), initialise=False).load_state_dict(state)  # strict: every key, shape
 
 
-RESHARDED = {  # layout resumed at: (ranks, flags); "zero" and "pp2" save at 15, which TP=2+SP resumes
+RESHARDED = {  # layout resumed at: (ranks, flags); "zero" and "pp2" save at 15, resumed as BACK says
     "tp4": (4, ["--tensor-model-parallel-size", "4", "--sequence-parallel"]),
     "zero": (2, ["--use-distributed-optimizer"]),
-    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "pp2": (4, ["--pipeline-model-parallel-size", "2"] + TP2_SP),
 }
+BACK = {"zero": (2, TP2_SP), "pp2": (1, [])}  # PP2 × TP2+SP's checkpoint at PP1 × TP1
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(RESHARDED))
 def test_resharded_resume_matches(runs, tmp_path, layout):
     """TP=2+SP -> TP=4+SP; -> TP=1 × DP=2 with the distributed optimizer (the AdamW state of a
-    replicated run sharded over the replicas); -> PP=2 (1F1B: one layer per stage, the tied embedding
-    on both; PP × TP+SP is tests/test_pipeline.py's): the last two save a checkpoint at iteration 15
-    that then resumes at TP=2+SP with the replicated optimizer. Every loss on the uninterrupted run's
-    curve (a lost or misplaced moment would move it)."""
+    replicated run sharded over the replicas); -> PP=2 × TP=2+SP (1F1B: one layer per stage, the tied
+    embedding on both): the last two save a checkpoint at iteration 15 that then resumes with the
+    replicated optimizer, at TP=2+SP and at PP=1 × TP=1 (PP=4 and other PP resharding: tests/
+    test_pipeline.py). Every loss on the uninterrupted run's curve (a lost or misplaced moment would
+    move it); the tools (generate, Hugging Face export) read the pipeline checkpoint whole."""
     ranks, flags = RESHARDED[layout]
     if layout != "tp4":
         flags = flags + ["--save", str(tmp_path / "zero"), "--save-interval", "5"]
@@ -85,10 +87,11 @@ def test_resharded_resume_matches(runs, tmp_path, layout):
     got, want = losses(tmp_path / "r.jsonl"), losses(runs / "straight.jsonl")[10:]
     if layout != "tp4":
         (tmp_path / "zero" / checkpointing.LATEST).write_text("15\n")  # resume from iteration 15
+        back_ranks, back_flags = BACK[layout]
         check(
             torchrun(
-                2,
-                RUN + TP2_SP + ["--load", str(tmp_path / "zero"), "--log-jsonl", str(tmp_path / "b.jsonl")],
+                back_ranks,
+                RUN + back_flags + ["--load", str(tmp_path / "zero"), "--log-jsonl", str(tmp_path / "b.jsonl")],
                 cwd=tmp_path,
             )
         )
@@ -98,10 +101,16 @@ def test_resharded_resume_matches(runs, tmp_path, layout):
     for a, b in zip(got, want):
         assert abs(a - b) <= 1e-5 * abs(b), (layout, got, want)
     if layout == "pp2":  # the tools read a pipeline checkpoint whole (every stage's entries, strictly)
+        from megatron_sp.models.hf import to_hf
+        from tools import convert_hf
         from tools.generate import load_model
 
         model, cfg = load_model(str(tmp_path / "zero"), 15)
         assert cfg.num_layers == 2 and len(model.layers) == 2
+        convert_hf.export(str(tmp_path / "zero"), 15, str(tmp_path / "hf"), "fp32")
+        exported, _ = convert_hf.read_hf(str(tmp_path / "hf"))
+        want_hf, _ = to_hf(model.state_dict(), cfg)
+        assert set(exported) == set(want_hf) and all(torch.equal(exported[k], want_hf[k]) for k in want_hf)
 
 
 @pytest.mark.slow
