@@ -216,3 +216,70 @@ def _checkpoint_across_stages(root):
 
 def test_a_pipeline_checkpoint_resumes_at_another_pipeline_size(world, tmp_path):
     assert all(world.run(_checkpoint_across_stages, str(tmp_path / "ckpt")))
+
+
+def _overlapped_dp_sync(layout_kw, distributed):
+    """PP2 × DP2 (GPT-2, tied embedding on both ends), two real train_steps (training/loop.py, dropout on,
+    clipping) with the DP reduction after the schedule and with it overlapped (--overlap-grad-reduce:
+    armed before the rank's final backward): (losses and norms of both, largest parameter difference,
+    buckets launched before the backward ended)."""
+    from types import SimpleNamespace
+
+    from megatron_sp.pipeline_parallel.model import PipelineGPT
+    from megatron_sp.training.grad_sync import OverlappedGradSync
+    from megatron_sp.training.loop import train_step
+    from megatron_sp.training.optimizer import build_optimizer
+
+    class Probe(OverlappedGradSync):
+        early = 0
+
+        def finish(self):
+            Probe.early += len(self.launched)
+            super().finish()
+
+    layout = PipelineLayout(**layout_kw)
+    ps = parallel_state.initialize_model_parallel(1, 1, pipeline_model_parallel_size=2)
+    cfg = _config("gpt2", 1, 1, False)
+    args = SimpleNamespace(weight_decay=0.1, lr=1e-2, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
+    args.use_distributed_optimizer = distributed
+    m, micro, out = 4, 1, []
+    for overlap in (False, True):
+        model = PipelineGPT(cfg, layout, ps).train()
+        opt = build_optimizer(model, args, "cpu", ps)
+        sync = Probe(opt.grad_buffers, ps, partition=opt.partition) if overlap else None
+        results = []
+        for step in range(2):
+            tokens, labels = _batch(ps.dp_size * m * micro, seed=10 + step)
+            ids = torch.arange(len(tokens))
+            mine = slice(ps.dp_rank * m * micro, (ps.dp_rank + 1) * m * micro)
+            data = iter(
+                {"tokens": tokens[i : i + micro], "labels": labels[i : i + micro], "sample_ids": ids[i : i + micro]}
+                for i in range(mine.start, mine.stop, micro)
+            )
+            r = train_step(model, opt, data, m, ps, device="cpu", clip_grad=0.5, iteration=step + 1, grad_sync=sync)
+            results.append((r.loss, r.grad_norm))
+        out.append((results, model.full_state_dict()))
+    (plain, before), (overlapped, after) = out
+    worst = max((before[k] - after[k]).abs().max().item() for k in before)
+    return plain, overlapped, worst, Probe.early
+
+
+@pytest.mark.parametrize(
+    "layout_kw, distributed",
+    [
+        (dict(pp_size=2), False),
+        (dict(pp_size=2), True),
+        (dict(pp_size=2, vp_size=2), True),
+        (dict(pp_size=2, schedule="gpipe"), True),
+    ],
+    ids=["1f1b", "1f1b-distopt", "interleaved-distopt", "gpipe-distopt"],
+)
+def test_overlapped_dp_reduction_under_the_pipeline(world, layout_kw, distributed):
+    """The same steps as the reduction after the schedule (parameters bit for bit); with the distributed
+    optimizer's per-owner buckets some are reduced during the final backward (not interleaved here: each
+    bucket holds parameters of both chunks, and the later chunk's last backward precedes the arming)."""
+    results = world.run(_overlapped_dp_sync, layout_kw, distributed)
+    for plain, overlapped, worst, _ in results:
+        assert overlapped == plain and worst == 0.0
+    if distributed and "vp_size" not in layout_kw:
+        assert sum(early for *_, early in results) > 0

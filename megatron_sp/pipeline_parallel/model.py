@@ -103,6 +103,11 @@ class PipelineGPT(nn.Module):
         self._chunks = chunks  # a plain list: views, not children (their parameters are this module's)
         self._schedules = {}
         self._embedding_pending = False
+        # Called once per step just before this rank's final backward (the lowest stage's last micro-batch;
+        # 1F1B, GPipe and interleaved 1F1B only): the training loop arms the overlapped DP sync there.
+        self.before_last_backward = None
+        if self.embedding is not None and self._tied_across_ranks():  # summed over the embedding group
+            self.embedding.word_embeddings.weight.waits_for_step_sums = True  # first: no early DP reduction
 
     def _build(self, spec, ranges):
         cfg, builder, block_spec = self.cfg, self.builder, spec.block
@@ -125,6 +130,11 @@ class PipelineGPT(nn.Module):
                 self.output_layer = builder.output_layer(cfg)
             self.head = builder.lm_head(cfg)
         check_init_tags(self)
+
+    def _tied_across_ranks(self) -> bool:
+        layout = self.layout
+        tied = not self.cfg.untie_embeddings_and_output_weights and self.ps.pp_size > 1
+        return tied and layout.stage_rank(0) != layout.stage_rank(self.last_stage)
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -156,7 +166,7 @@ class PipelineGPT(nn.Module):
         loss = torch.empty((), dtype=torch.float32, device="meta")
         from torch.distributed import pipelining  # (here: importing it costs every run ~1 s)
 
-        return pipelining.PipelineStage(
+        made = pipelining.PipelineStage(
             chunk,
             stage,
             self.layout.num_stages,
@@ -165,6 +175,20 @@ class PipelineGPT(nn.Module):
             output_args=loss if stage == self.last_stage else hidden,
             group=ps.pp_group,
         )
+        if stage == min(self.stage_ids) and self.layout.schedule not in ZERO_BUBBLE:
+            made.backward_one_chunk = self._announcing_last_backward(made.backward_one_chunk)
+        return made
+
+    def _announcing_last_backward(self, backward_one_chunk):
+        """The stage's backward, calling before_last_backward first on the step's last micro-batch. (Zero-
+        bubble schedules defer weight gradients past it: they keep the DP reduction after the schedule.)"""
+
+        def backward(bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+            if last_backward and self.before_last_backward is not None:
+                self.before_last_backward()
+            return backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+
+        return backward
 
     def _loss(self, output, target):
         """The schedule's loss_fn: the last stage's micro-batch loss, weighted (the backward's seed)."""
@@ -286,6 +310,9 @@ class PipelineGPT(nn.Module):
             for name, tensor in part.items():
                 merged.setdefault(name, tensor.to(self.device))
         return merged
+
+
+ZERO_BUBBLE = ("zbv", "interleaved-zb")
 
 
 def _make_schedule(name: str, stages: list, num_microbatches: int, loss_fn):

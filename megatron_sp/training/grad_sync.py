@@ -76,8 +76,8 @@ class OverlappedGradSync:
         self.armed = True
 
     def _on_grad_ready(self, param):
-        if not self.armed or _replicas(self.ps) == 1:
-            return
+        if not self.armed or _replicas(self.ps) == 1 or getattr(param, "waits_for_step_sums", False):
+            return  # (a pipeline's tied embedding: its bucket waits for finish(), after the copies' sum)
         bucket = self.buffers.bucket_of[id(param)]
         self.ready[bucket.index].add(id(param))
         if len(self.ready[bucket.index]) == len(bucket.params):

@@ -92,6 +92,7 @@ def _accumulate(model, data_iter, num_micro_batches, device, scale, grad_sync, p
     """Forward and backward of every micro-batch; returns (losses, token counts). Per-token loss:
     each backward is of the micro-batch's loss *sum* (rescaled by the global token count later)."""
     if pipeline_step.is_pipeline(model):
+        model.before_last_backward = grad_sync.arm if grad_sync is not None else None
         return _accumulate_pipeline(model, data_iter, num_micro_batches, device, scale, per_token)
     losses, counts = [], []
     for micro in range(num_micro_batches):

@@ -6,8 +6,9 @@ the DP rank only), concatenates them and hands the whole batch to PipelineGPT.st
 micro-batch losses on every rank. The gradients land in the gradient buffers (param.main_grad) through
 their hooks; a zero-bubble schedule's deferred weight gradients, which it writes into `.grad`, are
 moved there afterwards. Then the tied embedding's copies are summed over the embedding group, before
-the DP reduction (the sums commute). Under PP the DP reduction runs after the schedule (no
-overlapped buckets: the schedule owns the order of the backward passes).
+the DP reduction. With --overlap-grad-reduce the DP buckets are armed just before the rank's final
+backward (PipelineGPT.before_last_backward; 1F1B, GPipe and interleaved 1F1B), the tied embedding's
+bucket waiting for finish() (after its copies' sum); zero-bubble schedules reduce after the schedule.
 """
 
 from __future__ import annotations
