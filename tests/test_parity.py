@@ -636,28 +636,35 @@ def _fsdp2_worker(tp, cp, family, dtype, overlap, root=None):
 
 def _fsdp2_checkpoint_resumes_plain(root, cfg, ps, args, sharded, fsdp_opt, plain_opt):
     """FSDP2's checkpoint (checkpointer.save of training/fsdp.py's states) loaded by a fresh replicated
-    model and optimizer: the largest difference from the trained plain run's weights and AdamW moments."""
+    model and optimizer, and by one with the distributed optimizer (each rank its share): the largest
+    difference from the trained plain run's weights and AdamW moments."""
+    from types import SimpleNamespace
+
     from megatron_sp import checkpointing
     from megatron_sp.models.gpt import GPTModel
     from megatron_sp.training.fsdp import checkpoint_states
-    from megatron_sp.training.optimizer import build_optimizer
+    from megatron_sp.training.optimizer import build_optimizer, local_optimizer
 
     quiet = lambda *a: None  # noqa: E731
     saved = {**checkpoint_states(sharded, fsdp_opt, ps), "train_state": checkpointing.TrainState(iteration=STEPS)}
     checkpointing.save(root, saved, cfg, ps, log=quiet)
-    fresh = GPTModel(cfg)
-    opt = build_optimizer(fresh, args, "cpu", ps)
-    states = {
-        "model": checkpointing.ModelState(fresh, ps, opt.main_params()),
-        "optim": checkpointing.OptimizerState(opt.optim, fresh, ps, opt.main_params()),
-        "train_state": checkpointing.TrainState(),
-    }
-    checkpointing.load(root, states, cfg, log=quiet)
-    want, got = plain_opt.main_params(), opt.main_params()
-    worst = max(_rel(got[n], want[n]) for n in want)
-    for n in want:
-        for key in ("exp_avg", "exp_avg_sq"):
-            worst = max(worst, _rel(opt.optim.state[got[n]][key], plain_opt.optim.state[want[n]][key]))
+    worst = 0.0
+    for distributed in (False, True):  # resumed replicated, and with the distributed optimizer (its shares)
+        fresh = GPTModel(cfg)
+        opt = build_optimizer(fresh, SimpleNamespace(**vars(args), use_distributed_optimizer=distributed), "cpu", ps)
+        states = {
+            "model": checkpointing.ModelState(fresh, ps, opt.main_params()),
+            "optim": checkpointing.OptimizerState(local_optimizer(opt), fresh, ps, opt.main_params()),
+            "train_state": checkpointing.TrainState(),
+        }
+        checkpointing.load(root, states, cfg, log=quiet)
+        want, got = plain_opt.main_params(), opt.main_params()
+        assert got and (distributed or set(got) == set(want))
+        state = local_optimizer(opt).state
+        for n in got:
+            worst = max(worst, _rel(got[n], want[n]))
+            for key in ("exp_avg", "exp_avg_sq"):
+                worst = max(worst, _rel(state[got[n]][key], plain_opt.optim.state[want[n]][key]))
     return worst
 
 
