@@ -105,14 +105,7 @@ class OptimizerState:
         return out
 
     def load_target(self) -> dict:
-        return {
-            name: {
-                "exp_avg": empty_dcp_target(p, self.ps),
-                "exp_avg_sq": empty_dcp_target(p, self.ps),
-                "step": torch.zeros((), dtype=torch.float32),
-            }
-            for name, p in self.params
-        }
+        return adam_load_target(self.params, self.ps)
 
     @torch.no_grad()
     def load_state_dict(self, loaded: dict) -> None:
@@ -150,3 +143,16 @@ class RNGState:
         torch.set_rng_state(state["torch"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"])
+
+
+def adam_load_target(named, ps, like=lambda p: p) -> dict:
+    """DCP's load target of AdamW's state per (name, parameter): moments shaped as `like(p)`'s canonical
+    slice (training/fsdp.py passes the TP-local tensor of a sharded parameter), and the step."""
+    return {
+        name: {
+            "exp_avg": empty_dcp_target(like(p), ps),
+            "exp_avg_sq": empty_dcp_target(like(p), ps),
+            "step": torch.zeros((), dtype=torch.float32),
+        }
+        for name, p in named
+    }

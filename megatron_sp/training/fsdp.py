@@ -49,7 +49,7 @@ from types import SimpleNamespace
 import torch
 
 from megatron_sp.checkpointing.canonical import empty_dcp_target, from_canonical_local, to_dcp_tensor
-from megatron_sp.checkpointing.states import ModelState, OptimizerState
+from megatron_sp.checkpointing.states import ModelState, OptimizerState, adam_load_target
 from megatron_sp.parallel_state import ParallelState
 from megatron_sp.tensor_parallel.sharding import ShardSpec, segment_shards
 from megatron_sp.training.distributed_optimizer import replica_group
@@ -332,14 +332,7 @@ class FSDPOptimizerState(OptimizerState):
         return out
 
     def load_target(self) -> dict:
-        return {
-            name: {
-                "exp_avg": empty_dcp_target(_like(p), self.ps),
-                "exp_avg_sq": empty_dcp_target(_like(p), self.ps),
-                "step": torch.zeros((), dtype=torch.float32),
-            }
-            for name, p in self.params
-        }
+        return adam_load_target(self.params, self.ps, like=_like)
 
     @torch.no_grad()
     def load_state_dict(self, loaded: dict) -> None:
