@@ -103,11 +103,19 @@ class PipelineGPT(nn.Module):
         self._chunks = chunks  # a plain list: views, not children (their parameters are this module's)
         self._schedules = {}
         self._embedding_pending = False
-        # Called once per step just before this rank's final backward (the lowest stage's last micro-batch;
-        # 1F1B, GPipe and interleaved 1F1B only): the training loop arms the overlapped DP sync there.
+        # The training loop's hooks into the schedule (gradient buffers, the overlapped DP sync):
+        # before_last_backward(params) just before a stage's final backward of the step (its weight pass
+        # under a zero-bubble schedule), with the parameters whose gradients it completes;
+        # after_weight_backward(params) after each zero-bubble weight pass, which leaves `.grad` set.
         self.before_last_backward = None
+        self.after_weight_backward = None
         if self.embedding is not None and self._tied_across_ranks():  # summed over the embedding group
             self.embedding.word_embeddings.weight.waits_for_step_sums = True  # first: no early DP reduction
+
+    @property
+    def stage_chunks(self) -> list:
+        """This rank's stages' forward modules, in stage order (FSDP2 makes each a root: training/fsdp.py)."""
+        return list(self._chunks)
 
     def _build(self, spec, ranges):
         cfg, builder, block_spec = self.cfg, self.builder, spec.block
@@ -175,20 +183,33 @@ class PipelineGPT(nn.Module):
             output_args=loss if stage == self.last_stage else hidden,
             group=ps.pp_group,
         )
-        if stage == min(self.stage_ids) and self.layout.schedule not in ZERO_BUBBLE:
-            made.backward_one_chunk = self._announcing_last_backward(made.backward_one_chunk)
+        self._hook_backward(made, self._completed_params(stage, chunk))
         return made
 
-    def _announcing_last_backward(self, backward_one_chunk):
-        """The stage's backward, calling before_last_backward first on the step's last micro-batch. (Zero-
-        bubble schedules defer weight gradients past it: they keep the DP reduction after the schedule.)"""
+    def _completed_params(self, stage, chunk) -> list:
+        """The parameters whose step gradient is complete after `stage`'s final backward: the chunk's,
+        less those a lower stage of this rank also uses (the V's tied embedding: stage 0 runs last)."""
+        lower = {id(p) for s, c in zip(self.stage_ids, self._chunks) if s < stage for p in c.parameters()}
+        return [p for p in chunk.parameters() if id(p) not in lower]
 
-        def backward(bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+    def _hook_backward(self, stage, params):
+        """Wraps the stage's backward so the training loop's hooks run (see __init__): before the final
+        full backward, or around the weight passes of a zero-bubble schedule."""
+        full, weight = stage.backward_one_chunk, stage.backward_weight_one_chunk
+
+        def backward_one_chunk(bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
             if last_backward and self.before_last_backward is not None:
-                self.before_last_backward()
-            return backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+                self.before_last_backward(params)
+            return full(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
 
-        return backward
+        def backward_weight_one_chunk(bwd_chunk_id, last_backward=False):
+            if last_backward and self.before_last_backward is not None:
+                self.before_last_backward(params)
+            weight(bwd_chunk_id, last_backward=last_backward)
+            if self.after_weight_backward is not None:
+                self.after_weight_backward(params)
+
+        stage.backward_one_chunk, stage.backward_weight_one_chunk = backward_one_chunk, backward_weight_one_chunk
 
     def _loss(self, output, target):
         """The schedule's loss_fn: the last stage's micro-batch loss, weighted (the backward's seed)."""

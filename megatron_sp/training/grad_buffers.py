@@ -75,13 +75,15 @@ class GradBuffers:
             self.buckets.append(bucket)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.listeners: list[Callable] = []
-        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in params]
+        self._hooks = [p.register_post_accumulate_grad_hook(self.accumulate) for p in params]
 
     @property
     def params(self) -> list:
         return [p for b in self.buckets for p in b.params]
 
-    def _accumulate(self, param) -> None:
+    def accumulate(self, param) -> None:
+        """param.grad into its main_grad, then the listeners told (autograd's hook; a pipeline's zero-
+        bubble weight pass, which writes `.grad` directly, calls it for each parameter it left one)."""
         param.main_grad.add_(param.grad)
         param.grad = None
         for listener in self.listeners:

@@ -58,25 +58,34 @@ def reduce_data_parallel_grads(buffers: GradBuffers, ps: ParallelState, partitio
 class OverlappedGradSync:
     """DP gradient averaging overlapped with the last micro-batch's backward.
 
-    `arm()` before the last micro-batch's backward; once every parameter of a bucket has its gradient
-    in the buffer (the buffers tell this object, see GradBuffers.listeners) the bucket's asynchronous
-    all-reduce starts; `finish()` starts what is left (parameters that got no gradient) and waits.
+    `arm()` before the last micro-batch's backward (under pipeline parallelism `arm(params)` before
+    each stage's final backward, with the parameters it completes); once every parameter of a bucket
+    has its final gradient in the buffer (the buffers tell this object, see GradBuffers.listeners) the
+    bucket's asynchronous all-reduce starts; `finish()` starts what is left (parameters that got no
+    gradient) and waits.
     """
 
     def __init__(self, buffers: GradBuffers, ps: ParallelState, partition=None):
-        self.buffers, self.ps, self.partition, self.armed = buffers, ps, partition, False
+        self.buffers, self.ps, self.partition = buffers, ps, partition
         buffers.listeners.append(self._on_grad_ready)
         self._reset()
 
     def _reset(self):
         self.ready = [set() for _ in self.buffers.buckets]
         self.launched = {}
+        self.armed, self.armed_params = False, set()
 
-    def arm(self):
-        self.armed = True
+    def arm(self, params=None):
+        """The next gradients of `params` (default: every parameter) are their last of the step."""
+        if params is None:
+            self.armed = True
+        else:
+            self.armed_params.update(id(p) for p in params)
 
     def _on_grad_ready(self, param):
-        if not self.armed or _replicas(self.ps) == 1 or getattr(param, "waits_for_step_sums", False):
+        if not (self.armed or id(param) in self.armed_params) or _replicas(self.ps) == 1:
+            return
+        if getattr(param, "waits_for_step_sums", False):
             return  # (a pipeline's tied embedding: its bucket waits for finish(), after the copies' sum)
         bucket = self.buffers.bucket_of[id(param)]
         self.ready[bucket.index].add(id(param))
@@ -94,7 +103,6 @@ class OverlappedGradSync:
             for bucket, handle in self.launched.values():
                 handle.wait()
                 _finish(bucket, self.ps, self.partition)
-        self.armed = False
         self._reset()
 
     def remove(self):
@@ -109,9 +117,12 @@ def _main_grad(p):
 def finalize_model_grads(
     model, ps: ParallelState, buffers: GradBuffers, overlapped: OverlappedGradSync | None = None, partition=None
 ):
-    """Everything between the last backward and the optimizer step, except clipping: the DP average
-    (summing over CP too), then the partial sums over TP (model.partial_grads), on the main_grads of
-    the parameters this rank steps (all of them without a partition)."""
+    """Everything between the last backward and the optimizer step, except clipping: under pipeline
+    parallelism the tied embedding's copies summed, the DP average (summing over CP too), then the
+    partial sums over TP (model.partial_grads), on the main_grads of the parameters this rank steps
+    (all of them without a partition)."""
+    if hasattr(model, "finalize_embedding_grads"):  # (before finish(): the embedding's bucket waits)
+        model.finalize_embedding_grads(grad=_main_grad)
     if overlapped is not None:
         overlapped.finish()
     else:

@@ -88,11 +88,12 @@ class _Stopwatch:
         self.times[name], self._last = now - self._last, now
 
 
-def _accumulate(model, data_iter, num_micro_batches, device, scale, grad_sync, per_token):
+def _accumulate(model, data_iter, num_micro_batches, device, scale, grad_sync, per_token, buffers=None):
     """Forward and backward of every micro-batch; returns (losses, token counts). Per-token loss:
-    each backward is of the micro-batch's loss *sum* (rescaled by the global token count later)."""
+    each backward is of the micro-batch's loss *sum* (rescaled by the global token count later).
+    buffers: the optimizer's gradient buffers (None under FSDP2)."""
     if pipeline_step.is_pipeline(model):
-        model.before_last_backward = grad_sync.arm if grad_sync is not None else None
+        pipeline_step.hook_schedule(model, buffers, grad_sync)
         return _accumulate_pipeline(model, data_iter, num_micro_batches, device, scale, per_token)
     losses, counts = [], []
     for micro in range(num_micro_batches):
@@ -112,7 +113,6 @@ def _accumulate_pipeline(model, data_iter, num_micro_batches, device, scale, per
     """_accumulate under pipeline parallelism: one schedule run (training/pipeline_step.py)."""
     micro, whole = pipeline_step.read_global_batch(data_iter, num_micro_batches, device, to_device)
     values = pipeline_step.run_schedule(model, whole, num_micro_batches, scale=scale, per_token=per_token)
-    pipeline_step.collect_grads(model)
     counts = [token_count(b).to(values.device) for b in micro]
     return [v * c if per_token else v for v, c in zip(values, counts)], counts
 
@@ -140,7 +140,9 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     watch = _Stopwatch(device)
     scale = scaler.scale if scaler is not None else 1.0
-    losses, counts = _accumulate(model, data_iter, num_micro_batches, device, scale, grad_sync, per_token_loss)
+    losses, counts = _accumulate(
+        model, data_iter, num_micro_batches, device, scale, grad_sync, per_token_loss, optimizer.grad_buffers
+    )
     if per_token_loss:
         tokens = max(sum_over_data_parallel(counts, ps, device), 1.0)
         loss_value = sum_over_data_parallel(losses, ps, device) / tokens

@@ -5,13 +5,16 @@ the DP rank only), concatenates them and hands the whole batch to PipelineGPT.st
 (torch.distributed.pipelining) splits it again, runs the stages and returns the last stage's
 micro-batch losses on every rank. The gradients land in the gradient buffers (param.main_grad) through
 their hooks; a zero-bubble schedule's deferred weight gradients, which it writes into `.grad`, are
-moved there afterwards. Then the tied embedding's copies are summed over the embedding group, before
-the DP reduction. With --overlap-grad-reduce the DP buckets are armed just before the rank's final
-backward (PipelineGPT.before_last_backward; 1F1B, GPipe and interleaved 1F1B), the tied embedding's
-bucket waiting for finish() (after its copies' sum); zero-bubble schedules reduce after the schedule.
+moved there right after each weight pass. With --overlap-grad-reduce each stage arms its parameters
+just before its final backward of the step (its last weight pass under a zero-bubble schedule;
+PipelineGPT.before_last_backward), so a bucket's DP reduction starts once all its parameters are
+complete, whichever chunks hold them; the tied embedding's bucket waits for finish(), after its
+copies' sum over the embedding group (training/grad_sync.py finalize_model_grads).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
@@ -45,11 +48,16 @@ def run_schedule(model, whole, num_micro_batches, *, scale=1.0, per_token=False,
     )
 
 
+def hook_schedule(model, buffers, grad_sync) -> None:
+    """Connects the schedule's backward to the gradient buffers and the overlapped DP sync (none under
+    FSDP2, which owns the gradients): a zero-bubble weight pass's `.grad` goes into the buffers at once,
+    and each stage arms its parameters just before its final backward."""
+    model.before_last_backward = grad_sync.arm if grad_sync is not None else None
+    model.after_weight_backward = partial(_into_buffers, buffers) if buffers is not None else None
+
+
 @torch.no_grad()
-def collect_grads(model) -> None:
-    """Gradients left in `.grad` (zero-bubble weight passes) into main_grad; then the tied copies summed."""
-    for p in model.parameters():
-        if p.grad is not None and getattr(p, "main_grad", None) is not None:
-            p.main_grad.add_(p.grad)
-            p.grad = None
-    model.finalize_embedding_grads(grad=lambda p: p.main_grad)
+def _into_buffers(buffers, params) -> None:
+    for p in params:
+        if p.grad is not None:
+            buffers.accumulate(p)

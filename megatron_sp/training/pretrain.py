@@ -22,7 +22,6 @@ import torch
 from megatron_sp import checkpointing, failures, parallel_state
 from megatron_sp.config import GPTConfig
 from megatron_sp.data.errors import DataError
-from megatron_sp.pipeline_parallel.model import ZERO_BUBBLE
 from megatron_sp.training import trainer_report
 from megatron_sp.training.arguments import ArgumentError, parse_args
 from megatron_sp.training.config_flags import config_kwargs
@@ -257,10 +256,7 @@ class Trainer:
         self.scaler = build_loss_scaler(args)
         self.grad_sync = (
             OverlappedGradSync(self.optimizer.grad_buffers, self.ps, partition=self.optimizer.partition)
-            if args.overlap_grad_reduce
-            and self.ps.dp_size * self.ps.cp_size > 1
-            and not args.use_torch_fsdp2
-            and (self.ps.pp_size == 1 or args.pipeline_schedule not in ZERO_BUBBLE)  # (see PipelineGPT)
+            if args.overlap_grad_reduce and self.ps.dp_size * self.ps.cp_size > 1 and not args.use_torch_fsdp2
             else None
         )
         self.schedule = LRSchedule(
