@@ -115,11 +115,13 @@ def test_resharded_resume_matches(runs, tmp_path, layout):
 
 @pytest.mark.slow
 def test_fsdp2_resumes_a_replicated_checkpoint_on_the_curve(runs, tmp_path):
-    """The replicated TP=2+SP checkpoint of iteration 10 resumes under --use-torch-fsdp2 at TP=1 × CP=2
-    (weights and AdamW moments chunked over the CP replicas): every loss on the uninterrupted run's
-    curve. (FSDP2's own checkpoints resuming as replicated ones: tests/test_parity.py, in its world.)"""
-    fsdp = ["--use-torch-fsdp2", "--context-parallel-size", "2", "--load", str(runs / "ckpt"), "--exit-interval", "14"]
-    check(torchrun(2, RUN + fsdp + ["--log-jsonl", str(tmp_path / "f.jsonl")], cwd=tmp_path))
+    """The replicated TP=2+SP checkpoint of iteration 10 resumes under --use-torch-fsdp2 at PP=2 × CP=2
+    (each stage an FSDP2 root; weights and AdamW moments chunked over the CP replicas, the tied embedding
+    on both ends): every loss on the uninterrupted run's curve. (FSDP2's own checkpoints resuming as
+    replicated ones: tests/test_parity.py and tests/test_pipeline.py, in their worlds.)"""
+    fsdp = ["--use-torch-fsdp2", "--context-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    fsdp += ["--load", str(runs / "ckpt"), "--exit-interval", "14"]
+    check(torchrun(4, RUN + fsdp + ["--log-jsonl", str(tmp_path / "f.jsonl")], cwd=tmp_path))
     got, want = losses(tmp_path / "f.jsonl"), losses(runs / "straight.jsonl")[10:14]
     assert len(got) == len(want)
     for a, b in zip(got, want):

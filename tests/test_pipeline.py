@@ -147,9 +147,10 @@ def test_pipeline_matches_the_serial_model(world, case):
         assert losses == pytest.approx(want, rel=1e-5, abs=0)
 
 
-def _per_token_and_eval():
-    """PP2 × TP2+SP interleaved: per-token loss with a loss mask and a loss scale (the gradient of the
-    masked token sum, times the scale), then the forward-only pass in eval mode (dropout off)."""
+def _per_token_and_eval(schedule):
+    """PP2 × TP2+SP interleaved (2 chunks per rank, loop or V): per-token loss with a loss mask and a loss
+    scale (the gradient of the masked token sum, times the scale), then the forward-only pass in eval mode
+    (dropout off)."""
     from megatron_sp.models.reference import ReferenceGPT
     from megatron_sp.pipeline_parallel.model import PipelineGPT
 
@@ -167,7 +168,7 @@ def _per_token_and_eval():
     ]
     tokens_total = mask.sum()
     (sum(sums) / tokens_total).backward()
-    pipe = PipelineGPT(cfg, PipelineLayout(2, 2), ps).train()
+    pipe = PipelineGPT(cfg, PipelineLayout(2, 2, schedule=schedule), ps).train()
     pipe.step(tokens, labels, num_microbatches=m, loss_mask=mask, per_token=True, scale=scale)
     grads = pipe.full_grad_dict()
     err = max(
@@ -181,8 +182,9 @@ def _per_token_and_eval():
     return err, got, want
 
 
-def test_per_token_loss_scale_and_evaluation(world):
-    for err, got, want in world.run(_per_token_and_eval):
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_per_token_loss_scale_and_evaluation(world, schedule):
+    for err, got, want in world.run(_per_token_and_eval, schedule):
         assert err < 1e-5
         assert got == pytest.approx(want, rel=1e-5, abs=0)
 
@@ -287,3 +289,130 @@ def test_overlapped_dp_reduction_under_the_pipeline(world, layout_kw, distribute
         assert overlapped == plain and worst == 0.0
     if distributed:
         assert sum(early for *_, early in results) > 0
+
+
+def _fsdp2_under_the_pipeline(layout_kw, model, cp, dtype, root):
+    """Three real train_steps (training/loop.py: dropout on, clipping active, 4 micro-batches) of the same
+    PP2 model with the replicated optimizer and with --use-torch-fsdp2 (each stage an FSDP2 root over the
+    DP×CP replicas, driven by torch's schedule), an evaluation pass between steps: their losses, clipped
+    norms and evaluation losses, the largest relative parameter difference, whether the parameters are
+    sharded DTensors after evaluation, and (root) FSDP2's checkpoint read by a plain pipeline."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from megatron_sp import checkpointing
+    from megatron_sp.pipeline_parallel.model import PipelineGPT
+    from megatron_sp.training.fsdp import build_fsdp_optimizer, checkpoint_states
+    from megatron_sp.training.loop import evaluate, train_step
+    from megatron_sp.training.optimizer import build_optimizer, local_optimizer
+
+    layout = PipelineLayout(**layout_kw)
+    ps = parallel_state.initialize_model_parallel(1, cp, pipeline_model_parallel_size=2)
+    cfg = dataclasses.replace(_config(model, 1, cp, False), params_dtype=dtype)
+    args = SimpleNamespace(weight_decay=0.1, lr=1e-2, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
+    m, runs, quiet = 4, [], lambda *a: None
+
+    def data(seed):
+        tokens, labels = _batch(ps.dp_size * m, seed=seed)
+        ids, mine = torch.arange(len(tokens)), range(ps.dp_rank * m, (ps.dp_rank + 1) * m)
+        return iter(
+            {"tokens": tokens[i : i + 1], "labels": labels[i : i + 1], "sample_ids": ids[i : i + 1]} for i in mine
+        )
+
+    for fsdp in (False, True):
+        pipe = PipelineGPT(cfg, layout, ps).train()
+        opt = (build_fsdp_optimizer if fsdp else build_optimizer)(pipe, args, "cpu", ps)
+        figures = []
+        for step in range(3):
+            r = train_step(pipe, opt, data(20 + step), m, ps, device="cpu", clip_grad=0.3, iteration=step + 1)
+            figures += [r.loss, r.grad_norm, evaluate(pipe, data(40 + step), 1, m, ps, device="cpu")]
+        runs.append((pipe, opt, figures))
+    (plain, plain_opt, want), (sharded, fsdp_opt, got) = runs
+    params = dict(sharded.named_parameters())
+    worst = max(
+        _rel(_without_key_bias(n, params[n].full_tensor()), _without_key_bias(n, p))
+        for n, p in plain_opt.main_params().items()
+    )
+    sharded_after_eval = all(type(p).__name__ == "DTensor" for p in params.values())
+    resumed = None
+    if root is not None:  # FSDP2's pipeline checkpoint read by the replicated optimizer: weights and moments
+        step3 = {"train_state": checkpointing.TrainState(iteration=3)}
+        checkpointing.save(root, {**checkpoint_states(sharded, fsdp_opt, ps), **step3}, cfg, ps, log=quiet)
+        fresh = PipelineGPT(cfg, layout, ps)
+        opt = build_optimizer(fresh, args, "cpu", ps)
+        main = opt.main_params()
+        states = {
+            "model": checkpointing.ModelState(fresh, ps, main),
+            "optim": checkpointing.OptimizerState(local_optimizer(opt), fresh, ps, main),
+            "train_state": checkpointing.TrainState(),
+        }
+        checkpointing.load(root, states, cfg, log=quiet)
+        moments = fsdp_opt.optim.state  # (the trained run's own values, gathered from its shards)
+        resumed = max(
+            max(
+                _rel(main[n], params[n].full_tensor()),
+                *(
+                    _rel(opt.optim.state[main[n]][k], moments[params[n]][k].full_tensor())
+                    for k in ("exp_avg", "exp_avg_sq")
+                ),
+            )
+            for n in params
+        )
+    return want, got, worst, sharded_after_eval, resumed
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
+
+
+def _without_key_bias(name, value):
+    """The key third of the QKV bias: an exactly zero gradient, whose rounding noise AdamW turns into
+    steps of ±lr in both runs alike (test_parity.py's _without_key_bias)."""
+    if name.endswith("attn.qkv.bias"):
+        q, _, v = value.chunk(3)
+        return torch.cat([q, v])
+    return value
+
+
+FSDP2_CASES = {  # layout, family, CP, precision
+    "1f1b-dp2-gpt2": (dict(pp_size=2), "gpt2", 1, "fp32"),
+    "interleaved-dp2-llama": (dict(pp_size=2, vp_size=2), "llama", 1, "fp32"),
+    "zbv-dp2-llama": (dict(pp_size=2, vp_size=2, schedule="zbv"), "llama", 1, "fp32"),
+    "interleaved-zb-cp2-gpt2": (dict(pp_size=2, vp_size=2, schedule="interleaved-zb"), "gpt2", 2, "fp32"),
+    "gpipe-dp2-gpt2-bf16": (dict(pp_size=2, schedule="gpipe"), "gpt2", 1, "bf16"),
+}
+
+
+@pytest.mark.parametrize("case", list(FSDP2_CASES))
+def test_fsdp2_under_the_pipeline_trains_like_the_replicated_optimizer(world, tmp_path, case):
+    """PP2 × FSDP2 over DP2 or CP2 (1F1B, interleaved, zbv, interleaved zero-bubble, GPipe; GPT-2 with its
+    tied embedding on both ends, Llama with GQA): every loss, clipped gradient norm and evaluation loss of
+    the replicated optimizer's run within 1e-5 and the same parameters after 3 steps (fp32); in bf16 the
+    same within bf16's drift. The parameters are sharded again after the forward-only evaluation, and
+    FSDP2's checkpoint of a pipeline resumes as its weights and AdamW moments in a replicated pipeline."""
+    layout_kw, model, cp, dtype = FSDP2_CASES[case]
+    root = str(tmp_path / "ckpt") if case == "1f1b-dp2-gpt2" else None
+    tol = 1e-5 if dtype == "fp32" else 1e-2
+    for want, got, worst, sharded_after_eval, resumed in world.run(
+        _fsdp2_under_the_pipeline, layout_kw, model, cp, dtype, root
+    ):
+        assert got == pytest.approx(want, rel=tol, abs=0)
+        assert worst < tol and sharded_after_eval
+        assert root is None or resumed == 0.0
+
+
+def test_fsdp2_refuses_the_v_with_a_tied_embedding_before_any_work():
+    """zbv puts both ends of the V on rank 0, whose tied word embedding cannot belong to two FSDP2 roots:
+    one sentence naming the flags, before the world starts (an untied model runs: FSDP2_CASES)."""
+    from megatron_sp.training.arguments import parse_args
+    from megatron_sp.training.pretrain import check_inputs
+
+    flags = ["--mock-data", "--device", "cpu", "--use-torch-fsdp2", "--pipeline-model-parallel-size", "2"]
+    flags += ["--pipeline-schedule", "zbv", "--num-layers", "4", "--global-batch-size", "4", "--micro-batch-size", "1"]
+    args = parse_args(flags, world_size=4)
+    args.distributed_backend, args.data_cache_path = "gloo", None
+    with pytest.raises(ValueError, match="--pipeline-schedule zbv needs --untie-embeddings-and-output-weights"):
+        check_inputs(args)
+    args = parse_args(flags + ["--untie-embeddings-and-output-weights"], world_size=4)
+    args.distributed_backend, args.data_cache_path = "gloo", None
+    assert check_inputs(args).cfg.untie_embeddings_and_output_weights

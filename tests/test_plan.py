@@ -265,12 +265,12 @@ def test_bad_input_is_one_sentence_naming_both_flags(capsys, extra, flags):
 def test_plan_prints_runnable_layouts_first(capsys):
     assert plan.main(TINY + ["--gpus", "4", "--gpus-per-node", "4", "--bf16", "--top", "3"]) == 0
     out = capsys.readouterr().out
-    assert "runnable today, fastest first:" in out and "modelled, not runnable yet" in out
-    runnable = out.split("runnable today, fastest first:")[1].split("modelled")[0]
-    assert " pp1 " in runnable or " pp2 " in runnable  # pipeline layouts run too (not with FSDP2)
+    assert "runnable today, fastest first:" in out and "modelled, not runnable yet" not in out  # (all are)
+    runnable = out.split("runnable today, fastest first:")[1]
+    assert " pp1 " in runnable or " pp2 " in runnable  # pipeline layouts run too
 
 
-def test_pipeline_layouts_are_runnable_but_not_with_fsdp2():
+def test_pipeline_layouts_are_runnable_with_fsdp2_holding_the_stage_for_the_step():
     from megatron_sp.planning import cost
     from megatron_sp.planning import layouts as lay
 
@@ -280,7 +280,11 @@ def test_pipeline_layouts_are_runnable_but_not_with_fsdp2():
     pp = lay.plan_layout(base, lay.Layout(2, 1, 2, 2, True, None, "distributed"), prec, cluster, batch, True)
     assert pp.runnable and pp.time.bubble > 0
     fsdp2 = lay.plan_layout(base, lay.Layout(2, 1, 2, 2, True, None, "fsdp2"), prec, cluster, batch, True)
-    assert not fsdp2.runnable and "FSDP2" in fsdp2.note
+    assert fsdp2.runnable and fsdp2.note == ""
+    # torch's schedule keeps the stage gathered (bf16) and its gradients unsharded (fp32) for the step
+    stage = sum(mem.numel(s) for _, s in mem.rank_parameters(GPTConfig(**base, tensor_model_parallel_size=2), 0, 2))
+    held = [b for name, b in fsdp2.memory.buffers.items() if "under PP" in name]
+    assert held == [pytest.approx((2 + 4) * stage, rel=0.2)]  # (the larger of the first and last stage)
 
 
 def test_step_time_model_compute_is_the_flops_over_every_gpu():

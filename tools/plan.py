@@ -286,7 +286,7 @@ def report(args, base, prec, cluster, fits, too_big) -> None:
         print("runnable today, fastest first:")
         print(table(HEADERS, [_row(i + 1, p) for i, p in enumerate(runnable[: args.top])]))
     if modelled:
-        print("modelled, not runnable yet (FSDP2 with pipeline parallelism), fastest first:")
+        print("modelled, not runnable yet (the program's parser lacks a flag), fastest first:")
         start = len(runnable[: args.top])
         print(table(HEADERS, [_row(start + i + 1, p) for i, p in enumerate(modelled[: max(3, args.top // 2)])]))
     best = fits[0]
@@ -297,8 +297,8 @@ def report(args, base, prec, cluster, fits, too_big) -> None:
         f"PP sends {t.pp:.3f}, bubble {t.bubble:.3f}"
     )
     print(
-        "note: pp > 1 is 1F1B with even stages, and not with FSDP2 yet; FSDP2 runs in every precision mode; "
-        "recompute full = uniform chunks of 1 layer."
+        "note: pp > 1 is 1F1B with even stages (with FSDP2 a stage stays gathered for the step); FSDP2 runs in "
+        "every precision mode; recompute full = uniform chunks of 1 layer."
     )
 
 
@@ -332,20 +332,24 @@ def largest_llama(args, base, prec, cluster, fixed) -> None:
     for size in LLAMA_LADDER:
         fields = llama_fields(base, size)
         row = [size, f"{GPTConfig(**fields).num_parameters() / 1e9:.1f}"]
-        for sharding in (("replicated", "distributed"), ("fsdp2",)):
+        for sharding, pins in (
+            (("replicated", "distributed"), {"pp": 1}),
+            (("fsdp2",), {"pp": 1}),
+            (mem.SHARDINGS, {}),  # pipeline stages allowed (even stages), any sharding
+        ):
             fits = []
             for s in sharding:
-                found, _ = lay.plans(fields, prec, cluster, batch, dict(fixed, pp=1, sharding=s), True)
+                found, _ = lay.plans(fields, prec, cluster, batch, dict(fixed, **pins, sharding=s), True)
                 fits += found
             fits.sort(key=lambda p: p.time.total)
             row += [f"{fits[0].layout.describe()} ({_gib(fits[0].memory.total)} GiB)" if fits else "does not fit"]
         rows.append(row)
     print(
         f"Llama ladder on {cluster.gpus} x {cluster.gpu_memory_gib:g} GiB GPUs, seq {base['seq_length']}, global batch "
-        f"{args.global_batch_size} x micro {args.micro_batch_size}, precision {prec.name}, pp = 1; "
-        "fastest fitting layout:"
+        f"{args.global_batch_size} x micro {args.micro_batch_size}, precision {prec.name}; fastest fitting layout:"
     )
-    print(table(["model", "B params", "before: replicated weights (+ distributed optimizer)", "after: FSDP2"], rows))
+    headers = ["model", "B params", "pp 1: replicated weights (+ distributed optimizer)", "pp 1: FSDP2"]
+    print(table(headers + ["any pp (even stages), any sharding"], rows))
 
 
 def paper_table() -> None:

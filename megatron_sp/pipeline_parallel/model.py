@@ -210,6 +210,8 @@ class PipelineGPT(nn.Module):
                 self.after_weight_backward(params)
 
         stage.backward_one_chunk, stage.backward_weight_one_chunk = backward_one_chunk, backward_weight_one_chunk
+        if self.layout.v_shape:
+            _forward_only_v(stage)
 
     def _loss(self, output, target):
         """The schedule's loss_fn: the last stage's micro-batch loss, weighted (the backward's seed)."""
@@ -350,3 +352,18 @@ def _make_schedule(name: str, stages: list, num_microbatches: int, loss_fn):
     if len(stages) == 1:
         return pipelining.Schedule1F1B(stages[0], **kwargs)
     return pipelining.ScheduleInterleaved1F1B(stages, **kwargs)
+
+
+def _forward_only_v(stage):
+    """torch 2.13's zbv schedule hands the input gradients between the V's two adjacent stages of a rank
+    even in `eval()` (forward only), where the stages have none and raise: there, nothing is handed."""
+    get_output, set_input = stage.get_local_bwd_output, stage.set_local_bwd_input
+
+    def get_local_bwd_output(mb_index):
+        return get_output(mb_index) if stage.has_backward else ()
+
+    def set_local_bwd_input(next_stage_bwd_outputs, mb_index):
+        if stage.has_backward:
+            set_input(next_stage_bwd_outputs, mb_index)
+
+    stage.get_local_bwd_output, stage.set_local_bwd_input = get_local_bwd_output, set_local_bwd_input

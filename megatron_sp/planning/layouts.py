@@ -2,8 +2,8 @@
 
 A layout is (tp, cp, dp, pp, sp, recompute, sharding) with tp * cp * dp * pp = GPUs, tp within a
 node; GPTConfig's own checks decide whether the model splits that way (heads, groups, MLP width,
-sequence). A layout is runnable when the program offers it today: FSDP2 only where the program's
-parser accepts --use-torch-fsdp2, and not with pipeline parallelism (pp > 1 × FSDP2: not yet).
+sequence). A layout is runnable when the program offers it today: FSDP2 where the program's parser
+accepts --use-torch-fsdp2 (with pipeline stages too).
 """
 
 from __future__ import annotations
@@ -99,11 +99,7 @@ def plan_layout(base: dict, layout: Layout, prec, cluster, batch: Batch, runnabl
     memory, params = memory_split(cfg, layout, prec, batch.micro, m)
     comm = cost.communication(cfg, layout, prec, batch.micro, m, params)
     time = cost.step_time(cfg, layout, prec, cluster, batch.micro, m, comm)
-    notes = []
-    if layout.pp > 1 and layout.sharding == "fsdp2":
-        notes.append("pp x FSDP2 modelled, not runnable yet")
-    elif layout.sharding == "fsdp2":
-        notes += fsdp2_notes(prec, runnable_fsdp2)
+    notes = fsdp2_notes(prec, runnable_fsdp2) if layout.sharding == "fsdp2" else []
     return Plan(layout, memory, comm, time, m, not notes, "; ".join(notes))
 
 
@@ -125,7 +121,7 @@ def memory_split(cfg, layout: Layout, prec, micro_batch: int, micro_batches: int
     saved, transient = mem.activation_bytes(
         cfg, micro_batch, prec.act, layers=cfg.num_layers // layout.pp, in_flight=in_flight
     )
-    buffers = mem.buffer_bytes(cfg, micro_batch, prec, layout.sharding, replicas, shapes)
+    buffers = mem.buffer_bytes(cfg, micro_batch, prec, layout.sharding, replicas, shapes, pipeline=layout.pp > 1)
     if transient:
         buffers["recomputed chunk (backward)"] = transient
     return mem.MemorySplit(weights, grads, optimizer, saved, buffers), sum(mem.numel(s) for s in shapes)

@@ -12,7 +12,9 @@ Precision (bytes per parameter: weight + gradient + optimizer state):
     bf16 / fp16, Megatron's       2 + 4 + 12           what --bf16 / --fp16 run: main weights + moments / r
                                   2 + 2 + 12           with --grad-reduce-in-bf16
     FSDP2 (ZeRO-3), every mode    (4 + 4 + 8) / r      fp32 shards (the main weights), fp32 gradients;
-                                                       plus two layers gathered (modelled)
+                                                       plus two layers gathered (modelled); under
+                                                       pipeline stages the stage stays gathered for the
+                                                       step, its gradients unsharded in fp32: + 2|4 + 4
 r = DP x CP replicas.
 """
 
@@ -173,8 +175,11 @@ def activation_bytes(cfg, micro_batch: int, act_bytes: int, layers=None, in_flig
     return in_flight * per_mb + head_bytes, transient
 
 
-def buffer_bytes(cfg, micro_batch, prec: Precision, sharding, replicas, shapes, overlap_grad_reduce=True) -> dict:
-    """The transient workspaces: gradient buckets, the logits' gradient, the SP gather, FSDP2's gathered layers."""
+def buffer_bytes(
+    cfg, micro_batch, prec: Precision, sharding, replicas, shapes, overlap_grad_reduce=True, pipeline=False
+) -> dict:
+    """The transient workspaces: gradient buckets, the logits' gradient, the SP gather, FSDP2's gathered
+    layers (pipeline: the stage's weights and unsharded fp32 gradients, held for the step; training/fsdp.py)."""
     shape = act.LayerShape.from_config(cfg, micro_batch, prec.act)
     n = sum(numel(s) for s in shapes)
     out = {}
@@ -184,7 +189,9 @@ def buffer_bytes(cfg, micro_batch, prec: Precision, sharding, replicas, shapes, 
     out["logits + their gradient"] = (prec.act + act.FP32) * sb * cfg.padded_vocab_size / shape.t
     if shape.sp:
         out["SP gather (input + gradient)"] = 2 * prec.act * sb * shape.h
-    if sharding == "fsdp2" and replicas > 1:
+    if sharding == "fsdp2" and replicas > 1 and pipeline:
+        out["FSDP2 under PP: the stage gathered + its unsharded fp32 grads"] = (prec.weight + act.FP32) * n
+    elif sharding == "fsdp2" and replicas > 1:
         per_layer = sum(numel(s) for _, s in _layer_parameters(cfg, shape.t, 0))
         out["FSDP2: 2 layers gathered + 1 unsharded grad"] = (2 * prec.weight + prec.grad) * per_layer
     return out

@@ -331,14 +331,10 @@ def _check_pipeline(args) -> None:
                 "--pipeline-model-parallel-size > 1."
             )
         return
-    for flag, refused in (
-        ("--torch-compile", args.torch_compile),
-        ("--use-torch-fsdp2", getattr(args, "use_torch_fsdp2", False)),
-    ):
-        if refused:
-            raise ArgumentError(
-                f"--pipeline-model-parallel-size {pp} with {flag} is not implemented yet; drop one of the two."
-            )
+    if args.torch_compile:
+        raise ArgumentError(
+            f"--pipeline-model-parallel-size {pp} with --torch-compile is not implemented yet; drop one of the two."
+        )
     try:
         layout = layout_from_args(
             pp,

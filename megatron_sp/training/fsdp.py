@@ -29,6 +29,26 @@ residual stays fp32). fp16's loss scaler unscales and checks the gradient shards
 Bytes per parameter on a rank (r = DP × CP replicas), in every precision mode: weights 4/r, gradient 4/r, AdamW
 8/r, plus the gathered layers (the one computing and the one prefetched) and one layer's unsharded gradient.
 
+Under pipeline parallelism (PipelineGPT) each of the rank's stages is a root, because its forward
+(pipeline_parallel/model.py's StageChunk) is what the schedule calls:
+
+    module               fully_shard group       reshard after forward
+    transformer layer i  its parameters          no
+    a stage              its embedding (first),  no
+                         final norm and output
+                         layer (last)
+
+torch.distributed.pipelining drives FSDP2 itself when a stage's module is an FSDP2 root (as Megatron's
+schedules and torchtitan do): every micro-batch's forward and backward runs with the stage's weights
+gathered and its gradients accumulated unsharded, in fp32 (FSDP2's reduce dtype); after the last
+micro-batch the schedule reduce-scatters them once and reshards, in every schedule, zero-bubble ones
+included. So a pipeline rank holds, during the step, its stages' weights gathered (2 or 4 bytes per
+parameter) and their unsharded fp32 gradients (4) on top of the 16/r of shards: the optimizer state is
+what PP × FSDP2 saves over PP with the replicated optimizer. A tied word embedding (GPT-2) has a copy on
+the last stage sharded as the first stage's, so their gradient sum over the embedding group runs on the
+shards (PipelineGPT.finalize_embedding_grads); the V of zbv puts both ends on rank 0, where one tied
+parameter would belong to two roots: refused (`model_problem`).
+
 Key/value heads held in copies over TP (grouped-query attention with fewer heads than TP ranks): their
 copy sums need the TP-local layout, so those parameters' gradient shards are placed in a zeroed TP-local
 tensor for the sum (a QKV weight's worth, transient) and taken back; the norms count the copied rows on
@@ -36,7 +56,7 @@ the first copy's ranks only.
 
 What does not compose (refused in one sentence by `problem(args)`): --use-distributed-optimizer
 (FSDP2 shards the optimizer state itself), --grad-reduce-in-bf16 (FSDP2 reduces in fp32), a
-single replica (nothing to shard over), --torch-compile (not verified with it) and pipeline parallelism.
+single replica (nothing to shard over) and --torch-compile (not verified with it).
 --overlap-grad-reduce (on by default) has no effect: FSDP2 overlaps its own reduce-scatters.
 """
 
@@ -54,7 +74,7 @@ from megatron_sp.parallel_state import ParallelState
 from megatron_sp.tensor_parallel.sharding import ShardSpec, segment_shards
 from megatron_sp.training.distributed_optimizer import replica_group
 
-_ATTRS = ("shard_spec", "sequence_parallel", "init_tag")  # what our sums, norms and checkpoints read
+_ATTRS = ("shard_spec", "sequence_parallel", "init_tag", "pipeline_copy")  # what our sums, norms, checkpoints read
 
 FLAG = "--use-torch-fsdp2"
 
@@ -71,13 +91,23 @@ def problem(args) -> str | None:
     for name, flag, why in conflicts:
         if getattr(args, name, False):
             return f"{FLAG} cannot be combined with {flag}: {why}."
-    if getattr(args, "pipeline_model_parallel_size", 1) > 1:
-        return f"{FLAG} cannot be combined with --pipeline-model-parallel-size > 1 yet."
     replicas = args.data_parallel_size * args.context_parallel_size
     if replicas == 1:
         return (
             f"{FLAG} shards over the data- and context-parallel replicas and this layout has one "
             f"(world size {args.world_size} = --tensor-model-parallel-size); drop {FLAG} or add ranks."
+        )
+    return None
+
+
+def model_problem(cfg, layout) -> str | None:
+    """The one-sentence reason --use-torch-fsdp2 cannot shard this model under the pipeline `layout`
+    (pipeline_parallel/layout.py; None without pipeline parallelism), or None."""
+    if layout is not None and layout.v_shape and not cfg.untie_embeddings_and_output_weights:
+        return (
+            f"{FLAG} with --pipeline-schedule zbv needs --untie-embeddings-and-output-weights: rank 0 holds both "
+            f"ends of the V, and their tied word embedding cannot belong to two FSDP2 stage roots; or use "
+            f"another --pipeline-schedule."
         )
     return None
 
@@ -93,9 +123,9 @@ def replica_mesh(ps: ParallelState, device: str):
 
 
 def shard_model(model, ps: ParallelState, device: str):
-    """fully_shard each transformer layer and the root, in place (see the module docstring); returns
-    the mesh. The parameters become DTensors sharded on dim 0 and keep their attributes."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    """fully_shard the model in place (see the module docstring); returns the mesh. The parameters become
+    DTensors sharded on dim 0 and keep their attributes."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     attrs = {n: {a: getattr(p, a) for a in _ATTRS if hasattr(p, a)} for n, p in model.named_parameters()}
     policy = MixedPrecisionPolicy()
@@ -104,22 +134,36 @@ def shard_model(model, ps: ParallelState, device: str):
         policy = MixedPrecisionPolicy(low, torch.float32, cast_forward_inputs=False)  # (fp32 residual kept)
         model.float()  # (in place: the same Parameter objects)
     mesh = replica_mesh(ps, device)
-    layers = list(model.layers)
-    for i, layer in enumerate(layers):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=i < len(layers) - 1, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
-    for i, layer in enumerate(layers):  # explicit prefetch: the next layer's all-gather runs during this one
-        if i + 1 < len(layers):
-            layer.set_modules_to_forward_prefetch([layers[i + 1]])
-        if i > 0:
-            layer.set_modules_to_backward_prefetch([layers[i - 1]])
-    for module in [*layers, model]:  # a sum over DP×CP divided by dp: the DP mean of the CP partial sums
-        module.set_force_sum_reduction_for_comms(True)
+    chunks = getattr(model, "stage_chunks", None)
+    if chunks is None:  # the last layer keeps its weights: its backward follows at once
+        layers = list(model.layers)
+        groups = [_shard_root(model, layers, [i < len(layers) - 1 for i in range(len(layers))], mesh, policy)]
+    else:  # each pipeline stage is a root (its forward is what the schedule calls), gathered for the step
+        groups = [_shard_root(c, list(c.blocks), [False] * len(c.blocks), mesh, policy) for c in chunks]
+    for module in [m for group in groups for m in group]:  # a sum over DP×CP divided by dp: the DP mean
+        module.set_force_sum_reduction_for_comms(True)  # of the CP partial sums
         module.set_gradient_divide_factor(float(ps.dp_size))
     for name, p in model.named_parameters():
         for a, value in attrs[name].items():
             setattr(p, a, value)
     return mesh
+
+
+def _shard_root(root, layers, reshard, mesh, policy) -> list:
+    """fully_shard each of `layers` (reshard[i]: layer i frees its gathered weights after its forward),
+    then `root` (the rest of its parameters), with the next layer's all-gather prefetched in the forward
+    and the previous one's in the backward; returns the FSDP2 modules."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer, again in zip(layers, reshard):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=again, mp_policy=policy)
+    fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    for i, layer in enumerate(layers):
+        if i + 1 < len(layers):
+            layer.set_modules_to_forward_prefetch([layers[i + 1]])
+        if i > 0:
+            layer.set_modules_to_backward_prefetch([layers[i - 1]])
+    return [*layers, root]
 
 
 # ---- the optimizer ---------------------------------------------------------------------------------
@@ -160,13 +204,14 @@ def _copy_rows(p, ps: ParallelState) -> list:
     return rows
 
 
-def _view(t, grad, spec, sequence_parallel, counted=True) -> torch.Tensor:
+def _view(t, grad, spec, sequence_parallel, counted=True, pipeline_copy=False) -> torch.Tensor:
     view = t.detach()
     view.grad = grad
     view.main_grad = grad  # (the reduced gradient, where count_zero_grads reads it)
     view.shard_spec = ShardSpec(spec.dim) if spec is not None and spec.dim is not None else spec
     view.sequence_parallel = sequence_parallel
     view.norm_counted = counted  # (False: a copy that other TP ranks count)
+    view.pipeline_copy = pipeline_copy  # (the last stage's tied embedding: the first stage's counts)
     return view
 
 
@@ -177,15 +222,16 @@ def _local_views(p, ps: ParallelState) -> list:
     local = p._local_tensor
     grad = p.grad._local_tensor if p.grad is not None else None
     spec, sp = getattr(p, "shard_spec", None), getattr(p, "sequence_parallel", False)
+    copy = getattr(p, "pipeline_copy", False)
     rows = _copy_rows(p, ps)
     if not rows:
-        return [_view(local, grad, spec, sp)]
+        return [_view(local, grad, spec, sp, pipeline_copy=copy)]
     a, b = _chunk_rows(p)
     out = []
     for start, stop, first in rows:
         lo, hi = max(start, a) - a, min(stop, b) - a
         if lo < hi:
-            out.append(_view(local[lo:hi], grad[lo:hi] if grad is not None else None, spec, sp, first))
+            out.append(_view(local[lo:hi], grad[lo:hi] if grad is not None else None, spec, sp, first, copy))
     return out
 
 
@@ -210,6 +256,13 @@ def _reduce_partial_grads(model, params, ps: ParallelState) -> None:
     model.partial_grads.reduce(items, cp_summed=True, grad=lambda q: q.grad)
     for grad, full, a, b in copied:
         grad.copy_(full[a:b])
+
+
+def _local_grad(p) -> torch.Tensor:
+    """This rank's shard of p's gradient (zeros when p got none), the tensor the embedding sum adds into."""
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad._local_tensor
 
 
 class FSDPOptimizer:
@@ -244,8 +297,11 @@ class FSDPOptimizer:
     @torch.no_grad()
     def finalize_grads(self, model):
         """After the last backward: FSDP2 has reduce-scattered over DP×CP; the partial sums over TP
-        remain (SP-region parameters, key/value copies), on the local shards."""
+        remain (SP-region parameters, key/value copies), on the local shards, and under pipeline
+        parallelism the tied embedding's two copies (first and last stage: the same chunk of rows)."""
         _reduce_partial_grads(model, self.params, self.ps)
+        if hasattr(model, "finalize_embedding_grads"):
+            model.finalize_embedding_grads(grad=_local_grad)
 
     def local_params(self) -> list:
         """This rank's shards as plain tensors, their gradient shards as .grad and .main_grad (the norm and

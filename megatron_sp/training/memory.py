@@ -31,14 +31,16 @@ def state_bytes(cfg, args) -> int:
     --use-distributed-optimizer (training/optimizer.py):
         fp32           4 weight + 4 gradient + 8 AdamW moments (/r)
         bf16 / fp16    2 weight + 4 gradient (2 with --grad-reduce-in-bf16) + 12 main weight and moments (/r)
-        FSDP2          (4 + 4 + 8) / r, fp32 and bf16 (training/fsdp.py)
+        FSDP2          (4 + 4 + 8) / r, fp32 and bf16 (training/fsdp.py); with pipeline stages a stage
+                       also holds its weights gathered (4, or 2 in bf16 / fp16) and its gradients
+                       unsharded in fp32 (4) for the whole step
     """
     stages = max(1, getattr(args, "pipeline_model_parallel_size", 1))  # the largest stage holds >= 1/pp
     per_rank = cfg.num_parameters() // (max(1, args.tensor_model_parallel_size) * stages)
     replicas = max(1, args.data_parallel_size * getattr(args, "context_parallel_size", 1))
-    if getattr(args, "use_torch_fsdp2", False):
-        return int(per_rank * 16 / replicas)
     low = getattr(args, "params_dtype", "fp32") != "fp32"
+    if getattr(args, "use_torch_fsdp2", False):
+        return int(per_rank * (16 / replicas + ((2 if low else 4) + 4 if stages > 1 else 0)))
     weight, grad = (2, 2 if getattr(args, "grad_reduce_in_bf16", False) else 4) if low else (4, 4)
     optim = 12 if low else 8
     if getattr(args, "use_distributed_optimizer", False):

@@ -87,6 +87,11 @@ def check_inputs(argv) -> Setup:
         args.null_tokenizer_eod_id,
     )
     cfg = build_config(args, tokenizer.vocab_size)
+    if args.use_torch_fsdp2:
+        from megatron_sp.training.fsdp import model_problem
+
+        if model_problem(cfg, args.pipeline_layout):
+            raise ValueError(model_problem(cfg, args.pipeline_layout))
     prefixes = []
     if args.data_path:  # (imported here: --mock-data runs need neither numpy nor megatron-core)
         from megatron_sp.data import check_train_split, parse_data_path, validate_indexed_prefix
