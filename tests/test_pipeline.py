@@ -1,14 +1,21 @@
 """Pipeline parallelism through the API: PipelineGPT (torch.distributed.pipelining schedules) against
 ReferenceGPT, fp32, dropout on: the loss of every micro-batch and the gathered gradients within 1e-5, for
 PP 2 and 4, PP2×TP2+SP, PP2×CP2, PP2×DP2, interleaved (2 virtual stages per rank), zero-bubble (zbv,
-interleaved-zb), GPipe, uneven first/last stages; GPT-2 (tied embeddings) and Llama (GQA). One 4-rank
-world for the module; the layouts and the rank grid are checked without one."""
+interleaved-zb), GPipe, uneven first/last stages, a layout string's uneven stages; GPT-2 (tied embeddings)
+and Llama (GQA). One 4-rank world for the module; the layouts and the rank grid are checked without one
+(the layout string's grammar and flags: tests/test_pipeline_layout.py)."""
 
 import pytest
 import torch
 
 from megatron_sp import parallel_state
-from megatron_sp.pipeline_parallel.layout import PipelineLayout, layout_from_args, rank_layers, stage_layers
+from megatron_sp.pipeline_parallel.layout import (
+    PipelineLayout,
+    layout_from_args,
+    layout_from_string,
+    rank_layers,
+    stage_layers,
+)
 from megatron_sp.testing import LocalWorld
 
 VOCAB, SEQ = 61, 8
@@ -91,13 +98,14 @@ def _batch(samples, seed=0):
 
 
 def _parity(model, layout_kw, tp=1, cp=1, sp=False, m=2, micro=2, layers=4):
-    """On every rank: (max relative gradient error, micro-batch losses, reference losses, keys match)."""
+    """On every rank: (max relative gradient error, micro-batch losses, reference losses, keys match).
+    layout_kw: PipelineLayout's keywords, or layout_from_string's (text=..., pp_size=...)."""
     import torch.distributed as dist
 
     from megatron_sp.models.reference import ReferenceGPT
     from megatron_sp.pipeline_parallel.model import PipelineGPT
 
-    layout = PipelineLayout(**layout_kw)
+    layout = layout_from_string(**layout_kw) if "text" in layout_kw else PipelineLayout(**layout_kw)
     ps = parallel_state.initialize_model_parallel(tp, cp, pipeline_model_parallel_size=layout.pp_size)
     cfg = _config(model, tp, cp, sp, layers)
     samples = ps.dp_size * m * micro
@@ -136,6 +144,9 @@ CASES = {
         model="llama", layout_kw=dict(pp_size=4, vp_size=2, schedule="interleaved-zb"), m=4, layers=8
     ),
     "gpipe-uneven-gpt2": dict(model="gpt2", layout_kw=dict(pp_size=2, first=1, last=3, schedule="gpipe"), tp=2),
+    # --pipeline-model-parallel-layout: stages of 0, 3, 1, 0 layers (an embedding-only first stage, a loss-only
+    # last stage holding the tied copy), 2 chunks per rank, DP 2
+    "layout-string-uneven-gpt2": dict(model="gpt2", layout_kw=dict(text="E|ttt|t|L", pp_size=2)),
 }
 
 

@@ -314,20 +314,20 @@ def _position_flags(args) -> None:
 def _check_pipeline(args) -> None:
     """args.pipeline_layout (None at pp 1) from the pipeline flags; the layout, the micro-batch count
     and the options pipeline parallelism cannot serve yet, each refused in one sentence."""
-    from megatron_sp.pipeline_parallel.layout import layout_from_args
-
     pp = args.pipeline_model_parallel_size
     args.pipeline_layout = None
     layout_flags = (
         args.virtual_pipeline_model_parallel_size,
         args.num_layers_per_virtual_pipeline_stage,
+        args.num_virtual_stages_per_pipeline_rank,
+        args.pipeline_model_parallel_layout,
         args.decoder_first_pipeline_num_layers,
         args.decoder_last_pipeline_num_layers,
     )
     if pp == 1:
         if any(flag is not None for flag in layout_flags) or args.pipeline_schedule != "1f1b":
             raise ArgumentError(
-                "the virtual-stage, first/last-stage and --pipeline-schedule flags need "
+                "the virtual-stage, layout, first/last-stage and --pipeline-schedule flags need "
                 "--pipeline-model-parallel-size > 1."
             )
         return
@@ -336,18 +336,28 @@ def _check_pipeline(args) -> None:
             f"--pipeline-model-parallel-size {pp} with --torch-compile is not implemented yet; drop one of the two."
         )
     try:
-        layout = layout_from_args(
-            pp,
-            args.virtual_pipeline_model_parallel_size,
-            args.num_layers_per_virtual_pipeline_stage,
-            args.num_layers,
-            args.decoder_first_pipeline_num_layers,
-            args.decoder_last_pipeline_num_layers,
-            args.pipeline_schedule,
-        )
-        layout.check(args.num_layers)
+        layout = _pipeline_layout(args)
         for _, batch in args.batch_schedule.steps:
             layout.check_microbatches(batch // (args.micro_batch_size * args.data_parallel_size))
     except ValueError as err:
         raise ArgumentError(str(err)) from None
     args.pipeline_layout = layout
+
+
+def _pipeline_layout(args):
+    """The checked PipelineLayout the pipeline flags describe (ValueError: one sentence)."""
+    from megatron_sp.pipeline_parallel.layout import layout_from_args
+
+    layout = layout_from_args(
+        args.pipeline_model_parallel_size,
+        args.virtual_pipeline_model_parallel_size,
+        args.num_layers_per_virtual_pipeline_stage,
+        args.num_layers,
+        args.decoder_first_pipeline_num_layers,
+        args.decoder_last_pipeline_num_layers,
+        args.pipeline_schedule,
+        virtual_stages=args.num_virtual_stages_per_pipeline_rank,
+        text=args.pipeline_model_parallel_layout,
+    )
+    layout.check(args.num_layers)
+    return layout

@@ -63,6 +63,20 @@ def _pipeline_args(g):
         default=None,
         help="layers per model chunk (sets the above)",
     )
+    g.add_argument(
+        "--num-virtual-stages-per-pipeline-rank",
+        type=int,
+        default=None,
+        help="model chunks per rank (Megatron-LM's newer name of --virtual-pipeline-model-parallel-size)",
+    )
+    g.add_argument(
+        "--pipeline-model-parallel-layout",
+        default=None,
+        metavar="LAYOUT",
+        help="the stages spelled out, e.g. 'Et|(tt|)*2,tL': E embedding, t transformer layer, L loss, "
+        "stages in stage order (p·v of them, stage s on rank s mod p) between |, (…)*N and x*N repeat, "
+        "commas ignored (docs/parallelism.md)",
+    )
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None, help="layers of the first stage")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None, help="layers of the last stage")
     g.add_argument(

@@ -120,10 +120,6 @@ _GPT_OSS = (
 )
 _FP8 = "FP8 training needs Transformer Engine, which megatron_sp does not use; train in --bf16"
 _MFSDP = "Megatron-FSDP is not implemented; use --use-distributed-optimizer (ZeRO-1) for sharded optimizer state"
-PP = (
-    "this spelling of a pipeline layout is not implemented; use --virtual-pipeline-model-parallel-size or "
-    "--num-layers-per-virtual-pipeline-stage, and --decoder-first/last-pipeline-num-layers"
-)
 
 # (flag, or prefix ending in "-", the missing feature): in this order, the first match is reported.
 REFUSED = (
@@ -144,8 +140,6 @@ REFUSED = (
     ("--fsdp-", _MFSDP),
     ("--use-nccl-ub", _MFSDP),
     ("--multi-latent-attention", "multi-latent attention (DeepSeek's MLA) is not implemented"),
-    ("--num-virtual-stages-per-pipeline-rank", PP),
-    ("--pipeline-model-parallel-layout", PP),
 )
 
 
