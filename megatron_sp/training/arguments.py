@@ -105,7 +105,7 @@ def _parallel_args(p):
         "--use-torch-fsdp2",
         action="store_true",
         help="ZeRO-3 with torch FSDP2 (fully_shard per layer): shard weights, gradients and AdamW state over "
-        "the data- (and context-) parallel replicas, composed with TP+SP and CP (training/fsdp.py); not with PP",
+        "the data- (and context-) parallel replicas, composed with TP+SP, CP and PP (training/fsdp.py)",
     )
     g.add_argument(
         "--overlap-grad-reduce",
