@@ -1,6 +1,7 @@
 """pretrain_gpt_sp.py end to end on gloo: the same tiny model from the same seed on the same data with
-dropout on trains to the same per-iteration losses at TP=1, TP=2+SP, TP=2 × DP=2 and TP=4+SP (the last
-with --tp-comm-overlap: the flag through the command line)."""
+dropout on trains to the same per-iteration losses at TP=1, TP=2+SP, TP=2 × DP=2, TP=4+SP (with
+--tp-comm-overlap: the flag through the command line) and PP=4 (a layout string, the interleaved
+zero-bubble schedule; the other pipeline layouts in the program: tests/test_checkpoint.py)."""
 
 import pytest
 from launch_helpers import TINY, check, losses, torchrun
@@ -9,6 +10,12 @@ LAYOUTS = {
     "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "tp2_dp2": (4, ["--tensor-model-parallel-size", "2"]),
     "tp4_sp_overlap": (4, ["--tensor-model-parallel-size", "4", "--sequence-parallel", "--tp-comm-overlap"]),
+    # PP4 over the 2 layers: an embedding-only and a loss-only stage, Megatron's layout string, zero bubble
+    "pp4_layout_izb": (
+        4,
+        ["--pipeline-model-parallel-size", "4", "--pipeline-model-parallel-layout", "E|t|t|L"]
+        + ["--pipeline-schedule", "interleaved-zb"],
+    ),
 }
 ITERS = ["--train-iters", "20", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
