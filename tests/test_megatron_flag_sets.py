@@ -219,7 +219,7 @@ def test_legacy_position_flags_read_as_megatron_lm(flags, position):
         (["--moe-router-topk", "2", "--bogus"], "mixture of experts"),  # the feature first
         (["--pipeline-model-parallel-size", "3"], "× --pipeline-model-parallel-size 3."),
         (["--pipeline-model-parallel-size", "2", "--num-layers", "3"], "does not split evenly over 2 ranks"),
-        (["--pipeline-model-parallel-size", "2", "--torch-compile"], "with --torch-compile is not implemented yet"),
+        (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv", "--torch-compile"], "zero-bubble"),
         (["--pipeline-schedule", "zbv"], "need --pipeline-model-parallel-size > 1"),
         (
             [

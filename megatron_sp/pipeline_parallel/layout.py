@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved-zb", "zbv")
+ZERO_BUBBLE = ("zbv", "interleaved-zb")  # split backward: input and weight passes
 LAYOUT_FLAG = "--pipeline-model-parallel-layout"
 VP_FLAGS = "--virtual-pipeline-model-parallel-size (or --num-virtual-stages-per-pipeline-rank)"
 SYMBOLS = "EtmL"

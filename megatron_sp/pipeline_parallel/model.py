@@ -335,9 +335,6 @@ class PipelineGPT(nn.Module):
         return merged
 
 
-ZERO_BUBBLE = ("zbv", "interleaved-zb")
-
-
 def _make_schedule(name: str, stages: list, num_microbatches: int, loss_fn):
     """The torch.distributed.pipelining schedule of --pipeline-schedule for this rank's stages."""
     from torch.distributed import pipelining

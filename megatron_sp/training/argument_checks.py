@@ -314,6 +314,8 @@ def _position_flags(args) -> None:
 def _check_pipeline(args) -> None:
     """args.pipeline_layout (None at pp 1) from the pipeline flags; the layout, the micro-batch count
     and the options pipeline parallelism cannot serve yet, each refused in one sentence."""
+    from megatron_sp.pipeline_parallel.layout import ZERO_BUBBLE
+
     pp = args.pipeline_model_parallel_size
     args.pipeline_layout = None
     layout_flags = (
@@ -331,9 +333,11 @@ def _check_pipeline(args) -> None:
                 "--pipeline-model-parallel-size > 1."
             )
         return
-    if args.torch_compile:
+    if args.torch_compile and args.pipeline_schedule in ZERO_BUBBLE:
         raise ArgumentError(
-            f"--pipeline-model-parallel-size {pp} with --torch-compile is not implemented yet; drop one of the two."
+            f"--torch-compile cannot run --pipeline-schedule {args.pipeline_schedule}: a zero-bubble schedule "
+            f"splits each backward into input and weight passes through autograd's graph, which compiled layers "
+            f"hide; use 1f1b (interleaved with virtual stages) or gpipe."
         )
     try:
         layout = _pipeline_layout(args)
