@@ -1,6 +1,7 @@
-"""Checkpoints: exact resume (bit for bit), resharding TP=2+SP -> TP=1 and TP=4, to and from the
-distributed optimizer and pipeline stages (PP=2), atomic save under kill -9, --finetune / --no-load-optim,
-the safetensors conversion tool, and save/load restoring the states they are given in place."""
+"""Checkpoints: exact resume (bit for bit), resharding TP=2+SP -> TP=1 (-> TP=4: tests/test_cp_training.py),
+to and from the distributed optimizer, pipeline stages (PP=2) and FSDP2, atomic save under kill -9,
+--finetune / --no-load-optim, the safetensors conversion tool, and save/load restoring the states they
+are given in place."""
 
 import json
 import os
@@ -57,8 +58,8 @@ def test_exact_resume_is_bit_identical(runs, tmp_path):
     ReferenceGPT(config_from_dict(meta["config"]), initialise=False).load_state_dict(state)  # strict: every key, shape
 
 
-RESHARDED = {  # layout resumed at: (ranks, flags); "zero" and "pp2" save at 15, resumed as BACK says
-    "tp4": (4, ["--tensor-model-parallel-size", "4", "--sequence-parallel"]),
+RESHARDED = {  # layout resumed at: (ranks, flags); both save at 15, resumed as BACK says
+    # (TP=4+SP resuming a TP=2 checkpoint, key/value heads in copies: tests/test_cp_training.py)
     "zero": (2, ["--use-distributed-optimizer"]),
     "pp2": (4, ["--pipeline-model-parallel-size", "2"] + TP2_SP),
 }
@@ -68,15 +69,14 @@ BACK = {"zero": (2, TP2_SP), "pp2": (1, [])}  # PP2 × TP2+SP's checkpoint at PP
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(RESHARDED))
 def test_resharded_resume_matches(runs, tmp_path, layout):
-    """TP=2+SP -> TP=4+SP; -> TP=1 × DP=2 with the distributed optimizer (the AdamW state of a
-    replicated run sharded over the replicas); -> PP=2 × TP=2+SP (1F1B: one layer per stage, the tied
-    embedding on both): the last two save a checkpoint at iteration 15 that then resumes with the
-    replicated optimizer, at TP=2+SP and at PP=1 × TP=1 (PP=4 and other PP resharding: tests/
-    test_pipeline.py). Every loss on the uninterrupted run's curve (a lost or misplaced moment would
-    move it); the tools (generate, Hugging Face export) read the pipeline checkpoint whole."""
+    """TP=2+SP -> TP=1 × DP=2 with the distributed optimizer (the AdamW state of a replicated run
+    sharded over the replicas); -> PP=2 × TP=2+SP (1F1B: one layer per stage, the tied embedding on
+    both): each saves a checkpoint at iteration 15 that then resumes with the replicated optimizer, at
+    TP=2+SP and at PP=1 × TP=1 (PP=4 and other PP resharding: tests/test_pipeline.py). Every loss on
+    the uninterrupted run's curve (a lost or misplaced moment would move it); the tools (generate,
+    Hugging Face export) read the pipeline checkpoint whole."""
     ranks, flags = RESHARDED[layout]
-    if layout != "tp4":
-        flags = flags + ["--save", str(tmp_path / "zero"), "--save-interval", "5"]
+    flags = flags + ["--save", str(tmp_path / "zero"), "--save-interval", "5"]
     check(
         torchrun(
             ranks,
@@ -85,18 +85,17 @@ def test_resharded_resume_matches(runs, tmp_path, layout):
         )
     )
     got, want = losses(tmp_path / "r.jsonl"), losses(runs / "straight.jsonl")[10:]
-    if layout != "tp4":
-        (tmp_path / "zero" / checkpointing.LATEST).write_text("15\n")  # resume from iteration 15
-        back_ranks, back_flags = BACK[layout]
-        check(
-            torchrun(
-                back_ranks,
-                RUN + back_flags + ["--load", str(tmp_path / "zero"), "--log-jsonl", str(tmp_path / "b.jsonl")],
-                cwd=tmp_path,
-            )
+    (tmp_path / "zero" / checkpointing.LATEST).write_text("15\n")  # resume from iteration 15
+    back_ranks, back_flags = BACK[layout]
+    check(
+        torchrun(
+            back_ranks,
+            RUN + back_flags + ["--load", str(tmp_path / "zero"), "--log-jsonl", str(tmp_path / "b.jsonl")],
+            cwd=tmp_path,
         )
-        got += losses(tmp_path / "b.jsonl")
-        want += want[5:]
+    )
+    got += losses(tmp_path / "b.jsonl")
+    want += want[5:]
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert abs(a - b) <= 1e-5 * abs(b), (layout, got, want)

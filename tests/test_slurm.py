@@ -214,8 +214,10 @@ def assert_same_losses(got, want):
     assert worst <= 1e-6, f"losses differ by up to {worst:.3g}:\n{got}\n{want}"
 
 
-@pytest.mark.parametrize("template", ["srun", "torchrun"])
+@pytest.mark.parametrize("template", ["torchrun"])  # srun: test_usr1_saves_requeues_and_resumes_program
 def test_template_matches_local_torchrun(slurm_cluster, reference_losses, tmp_path, template):
+    """The program under a template logs the losses of a plain local torchrun. (Through srun.sbatch the
+    requeue test below asserts the same, across a preemption, so the suite runs that once.)"""
     log = tmp_path / "log.jsonl"
     job, out = submit_template(slurm_cluster, template, tmp_path, PROGRAM, [*TINY, "--log-jsonl", log])
     wait_completed(slurm_cluster, job, out)
