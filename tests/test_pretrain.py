@@ -1,7 +1,8 @@
 """pretrain_gpt_sp.py end to end on gloo: the same tiny model from the same seed on the same data with
 dropout on trains to the same per-iteration losses at TP=1, TP=2+SP, TP=2 × DP=2, TP=4+SP (with
---tp-comm-overlap: the flag through the command line) and PP=4 (a layout string, the interleaved
-zero-bubble schedule; the other pipeline layouts in the program: tests/test_checkpoint.py)."""
+--tp-comm-overlap: the flag through the command line), PP=2 × DP=2 interleaved and PP=4 with the
+interleaved zero-bubble schedule (both from layout strings; PP=2 × TP=2+SP and PP=2 × CP=2 under FSDP2
+in the program: tests/test_checkpoint.py)."""
 
 import pytest
 from launch_helpers import TINY, check, losses, torchrun
@@ -10,6 +11,8 @@ LAYOUTS = {
     "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "tp2_dp2": (4, ["--tensor-model-parallel-size", "2"]),
     "tp4_sp_overlap": (4, ["--tensor-model-parallel-size", "4", "--sequence-parallel", "--tp-comm-overlap"]),
+    # PP2 × DP2, interleaved: 2 chunks per rank from Megatron's layout string over TINY's 2 layers
+    "pp2_dp2_interleaved": (4, ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "E|t|t|L"]),
     # PP4 over the 2 layers: an embedding-only and a loss-only stage, Megatron's layout string, zero bubble
     "pp4_layout_izb": (
         4,
