@@ -642,7 +642,7 @@ def _fsdp2_checkpoint_resumes_plain(root, cfg, ps, args, sharded, fsdp_opt, plai
 
     from megatron_sp import checkpointing
     from megatron_sp.models.gpt import GPTModel
-    from megatron_sp.training.fsdp import checkpoint_states
+    from megatron_sp.training.fsdp_checkpoint import checkpoint_states
     from megatron_sp.training.optimizer import build_optimizer, local_optimizer
 
     quiet = lambda *a: None  # noqa: E731

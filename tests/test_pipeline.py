@@ -313,7 +313,8 @@ def _fsdp2_under_the_pipeline(layout_kw, model, cp, dtype, root):
 
     from megatron_sp import checkpointing
     from megatron_sp.pipeline_parallel.model import PipelineGPT
-    from megatron_sp.training.fsdp import build_fsdp_optimizer, checkpoint_states
+    from megatron_sp.training.fsdp import build_fsdp_optimizer
+    from megatron_sp.training.fsdp_checkpoint import checkpoint_states
     from megatron_sp.training.loop import evaluate, train_step
     from megatron_sp.training.optimizer import build_optimizer, local_optimizer
 

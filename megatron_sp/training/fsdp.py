@@ -54,6 +54,8 @@ copy sums need the TP-local layout, so those parameters' gradient shards are pla
 tensor for the sum (a QKV weight's worth, transient) and taken back; the norms count the copied rows on
 the first copy's ranks only.
 
+Checkpoints keep the canonical entries (training/fsdp_checkpoint.py).
+
 What does not compose (refused in one sentence by `problem(args)`): --use-distributed-optimizer
 (FSDP2 shards the optimizer state itself), --grad-reduce-in-bf16 (FSDP2 reduces in fp32), a
 single replica (nothing to shard over) and --torch-compile (not verified with it).
@@ -68,13 +70,11 @@ from types import SimpleNamespace
 
 import torch
 
-from megatron_sp.checkpointing.canonical import empty_dcp_target, from_canonical_local, to_dcp_tensor
-from megatron_sp.checkpointing.states import ModelState, OptimizerState, adam_load_target
 from megatron_sp.parallel_state import ParallelState
 from megatron_sp.tensor_parallel.sharding import ShardSpec, segment_shards
 from megatron_sp.training.distributed_optimizer import replica_group
 
-_ATTRS = ("shard_spec", "sequence_parallel", "init_tag", "pipeline_copy")  # what our sums, norms, checkpoints read
+SHARD_ATTRS = ("shard_spec", "sequence_parallel", "init_tag", "pipeline_copy")  # what our sums, norms, checkpoints read
 
 FLAG = "--use-torch-fsdp2"
 
@@ -127,7 +127,7 @@ def shard_model(model, ps: ParallelState, device: str):
     DTensors sharded on dim 0 and keep their attributes."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    attrs = {n: {a: getattr(p, a) for a in _ATTRS if hasattr(p, a)} for n, p in model.named_parameters()}
+    attrs = {n: {a: getattr(p, a) for a in SHARD_ATTRS if hasattr(p, a)} for n, p in model.named_parameters()}
     policy = MixedPrecisionPolicy()
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(model.cfg.params_dtype)
     if low is not None:  # fp32 shards (the main weights: the rounded values, as --bf16's / --fp16's are)
@@ -324,85 +324,3 @@ def build_fsdp_optimizer(model, args, device: str, ps: ParallelState) -> FSDPOpt
     shard_model(model, ps, device)
     decoupled = getattr(args, "decoupled_lr", None) is not None
     return FSDPOptimizer(model, ps, _adamw(args, device, distributed=True), args.weight_decay, decoupled)
-
-
-# ---- checkpoints: today's canonical entries --------------------------------------------------------
-
-
-def _like(p) -> torch.Tensor:
-    """A zero fp32 tensor of p's TP-local shape with p's attributes (what canonical.py converts)."""
-    t = torch.zeros(p.shape, dtype=torch.float32, device=p._local_tensor.device)
-    for a in _ATTRS:
-        if hasattr(p, a):
-            setattr(t, a, getattr(p, a))
-    return t
-
-
-def _gathered(dt, p) -> torch.Tensor:
-    """The TP-local tensor of a DP×CP-sharded DTensor (collective over the mesh), with p's attributes."""
-    t = dt.full_tensor()
-    for a in _ATTRS:
-        if hasattr(p, a):
-            setattr(t, a, getattr(p, a))
-    return t
-
-
-def _my_chunk(full: torch.Tensor, p) -> torch.Tensor:
-    """This rank's dim-0 chunk of a TP-local tensor, as FSDP2 shards it (torch.chunk; empty past the end)."""
-    mesh = p.device_mesh
-    chunks = torch.chunk(full, mesh.size(), dim=0)
-    rank = mesh.get_local_rank()
-    return chunks[rank] if rank < len(chunks) else full.new_zeros((0,) + tuple(full.shape[1:]))
-
-
-class FSDPModelState(ModelState):
-    """ModelState of an FSDP2 model: saves each parameter's TP-local tensor (gathered over DP×CP), so
-    the entries are canonical.py's; loads by taking this rank's chunk of them."""
-
-    def _saved(self):
-        return [(n, _gathered(p, p)) for n, p in self.model.named_parameters()]
-
-    def load_target(self) -> dict:
-        return {n: empty_dcp_target(_like(p), self.ps) for n, p in self.model.named_parameters()}
-
-    @torch.no_grad()
-    def load_state_dict(self, loaded: dict) -> None:
-        for name, p in self.model.named_parameters():
-            value = from_canonical_local(loaded[name], _like(p), self.ps)
-            p._local_tensor.copy_(_my_chunk(value, p))
-
-
-class FSDPOptimizerState(OptimizerState):
-    """OptimizerState of an FSDPOptimizer: the AdamW moments gathered to their TP-local tensors (the
-    replicated optimizer's canonical entries) on save, this rank's chunk of them on load."""
-
-    def state_dict(self) -> dict:
-        out = {}
-        for name, p in self.params:
-            st = self.optimizer.state.get(p, {})
-            local = {"step": torch.as_tensor(st.get("step", 0.0), dtype=torch.float32).cpu().clone()}
-            for key in ("exp_avg", "exp_avg_sq"):
-                full = _gathered(st[key], p) if key in st else _like(p)
-                local[key] = to_dcp_tensor(full, full, self.ps)
-            out[name] = local
-        return out
-
-    def load_target(self) -> dict:
-        return adam_load_target(self.params, self.ps, like=_like)
-
-    @torch.no_grad()
-    def load_state_dict(self, loaded: dict) -> None:
-        fused = any(g.get("fused") or g.get("capturable") for g in self.optimizer.param_groups)
-        for name, p in self.params:
-            saved = loaded[name]
-            state = {"step": saved["step"].clone().to(p.device if fused else "cpu")}
-            for key in ("exp_avg", "exp_avg_sq"):
-                moment = torch.zeros_like(p)  # a DTensor sharded as p
-                moment._local_tensor.copy_(_my_chunk(from_canonical_local(saved[key], _like(p), self.ps), p))
-                state[key] = moment
-            self.optimizer.state[p] = state
-
-
-def checkpoint_states(model, optimizer: FSDPOptimizer, ps) -> dict:
-    """The model and optimizer entries of a checkpoint of an FSDP2 run (pretrain.Trainer's others as usual)."""
-    return {"model": FSDPModelState(model, ps), "optim": FSDPOptimizerState(optimizer.optim, model, ps)}

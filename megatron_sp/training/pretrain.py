@@ -282,7 +282,7 @@ class Trainer:
     def _checkpoint_states(self) -> dict:
         """What a checkpoint of this run holds (megatron_sp/checkpointing/states.py)."""
         if self.args.use_torch_fsdp2:  # the same canonical entries, gathered from the FSDP2 shards
-            from megatron_sp.training.fsdp import checkpoint_states
+            from megatron_sp.training.fsdp_checkpoint import checkpoint_states
 
             tensors = checkpoint_states(self.model, self.optimizer, self.ps)
         else:
