@@ -73,8 +73,7 @@ import torch
 from megatron_sp.parallel_state import ParallelState
 from megatron_sp.tensor_parallel.sharding import ShardSpec, segment_shards
 from megatron_sp.training.distributed_optimizer import replica_group
-
-SHARD_ATTRS = ("shard_spec", "sequence_parallel", "init_tag", "pipeline_copy")  # what our sums, norms, checkpoints read
+from megatron_sp.training.optimizer import PARAM_ATTRS  # what our sums, norms and checkpoints read
 
 FLAG = "--use-torch-fsdp2"
 
@@ -127,7 +126,7 @@ def shard_model(model, ps: ParallelState, device: str):
     DTensors sharded on dim 0 and keep their attributes."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    attrs = {n: {a: getattr(p, a) for a in SHARD_ATTRS if hasattr(p, a)} for n, p in model.named_parameters()}
+    attrs = {n: {a: getattr(p, a) for a in PARAM_ATTRS if hasattr(p, a)} for n, p in model.named_parameters()}
     policy = MixedPrecisionPolicy()
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(model.cfg.params_dtype)
     if low is not None:  # fp32 shards (the main weights: the rounded values, as --bf16's / --fp16's are)

@@ -10,13 +10,14 @@ import torch
 
 from megatron_sp.checkpointing.canonical import empty_dcp_target, from_canonical_local, to_dcp_tensor
 from megatron_sp.checkpointing.states import ModelState, OptimizerState, adam_load_target
-from megatron_sp.training.fsdp import SHARD_ATTRS, FSDPOptimizer
+from megatron_sp.training.fsdp import FSDPOptimizer
+from megatron_sp.training.optimizer import PARAM_ATTRS
 
 
 def _like(p) -> torch.Tensor:
     """A zero fp32 tensor of p's TP-local shape with p's attributes (what canonical.py converts)."""
     t = torch.zeros(p.shape, dtype=torch.float32, device=p._local_tensor.device)
-    for a in SHARD_ATTRS:
+    for a in PARAM_ATTRS:
         if hasattr(p, a):
             setattr(t, a, getattr(p, a))
     return t
@@ -25,7 +26,7 @@ def _like(p) -> torch.Tensor:
 def _gathered(dt, p) -> torch.Tensor:
     """The TP-local tensor of a DP×CP-sharded DTensor (collective over the mesh), with p's attributes."""
     t = dt.full_tensor()
-    for a in SHARD_ATTRS:
+    for a in PARAM_ATTRS:
         if hasattr(p, a):
             setattr(t, a, getattr(p, a))
     return t

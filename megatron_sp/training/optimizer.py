@@ -32,12 +32,12 @@ from megatron_sp.training.distributed_optimizer import ParamBroadcast, Partition
 from megatron_sp.training.grad_buffers import GradBuffers
 from megatron_sp.training.loss_scale import ConstantLossScaler, DynamicLossScaler, _collective_device  # noqa: F401
 
-_PARAM_ATTRS = (
+PARAM_ATTRS = (
     "shard_spec",
     "sequence_parallel",
     "init_tag",
     "pipeline_copy",
-)  # what the norm and the partial sums read
+)  # what the norm, the partial sums, FSDP2 and its checkpoints read
 
 # Megatron-LM's "embedding or output" parameters, which --decoupled-lr trains with an LR of their own.
 DECOUPLED = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -60,7 +60,7 @@ def _main_weight(p: torch.Tensor) -> torch.Tensor:
     if p.dtype == torch.float32:
         return p
     main = p.detach().float()
-    for name in _PARAM_ATTRS:
+    for name in PARAM_ATTRS:
         if hasattr(p, name):
             setattr(main, name, getattr(p, name))
     return main
