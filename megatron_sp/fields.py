@@ -62,6 +62,9 @@ class FieldInfo:
     group: str = "model"  # the --help group of its flags
     resume: Optional[Callable] = None  # ALWAYS / IF_ROTARY / IF_ROPE_SCALED: must match on resume
     hf: dict = dataclasses.field(default_factory=dict)  # {"gpt2": "n_layer", "llama": "num_hidden_layers"}
+    nargs: Optional[str] = None  # argparse's nargs of its flags ("+": one or more words)
+    parse: Optional[Callable] = None  # a flag's word -> the value (argparse's type); default by the field's type
+    format: Optional[Callable] = None  # the value -> the flag's words (model_flags); default [str(value)]
 
 
 def model_field(default=dataclasses.MISSING, **info) -> dataclasses.Field:
