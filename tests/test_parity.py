@@ -62,6 +62,11 @@ def _config(tp=1, sp=False, dropout=0.0, fused=FUSED, family="gpt2", cp=1, comm=
     )
 
 
+def _levels(cfg):
+    """The hierarchical CP sizes the groups are built with (a2a+p2p), or None."""
+    return cfg.hierarchical_context_parallel_sizes
+
+
 def family_fields(family):
     """A family not in FAMILIES: a registered model name or a "module:SPEC" path."""
     return {"model": family}
@@ -110,8 +115,9 @@ def _parity_worker(tp, sp, dropout, fused=FUSED, family="gpt2", cp=1, comm="p2p"
     from megatron_sp.models.gpt import GPTModel
     from megatron_sp.training.optimizer import global_grad_norm
 
-    ps = parallel_state.initialize_model_parallel(tp, cp)
-    model = GPTModel(_config(tp, sp, dropout, fused, family, cp, comm, extra))
+    cfg = _config(tp, sp, dropout, fused, family, cp, comm, extra)
+    ps = parallel_state.initialize_model_parallel(tp, cp, hierarchical_context_parallel_sizes=_levels(cfg))
+    model = GPTModel(cfg)
     if compile_options is not None:  # --torch-compile
         compile_layers(model, **compile_options)
     init = model.full_state_dict()
@@ -312,8 +318,9 @@ def _document_worker(tp, sp, family, cp=1, comm="p2p", extra=None, dropout=0.1):
     from megatron_sp import parallel_state
     from megatron_sp.models.gpt import GPTModel
 
-    parallel_state.initialize_model_parallel(tp, cp)
-    model = GPTModel(_config(tp, sp, dropout, False, family, cp, comm, extra))
+    cfg = _config(tp, sp, dropout, False, family, cp, comm, extra)
+    parallel_state.initialize_model_parallel(tp, cp, hierarchical_context_parallel_sizes=_levels(cfg))
+    model = GPTModel(cfg)
     tokens, labels, ids, positions, mask = _documents()
     loss = model(tokens, labels, sample_ids=ids, position_ids=positions, attention_mask=mask)
     loss.backward()
