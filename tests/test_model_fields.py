@@ -62,6 +62,10 @@ MODEL_FLAGS = {
     "--tensor-model-parallel-size": 1,
     "--context-parallel-size": 1,
     "--cp-comm-type": "p2p",
+    "--hierarchical-context-parallel-sizes": None,
+    "--window-size": None,
+    "--window-attn-skip-freq": None,
+    "--softmax-type": "vanilla",
     "--sequence-parallel": (True,),
     "--fp32-residual-connection": (True,),
     "--attention-softmax-in-fp32": (True,),
@@ -73,7 +77,8 @@ CHOICES = {
     "--attention-backend": ["auto", "flash", "fused", "unfused", "local"],
     "--recompute-granularity": ["full", "selective"],
     "--recompute-method": ["uniform", "block"],
-    "--cp-comm-type": ["p2p", "a2a"],
+    "--cp-comm-type": ["p2p", "a2a", "allgather", "a2a+p2p"],
+    "--softmax-type": ["vanilla", "off-by-one", "learnable"],
 }
 FIELDS = {f.name: f for f in dataclasses.fields(GPTConfig)}
 
