@@ -388,6 +388,65 @@ def test_context_parallel_parity_llama_gqa(pool, family, tp, cp, comm, overlap):
     check_parity(pool, tp, tp > 1, 0.1, fused=False, family=family, cp=cp, comm=comm, extra=_overlap(overlap))
 
 
+# Megatron's CP types, each at CP2 (with TP2+SP) and CP4, a2a+p2p at 2 x 2, a per-layer mix, with the
+# attention variants they run beyond Transformer Engine: a sliding window of 5 tokens (SEQ 32 at CP4:
+# zigzag chunks of 4, so the ring skips whole blocks and the window's edge crosses others), on every
+# other layer with --window-attn-skip-freq 2; learnt sinks (one logit per head) or off-by-one.
+WINDOW = {"window_size": (5, 0)}
+SINKS = {"softmax_type": "learnable"}
+LEVELS = lambda a, p: {"hierarchical_context_parallel_sizes": (a, p)}  # noqa: E731
+CP_TYPES = [  # comm, tp, cp, family, dropout, model fields (both models), parallel fields
+    ("p2p", 1, 4, "llama", 0.1, {**WINDOW, **SINKS}, {}),
+    ("p2p", 2, 2, "llama", 0.0, {**WINDOW, **SINKS}, {}),  # torch's kernels per planned block
+    ("a2a", 2, 2, "llama", 0.1, {**WINDOW, **SINKS}, {}),
+    ("a2a", 1, 4, "gpt2", 0.0, {**WINDOW, "softmax_type": "off-by-one"}, {}),
+    ("allgather", 2, 2, "llama", 0.1, {**WINDOW, "window_attn_skip_freq": 2, **SINKS}, {}),
+    ("allgather", 1, 4, "gpt2", 0.0, {"softmax_type": "off-by-one"}, {}),
+    ("a2a+p2p", 1, 4, "llama", 0.1, {**WINDOW, **SINKS}, LEVELS(2, 2)),
+    ("a2a+p2p", 2, 2, "llama", 0.0, WINDOW, LEVELS(2, 1)),
+    (("p2p", "a2a"), 2, 2, "gpt2", 0.1, {}, {}),  # Ulysses on the zigzag split the ring needs
+    (("allgather", "a2a+p2p"), 1, 4, "llama", 0.1, {**WINDOW, "window_attn_skip_freq": 2}, LEVELS(2, 2)),
+]
+
+
+def _type_id(case):
+    comm, tp, cp, family, dropout, shared, extra = case
+    names = "+".join(comm) if isinstance(comm, tuple) else comm
+    return f"{names}-tp{tp}-cp{cp}-{family}-p{dropout}-" + "-".join(f"{k}={v}" for k, v in shared.items())
+
+
+@pytest.mark.parametrize("comm,tp,cp,family,dropout,shared,extra", CP_TYPES, ids=[_type_id(c) for c in CP_TYPES])
+def test_every_cp_comm_type_with_windows_and_sinks(pool, comm, tp, cp, family, dropout, shared, extra):
+    """--cp-comm-type p2p / a2a / allgather / a2a+p2p (one type, or one per layer) with GQA, the
+    sliding window and attention sinks: losses, gradients (the sinks' included) and parameters after
+    the AdamW steps equal the serial model's, dropout on and off."""
+    check_parity(pool, tp, tp > 1, dropout, fused=False, family=family, cp=cp, comm=comm, extra=extra, shared=shared)
+
+
+@pytest.mark.parametrize(
+    "comm,dropout,shared,extra",
+    [
+        ("allgather", 0.0, {**WINDOW, "softmax_type": "off-by-one"}, {}),
+        ("a2a+p2p", 0.1, {**WINDOW, **SINKS}, LEVELS(2, 2)),
+        ("p2p", 0.1, {"window_size": (3, 0)}, {}),
+    ],
+)
+def test_documents_windows_and_sinks_under_cp(pool, comm, dropout, shared, extra):
+    """Documents (reset positions, block-causal masks) with a window that crosses their boundaries and
+    sinks, at CP4 (Llama, GQA): the loss and every gradient of the serial model."""
+    from megatron_sp.models.reference import ReferenceGPT
+
+    ref = ReferenceGPT(_config(dropout=dropout, family="llama", extra=shared))
+    tokens, labels, ids, positions, mask = _documents()
+    loss = ref(tokens, labels, sample_ids=ids, position_ids=positions, attention_mask=mask)
+    loss.backward()
+    assert abs(loss.item() - ReferenceGPT(_config(dropout=dropout, family="llama"))(tokens, labels).item()) > 1e-4
+    for got_loss, grads in pool.run(_document_worker, 1, False, "llama", 4, comm, {**shared, **extra}, dropout):
+        assert abs(got_loss - loss.item()) <= 1e-5 * loss.item()
+        for name, p in ref.named_parameters():
+            assert _rel(grads[name], p.grad) < 1e-5, name
+
+
 def _non_document_mask_worker():
     from megatron_sp import parallel_state
     from megatron_sp.models.gpt import GPTModel
