@@ -7,9 +7,10 @@
     python tools/plan.py --largest-llama --seq-length 8192 --gpus 64 --gpu-memory-gib 80 --bf16
 
 It takes pretrain_gpt_sp.py's flags (the program's own parser): the model flags describe the model,
-and the layout flags given (--tensor-model-parallel-size, --context-parallel-size,
---sequence-parallel, --recompute-granularity, --use-distributed-optimizer, --use-torch-fsdp2,
---pipeline-model-parallel-size) pin that dimension; the others are enumerated. The memory and time
+and the layout flags given (--tensor-model-parallel-size, --context-parallel-size, --cp-comm-type,
+--hierarchical-context-parallel-sizes, --sequence-parallel, --recompute-granularity,
+--use-distributed-optimizer, --use-torch-fsdp2, --pipeline-model-parallel-size) pin that dimension;
+the others are enumerated (with CP, each of Megatron's four types). The memory and time
 models are megatron_sp/planning/ (their docstrings state every term and constant); the constants
 of the step-time model are the flags of the "cluster" group.
 """
@@ -164,6 +165,11 @@ def _layout_rules(args, given: set) -> list:
 
 def fixed_dimensions(args, given: set) -> dict:
     fixed = {dim: getattr(args, dest) for dim, dest in LAYOUT_FLAGS.items() if dest in given}
+    if "cp_comm_type" in given:  # one type, or one per layer
+        types = args.cp_comm_type
+        fixed["cp_comm"] = types if isinstance(types, str) else (types[0] if len(types) == 1 else tuple(types))
+    if "hierarchical_context_parallel_sizes" in given:
+        fixed["levels"] = tuple(args.hierarchical_context_parallel_sizes)
     if args.use_torch_fsdp2:
         fixed["sharding"] = "fsdp2"
     elif args.use_distributed_optimizer:
@@ -204,6 +210,7 @@ def base_config(args, given: set) -> dict:
         args.vocab_size = tok.vocab_size
     fields["vocab_size"] = args.vocab_size
     serial = dict(tensor_model_parallel_size=1, context_parallel_size=1, sequence_parallel=False)
+    serial.update(cp_comm_type="p2p", hierarchical_context_parallel_sizes=None)
     pinned = {k: v for k, v in fields.items() if k in serial and k in given}
     try:
         GPTConfig(**dict(fields, **serial))
@@ -265,7 +272,8 @@ def table(headers, rows) -> str:
 
 
 def report(args, base, prec, cluster, fits, too_big) -> None:
-    cfg = GPTConfig(**dict(base, tensor_model_parallel_size=1, context_parallel_size=1, sequence_parallel=False))
+    serial = dict(tensor_model_parallel_size=1, context_parallel_size=1, sequence_parallel=False)
+    cfg = GPTConfig(**dict(base, **serial, hierarchical_context_parallel_sizes=None))
     print(
         f"model: {cfg.model}, {cfg.num_parameters() / 1e9:.2f} B parameters, seq {cfg.seq_length}, micro batch "
         f"{args.micro_batch_size}, global batch {args.global_batch_size}; precision {prec.name} "
