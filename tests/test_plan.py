@@ -74,10 +74,10 @@ def _measure(argv):
     backward, the optimizer state after a step, the bytes saved for the backward."""
     import torch.distributed as dist
 
+    from megatron_sp.distributed.distributed_optimizer import replica_group
+    from megatron_sp.distributed.optimizer import local_optimizer
     from megatron_sp.training import loop
     from megatron_sp.training.arguments import parse_args
-    from megatron_sp.training.distributed_optimizer import replica_group
-    from megatron_sp.training.optimizer import local_optimizer
     from megatron_sp.training.pretrain import Trainer, check_inputs, data_iterator
 
     args = parse_args(argv, world_size=dist.get_world_size())

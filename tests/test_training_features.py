@@ -22,10 +22,10 @@ def test_per_token_loss_is_the_global_token_mean():
     sum(token losses) / 62, not of the mean of the two means."""
     from megatron_sp import parallel_state
     from megatron_sp.config import GPTConfig
+    from megatron_sp.distributed.optimizer import build_optimizer
     from megatron_sp.models.gpt import GPTModel
     from megatron_sp.models.reference import ReferenceGPT
     from megatron_sp.training.loop import train_step
-    from megatron_sp.training.optimizer import build_optimizer
 
     cfg = GPTConfig(
         num_layers=1,
@@ -167,8 +167,8 @@ def test_null_tokenizer_data_of_megatron_core_016_names_the_fix(tmp_path):
 def test_decoupled_lr_drives_the_embedding_and_output_layer():
     """--decoupled-lr: the word embedding and the output layer follow a schedule of their own."""
     from megatron_sp.config import GPTConfig
+    from megatron_sp.distributed.optimizer import param_groups
     from megatron_sp.models.reference import ReferenceGPT
-    from megatron_sp.training.optimizer import param_groups
     from megatron_sp.training.schedules import LRSchedule
 
     cfg = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=50, seq_length=8)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_sp.training.optimizer import count_zero_grads, global_param_norm, local_optimizer
+from megatron_sp.distributed.optimizer import count_zero_grads, global_param_norm, local_optimizer
 from megatron_sp.training.throughput import throughput
 
 

@@ -1,7 +1,7 @@
 """Megatron's param-and-grad buffer: every parameter's gradient accumulates into `param.main_grad`, a
 view of one contiguous buffer per bucket, in fp32 whatever the parameter's dtype (bf16 with
 --grad-reduce-in-bf16), and the data-parallel reduction runs on those buffers in place
-(training/grad_sync.py): no gradient is copied into a flat tensor and back.
+(distributed/grad_sync.py): no gradient is copied into a flat tensor and back.
 
     bucket i    buffer [numel_i], one dtype        its parameters in backward order (reverse creation
                                                    order), about BUCKET_BYTES of gradients each, all

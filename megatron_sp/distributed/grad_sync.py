@@ -1,5 +1,5 @@
 """Gradient synchronisation between the backward passes and the optimizer step, in place on the
-gradient buffers (training/grad_buffers.py: each parameter's `main_grad` is a view of its bucket).
+gradient buffers (distributed/grad_buffers.py: each parameter's `main_grad` is a view of its bucket).
 
 1. Data and context parallelism: every gradient is averaged over the DP group and summed over the CP
    group (each CP rank saw its part of every sequence; the loss is the whole sequence's mean): one
@@ -12,7 +12,7 @@ gradient buffers (training/grad_buffers.py: each parameter's `main_grad` is a vi
 The sums act on different groups and commute; the DP×CP one goes first because the overlapped
 buckets start it during the backward.
 
-With the distributed optimizer's `partition` (training/distributed_optimizer.py) a bucket holds one
+With the distributed optimizer's `partition` (distributed/distributed_optimizer.py) a bucket holds one
 owner's parameters and is reduced to that owner instead of all-reduced; the other replicas leave
 those gradients alone (nothing reads them before the next step zeroes the buffers).
 """
@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_sp.distributed.grad_buffers import BUCKET_BYTES, GradBuffers  # noqa: F401 (re-exported)
 from megatron_sp.parallel_state import ParallelState
-from megatron_sp.training.grad_buffers import BUCKET_BYTES, GradBuffers  # noqa: F401 (re-exported)
 
 
 def _replicas(ps) -> int:

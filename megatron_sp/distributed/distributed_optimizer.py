@@ -7,7 +7,7 @@ owners. Per step, instead of an all-reduce of every gradient bucket:
   1. each bucket is *reduced* to its owner (grad_sync), in place in the gradient buffers, overlapped
      with the backward as before; the other replicas ignore those gradients (clipping, the norm and
      fp16 checks see only the gradients this rank owns);
-  2. the owner steps the fp32 main weights of its parameters with its AdamW (training/optimizer.py)
+  2. the owner steps the fp32 main weights of its parameters with its AdamW (distributed/optimizer.py)
      and copies them into the model's parameters;
   3. every owner *broadcasts* its parameters, held in one flat buffer per owner (the parameters
      are views of it, so nothing is copied), in the parameters' dtype.

@@ -14,8 +14,8 @@ rank shards the same way, so our TP collectives and partial sums act on matching
 
 Gradients: FSDP2 reduce-scatters each micro-batch's gradients in the backward and accumulates them in
 the sharded `.grad` (DTensors); its reduction is a *sum* over DP×CP divided by dp_size, which is plain
-DP's semantics (the DP mean of the CP partial sums: training/grad_sync.py). The gradient buffers and the
-DP sync of training/grad_buffers.py / grad_sync.py are not built: FSDP2 owns the gradients. What is
+DP's semantics (the DP mean of the CP partial sums: distributed/grad_sync.py). The gradient buffers and the
+DP sync of distributed/grad_buffers.py / grad_sync.py are not built: FSDP2 owns the gradients. What is
 left after the backward is ours (`FSDPOptimizer.finalize_grads`): the SP-region partial sums over TP, on
 the local shards. Clipping sums the squares of the local shards: TP-split ones over the whole world,
 TP-replicated ones over the DP×CP group only (every TP rank holds the same shard of those).
@@ -54,7 +54,7 @@ copy sums need the TP-local layout, so those parameters' gradient shards are pla
 tensor for the sum (a QKV weight's worth, transient) and taken back; the norms count the copied rows on
 the first copy's ranks only.
 
-Checkpoints keep the canonical entries (training/fsdp_checkpoint.py).
+Checkpoints keep the canonical entries (distributed/fsdp_checkpoint.py).
 
 What does not compose (refused in one sentence by `problem(args)`): --use-distributed-optimizer
 (FSDP2 shards the optimizer state itself), --grad-reduce-in-bf16 (FSDP2 reduces in fp32), a
@@ -70,10 +70,10 @@ from types import SimpleNamespace
 
 import torch
 
+from megatron_sp.distributed.distributed_optimizer import replica_group
+from megatron_sp.distributed.optimizer import PARAM_ATTRS  # what our sums, norms and checkpoints read
 from megatron_sp.parallel_state import ParallelState
 from megatron_sp.tensor_parallel.sharding import ShardSpec, segment_shards
-from megatron_sp.training.distributed_optimizer import replica_group
-from megatron_sp.training.optimizer import PARAM_ATTRS  # what our sums, norms and checkpoints read
 
 FLAG = "--use-torch-fsdp2"
 
@@ -266,12 +266,12 @@ def _local_grad(p) -> torch.Tensor:
 
 class FSDPOptimizer:
     """AdamW over the model's FSDP2-sharded fp32 parameters (DTensors): MixedPrecisionOptimizer's
-    interface (training/optimizer.py) for the training loop, with no gradient buffers."""
+    interface (distributed/optimizer.py) for the training loop, with no gradient buffers."""
 
     grad_buffers = None
 
     def __init__(self, model, ps: ParallelState, make_optimizer, weight_decay: float, decoupled=False):
-        from megatron_sp.training.optimizer import param_groups
+        from megatron_sp.distributed.optimizer import param_groups
 
         self.model, self.ps = model, ps
         self.partition = ReplicaShards(replica_group(ps))
@@ -318,7 +318,7 @@ class FSDPOptimizer:
 
 def build_fsdp_optimizer(model, args, device: str, ps: ParallelState) -> FSDPOptimizer:
     """Shards the model (shard_model) and returns its optimizer (optimizer.py's AdamW factory)."""
-    from megatron_sp.training.optimizer import _adamw
+    from megatron_sp.distributed.optimizer import _adamw
 
     shard_model(model, ps, device)
     decoupled = getattr(args, "decoupled_lr", None) is not None

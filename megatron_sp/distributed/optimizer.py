@@ -3,7 +3,7 @@ global gradient norm and clipping.
 
 Megatron's meaning of --bf16 / --fp16: the model's parameters are bf16/fp16; the optimizer keeps an
 fp32 *main* copy of each and the AdamW moments in fp32, and steps those with the fp32 gradients that the
-gradient buffers accumulated (training/grad_buffers.py: `param.main_grad`); after the step the main
+gradient buffers accumulated (distributed/grad_buffers.py: `param.main_grad`); after the step the main
 weights are copied into the model. In fp32 the parameter is its own main weight. Bytes per parameter
 on a rank (r = DP × CP replicas; --grad-reduce-in-bf16 makes the gradient 2):
 
@@ -16,9 +16,9 @@ update. What needs care is the gradient norm: each parameter must count once how
 (TP-split: sum the squares over the TP group) or replicated (identical on the TP ranks and on the
 DP replicas: count one copy).
 
-Distributed optimizer (`--use-distributed-optimizer`, ZeRO-1): training/distributed_optimizer.py; a
+Distributed optimizer (`--use-distributed-optimizer`, ZeRO-1): distributed/distributed_optimizer.py; a
 rank then holds main weights and moments only for the parameters it owns, and the gradient norm sums
-the squares each replica owns. fp16 loss scaling: training/loss_scale.py.
+the squares each replica owns. fp16 loss scaling: distributed/loss_scale.py.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_sp.distributed.distributed_optimizer import ParamBroadcast, Partition, _NoParameters, replica_group
+from megatron_sp.distributed.grad_buffers import GradBuffers
+from megatron_sp.distributed.loss_scale import ConstantLossScaler, DynamicLossScaler, _collective_device  # noqa: F401
 from megatron_sp.parallel_state import ParallelState
 from megatron_sp.tensor_parallel.sharding import split_local
-from megatron_sp.training.distributed_optimizer import ParamBroadcast, Partition, _NoParameters, replica_group
-from megatron_sp.training.grad_buffers import GradBuffers
-from megatron_sp.training.loss_scale import ConstantLossScaler, DynamicLossScaler, _collective_device  # noqa: F401
 
 PARAM_ATTRS = (
     "shard_spec",
@@ -70,7 +70,7 @@ class MixedPrecisionOptimizer:
     """AdamW (`optim`, made by `make_optimizer(groups)`) over the fp32 main weights of the parameters
     this rank steps: all of them, or with a distributed optimizer's `partition` the ones it owns.
 
-    Per step: zero_grad() (the gradient buffers), backward, grad sync (training/grad_sync.py), then
+    Per step: zero_grad() (the gradient buffers), backward, grad sync (distributed/grad_sync.py), then
     prepare_grads() -> the main weights, each with `.grad` its gradient in fp32 (clip and unscale
     those), step() -> AdamW, main weights copied into the model, owners broadcast (distributed).
     """
@@ -171,7 +171,7 @@ def global_grad_norm(params, ps: ParallelState, partition: Partition | None = No
 
 def global_param_norm(params, ps: ParallelState, partition=None) -> float:
     """L2 norm of the full (serial) parameters, each counted once (--log-params-norm); partition: the
-    replicas each hold their own part of `params` (FSDP2's shards: training/fsdp.py)."""
+    replicas each hold their own part of `params` (FSDP2's shards: distributed/fsdp.py)."""
     return _global_sum(list(params), lambda p: p.detach(), _sum_of_squares, ps, partition).sqrt().item()
 
 
@@ -196,7 +196,7 @@ def _global_sum(params, tensor_of, measure, ps: ParallelState, partition) -> tor
     split, replicated = [], []
     params = [p for p in params if not getattr(p, "pipeline_copy", False)]  # a tied copy: counted once
     for p in params:
-        if not getattr(p, "norm_counted", True):  # a copy that other ranks count (training/fsdp.py)
+        if not getattr(p, "norm_counted", True):  # a copy that other ranks count (distributed/fsdp.py)
             continue
         spec = getattr(p, "shard_spec", None)
         if spec is None or spec.dim is None:
