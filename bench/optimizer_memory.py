@@ -79,7 +79,7 @@ def _measure(tp, cp, hidden, layers, steps):
         grads = opt.grad_buffers.nbytes()
         out[distributed] = (state, statistics.median(times) * 1e3, grads)
     out["params"] = sum(p.numel() for p in model.parameters())
-    out["replicas"] = ps.dp_size * ps.cp_size
+    out["replicas"] = ps.replicas
     return out
 
 

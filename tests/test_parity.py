@@ -509,7 +509,7 @@ def _distributed_optimizer_worker(tp, cp, overlap, embedding_heavy=False):
         models.append(model)
         opts.append(opt)
         syncs.append(OverlappedGradSync(opt.grad_buffers, ps, partition=opt.partition) if overlap else None)
-    replicas = ps.dp_size * ps.cp_size
+    replicas = ps.replicas
     out = {"same": [], "norms": [], "replicas": replicas}
     for step in range(3):
         tokens, labels, ids = _batch(step + 10 * (ps.dp_rank + 1))  # each DP rank its own batch
@@ -539,7 +539,7 @@ def _distributed_optimizer_worker(tp, cp, overlap, embedding_heavy=False):
         if k != "step"
     )
     total = torch.tensor([float(state_bytes(opts[1]))])
-    dist.all_reduce(total, group=opts[1].partition.group)
+    dist.all_reduce(total, group=ps.replica_group)
     out.update(
         plain=state_bytes(opts[0]),
         mine=state_bytes(opts[1]),
@@ -630,7 +630,7 @@ def _fsdp2_worker(tp, cp, family, dtype, overlap, root=None):
     out["share"] = sum(p.to_local().numel() for p in params.values()) / sum(p.numel() for p in plain.parameters())
     if root is not None:
         out["resumed"] = _fsdp2_checkpoint_resumes_plain(root, cfg, ps, args, sharded, fsdp_opt, plain_opt)
-    out["replicas"] = ps.dp_size * ps.cp_size
+    out["replicas"] = ps.replicas
     return out
 
 

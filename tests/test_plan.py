@@ -74,7 +74,6 @@ def _measure(argv):
     backward, the optimizer state after a step, the bytes saved for the backward."""
     import torch.distributed as dist
 
-    from megatron_sp.distributed.distributed_optimizer import replica_group
     from megatron_sp.distributed.optimizer import local_optimizer
     from megatron_sp.training import loop
     from megatron_sp.training.arguments import parse_args
@@ -104,12 +103,12 @@ def _measure(argv):
                 loss = loop.forward_loss(model, batch)
             loss.backward()
     grads = [p.grad for p in model.parameters()] + [getattr(p, "main_grad", None) for p in model.parameters()]
-    group = replica_group(ps)
+    assert ps.replica_group is None or dist.get_rank(ps.replica_group) == ps.replica_rank
     return dict(
         weights=_tensor_bytes(model.parameters()),
         grads=_tensor_bytes(grads),
         optimizer=_tensor_bytes(state + masters),
-        replica=dist.get_rank(group) if group is not None else 0,
+        replica=ps.replica_rank,
         saved=counter.total() if counter else None,
         sent={
             kind: sum(c["sent"] for c in sent.calls if c["t"] == size)

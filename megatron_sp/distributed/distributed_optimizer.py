@@ -20,17 +20,12 @@ optimizer's, bit for bit: the same summed gradients, the same AdamW.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
-from megatron_sp.parallel_state import ParallelState
-
-
-def replica_group(ps: ParallelState):
-    """The ranks holding the same shards (DP replicas × CP ranks), or None when there is one."""
-    if ps.dp_size * ps.cp_size == 1:
-        return None
-    return ps.dp_cp_group if ps.cp_size > 1 else ps.dp_group
+from megatron_sp.parallel_state import REPLICAS, ParallelState, replica_role
 
 
 def share_owners(sizes, replicas: int) -> list:
@@ -43,31 +38,59 @@ def share_owners(sizes, replicas: int) -> list:
     return owners
 
 
+@dataclass
+class ReplicaShare:
+    """One replica group's split of its parameters: `params_of[r]` are the ones replica r owns."""
+
+    group: object
+    size: int
+    rank: int  # this rank's place in the group
+    params_of: list
+
+
 class Partition:
-    """Which replica owns each parameter (see the module docstring)."""
+    """Which replica owns each parameter (see the module docstring), within the parameter's own replica
+    group (parallel_state.replica_role): each role's parameters are split over that role's group."""
 
     def __init__(self, params, ps: ParallelState):
-        self.group = replica_group(ps)
-        if self.group is None:
-            raise ValueError("a Partition needs more than one replica (DP × CP > 1)")
-        self.size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        backward = list(reversed(list(params)))
-        owners = share_owners([p.numel() for p in backward], self.size)
-        if ps.tp_size > 1:  # shards are the same size on every TP rank; make sure
-            shared = [owners]
-            dist.broadcast_object_list(shared, src=dist.get_global_rank(ps.tp_group, 0), group=ps.tp_group)
-            owners = shared[0]
-        self._owner = {id(p): r for p, r in zip(backward, owners)}
-        self.params_of = [[p for p, r in zip(backward, owners) if r == owner] for owner in range(self.size)]
+        by_role = {}
+        for p in params:
+            by_role.setdefault(replica_role(p), []).append(p)
+        self.shares, self._owner = {}, {}
+        for role, same in by_role.items():
+            group = ps.group(role)
+            if group is None:
+                raise ValueError(f"a Partition needs more than one replica in every group ({role!r} has one)")
+            size = dist.get_world_size(group)
+            backward = list(reversed(same))
+            owners = _owners_agreed_over_tp(share_owners([p.numel() for p in backward], size), ps)
+            self._owner.update({id(p): r for p, r in zip(backward, owners)})
+            params_of = [[p for p, r in zip(backward, owners) if r == owner] for owner in range(size)]
+            self.shares[role] = ReplicaShare(group, size, dist.get_rank(group), params_of)
+
+    @property
+    def groups(self) -> dict:
+        """{replica role: its group}, the groups the norms sum each role's whole parameters over."""
+        return {role: share.group for role, share in self.shares.items()}
 
     def owner(self, p) -> int:
+        """The owner's place in p's replica group."""
         return self._owner[id(p)]
 
     def mine(self, p) -> bool:
-        return self._owner[id(p)] == self.rank
+        return self._owner[id(p)] == self.shares[replica_role(p)].rank
 
-    def global_rank(self, owner: int) -> int:
-        return dist.get_global_rank(self.group, owner)
+    def global_rank(self, owner: int, role: str = REPLICAS) -> int:
+        return dist.get_global_rank(self.shares[role].group, owner)
+
+
+def _owners_agreed_over_tp(owners: list, ps: ParallelState) -> list:
+    """Shards are the same size on every TP rank, so the owners are too; make sure (rank 0's win)."""
+    if ps.tp_size == 1:
+        return owners
+    shared = [owners]
+    dist.broadcast_object_list(shared, src=dist.get_global_rank(ps.tp_group, 0), group=ps.tp_group)
+    return shared[0]
 
 
 class _NoParameters:
@@ -83,25 +106,29 @@ class _NoParameters:
 
 class ParamBroadcast:
     """Step 3 above: every owner's model parameters are views of one flat buffer (in the parameters'
-    dtype: bf16 under --bf16), which the owner broadcasts after its step."""
+    dtype: bf16 under --bf16), which the owner broadcasts over its replica group after its step."""
 
     def __init__(self, partition: Partition):
-        self.partition, self.buffers = partition, []
+        self.buffers = []  # (group, owner's global rank, flat buffer)
         with torch.no_grad():
-            for params in partition.params_of:
-                flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else None
-                offset = 0
-                for p in params:
-                    p.data = flat[offset : offset + p.numel()].view_as(p)
-                    offset += p.numel()
-                self.buffers.append(flat)
+            for role, share in partition.shares.items():
+                for owner, params in enumerate(share.params_of):
+                    if params:
+                        flat = _flatten(params)
+                        self.buffers.append((share.group, partition.global_rank(owner, role), flat))
 
     @torch.no_grad()
     def broadcast(self):
-        handles = [
-            dist.broadcast(flat, src=self.partition.global_rank(owner), group=self.partition.group, async_op=True)
-            for owner, flat in enumerate(self.buffers)
-            if flat is not None
-        ]
+        handles = [dist.broadcast(flat, src=src, group=group, async_op=True) for group, src, flat in self.buffers]
         for handle in handles:
             handle.wait()
+
+
+def _flatten(params) -> torch.Tensor:
+    """One buffer holding `params`, which become views of it."""
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    offset = 0
+    for p in params:
+        p.data = flat[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return flat

@@ -70,9 +70,8 @@ from types import SimpleNamespace
 
 import torch
 
-from megatron_sp.distributed.distributed_optimizer import replica_group
 from megatron_sp.distributed.optimizer import PARAM_ATTRS  # what our sums, norms and checkpoints read
-from megatron_sp.parallel_state import ParallelState
+from megatron_sp.parallel_state import REPLICAS, ParallelState
 from megatron_sp.tensor_parallel.sharding import ShardSpec, segment_shards
 
 FLAG = "--use-torch-fsdp2"
@@ -118,7 +117,7 @@ def replica_mesh(ps: ParallelState, device: str):
     """The 1-D DeviceMesh of this rank's DP×CP group (the ranks holding the same TP shards)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh.from_group(replica_group(ps), "cuda" if device == "cuda" else "cpu")
+    return DeviceMesh.from_group(ps.replica_group, "cuda" if device == "cuda" else "cpu")
 
 
 def shard_model(model, ps: ParallelState, device: str):
@@ -171,9 +170,10 @@ def _shard_root(root, layers, reshard, mesh, policy) -> list:
 @dataclass(frozen=True)
 class ReplicaShards:
     """Stands where a distributed optimizer's Partition stands for the gradient norm (optimizer.py's
-    _global_sum): every rank holds a disjoint shard of its TP rank's tensors over `group`."""
+    _global_sum): every rank holds a disjoint shard of its TP rank's tensors over its replica group
+    (`groups`: {replica role: group}; one mesh, the dense parameters' DP×CP, today)."""
 
-    group: object
+    groups: dict
 
     def mine(self, p) -> bool:
         return True
@@ -193,7 +193,7 @@ def _copy_rows(p, ps: ParallelState) -> list:
     spec = getattr(p, "shard_spec", None)
     if spec is None or not spec.segments or spec.dim % p.dim() != 0:
         return []
-    shards = segment_shards(spec, p.shape[0], ps.tp_rank, ps.tp_size)
+    shards = segment_shards(spec, p.shape[0], ps.rank(spec.group), ps.size(spec.group))
     if all(s.copies == 1 for s in shards):
         return []
     rows, start = [], 0
@@ -203,11 +203,16 @@ def _copy_rows(p, ps: ParallelState) -> list:
     return rows
 
 
+def _unsegmented(spec: ShardSpec) -> ShardSpec:
+    """The spec of a piece of one segment: split on the same dim over the same group."""
+    return ShardSpec(spec.dim, group=spec.group)
+
+
 def _view(t, grad, spec, sequence_parallel, counted=True, pipeline_copy=False) -> torch.Tensor:
     view = t.detach()
     view.grad = grad
     view.main_grad = grad  # (the reduced gradient, where count_zero_grads reads it)
-    view.shard_spec = ShardSpec(spec.dim) if spec is not None and spec.dim is not None else spec
+    view.shard_spec = _unsegmented(spec) if spec is not None and spec.dim is not None else spec
     view.sequence_parallel = sequence_parallel
     view.norm_counted = counted  # (False: a copy that other TP ranks count)
     view.pipeline_copy = pipeline_copy  # (the last stage's tied embedding: the first stage's counts)
@@ -244,7 +249,7 @@ def _reduce_partial_grads(model, params, ps: ParallelState) -> None:
             continue
         spec, sp, grad = getattr(p, "shard_spec", None), getattr(p, "sequence_parallel", False), p.grad._local_tensor
         if not _copy_rows(p, ps):
-            plain = ShardSpec(spec.dim) if spec is not None and spec.split else spec
+            plain = _unsegmented(spec) if spec is not None and spec.split else spec
             items.append(SimpleNamespace(shard_spec=plain, sequence_parallel=sp, grad=grad))
             continue
         a, b = _chunk_rows(p)
@@ -274,7 +279,7 @@ class FSDPOptimizer:
         from megatron_sp.distributed.optimizer import param_groups
 
         self.model, self.ps = model, ps
-        self.partition = ReplicaShards(replica_group(ps))
+        self.partition = ReplicaShards({REPLICAS: ps.replica_group})
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         self.optim = make_optimizer([g for g in param_groups(named, weight_decay, decoupled) if g["params"]])

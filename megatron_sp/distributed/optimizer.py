@@ -26,10 +26,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_sp.distributed.distributed_optimizer import ParamBroadcast, Partition, _NoParameters, replica_group
+from megatron_sp.distributed.distributed_optimizer import ParamBroadcast, Partition, _NoParameters
 from megatron_sp.distributed.grad_buffers import GradBuffers
 from megatron_sp.distributed.loss_scale import ConstantLossScaler, DynamicLossScaler, _collective_device  # noqa: F401
-from megatron_sp.parallel_state import ParallelState
+from megatron_sp.parallel_state import ParallelState, replica_role
 from megatron_sp.tensor_parallel.sharding import split_local
 
 PARAM_ATTRS = (
@@ -37,6 +37,7 @@ PARAM_ATTRS = (
     "sequence_parallel",
     "init_tag",
     "pipeline_copy",
+    "replica_role",
 )  # what the norm, the partial sums, FSDP2 and its checkpoints read
 
 # Megatron-LM's "embedding or output" parameters, which --decoupled-lr trains with an LR of their own.
@@ -141,7 +142,7 @@ def _adamw(args, device: str, distributed: bool):
 def build_optimizer(model, args, device: str, ps: ParallelState | None = None) -> MixedPrecisionOptimizer:
     """The run's optimizer and gradient buffers (fp32, or bf16 with args.grad_reduce_in_bf16). With
     args.use_distributed_optimizer and replicas (ps), main weights and moments are sharded over them."""
-    distributed = ps is not None and getattr(args, "use_distributed_optimizer", False) and replica_group(ps) is not None
+    distributed = ps is not None and getattr(args, "use_distributed_optimizer", False) and ps.replicas > 1
     partition = Partition([p for p in model.parameters() if p.requires_grad], ps) if distributed else None
     grad_dtype = torch.bfloat16 if getattr(args, "grad_reduce_in_bf16", False) else torch.float32
     buffers = GradBuffers(model, dtype=grad_dtype, owner=partition.owner if partition is not None else None)
@@ -193,31 +194,46 @@ def _global_sum(params, tensor_of, measure, ps: ParallelState, partition) -> tor
     """measure(tensors) summed over the full (serial) model: TP shards summed over the group,
     replicated tensors and copies counted once (with a partition: what each replica owns)."""
     device = tensor_of(params[0]).device if params else _collective_device()
-    split, replicated = [], []
+    split, replicated = [], {}  # replicated: {replica role: tensors}
     params = [p for p in params if not getattr(p, "pipeline_copy", False)]  # a tied copy: counted once
     for p in params:
         if not getattr(p, "norm_counted", True):  # a copy that other ranks count (distributed/fsdp.py)
             continue
         spec = getattr(p, "shard_spec", None)
         if spec is None or spec.dim is None:
-            replicated.append(tensor_of(p))
+            replicated.setdefault(replica_role(p), []).append(tensor_of(p))
         elif not spec.segments:
             split.append(tensor_of(p))
         else:  # segments held in copies (GQA key/value heads): only the first copy counts
             split += [
-                view for shard, view in split_local(tensor_of(p), spec, ps.tp_rank, ps.tp_size) if shard.first_copy
+                view
+                for shard, view in split_local(tensor_of(p), spec, ps.rank(spec.group), ps.size(spec.group))
+                if shard.first_copy
             ]
-    sharded, whole = measure(split, device), measure(replicated, device)
+    sharded = measure(split, device)
     if partition is not None:  # every shard has one owner in the world,
         dist.all_reduce(sharded)  # every whole parameter one per replica group
-        dist.all_reduce(whole, group=partition.group)
-    elif ps.tp_size > 1:
+        whole = _summed_over_replicas(replicated, partition.groups, measure, device)
+    else:
+        whole = measure([t for tensors in replicated.values() for t in tensors], device)
+    if partition is None and ps.tp_size > 1:
         dist.all_reduce(sharded, group=ps.tp_group)  # TP shards: sum over the group
     if ps.pp_size > 1:  # each stage its own parameters (the world-wide sum above already spans them)
         total = whole if partition is not None else sharded + whole
         dist.all_reduce(total, group=ps.pp_group)
         return sharded + total if partition is not None else total
     return sharded + whole  # replicas: this rank's copy
+
+
+def _summed_over_replicas(replicated: dict, groups: dict, measure, device) -> torch.Tensor:
+    """measure of each replica group's whole parameters summed over that group (each replica owns its
+    part), added up over the groups (every rank of a group holds the same roles)."""
+    total = None
+    for role, group in groups.items():
+        whole = measure(replicated.get(role, []), device)
+        dist.all_reduce(whole, group=group)
+        total = whole if total is None else total + whole
+    return total
 
 
 def clip_grads(params, max_norm: float, ps: ParallelState, partition: Partition | None = None) -> float:

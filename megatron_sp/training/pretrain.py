@@ -261,7 +261,7 @@ class Trainer:
         self.scaler = build_loss_scaler(args)
         self.grad_sync = (
             OverlappedGradSync(self.optimizer.grad_buffers, self.ps, partition=self.optimizer.partition)
-            if args.overlap_grad_reduce and self.ps.dp_size * self.ps.cp_size > 1 and not args.use_torch_fsdp2
+            if args.overlap_grad_reduce and self.ps.replicas > 1 and not args.use_torch_fsdp2
             else None
         )
         self.schedule = LRSchedule(

@@ -50,7 +50,7 @@ def _stepped(params, partition) -> list:
 
 
 def _optimizer_words(trainer) -> str:
-    replicas = trainer.ps.dp_size * trainer.ps.cp_size
+    replicas = trainer.ps.replicas
     if trainer.optimizer.partition is None:
         return "AdamW"
     if trainer.args.use_torch_fsdp2:
