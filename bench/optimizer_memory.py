@@ -30,7 +30,7 @@ def _measure(tp, cp, hidden, layers, steps):
     from megatron_sp import parallel_state
     from megatron_sp.config import GPTConfig
     from megatron_sp.distributed.grad_sync import finalize_model_grads
-    from megatron_sp.distributed.optimizer import build_optimizer, local_optimizer
+    from megatron_sp.distributed.optimizer import build_optimizer
     from megatron_sp.models.gpt import GPTModel
 
     torch.set_num_threads(1)
@@ -71,10 +71,7 @@ def _measure(tp, cp, hidden, layers, steps):
             opt.step()
             times.append(time.perf_counter() - start)
         state = sum(
-            t.numel() * t.element_size()
-            for st in local_optimizer(opt).state.values()
-            for k, t in st.items()
-            if k != "step"
+            t.numel() * t.element_size() for st in opt.optim.state.values() for k, t in st.items() if k != "step"
         )
         grads = opt.grad_buffers.nbytes()
         out[distributed] = (state, statistics.median(times) * 1e3, grads)

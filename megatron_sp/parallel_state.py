@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 
@@ -230,6 +231,14 @@ def initialize_model_parallel(
         **groups,
     )
     return _STATE
+
+
+def collective_device():
+    """Where a rank with no tensor of its own (a replica owning no parameter) puts its share of a
+    collective: NCCL reduces only CUDA tensors."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def get() -> ParallelState:

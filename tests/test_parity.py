@@ -483,7 +483,7 @@ def _distributed_optimizer_worker(tp, cp, overlap, embedding_heavy=False):
 
     from megatron_sp import parallel_state
     from megatron_sp.distributed.grad_sync import OverlappedGradSync, finalize_model_grads
-    from megatron_sp.distributed.optimizer import build_optimizer, clip_grads, local_optimizer
+    from megatron_sp.distributed.optimizer import build_optimizer, clip_grads
     from megatron_sp.models.gpt import GPTModel
 
     ps = parallel_state.initialize_model_parallel(tp, cp)
@@ -534,7 +534,7 @@ def _distributed_optimizer_worker(tp, cp, overlap, embedding_heavy=False):
         )
     state_bytes = lambda opt: sum(
         t.numel() * t.element_size()
-        for st in local_optimizer(opt).state.values()  # noqa: E731
+        for st in opt.optim.state.values()  # noqa: E731
         for k, t in st.items()
         if k != "step"
     )
@@ -544,7 +544,7 @@ def _distributed_optimizer_worker(tp, cp, overlap, embedding_heavy=False):
         plain=state_bytes(opts[0]),
         mine=state_bytes(opts[1]),
         sum=int(total.item()),
-        owns_nothing=not local_optimizer(opts[1]).param_groups,
+        owns_nothing=not opts[1].optim.param_groups,
         params=sum(p.numel() for p in models[0].parameters()),
         largest_pair=2 * max(p.numel() * p.element_size() for p in models[0].parameters()),
     )
@@ -642,7 +642,7 @@ def _fsdp2_checkpoint_resumes_plain(root, cfg, ps, args, sharded, fsdp_opt, plai
 
     from megatron_sp import checkpointing
     from megatron_sp.distributed.fsdp_checkpoint import checkpoint_states
-    from megatron_sp.distributed.optimizer import build_optimizer, local_optimizer
+    from megatron_sp.distributed.optimizer import build_optimizer
     from megatron_sp.models.gpt import GPTModel
 
     quiet = lambda *a: None  # noqa: E731
@@ -654,13 +654,13 @@ def _fsdp2_checkpoint_resumes_plain(root, cfg, ps, args, sharded, fsdp_opt, plai
         opt = build_optimizer(fresh, SimpleNamespace(**vars(args), use_distributed_optimizer=distributed), "cpu", ps)
         states = {
             "model": checkpointing.ModelState(fresh, ps, opt.main_params()),
-            "optim": checkpointing.OptimizerState(local_optimizer(opt), fresh, ps, opt.main_params()),
+            "optim": checkpointing.OptimizerState(opt.optim, fresh, ps, opt.main_params()),
             "train_state": checkpointing.TrainState(),
         }
         checkpointing.load(root, states, cfg, log=quiet)
         want, got = plain_opt.main_params(), opt.main_params()
         assert got and (distributed or set(got) == set(want))
-        state = local_optimizer(opt).state
+        state = opt.optim.state
         for n in got:
             worst = max(worst, _rel(got[n], want[n]))
             for key in ("exp_avg", "exp_avg_sq"):

@@ -314,7 +314,7 @@ def _fsdp2_under_the_pipeline(layout_kw, model, cp, dtype, root):
     from megatron_sp import checkpointing
     from megatron_sp.distributed.fsdp import build_fsdp_optimizer
     from megatron_sp.distributed.fsdp_checkpoint import checkpoint_states
-    from megatron_sp.distributed.optimizer import build_optimizer, local_optimizer
+    from megatron_sp.distributed.optimizer import build_optimizer
     from megatron_sp.pipeline_parallel.model import PipelineGPT
     from megatron_sp.training.loop import evaluate, train_step
 
@@ -355,7 +355,7 @@ def _fsdp2_under_the_pipeline(layout_kw, model, cp, dtype, root):
         main = opt.main_params()
         states = {
             "model": checkpointing.ModelState(fresh, ps, main),
-            "optim": checkpointing.OptimizerState(local_optimizer(opt), fresh, ps, main),
+            "optim": checkpointing.OptimizerState(opt.optim, fresh, ps, main),
             "train_state": checkpointing.TrainState(),
         }
         checkpointing.load(root, states, cfg, log=quiet)
@@ -439,7 +439,7 @@ def _exact_resume(root, schedule):
 
     from megatron_sp import checkpointing
     from megatron_sp.distributed.grad_sync import OverlappedGradSync
-    from megatron_sp.distributed.optimizer import build_optimizer, local_optimizer
+    from megatron_sp.distributed.optimizer import build_optimizer
     from megatron_sp.pipeline_parallel.model import PipelineGPT
     from megatron_sp.training.loop import train_step
 
@@ -454,7 +454,7 @@ def _exact_resume(root, schedule):
         opt = build_optimizer(pipe, args, "cpu", ps)
         states = {
             "model": checkpointing.ModelState(pipe, ps, opt.main_params()),
-            "optim": checkpointing.OptimizerState(local_optimizer(opt), pipe, ps, opt.main_params()),
+            "optim": checkpointing.OptimizerState(opt.optim, pipe, ps, opt.main_params()),
             "train_state": checkpointing.TrainState(),
         }
         return pipe, opt, OverlappedGradSync(opt.grad_buffers, ps, partition=opt.partition), states

@@ -74,7 +74,6 @@ def _measure(argv):
     backward, the optimizer state after a step, the bytes saved for the backward."""
     import torch.distributed as dist
 
-    from megatron_sp.distributed.optimizer import local_optimizer
     from megatron_sp.training import loop
     from megatron_sp.training.arguments import parse_args
     from megatron_sp.training.pretrain import Trainer, check_inputs, data_iterator
@@ -88,7 +87,7 @@ def _measure(argv):
         kw = dict(device="cpu", clip_grad=1.0, iteration=iteration, scaler=trainer.scaler)
         if not loop.train_step(model, trainer.optimizer, batches, args.num_micro_batches, ps, **kw).skipped:
             break
-    opt = local_optimizer(trainer.optimizer)
+    opt = trainer.optimizer.optim
     own = {id(p) for p in model.parameters()}
     state = [t for st in opt.state.values() for k, t in st.items() if k != "step" and torch.is_tensor(t)]
     masters = [p for g in opt.param_groups for p in g["params"] if id(p) not in own]

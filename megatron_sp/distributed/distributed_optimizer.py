@@ -93,17 +93,6 @@ def _owners_agreed_over_tp(owners: list, ps: ParallelState) -> list:
     return shared[0]
 
 
-class _NoParameters:
-    """The local optimizer of a replica that owns no parameter (a model with fewer, larger
-    parameters than replicas)."""
-
-    def __init__(self):
-        self.param_groups, self.state = [], {}
-
-    def step(self):
-        pass
-
-
 class ParamBroadcast:
     """Step 3 above: every owner's model parameters are views of one flat buffer (in the parameters'
     dtype: bf16 under --bf16), which the owner broadcasts over its replica group after its step."""

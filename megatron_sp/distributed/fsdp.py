@@ -70,7 +70,14 @@ from types import SimpleNamespace
 
 import torch
 
-from megatron_sp.distributed.optimizer import PARAM_ATTRS  # what our sums, norms and checkpoints read
+from megatron_sp.distributed.optimizer import (  # PARAM_ATTRS: what our sums, norms and checkpoints read
+    PARAM_ATTRS,
+    adamw_factory,
+    count_zero_grads,
+    global_param_norm,
+    param_groups,
+)
+from megatron_sp.distributed.protocol import TrainingOptimizer
 from megatron_sp.parallel_state import REPLICAS, ParallelState
 from megatron_sp.tensor_parallel.sharding import ShardSpec, segment_shards
 
@@ -175,9 +182,6 @@ class ReplicaShards:
 
     groups: dict
 
-    def mine(self, p) -> bool:
-        return True
-
 
 def _chunk_rows(p) -> tuple:
     """The rows [a, b) of dim 0 of p's TP-local tensor that this rank's FSDP2 shard holds (torch.chunk)."""
@@ -269,28 +273,18 @@ def _local_grad(p) -> torch.Tensor:
     return p.grad._local_tensor
 
 
-class FSDPOptimizer:
-    """AdamW over the model's FSDP2-sharded fp32 parameters (DTensors): MixedPrecisionOptimizer's
-    interface (distributed/optimizer.py) for the training loop, with no gradient buffers."""
+class FSDPOptimizer(TrainingOptimizer):
+    """AdamW over the model's FSDP2-sharded fp32 parameters (DTensors), for the training loop
+    (distributed/protocol.py), with no gradient buffers: FSDP2 owns the gradients."""
 
     grad_buffers = None
 
     def __init__(self, model, ps: ParallelState, make_optimizer, weight_decay: float, decoupled=False):
-        from megatron_sp.distributed.optimizer import param_groups
-
         self.model, self.ps = model, ps
         self.partition = ReplicaShards({REPLICAS: ps.replica_group})
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         self.optim = make_optimizer([g for g in param_groups(named, weight_decay, decoupled) if g["params"]])
-
-    @property
-    def param_groups(self):
-        return self.optim.param_groups
-
-    @property
-    def state(self):
-        return self.optim.state
 
     def main_params(self) -> dict:
         return dict(self.model.named_parameters())
@@ -299,10 +293,11 @@ class FSDPOptimizer:
         self.optim.zero_grad(set_to_none=True)
 
     @torch.no_grad()
-    def finalize_grads(self, model):
-        """After the last backward: FSDP2 has reduce-scattered over DP×CP; the partial sums over TP
-        remain (SP-region parameters, key/value copies), on the local shards, and under pipeline
-        parallelism the tied embedding's two copies (first and last stage: the same chunk of rows)."""
+    def finalize_grads(self, model, ps: ParallelState, overlapped=None):
+        """After the last backward: FSDP2 has reduce-scattered over DP×CP (overlapping its own: no
+        `overlapped`); the partial sums over TP remain (SP-region parameters, key/value copies), on the
+        local shards, and under pipeline parallelism the tied embedding's two copies (first and last
+        stage: the same chunk of rows)."""
         _reduce_partial_grads(model, self.params, self.ps)
         if hasattr(model, "finalize_embedding_grads"):
             model.finalize_embedding_grads(grad=_local_grad)
@@ -320,11 +315,15 @@ class FSDPOptimizer:
     def step(self):
         self.optim.step()
 
+    def params_norm(self, model, ps: ParallelState) -> float:
+        return global_param_norm(self.local_params(), ps, self.partition)
+
+    def zero_grads_count(self, model, ps: ParallelState) -> int:
+        return count_zero_grads(self.local_params(), ps, self.partition)
+
 
 def build_fsdp_optimizer(model, args, device: str, ps: ParallelState) -> FSDPOptimizer:
     """Shards the model (shard_model) and returns its optimizer (optimizer.py's AdamW factory)."""
-    from megatron_sp.distributed.optimizer import _adamw
-
     shard_model(model, ps, device)
     decoupled = getattr(args, "decoupled_lr", None) is not None
-    return FSDPOptimizer(model, ps, _adamw(args, device, distributed=True), args.weight_decay, decoupled)
+    return FSDPOptimizer(model, ps, adamw_factory(args, device, distributed=True), args.weight_decay, decoupled)

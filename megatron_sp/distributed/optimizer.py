@@ -26,10 +26,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_sp.distributed.distributed_optimizer import ParamBroadcast, Partition, _NoParameters
+from megatron_sp.distributed.distributed_optimizer import ParamBroadcast, Partition
 from megatron_sp.distributed.grad_buffers import GradBuffers
-from megatron_sp.distributed.loss_scale import ConstantLossScaler, DynamicLossScaler, _collective_device  # noqa: F401
-from megatron_sp.parallel_state import ParallelState, replica_role
+from megatron_sp.distributed.grad_sync import finalize_model_grads
+from megatron_sp.distributed.protocol import TrainingOptimizer
+from megatron_sp.parallel_state import ParallelState, collective_device, replica_role
 from megatron_sp.tensor_parallel.sharding import split_local
 
 PARAM_ATTRS = (
@@ -67,12 +68,23 @@ def _main_weight(p: torch.Tensor) -> torch.Tensor:
     return main
 
 
-class MixedPrecisionOptimizer:
+class _NoParameters:
+    """The local optimizer of a replica that owns no parameter (a model with fewer, larger
+    parameters than replicas)."""
+
+    def __init__(self):
+        self.param_groups, self.state = [], {}
+
+    def step(self):
+        pass
+
+
+class MixedPrecisionOptimizer(TrainingOptimizer):
     """AdamW (`optim`, made by `make_optimizer(groups)`) over the fp32 main weights of the parameters
     this rank steps: all of them, or with a distributed optimizer's `partition` the ones it owns.
 
-    Per step: zero_grad() (the gradient buffers), backward, grad sync (distributed/grad_sync.py), then
-    prepare_grads() -> the main weights, each with `.grad` its gradient in fp32 (clip and unscale
+    Per step: zero_grad() (the gradient buffers), backward, finalize_grads() (distributed/grad_sync.py),
+    then prepare_grads() -> the main weights, each with `.grad` its gradient in fp32 (clip and unscale
     those), step() -> AdamW, main weights copied into the model, owners broadcast (distributed).
     """
 
@@ -88,14 +100,6 @@ class MixedPrecisionOptimizer:
         groups = [g for g in param_groups(named, weight_decay, decoupled) if g["params"]]
         self.optim = make_optimizer(groups) if groups else _NoParameters()
 
-    @property
-    def param_groups(self):
-        return self.optim.param_groups
-
-    @property
-    def state(self):
-        return self.optim.state
-
     def main_params(self) -> dict:
         """{parameter name: fp32 main weight} of the parameters this rank steps (checkpoints save these)."""
         return {self._names[id(p)]: main for p, main in self.pairs}
@@ -104,6 +108,9 @@ class MixedPrecisionOptimizer:
         self.grad_buffers.zero()
         for p, main in self.pairs:
             main.grad = None
+
+    def finalize_grads(self, model, ps: ParallelState, overlapped=None) -> None:
+        finalize_model_grads(model, ps, self.grad_buffers, overlapped, self.partition)
 
     def prepare_grads(self) -> list:
         """The main weights with `.grad` = their reduced gradient (a view of the buffer in fp32, an fp32
@@ -123,8 +130,15 @@ class MixedPrecisionOptimizer:
         if self.broadcast is not None:
             self.broadcast.broadcast()
 
+    def params_norm(self, model, ps: ParallelState) -> float:
+        return global_param_norm(list(model.parameters()), ps)  # (every replica holds every parameter)
 
-def _adamw(args, device: str, distributed: bool):
+    def zero_grads_count(self, model, ps: ParallelState) -> int:
+        stepped = [p for p in model.parameters() if self.partition is None or self.partition.mine(p)]
+        return count_zero_grads(stepped, ps, self.partition)
+
+
+def adamw_factory(args, device: str, distributed: bool):
     """The torch optimizer factory: apex's FusedAdam (decoupled weight decay) when apex is installed and
     we run on CUDA, else torch's fused (CUDA) or foreach AdamW."""
     kw = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
@@ -148,13 +162,8 @@ def build_optimizer(model, args, device: str, ps: ParallelState | None = None) -
     buffers = GradBuffers(model, dtype=grad_dtype, owner=partition.owner if partition is not None else None)
     decoupled = getattr(args, "decoupled_lr", None) is not None
     return MixedPrecisionOptimizer(
-        model, buffers, _adamw(args, device, distributed), args.weight_decay, partition, decoupled
+        model, buffers, adamw_factory(args, device, distributed), args.weight_decay, partition, decoupled
     )
-
-
-def local_optimizer(optimizer):
-    """The torch optimizer that holds this rank's AdamW state."""
-    return getattr(optimizer, "optim", optimizer)
 
 
 def _sum_of_squares(grads, device) -> torch.Tensor:
@@ -193,7 +202,7 @@ def _count_zeros(tensors, device) -> torch.Tensor:
 def _global_sum(params, tensor_of, measure, ps: ParallelState, partition) -> torch.Tensor:
     """measure(tensors) summed over the full (serial) model: TP shards summed over the group,
     replicated tensors and copies counted once (with a partition: what each replica owns)."""
-    device = tensor_of(params[0]).device if params else _collective_device()
+    device = tensor_of(params[0]).device if params else collective_device()
     split, replicated = [], {}  # replicated: {replica role: tensors}
     params = [p for p in params if not getattr(p, "pipeline_copy", False)]  # a tied copy: counted once
     for p in params:

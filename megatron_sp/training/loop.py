@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_sp.distributed.grad_sync import OverlappedGradSync, finalize_model_grads
+from megatron_sp.distributed.grad_sync import OverlappedGradSync
 from megatron_sp.distributed.loss_scale import DynamicLossScaler
 from megatron_sp.distributed.optimizer import clip_grads
 from megatron_sp.parallel_state import ParallelState
@@ -156,11 +156,8 @@ def train_step(
             f"the training loss is {loss_value} at iteration {iteration}; lower --lr, "
             f"check the data, or use --bf16 instead of --fp16."
         )
-    partition = optimizer.partition  # distributed optimizer: reduce to owners
-    if optimizer.grad_buffers is None:  # FSDP2 reduce-scattered them in the backward (distributed/fsdp.py)
-        optimizer.finalize_grads(model)
-    else:
-        finalize_model_grads(model, ps, optimizer.grad_buffers, grad_sync, partition)
+    partition = optimizer.partition  # who holds which gradients (the norms read it)
+    optimizer.finalize_grads(model, ps, grad_sync)
     params = optimizer.prepare_grads()  # fp32 main weights with their gradients (only the owned ones)
     if per_token_loss and params:  # the DP average divided by dp size; the loss wants the token count
         torch._foreach_mul_([p.grad for p in params], ps.dp_size / tokens)

@@ -24,7 +24,7 @@ from megatron_sp.config import GPTConfig
 from megatron_sp.data.errors import DataError
 from megatron_sp.distributed.grad_sync import OverlappedGradSync
 from megatron_sp.distributed.loss_scale import build_loss_scaler
-from megatron_sp.distributed.optimizer import build_optimizer, local_optimizer
+from megatron_sp.distributed.optimizer import build_optimizer
 from megatron_sp.training import trainer_report
 from megatron_sp.training.arguments import ArgumentError, parse_args
 from megatron_sp.training.config_flags import config_kwargs
@@ -289,7 +289,7 @@ class Trainer:
             tensors = {
                 "model": checkpointing.ModelState(self.model, self.ps, self.optimizer.main_params()),
                 "optim": checkpointing.OptimizerState(
-                    local_optimizer(self.optimizer), self.model, self.ps, self.optimizer.main_params()
+                    self.optimizer.optim, self.model, self.ps, self.optimizer.main_params()
                 ),
             }
         return {
