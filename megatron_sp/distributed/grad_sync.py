@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_sp.distributed.grad_buffers import BUCKET_BYTES, GradBuffers  # noqa: F401 (re-exported)
+from megatron_sp.distributed.grad_buffers import GradBuffers
 from megatron_sp.parallel_state import ParallelState
 
 

@@ -24,11 +24,11 @@ import math
 from dataclasses import dataclass, field
 
 from megatron_sp.distributed.distributed_optimizer import share_owners
+from megatron_sp.distributed.grad_buffers import BUCKET_BYTES  # (one bucket in flight without overlap)
 from megatron_sp.planning import activations as act
 
 GIB = 1024**3
 SHARDINGS = ("replicated", "distributed", "fsdp2")  # AdamW state: every rank / over r (ZeRO-1) / ZeRO-3
-BUCKET_BYTES = 25 * 1024 * 1024  # distributed/grad_sync.py's bucket (one in flight without overlap)
 
 
 @dataclass(frozen=True)
