@@ -27,7 +27,7 @@ __all__ = ["ConversionError", "HFAdapter", "adapters", "check_tensors", "from_hf
 
 
 def _is_adapter(obj) -> bool:
-    return all(hasattr(obj, name) for name in ("model_type", "architecture", "links", "config_from_hf"))
+    return isinstance(obj, HFAdapter)  # every member of the Protocol present
 
 
 def adapters() -> dict:
@@ -98,7 +98,7 @@ def _export(state: dict, cfg, adapter) -> tuple[dict, dict]:
     config = {
         "architectures": [adapter.architecture],
         "model_type": adapter.model_type,
-        **adapter.named_keys(cfg),
+        **{key: getattr(cfg, name) for name, key in adapter.config_keys.items()},
         **adapter.config_to_hf(cfg),
     }
     tensors = _tensors_to_hf(adapter.links(cfg), state)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -62,6 +62,7 @@ def fused(ours: str, hf: tuple, sizes: tuple) -> Link:
     return Link((ours,), tuple(hf), lambda t: tuple(t.split(list(sizes))), lambda *parts: (torch.cat(parts),))
 
 
+@runtime_checkable
 class HFAdapter(Protocol):
     """One family's Hugging Face architecture (see the module docstring)."""
 
@@ -84,7 +85,8 @@ class HFAdapter(Protocol):
         """config.json's entries besides model_type, architectures and the `config_keys`."""
 
     def config_from_hf(self, config: dict) -> dict:
-        """The GPTConfig fields of a config.json (the `config_keys` ones included; `model` excluded)."""
+        """The GPTConfig fields of a config.json, the `config_keys` ones included (CausalLMAdapter's
+        `named_fields` reads them); not `model`, which is the name the family is registered under."""
 
     def links(self, cfg) -> list:
         """Every tensor of a ReferenceGPT of cfg, as Links."""
@@ -94,17 +96,15 @@ class HFAdapter(Protocol):
 
 
 class CausalLMAdapter:
-    """What most adapters share: the named keys both ways, canonical names as given, no buffers."""
+    """What most adapters share: reading the `config_keys`, HF's usual names, the refusals."""
 
     layers = "model.layers"
     buffers = re.compile(r"\.rotary_emb\.inv_freq$")
     tied_output = "lm_head.weight"
     config_keys: dict = {}
     hf_defaults: dict = {}
-
-    def named_keys(self, cfg) -> dict:
-        """The config.json entries of the `config_keys` fields."""
-        return {key: getattr(cfg, name) for name, key in self.config_keys.items()}
+    # boolean GPTConfig fields the architecture has no place for: {field: its flag}, refused by `check`
+    unsupported = {"qk_layernorm": "--qk-layernorm", "layernorm_zero_centered_gamma": "--apply-layernorm-1p"}
 
     def named_fields(self, config: dict) -> dict:
         """The GPTConfig fields of the `config_keys` (an omitted key: transformers' default)."""

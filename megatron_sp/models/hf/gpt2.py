@@ -61,11 +61,7 @@ class GPT2Adapter(CausalLMAdapter):
         return shape and cfg.activation in ("gelu", "openai_gelu")
 
     def check(self, cfg) -> None:
-        refuse_fields(
-            cfg,
-            self.architecture,
-            {"qk_layernorm": "--qk-layernorm", "layernorm_zero_centered_gamma": "--apply-layernorm-1p"},
-        )
+        refuse_fields(cfg, self.architecture, self.unsupported)
         if (
             cfg.num_query_groups != cfg.num_attention_heads
             or cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size

@@ -51,11 +51,7 @@ class LlamaAdapter(CausalLMAdapter):
         return (cfg.normalization, cfg.activation, cfg.position_embedding_type) == ("RMSNorm", "swiglu", "rope")
 
     def check(self, cfg) -> None:
-        refuse_fields(
-            cfg,
-            self.architecture,
-            {"qk_layernorm": "--qk-layernorm", "layernorm_zero_centered_gamma": "--apply-layernorm-1p"},
-        )
+        refuse_fields(cfg, self.architecture, self.unsupported)
         check_rope(cfg, self.architecture)
         self.check_biases(cfg)
 
