@@ -231,3 +231,23 @@ def test_config_rule(graph):
 def test_no_import_cycle_between_packages(graph):
     cycles = package_cycles(graph)
     assert not cycles, "import cycles: " + "; ".join(cycles)
+
+
+def test_building_a_config_imports_no_model_code():
+    """DESIGN's rule at run time: GPTConfig of every registered family imports nothing beyond what
+    `import megatron_sp.config` does (no megatron_sp.models, no torch: a family's defaults are data)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; from megatron_sp.config import GPTConfig; from megatron_sp.families import FAMILIES; "
+        "before = set(sys.modules); "
+        "[GPTConfig(model=name, num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=97, "
+        "seq_length=16) for name in FAMILIES]; "
+        "print(sorted(set(sys.modules) - before)); "
+        "print(sorted(m for m in sys.modules if m.startswith(('megatron_sp.models', 'torch'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=PACKAGE.parent, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out == ["[]", "[]"], out
