@@ -181,8 +181,8 @@ def _step_models(a, t):
     from model_step import _config
 
     from megatron_sp import parallel_state
+    from megatron_sp.distributed.optimizer import build_optimizer
     from megatron_sp.models.gpt import GPTModel
-    from megatron_sp.training.optimizer import build_optimizer
 
     ps = parallel_state.get()
     models = {}
@@ -196,7 +196,7 @@ def _step_models(a, t):
 
 def _train_step(model, opt, tokens):
     from megatron_sp import parallel_state
-    from megatron_sp.training.grad_sync import finalize_model_grads
+    from megatron_sp.distributed.grad_sync import finalize_model_grads
 
     start = time.perf_counter()
     opt.zero_grad(set_to_none=True)

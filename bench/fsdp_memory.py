@@ -9,8 +9,8 @@ the distributed optimizer and FSDP2, whose stage stays gathered with unsharded f
 step (torch.distributed.pipelining's FSDP2 schedule; formula 4/r + 4/r + 8/r, r = 2, plus 4 + 4 at peak).
 
 Each mode runs in its own gloo world of 4 processes (peak resident memory is a process's whole life):
-build the model and its optimizer (training/optimizer.py's replicated AdamW with gradient buffers, or
-training/fsdp.py's), train `--steps` real steps (training/loop.py train_step, fp32, micro-batch 1), and
+build the model and its optimizer (distributed/optimizer.py's replicated AdamW with gradient buffers, or
+distributed/fsdp.py's), train `--steps` real steps (training/loop.py train_step, fp32, micro-batch 1), and
 report per rank the peak resident set (ru_maxrss), the resident set before the model was built (torch's
 own), and the bytes per parameter of the tensors it holds after a step (weights, gradients, AdamW moments),
 beside the formula: plain 4 + 4 + 8, FSDP2 4/r + 4/r + 8/r (r = 4 replicas; each parameter's dim 0 is
@@ -55,9 +55,9 @@ def _measure(mode: str, layers: int, hidden: int, seq: int, steps: int, pp: int 
 
     from megatron_sp import parallel_state
     from megatron_sp.config import GPTConfig
-    from megatron_sp.training.fsdp import build_fsdp_optimizer
+    from megatron_sp.distributed.fsdp import build_fsdp_optimizer
+    from megatron_sp.distributed.optimizer import build_optimizer
     from megatron_sp.training.loop import train_step
-    from megatron_sp.training.optimizer import build_optimizer
 
     torch.set_num_threads(1)
     fsdp = mode == "fsdp2"

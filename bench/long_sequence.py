@@ -70,9 +70,9 @@ def comm_worker(a, tp, cp, comm):
     from comm_volume import CollectiveCounter
 
     from megatron_sp import parallel_state
+    from megatron_sp.distributed.grad_buffers import GradBuffers
+    from megatron_sp.distributed.grad_sync import finalize_model_grads
     from megatron_sp.models.gpt import GPTModel
-    from megatron_sp.training.grad_buffers import GradBuffers
-    from megatron_sp.training.grad_sync import finalize_model_grads
 
     ps = parallel_state.initialize_model_parallel(tp, cp)
     tokens, labels = _batch(a, a.seq_length)
@@ -118,9 +118,9 @@ def budget_worker(a, cp, comm, s, train):
     import torch
 
     from megatron_sp import parallel_state
+    from megatron_sp.distributed.grad_buffers import GradBuffers
+    from megatron_sp.distributed.grad_sync import finalize_model_grads
     from megatron_sp.models.gpt import GPTModel
-    from megatron_sp.training.grad_buffers import GradBuffers
-    from megatron_sp.training.grad_sync import finalize_model_grads
 
     ps = parallel_state.initialize_model_parallel(1, cp)
     model = GPTModel(_config(a, a.num_layers, cp, comm, s, 0.1), ps).train()

@@ -80,9 +80,9 @@ def measure(a, tp, cp=1):
     import torch
 
     from megatron_sp import parallel_state
+    from megatron_sp.distributed.grad_sync import finalize_model_grads
+    from megatron_sp.distributed.optimizer import build_optimizer
     from megatron_sp.models.gpt import GPTModel
-    from megatron_sp.training.grad_sync import finalize_model_grads
-    from megatron_sp.training.optimizer import build_optimizer
 
     torch.manual_seed(0)
     ps = parallel_state.initialize_model_parallel(tp, cp)

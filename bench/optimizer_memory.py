@@ -5,7 +5,7 @@
 
 What is measured, on every rank of a gloo CPU world: the bytes of the AdamW moments (exp_avg,
 exp_avg_sq; the step counters are left out) and of the gradients each rank holds after a step, for
-the replicated optimizer and the distributed one built by `training.optimizer.build_optimizer`; the
+the replicated optimizer and the distributed one built by `distributed.optimizer.build_optimizer`; the
 ideal share is replicated / (DP × CP). Time: the median over steps of the gradient synchronisation
 (`finalize_model_grads`, not overlapped: all-reduce, or reduce to the owner) plus the optimizer step
 (the distributed one includes its parameter broadcasts), on random gradients that differ per rank.
@@ -29,9 +29,9 @@ def _measure(tp, cp, hidden, layers, steps):
 
     from megatron_sp import parallel_state
     from megatron_sp.config import GPTConfig
+    from megatron_sp.distributed.grad_sync import finalize_model_grads
+    from megatron_sp.distributed.optimizer import build_optimizer
     from megatron_sp.models.gpt import GPTModel
-    from megatron_sp.training.grad_sync import finalize_model_grads
-    from megatron_sp.training.optimizer import build_optimizer, local_optimizer
 
     torch.set_num_threads(1)
     ps = parallel_state.initialize_model_parallel(tp, cp)
@@ -71,15 +71,12 @@ def _measure(tp, cp, hidden, layers, steps):
             opt.step()
             times.append(time.perf_counter() - start)
         state = sum(
-            t.numel() * t.element_size()
-            for st in local_optimizer(opt).state.values()
-            for k, t in st.items()
-            if k != "step"
+            t.numel() * t.element_size() for st in opt.optim.state.values() for k, t in st.items() if k != "step"
         )
         grads = opt.grad_buffers.nbytes()
         out[distributed] = (state, statistics.median(times) * 1e3, grads)
     out["params"] = sum(p.numel() for p in model.parameters())
-    out["replicas"] = ps.dp_size * ps.cp_size
+    out["replicas"] = ps.replicas
     return out
 
 

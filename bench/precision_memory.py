@@ -94,9 +94,9 @@ def _batch(ps, vocab, seq):
 def bytes_worker(tp, hidden, layers):
     """{mode: bytes per parameter on this rank, by part} after one train_step."""
     from megatron_sp import parallel_state
+    from megatron_sp.distributed.optimizer import build_optimizer
     from megatron_sp.models.gpt import GPTModel
     from megatron_sp.training.loop import train_step
-    from megatron_sp.training.optimizer import build_optimizer, local_optimizer
 
     ps = parallel_state.initialize_model_parallel(tp)
     out = {}
@@ -107,7 +107,7 @@ def bytes_worker(tp, hidden, layers):
         train_step(model, opt, batches, 1, ps, device="cpu", clip_grad=1.0, iteration=1)
         n = sum(p.numel() for p in model.parameters())
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        moments = [t for st in local_optimizer(opt).state.values() for k, t in st.items() if k != "step"]
+        moments = [t for st in opt.optim.state.values() for k, t in st.items() if k != "step"]
         parts = dict(
             weights=nbytes(model.parameters()),
             grads=opt.grad_buffers.nbytes(),
@@ -126,9 +126,9 @@ def copies_worker(hidden, layers, steps=2):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from megatron_sp import parallel_state
+    from megatron_sp.distributed import grad_sync
+    from megatron_sp.distributed.optimizer import build_optimizer
     from megatron_sp.models.gpt import GPTModel
-    from megatron_sp.training import grad_sync
-    from megatron_sp.training.optimizer import build_optimizer
 
     class Copies(TorchDispatchMode):
         def __init__(self):

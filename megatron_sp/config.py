@@ -1,10 +1,11 @@
 """GPTConfig: the model's shape, family, regularisation and parallel layout, validated on construction.
 
-The dataclass fields are the one table of model fields: each carries its command-line flags, its
-resume rule and its Hugging Face name (`model_field`, megatron_sp/fields.py); the CLI, build_config,
-the resume check and the HF conversion derive from it (docs/model_fields.md). A GPTConfig is frozen
-and is given its parallel sizes (default 1); it imports no model code (a family's defaults are looked
-up by name, megatron_sp/families.py).
+The dataclass fields are the one table of model fields: each carries its command-line flags and its
+resume rule (`model_field`, megatron_sp/fields.py); the CLI, build_config, the resume check and the
+printed model flags derive from it (docs/model_fields.md). A GPTConfig is frozen and is given its
+parallel sizes (default 1); it imports no model code: a family's defaults are data in
+megatron_sp/families.py (a spec outside the registry is read for its own, `--model module:SPEC`).
+Hugging Face names are each family's adapter's (megatron_sp/models/hf/).
 """
 
 from __future__ import annotations
@@ -38,14 +39,6 @@ RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 PRECISIONS = ("fp32", "bf16", "fp16")  # params_dtype values (torch.float32, bfloat16, float16)
 
-# What a field left at None becomes when the model family (its ModelSpec.defaults) does not say: GPT-2.
-FAMILY_FIELDS = {
-    "normalization": "LayerNorm",
-    "activation": "gelu",
-    "position_embedding_type": "learned_absolute",
-    "untie_embeddings_and_output_weights": False,
-    "add_bias_linear": True,
-}
 _SCALED = "with --use-rope-scaling: "
 _PARALLEL = "parallelism"  # the --help group of the layout flags
 _PRECISION = "mixed precision"  # the --help group of --bf16, --fp16 and the loss scale
@@ -54,33 +47,30 @@ _PRECISION = "mixed precision"  # the --help group of --bf16, --fp16 and the los
 @dataclass(frozen=True)
 class GPTConfig:
     """A decoder-only transformer. Defaults follow Megatron-LM where it has one; fields left at None
-    take the model family's value (`model`, see megatron_sp/families.py), then GPT-2's."""
+    take the model family's value (`model`, see megatron_sp/families.py), which are GPT-2's where the
+    family does not set them."""
 
     num_layers: int = model_field(
         help="transformer layers",
         flags=("--num-layers",),
         cli_default=4,
         resume=ALWAYS,
-        hf={"gpt2": "n_layer", "llama": "num_hidden_layers"},
     )
     hidden_size: int = model_field(
         help="model width h",
         flags=("--hidden-size",),
         cli_default=128,
         resume=ALWAYS,
-        hf={"gpt2": "n_embd", "llama": "hidden_size"},
     )
     num_attention_heads: int = model_field(
         help="query heads n",
         flags=("--num-attention-heads",),
         cli_default=4,
         resume=ALWAYS,
-        hf={"gpt2": "n_head", "llama": "num_attention_heads"},
     )
     vocab_size: int = model_field(  # no flag: the program takes it from the tokenizer
         help="the tokenizer's vocabulary; padded internally (see padded_vocab_size)",
         resume=ALWAYS,
-        hf={"gpt2": "vocab_size", "llama": "vocab_size"},
     )
     seq_length: int = model_field(help="tokens per sample s", flags=("--seq-length",), cli_default=128)
     model: str = model_field(
@@ -94,14 +84,12 @@ class GPTConfig:
         help="MLP width; default 4 * hidden size (SwiGLU: Megatron's 8h/3, rounded down to a multiple of 64)",
         flags=("--ffn-hidden-size",),
         resume=ALWAYS,
-        hf={"gpt2": "n_inner", "llama": "intermediate_size"},
     )
     kv_channels: Optional[int] = model_field(
         None,
         help="head dim d; default hidden size / heads",
         flags=("--kv-channels",),
         resume=ALWAYS,
-        hf={"llama": "head_dim"},
     )
     num_query_groups: Optional[int] = model_field(
         None,
@@ -110,14 +98,12 @@ class GPTConfig:
         flags=("--num-query-groups",),
         switches=(Switch("--group-query-attention", 1, "grouped-query attention", if_unset=True),),
         resume=ALWAYS,
-        hf={"llama": "num_key_value_heads"},
     )
     max_position_embeddings: Optional[int] = model_field(
         None,
         help="longest sequence (learned positions); default seq length",
         flags=("--max-position-embeddings",),
         resume=ALWAYS,
-        hf={"gpt2": "n_positions", "llama": "max_position_embeddings"},
     )
     position_embedding_type: Optional[str] = model_field(
         None,
@@ -174,7 +160,7 @@ class GPTConfig:
         1e-5,
         help="epsilon of LayerNorm / RMSNorm",
         flags=("--norm-epsilon", "--layernorm-epsilon"),
-        hf={"gpt2": "layer_norm_epsilon", "llama": "rms_norm_eps"},
+        describes_model=True,
     )
     activation: Optional[str] = model_field(
         None,
@@ -263,19 +249,19 @@ class GPTConfig:
         0.1,
         help="dropout after embeddings, attention projection and MLP",
         flags=("--hidden-dropout",),
-        hf={"gpt2": "resid_pdrop"},
+        describes_model=True,
     )
     attention_dropout: float = model_field(
         0.1,
         help="dropout on the attention probabilities",
         flags=("--attention-dropout",),
-        hf={"gpt2": "attn_pdrop", "llama": "attention_dropout"},
+        describes_model=True,
     )
     init_method_std: float = model_field(
         0.02,
         help="std of the normal init; output projections use std / sqrt(2 * layers)",
         flags=("--init-method-std",),
-        hf={"gpt2": "initializer_range", "llama": "initializer_range"},
+        describes_model=True,
     )
     embedding_init_method_std: Optional[float] = model_field(
         None,
@@ -421,7 +407,7 @@ class GPTConfig:
             defaults = families.family_defaults(self.model)
         except ValueError as err:
             raise ValueError(f"GPTConfig.model: {err}") from None
-        for name, value in {**FAMILY_FIELDS, **defaults}.items():
+        for name, value in defaults.items():
             if getattr(self, name) is None:
                 self._set(name, value)
         if self.add_qkv_bias is None:

@@ -1,46 +1,103 @@
-"""Model families by name (`--model NAME`, `GPTConfig(model=NAME)`): where each family's ModelSpec lives.
+"""Model families by name (`--model NAME`, `GPTConfig(model=NAME)`): each family's GPTConfig defaults
+as plain data, and where its ModelSpec and its Hugging Face adapter live.
 
-Names and "module:attribute" strings only, imported on first use: config.py looks a family up here
-for its defaults without importing megatron_sp.models (DESIGN: config imports no model code), and
-models/registry.py's `get_spec` loads the ModelSpec itself. A new family is one file with its spec
-plus one line here; `--model package.module:SPEC` also works for a spec that lives outside this
-package (nothing to register).
+    FAMILIES[name] = Family(spec="module:SPEC", defaults={...}, hf="module:ADAPTER")
+
+The defaults are data, so GPTConfig fills a family's fields without importing any model code (DESIGN:
+config imports no model code; tests/test_import_rules.py checks sys.modules). The spec is imported
+when a model is built (models/registry.py's `get_spec`), the adapter only when a model is converted
+(models/hf/). What no family sets is GPT-2's (`BASE`, Megatron-LM's default GPT).
+
+A new family is its spec file, its adapter file and one entry here, or `register_model(...)` at run
+time. `--model package.module:SPEC` names a spec outside the registry: its defaults are read from
+the ModelSpec's own `defaults` at that point, which imports its module (and so megatron_sp.models).
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
+from typing import Optional
 
-MODELS = {
-    "gpt2": "megatron_sp.models.gpt2:SPEC",
-    "llama": "megatron_sp.models.llama:SPEC",
+# The architecture fields a family sets (every field a family leaves at None is filled from BASE).
+_LLAMA = dict(
+    normalization="RMSNorm",
+    activation="swiglu",
+    position_embedding_type="rope",
+    untie_embeddings_and_output_weights=True,
+    add_bias_linear=False,
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: its ModelSpec, its GPTConfig defaults and its Hugging Face adapter."""
+
+    spec: str  # "module:attribute" naming its ModelSpec (imported to build a model)
+    defaults: Optional[dict] = None  # GPTConfig values over BASE's; None: the spec's ModelSpec.defaults
+    hf: Optional[str] = None  # "module:attribute" naming its HFAdapter (models/hf/adapter.py); None: none
+
+
+FAMILIES = {
+    "gpt2": Family(
+        "megatron_sp.models.gpt2:SPEC",
+        dict(
+            normalization="LayerNorm",
+            activation="gelu",
+            position_embedding_type="learned_absolute",
+            untie_embeddings_and_output_weights=False,
+            add_bias_linear=True,
+        ),
+        hf="megatron_sp.models.hf.gpt2:ADAPTER",
+    ),
+    "llama": Family("megatron_sp.models.llama:SPEC", _LLAMA, hf="megatron_sp.models.hf.llama:ADAPTER"),
 }
+BASE = "gpt2"  # the family whose defaults fill what another family does not set
 
 
-def register_model(name: str, target: str) -> None:
-    """Adds (or replaces) a family: `target` is "module:attribute" naming a ModelSpec."""
-    MODELS[name] = target
+def register_model(name: str, spec: str, *, defaults: Optional[dict] = None, hf: Optional[str] = None) -> None:
+    """Adds (or replaces) a family: `spec` is "module:attribute" naming a ModelSpec, `hf` one naming
+    its Hugging Face adapter; without `defaults` they are read from the ModelSpec when first needed."""
+    FAMILIES[name] = Family(spec, None if defaults is None else dict(defaults), hf)
 
 
-def load(name: str, is_spec=lambda obj: isinstance(getattr(obj, "defaults", None), dict)):
-    """The object a registered name or a "module:attribute" path names; ValueError (one sentence)
-    when there is none or `is_spec(obj)` is false."""
-    target = MODELS.get(name, name if ":" in name else None)
-    if target is None:
-        raise ValueError(
-            f"unknown model {name!r}; registered: {', '.join(sorted(MODELS))} "
-            f"(or give a spec as package.module:ATTRIBUTE)."
-        )
+def family(name: str) -> Family:
+    """The registered family of that name, or of that spec path; a Family reading its defaults from
+    the spec for any other "module:attribute" path; ValueError (one sentence) otherwise."""
+    if name in FAMILIES:
+        return FAMILIES[name]
+    if ":" in name:
+        return next((f for f in FAMILIES.values() if f.spec == name), Family(name))
+    raise ValueError(
+        f"unknown model {name!r}; registered: {', '.join(sorted(FAMILIES))} "
+        f"(or give a spec as package.module:ATTRIBUTE)."
+    )
+
+
+def load(target: str, what: str, is_kind) -> object:
+    """The object a "module:attribute" path names; ValueError (one sentence) when there is none or
+    `is_kind(obj)` is false (`what` names the kind expected)."""
     module_name, _, attr = target.partition(":")
     try:
-        spec = getattr(importlib.import_module(module_name), attr)
+        obj = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
-        raise ValueError(f"model {name!r}: cannot load {target} ({err}).") from None
-    if not is_spec(spec):
-        raise ValueError(f"model {name!r}: {target} is a {type(spec).__name__}, not a ModelSpec.")
-    return spec
+        raise ValueError(f"cannot load {target} ({err}).") from None
+    if not is_kind(obj):
+        raise ValueError(f"{target} is a {type(obj).__name__}, not a {what}.")
+    return obj
+
+
+def _has_defaults(obj) -> bool:  # a ModelSpec, known without importing megatron_sp.models
+    return isinstance(getattr(obj, "defaults", None), dict)
 
 
 def family_defaults(name: str) -> dict:
-    """The GPTConfig values the family sets for fields a user left at None (its ModelSpec.defaults)."""
-    return dict(load(name).defaults)
+    """The GPTConfig values for the fields a user left at None: the family's over BASE's."""
+    entry = family(name)
+    defaults = entry.defaults
+    if defaults is None:
+        try:
+            defaults = load(entry.spec, "ModelSpec", _has_defaults).defaults
+        except ValueError as err:
+            raise ValueError(f"model {name!r}: {err}") from None
+    return {**FAMILIES[BASE].defaults, **defaults}

@@ -1,5 +1,5 @@
 """What a GPTConfig field means outside the model: its command-line flags, whether a resumed run must
-match the checkpoint, and its name in Hugging Face config.json files.
+match the checkpoint, and whether it is part of a model's description.
 
 config.py declares every field with `model_field(...)`, so each fact is written once, beside the field;
 the copies are derived (docs/model_fields.md):
@@ -8,7 +8,9 @@ the copies are derived (docs/model_fields.md):
                             flags that rebuild a given config (tools/convert_hf.py prints them)
     checkpointing           the resume check: each field with a `resume` rule is compared with the
                             checkpoint's (a field a checkpoint lacks takes its default)
-    models/hf.py            the config.json keys that map one to one onto a field
+
+A field's Hugging Face config.json key is its family's adapter's (megatron_sp/models/hf/), which
+may name only fields with a resume rule or `describes_model` (so the printed flags carry them).
 
 This module imports nothing of megatron_sp: the rules below take configs as arguments.
 """
@@ -61,10 +63,12 @@ class FieldInfo:
     choices: tuple = ()  # the allowed values (checked by GPTConfig, offered by the CLI)
     group: str = "model"  # the --help group of its flags
     resume: Optional[Callable] = None  # ALWAYS / IF_ROTARY / IF_ROPE_SCALED: must match on resume
-    hf: dict = dataclasses.field(default_factory=dict)  # {"gpt2": "n_layer", "llama": "num_hidden_layers"}
     nargs: Optional[str] = None  # argparse's nargs of its flags ("+": one or more words)
     parse: Optional[Callable] = None  # a flag's word -> the value (argparse's type); default by the field's type
     format: Optional[Callable] = None  # the value -> the flag's words (model_flags); default [str(value)]
+    # part of what a model is although a resume may change it (epsilon, dropout, init std): the
+    # flags that rebuild a config print it, and a Hugging Face config.json may carry it
+    describes_model: bool = False
 
 
 def model_field(default=dataclasses.MISSING, **info) -> dataclasses.Field:
@@ -91,6 +95,6 @@ def mismatch(fields, current, saved) -> Optional[str]:
     return None
 
 
-def hf_names(fields, architecture: str) -> dict:
-    """{field name: config.json key} of the fields that map one to one onto `architecture`'s keys."""
-    return {f.name: info(f).hf[architecture] for f in fields if architecture in info(f).hf}
+def describes_model(f: dataclasses.Field) -> bool:
+    """A field the flags that rebuild a config carry: one with a resume rule or `describes_model`."""
+    return info(f).resume is not None or info(f).describes_model

@@ -16,6 +16,21 @@ set-up at all.
     from megatron_sp import parallel_state
     ps = parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     ps.tp_group, ps.tp_rank, ps.dp_size ...
+
+Group roles name the ranks a parameter or a shard means, so that code above asks "the replicas of this
+parameter" rather than rebuilding a group from the axes:
+
+    role        group / size / rank                  what it is
+    "tp"        tp_group / tp_size / tp_rank         the ranks a ShardSpec's dim is split over
+    "replicas"  replica_group / replicas /           DP×CP: the ranks holding the same shards; a dense
+                replica_rank                         parameter's gradient is reduced over them and the
+                                                     distributed optimizer and FSDP2 shard over them
+
+A parameter's replica group is the parameter's (`replica_role`): dense parameters carry no mark and
+mean "replicas". Expert parallelism adds its roles to ROLES with their groups (in Megatron's rank order
+tp-cp-ep-dp-pp): "expert_tp" (an expert's weight shards) and "expert_replicas" (expert-DP: the ranks
+holding the same expert shards), and marks its expert parameters `replica_role = "expert_replicas"`;
+the gradient buckets, the distributed optimizer and the norms already group parameters by their role.
 """
 
 from __future__ import annotations
@@ -24,6 +39,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 
@@ -63,12 +79,62 @@ class ParallelState:
         return self.tp_size * self.cp_size * self.dp_size * self.pp_size
 
     @property
+    def replicas(self) -> int:
+        """Ranks holding the same shards as this one: DP replicas × CP ranks."""
+        return self.dp_size * self.cp_size
+
+    @property
+    def replica_rank(self) -> int:
+        """This rank's place in replica_group (CP fastest, as the group's ranks are ordered)."""
+        return self.cp_rank + self.cp_size * self.dp_rank
+
+    @property
+    def replica_group(self):
+        """The DP×CP group (the DP group itself when CP is 1: the same ranks), or None with one replica."""
+        if self.replicas == 1:
+            return None
+        return self.dp_cp_group if self.cp_size > 1 else self.dp_group
+
+    def group(self, role: str):
+        """The process group of a group role (see the module docstring)."""
+        return getattr(self, _role(role)[0])
+
+    def size(self, role: str) -> int:
+        return getattr(self, _role(role)[1])
+
+    def rank(self, role: str) -> int:
+        return getattr(self, _role(role)[2])
+
+    def replica_group_of(self, param):
+        """The group `param`'s gradient is reduced over and its optimizer state sharded over."""
+        return self.group(replica_role(param))
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
+
+
+TENSOR = "tp"
+REPLICAS = "replicas"
+ROLES = {  # role -> ParallelState's (group, size, rank) names
+    TENSOR: ("tp_group", "tp_size", "tp_rank"),
+    REPLICAS: ("replica_group", "replicas", "replica_rank"),
+}
+
+
+def _role(role: str) -> tuple:
+    if role not in ROLES:
+        raise ValueError(f"unknown process-group role {role!r}; the roles are {sorted(ROLES)}.")
+    return ROLES[role]
+
+
+def replica_role(param) -> str:
+    """The role of `param`'s replicas: the mark it carries (`param.replica_role`), else REPLICAS (DP×CP)."""
+    return getattr(param, "replica_role", REPLICAS)
 
 
 _STATE: Optional[ParallelState] = None
@@ -189,6 +255,14 @@ def initialize_model_parallel(
         **groups,
     )
     return _STATE
+
+
+def collective_device():
+    """Where a rank with no tensor of its own (a replica owning no parameter) puts its share of a
+    collective: NCCL reduces only CUDA tensors."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def get() -> ParallelState:

@@ -4,7 +4,7 @@
 
 built from the library's attention, MLP, norm and bias-dropout-add. Registering it is one line,
 `register_model("parallel-residual", "example_parallel_residual:SPEC")` (or that line in
-megatron_sp/families.py's MODELS), or pass `--model example_parallel_residual:SPEC`.
+megatron_sp/families.py's FAMILIES), or pass `--model example_parallel_residual:SPEC`.
 The serial oracle and the TP+SP model both come from this definition, so the parity harness
 checks it with no extra code (tests/test_parity.py::test_user_block_gets_parity_for_free).
 """

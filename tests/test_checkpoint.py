@@ -264,9 +264,9 @@ def test_safetensors_round_trip(tmp_path):
 
 def _run_states(cfg, seed, step: bool):
     """A serial GPTModel and AdamW (one step taken or not), as the states a run gives checkpointing."""
+    from megatron_sp.distributed.loss_scale import DynamicLossScaler
     from megatron_sp.models.gpt import GPTModel
     from megatron_sp.parallel_state import ParallelState
-    from megatron_sp.training.optimizer import DynamicLossScaler
 
     torch.manual_seed(seed)
     ps = ParallelState()

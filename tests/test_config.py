@@ -1,4 +1,4 @@
-"""GPTConfig validation, parallel_state's rank grid, and the Philox generator's known answers."""
+"""GPTConfig validation, parallel_state's rank grid and group roles, and the Philox generator's known answers."""
 
 import pytest
 import torch
@@ -104,6 +104,38 @@ def test_rank_grid_is_tp_fastest_and_partitions_the_world():
     assert tp[0] == [0, 1] and cp[0] == [0, 2] and dp[0] == [0, 4]
     for groups in (tp, cp, dp, dp_cp):
         assert sorted(r for g in groups for r in g) == list(range(8))
+
+
+def test_group_roles_name_the_replicas_and_the_tensor_shards():
+    """ "replicas" is DP×CP (its rank is the place in grid_ranks' DP×CP group), "tp" the TP axis; a
+    parameter's replica role is its mark, DP×CP unless it carries another."""
+    ps = parallel_state.ParallelState(tp_size=2, cp_size=2, dp_size=2, tp_rank=1, cp_rank=1, dp_rank=1)
+    assert (ps.replicas, ps.size("replicas"), ps.size("tp"), ps.rank("tp")) == (4, 4, 2, 1)
+    me = 1 + 2 * (1 + 2 * 1)  # global rank of (tp 1, cp 1, dp 1)
+    (mine,) = [g for g in parallel_state.grid_ranks(2, 2, 2)[3] if me in g]
+    assert ps.rank("replicas") == ps.replica_rank == mine.index(me)
+    assert parallel_state.ParallelState().replica_group is None  # one replica: nothing to reduce over
+    with pytest.raises(ValueError, match="unknown process-group role 'ep'"):
+        ps.group("ep")
+    param = torch.nn.Parameter(torch.zeros(2))
+    assert parallel_state.replica_role(param) == parallel_state.REPLICAS
+    param.replica_role = "expert_replicas"
+    assert parallel_state.replica_role(param) == "expert_replicas"
+
+
+def test_a_gradient_bucket_holds_one_replica_group():
+    """Parameters of two replica roles never share a bucket (each bucket is reduced over one group);
+    with one role the buckets are the runs they always were."""
+    from megatron_sp.distributed.grad_buffers import GradBuffers
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    before = [[tuple(p.shape) for p in b.params] for b in GradBuffers(model, bucket_bytes=1 << 20).buckets]
+    assert before == [[(4,), (4, 4), (4,), (4, 4), (4,), (4, 4)]]
+    for p in model[1].parameters():
+        p.replica_role = "expert_replicas"
+    buckets = GradBuffers(model, bucket_bytes=1 << 20).buckets
+    assert [(b.role, len(b.params)) for b in buckets] == [("replicas", 4), ("expert_replicas", 2)]
+    assert {id(p) for p in buckets[1].params} == {id(p) for p in model[1].parameters()}
 
 
 def test_world_that_does_not_factor_is_a_value_error():

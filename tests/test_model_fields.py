@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from megatron_sp.config import GPTConfig, config_from_dict
-from megatron_sp.fields import cli_default, info, mismatch
+from megatron_sp.fields import cli_default, describes_model, info, mismatch
 from megatron_sp.training.arguments import build_parser, parse_args
 from megatron_sp.training.config_flags import model_flags
 from megatron_sp.training.pretrain import build_config
@@ -159,7 +159,7 @@ def test_printed_flags_rebuild_the_model_at_any_sequence_length(fields, family):
     for seq in (cfg.seq_length, 16):  # the user's --seq-length changes nothing the weights depend on
         rebuilt = _cfg(flags + ["--seq-length", str(seq)] + ["--vocab-size", "97", "--tokenizer-type", "NullTokenizer"])
         for f in FIELDS.values():
-            if info(f).resume is not None or info(f).hf:
+            if describes_model(f):
                 want = 300 if f.name == "vocab_size" else getattr(cfg, f.name)  # build_config's vocabulary
                 assert getattr(rebuilt, f.name) == want, (f.name, flags)
 
@@ -181,6 +181,17 @@ def test_list_valued_flags():
 
     with pytest.raises(ArgumentError, match="list pattern"):  # read without eval
         _cfg(["--window-size", "8,0", "--window-attn-skip-freq", "__import__('os')"])
+
+
+def test_hugging_face_keys_name_fields_the_printed_flags_carry():
+    """Every field a family's Hugging Face adapter reads from config.json is one model_flags prints
+    (a resume rule or describes_model), so the flags convert_hf.py prints after an import rebuild it."""
+    from megatron_sp.models.hf import adapters
+
+    by_name = {f.name: f for f in dataclasses.fields(GPTConfig)}
+    for family, adapter in adapters().items():
+        for name in adapter.config_keys:
+            assert describes_model(by_name[name]), (family, name)
 
 
 def test_resume_rules_and_what_old_checkpoints_imply():

@@ -52,13 +52,13 @@ def test_registry_names_paths_and_errors():
     try:
         assert GPTConfig(**BASE, model="parallel-residual").activation == "openai_gelu"
     finally:
-        del families.MODELS["parallel-residual"]
+        del families.FAMILIES["parallel-residual"]
     with pytest.raises(ValueError, match="GPTConfig.model: unknown model 'nope'; registered: gpt2, llama"):
         GPTConfig(**BASE, model="nope")
     with pytest.raises(ValueError, match="cannot load"):
         GPTConfig(**BASE, model="no_such_module:SPEC")
     with pytest.raises(ValueError, match="not a ModelSpec"):
-        GPTConfig(**BASE, model="megatron_sp.families:MODELS")
+        GPTConfig(**BASE, model="megatron_sp.families:FAMILIES")
 
 
 class _UntaggedMLP(nn.Module):

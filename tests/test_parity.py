@@ -111,9 +111,9 @@ def _copies(model, ps):
 
 def _parity_worker(tp, sp, dropout, fused=FUSED, family="gpt2", cp=1, comm="p2p", extra=None, compile_options=None):
     from megatron_sp import parallel_state
+    from megatron_sp.distributed.optimizer import global_grad_norm
     from megatron_sp.models.compile import compile_layers
     from megatron_sp.models.gpt import GPTModel
-    from megatron_sp.training.optimizer import global_grad_norm
 
     cfg = _config(tp, sp, dropout, fused, family, cp, comm, extra)
     ps = parallel_state.initialize_model_parallel(tp, cp, hierarchical_context_parallel_sizes=_levels(cfg))
@@ -589,9 +589,9 @@ def _distributed_optimizer_worker(tp, cp, overlap, embedding_heavy=False):
     import torch.distributed as dist
 
     from megatron_sp import parallel_state
+    from megatron_sp.distributed.grad_sync import OverlappedGradSync, finalize_model_grads
+    from megatron_sp.distributed.optimizer import build_optimizer, clip_grads
     from megatron_sp.models.gpt import GPTModel
-    from megatron_sp.training.grad_sync import OverlappedGradSync, finalize_model_grads
-    from megatron_sp.training.optimizer import build_optimizer, clip_grads, local_optimizer
 
     ps = parallel_state.initialize_model_parallel(tp, cp)
     hyper = dict(weight_decay=0.1, lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
@@ -616,7 +616,7 @@ def _distributed_optimizer_worker(tp, cp, overlap, embedding_heavy=False):
         models.append(model)
         opts.append(opt)
         syncs.append(OverlappedGradSync(opt.grad_buffers, ps, partition=opt.partition) if overlap else None)
-    replicas = ps.dp_size * ps.cp_size
+    replicas = ps.replicas
     out = {"same": [], "norms": [], "replicas": replicas}
     for step in range(3):
         tokens, labels, ids = _batch(step + 10 * (ps.dp_rank + 1))  # each DP rank its own batch
@@ -641,17 +641,17 @@ def _distributed_optimizer_worker(tp, cp, overlap, embedding_heavy=False):
         )
     state_bytes = lambda opt: sum(
         t.numel() * t.element_size()
-        for st in local_optimizer(opt).state.values()  # noqa: E731
+        for st in opt.optim.state.values()  # noqa: E731
         for k, t in st.items()
         if k != "step"
     )
     total = torch.tensor([float(state_bytes(opts[1]))])
-    dist.all_reduce(total, group=opts[1].partition.group)
+    dist.all_reduce(total, group=ps.replica_group)
     out.update(
         plain=state_bytes(opts[0]),
         mine=state_bytes(opts[1]),
         sum=int(total.item()),
-        owns_nothing=not local_optimizer(opts[1]).param_groups,
+        owns_nothing=not opts[1].optim.param_groups,
         params=sum(p.numel() for p in models[0].parameters()),
         largest_pair=2 * max(p.numel() * p.element_size() for p in models[0].parameters()),
     )
@@ -687,17 +687,17 @@ def test_distributed_optimizer_with_a_replica_that_owns_nothing(pool):
 
 def _fsdp2_worker(tp, cp, family, dtype, overlap, root=None):
     """Three real training steps (training/loop.py train_step, 2 micro-batches, dropout on, clipping
-    active) of the same model with the replicated optimizer and with --use-torch-fsdp2's (training/
+    active) of the same model with the replicated optimizer and with --use-torch-fsdp2's (distributed/
     fsdp.py); returns the losses, gradient norms, the largest parameter difference after the steps and
     this rank's share of the parameter elements under FSDP2."""
     from types import SimpleNamespace
 
     from megatron_sp import parallel_state
+    from megatron_sp.distributed.fsdp import build_fsdp_optimizer
+    from megatron_sp.distributed.loss_scale import DynamicLossScaler
+    from megatron_sp.distributed.optimizer import build_optimizer, count_zero_grads, global_param_norm
     from megatron_sp.models.gpt import GPTModel
-    from megatron_sp.training.fsdp import build_fsdp_optimizer
     from megatron_sp.training.loop import train_step
-    from megatron_sp.training.loss_scale import DynamicLossScaler
-    from megatron_sp.training.optimizer import build_optimizer, count_zero_grads, global_param_norm
 
     ps = parallel_state.initialize_model_parallel(tp, cp)
     args = SimpleNamespace(weight_decay=0.1, lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
@@ -737,20 +737,20 @@ def _fsdp2_worker(tp, cp, family, dtype, overlap, root=None):
     out["share"] = sum(p.to_local().numel() for p in params.values()) / sum(p.numel() for p in plain.parameters())
     if root is not None:
         out["resumed"] = _fsdp2_checkpoint_resumes_plain(root, cfg, ps, args, sharded, fsdp_opt, plain_opt)
-    out["replicas"] = ps.dp_size * ps.cp_size
+    out["replicas"] = ps.replicas
     return out
 
 
 def _fsdp2_checkpoint_resumes_plain(root, cfg, ps, args, sharded, fsdp_opt, plain_opt):
-    """FSDP2's checkpoint (checkpointer.save of training/fsdp.py's states) loaded by a fresh replicated
+    """FSDP2's checkpoint (checkpointer.save of distributed/fsdp.py's states) loaded by a fresh replicated
     model and optimizer, and by one with the distributed optimizer (each rank its share): the largest
     difference from the trained plain run's weights and AdamW moments."""
     from types import SimpleNamespace
 
     from megatron_sp import checkpointing
+    from megatron_sp.distributed.fsdp_checkpoint import checkpoint_states
+    from megatron_sp.distributed.optimizer import build_optimizer
     from megatron_sp.models.gpt import GPTModel
-    from megatron_sp.training.fsdp_checkpoint import checkpoint_states
-    from megatron_sp.training.optimizer import build_optimizer, local_optimizer
 
     quiet = lambda *a: None  # noqa: E731
     saved = {**checkpoint_states(sharded, fsdp_opt, ps), "train_state": checkpointing.TrainState(iteration=STEPS)}
@@ -761,13 +761,13 @@ def _fsdp2_checkpoint_resumes_plain(root, cfg, ps, args, sharded, fsdp_opt, plai
         opt = build_optimizer(fresh, SimpleNamespace(**vars(args), use_distributed_optimizer=distributed), "cpu", ps)
         states = {
             "model": checkpointing.ModelState(fresh, ps, opt.main_params()),
-            "optim": checkpointing.OptimizerState(local_optimizer(opt), fresh, ps, opt.main_params()),
+            "optim": checkpointing.OptimizerState(opt.optim, fresh, ps, opt.main_params()),
             "train_state": checkpointing.TrainState(),
         }
         checkpointing.load(root, states, cfg, log=quiet)
         want, got = plain_opt.main_params(), opt.main_params()
         assert got and (distributed or set(got) == set(want))
-        state = local_optimizer(opt).state
+        state = opt.optim.state
         for n in got:
             worst = max(worst, _rel(got[n], want[n]))
             for key in ("exp_avg", "exp_avg_sq"):
@@ -832,10 +832,10 @@ def _fused_dispatch_worker(modes):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from megatron_sp import parallel_state
+    from megatron_sp.distributed.loss_scale import DynamicLossScaler
+    from megatron_sp.distributed.optimizer import build_optimizer
     from megatron_sp.models.gpt import GPTModel
     from megatron_sp.training.loop import train_step
-    from megatron_sp.training.loss_scale import DynamicLossScaler
-    from megatron_sp.training.optimizer import build_optimizer
 
     class Count(TorchDispatchMode):
         def __init__(self):

@@ -238,10 +238,10 @@ def _overlapped_dp_sync(layout_kw, distributed):
     buckets launched before the backward ended)."""
     from types import SimpleNamespace
 
+    from megatron_sp.distributed.grad_sync import OverlappedGradSync
+    from megatron_sp.distributed.optimizer import build_optimizer
     from megatron_sp.pipeline_parallel.model import PipelineGPT
-    from megatron_sp.training.grad_sync import OverlappedGradSync
     from megatron_sp.training.loop import train_step
-    from megatron_sp.training.optimizer import build_optimizer
 
     class Probe(OverlappedGradSync):
         early = 0
@@ -312,11 +312,11 @@ def _fsdp2_under_the_pipeline(layout_kw, model, cp, dtype, root):
     from types import SimpleNamespace
 
     from megatron_sp import checkpointing
+    from megatron_sp.distributed.fsdp import build_fsdp_optimizer
+    from megatron_sp.distributed.fsdp_checkpoint import checkpoint_states
+    from megatron_sp.distributed.optimizer import build_optimizer
     from megatron_sp.pipeline_parallel.model import PipelineGPT
-    from megatron_sp.training.fsdp import build_fsdp_optimizer
-    from megatron_sp.training.fsdp_checkpoint import checkpoint_states
     from megatron_sp.training.loop import evaluate, train_step
-    from megatron_sp.training.optimizer import build_optimizer, local_optimizer
 
     layout = PipelineLayout(**layout_kw)
     ps = parallel_state.initialize_model_parallel(1, cp, pipeline_model_parallel_size=2)
@@ -355,7 +355,7 @@ def _fsdp2_under_the_pipeline(layout_kw, model, cp, dtype, root):
         main = opt.main_params()
         states = {
             "model": checkpointing.ModelState(fresh, ps, main),
-            "optim": checkpointing.OptimizerState(local_optimizer(opt), fresh, ps, main),
+            "optim": checkpointing.OptimizerState(opt.optim, fresh, ps, main),
             "train_state": checkpointing.TrainState(),
         }
         checkpointing.load(root, states, cfg, log=quiet)
@@ -438,10 +438,10 @@ def _exact_resume(root, schedule):
     from types import SimpleNamespace
 
     from megatron_sp import checkpointing
+    from megatron_sp.distributed.grad_sync import OverlappedGradSync
+    from megatron_sp.distributed.optimizer import build_optimizer
     from megatron_sp.pipeline_parallel.model import PipelineGPT
-    from megatron_sp.training.grad_sync import OverlappedGradSync
     from megatron_sp.training.loop import train_step
-    from megatron_sp.training.optimizer import build_optimizer, local_optimizer
 
     ps = parallel_state.initialize_model_parallel(1, 1, pipeline_model_parallel_size=2)
     cfg, layout, m = _config("gpt2", 1, 1, False), PipelineLayout(2, 2, schedule=schedule), 4
@@ -454,7 +454,7 @@ def _exact_resume(root, schedule):
         opt = build_optimizer(pipe, args, "cpu", ps)
         states = {
             "model": checkpointing.ModelState(pipe, ps, opt.main_params()),
-            "optim": checkpointing.OptimizerState(local_optimizer(opt), pipe, ps, opt.main_params()),
+            "optim": checkpointing.OptimizerState(opt.optim, pipe, ps, opt.main_params()),
             "train_state": checkpointing.TrainState(),
         }
         return pipe, opt, OverlappedGradSync(opt.grad_buffers, ps, partition=opt.partition), states

@@ -76,8 +76,6 @@ def _measure(argv):
 
     from megatron_sp.training import loop
     from megatron_sp.training.arguments import parse_args
-    from megatron_sp.training.distributed_optimizer import replica_group
-    from megatron_sp.training.optimizer import local_optimizer
     from megatron_sp.training.pretrain import Trainer, check_inputs, data_iterator
 
     args = parse_args(argv, world_size=dist.get_world_size())
@@ -89,7 +87,7 @@ def _measure(argv):
         kw = dict(device="cpu", clip_grad=1.0, iteration=iteration, scaler=trainer.scaler)
         if not loop.train_step(model, trainer.optimizer, batches, args.num_micro_batches, ps, **kw).skipped:
             break
-    opt = local_optimizer(trainer.optimizer)
+    opt = trainer.optimizer.optim
     own = {id(p) for p in model.parameters()}
     state = [t for st in opt.state.values() for k, t in st.items() if k != "step" and torch.is_tensor(t)]
     masters = [p for g in opt.param_groups for p in g["params"] if id(p) not in own]
@@ -104,12 +102,12 @@ def _measure(argv):
                 loss = loop.forward_loss(model, batch)
             loss.backward()
     grads = [p.grad for p in model.parameters()] + [getattr(p, "main_grad", None) for p in model.parameters()]
-    group = replica_group(ps)
+    assert ps.replica_group is None or dist.get_rank(ps.replica_group) == ps.replica_rank
     return dict(
         weights=_tensor_bytes(model.parameters()),
         grads=_tensor_bytes(grads),
         optimizer=_tensor_bytes(state + masters),
-        replica=dist.get_rank(group) if group is not None else 0,
+        replica=ps.replica_rank,
         saved=counter.total() if counter else None,
         sent={
             kind: sum(c["sent"] for c in sent.calls if c["t"] == size)

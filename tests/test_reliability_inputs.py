@@ -468,7 +468,7 @@ def test_fp16_underflow_grows_the_scale_instead_of_training_on_zeros(tmp_path, c
 
 
 def test_fp16_underflow_at_the_largest_scale_stops():
-    from megatron_sp.training.optimizer import DynamicLossScaler
+    from megatron_sp.distributed.loss_scale import DynamicLossScaler
 
     scaler = DynamicLossScaler(1e-20)
     verdicts = []

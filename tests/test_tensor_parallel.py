@@ -261,9 +261,9 @@ def _grad_sync_worker(overlap):
     """Two micro-batches at TP=2 × DP=2 with different data per DP rank; DP-averaged gradients."""
     from megatron_sp import parallel_state
     from megatron_sp.config import GPTConfig
+    from megatron_sp.distributed.grad_buffers import GradBuffers
+    from megatron_sp.distributed.grad_sync import OverlappedGradSync, finalize_model_grads
     from megatron_sp.models.gpt import GPTModel
-    from megatron_sp.training.grad_buffers import GradBuffers
-    from megatron_sp.training.grad_sync import OverlappedGradSync, finalize_model_grads
 
     ps = parallel_state.initialize_model_parallel(2)
     cfg = GPTConfig(

@@ -22,10 +22,11 @@ def test_per_token_loss_is_the_global_token_mean():
     sum(token losses) / 62, not of the mean of the two means."""
     from megatron_sp import parallel_state
     from megatron_sp.config import GPTConfig
+    from megatron_sp.distributed.optimizer import build_optimizer
+    from megatron_sp.distributed.protocol import TrainingOptimizer
     from megatron_sp.models.gpt import GPTModel
     from megatron_sp.models.reference import ReferenceGPT
     from megatron_sp.training.loop import train_step
-    from megatron_sp.training.optimizer import build_optimizer
 
     cfg = GPTConfig(
         num_layers=1,
@@ -50,6 +51,7 @@ def test_per_token_loss_is_the_global_token_mean():
         model.load_full_state_dict(reference.state_dict())
         hyper = SimpleNamespace(weight_decay=0.0, lr=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
         optimizer = build_optimizer(model, hyper, "cpu", ps)
+        assert isinstance(optimizer, TrainingOptimizer)
         result = train_step(
             model, optimizer, iter(batches), 2, ps, device="cpu", clip_grad=0.0, iteration=1, per_token_loss=True
         )
@@ -62,6 +64,21 @@ def test_per_token_loss_is_the_global_token_mean():
     assert abs(result.loss - want.item()) < 1e-6 * abs(want.item())
     for name, p in reference.named_parameters():
         assert (grads[name] - p.grad).norm() <= 1e-5 * p.grad.norm(), name  # the parity tests' measure
+
+
+def test_both_optimizers_implement_the_training_optimizer_protocol():
+    """The loop, the logs and the checkpoints see one contract: every method the protocol declares is
+    defined by both optimizers (none left as the protocol's stub)."""
+    from megatron_sp.distributed.fsdp import FSDPOptimizer
+    from megatron_sp.distributed.optimizer import MixedPrecisionOptimizer
+    from megatron_sp.distributed.protocol import TrainingOptimizer
+
+    declared = [n for n, v in vars(TrainingOptimizer).items() if callable(v) and not n.startswith("_")]
+    assert {"finalize_grads", "prepare_grads", "step", "params_norm", "zero_grads_count"} <= set(declared)
+    for cls in (MixedPrecisionOptimizer, FSDPOptimizer):
+        assert TrainingOptimizer in cls.__mro__
+        stubs = [n for n in declared if getattr(cls, n) is vars(TrainingOptimizer)[n]]
+        assert not stubs, f"{cls.__name__} leaves {stubs} to the protocol"
 
 
 def test_batch_schedules_follow_megatron():
@@ -167,8 +184,8 @@ def test_null_tokenizer_data_of_megatron_core_016_names_the_fix(tmp_path):
 def test_decoupled_lr_drives_the_embedding_and_output_layer():
     """--decoupled-lr: the word embedding and the output layer follow a schedule of their own."""
     from megatron_sp.config import GPTConfig
+    from megatron_sp.distributed.optimizer import param_groups
     from megatron_sp.models.reference import ReferenceGPT
-    from megatron_sp.training.optimizer import param_groups
     from megatron_sp.training.schedules import LRSchedule
 
     cfg = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=50, seq_length=8)

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Convert between a megatron_sp checkpoint and a Hugging Face model directory (GPT2LMHeadModel,
-LlamaForCausalLM: model.safetensors + config.json, loadable offline by transformers).
+"""Convert between a megatron_sp checkpoint and a Hugging Face model directory (model.safetensors +
+config.json, loadable offline by transformers) of any family with an adapter (megatron_sp/families.py,
+megatron_sp/models/hf/: GPT2LMHeadModel, LlamaForCausalLM).
 
     # checkpoint (any TP size) -> HF directory
     python tools/convert_hf.py export --load runs/ckpt [--iteration N] --output hf/ [--dtype bf16] [--eos-token-id 256]
@@ -12,7 +13,7 @@ Runs in one process, no torch.distributed needed; transformers is not needed eit
 is not converted. Sharded HF checkpoints (model-0000x-of-0000y.safetensors + index) are read too.
 
 A model directory is data from elsewhere: every tensor's name, shape and dtype is checked against
-its config.json (models/hf.py), only regular files inside it are read, and each error is one
+its config.json (models/hf/), only regular files inside it are read, and each error is one
 sentence (exit 2 for bad input, 1 when writing fails). Export refuses a directory that already
 holds a model unless --overwrite, which first removes that model's files (never two models in one
 directory); import refuses a --save that already holds a run (its marker would be reset).

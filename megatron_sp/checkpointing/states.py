@@ -45,7 +45,7 @@ class TrainState:
 class ModelState:
     """The model's weights, each as its slice of the canonical tensor (canonical.py), in fp32.
 
-    main_params: {name: fp32 main weight} of the parameters this rank's optimizer steps (training/
+    main_params: {name: fp32 main weight} of the parameters this rank's optimizer steps (distributed/
     optimizer.py; with a distributed optimizer only the ones it owns): those are what a rank saves, so
     a bf16 run stores its fp32 main weights and a checkpoint does not depend on the run's precision.
     On load every parameter is read (cast to the model's dtype) and so is every main weight. Without
@@ -147,7 +147,7 @@ class RNGState:
 
 def adam_load_target(named, ps, like=lambda p: p) -> dict:
     """DCP's load target of AdamW's state per (name, parameter): moments shaped as `like(p)`'s canonical
-    slice (training/fsdp.py passes the TP-local tensor of a sharded parameter), and the step."""
+    slice (distributed/fsdp.py passes the TP-local tensor of a sharded parameter), and the step."""
     return {
         name: {
             "exp_avg": empty_dcp_target(like(p), ps),

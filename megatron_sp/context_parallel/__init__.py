@@ -6,5 +6,5 @@
     ring.py     key/value blocks passed around the CP ring, blockwise attention merged by log-sum-exp
 Everything outside attention is per token, so it runs unchanged on the rank's tokens; the loss is
 averaged over the whole sequence (models/lm_head.py) and gradients are summed over CP
-(tensor_parallel/partial_grads.py; in training, with the data-parallel reduction of grad_sync.py).
+(tensor_parallel/partial_grads.py; in training, with the data-parallel reduction of distributed/grad_sync.py).
 """

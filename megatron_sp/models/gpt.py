@@ -79,7 +79,7 @@ class GPTModel(LanguageModel):
     @torch.no_grad()
     def full_grad_dict(self):
         """Collective: unsharded gradients (partial sums reduced first if still pending); a parameter's
-        gradient is its `.grad`, or its `main_grad` when gradient buffers hold it (training/grad_buffers.py)."""
+        gradient is its `.grad`, or its `main_grad` when gradient buffers hold it (distributed/grad_buffers.py)."""
         self.partial_grads.reduce(self.parameters(), grad=_gradient)
         return {
             name: gather_full(_gradient(p), p.shard_spec, self.ps.tp_group)

@@ -6,9 +6,11 @@ builds both the serial oracle (ReferenceGPT) and the tensor + sequence parallel 
 
 Every slot is a class called as `Slot(cfg, layer=..., builder=..., block_spec=...)` (the builder
 is models/builders.py's; the contracts are in models/blocks.py). `defaults` fills the GPTConfig
-fields a user left at None (the family's normalisation, activation, positions, ...). A new block
-variant is one file with its classes and a `SPEC = ModelSpec(...)`, plus one line in
-megatron_sp/families.py (docs/models.md: "Write your own model").
+fields a user left at None (normalisation, activation, positions, ...) for a spec outside the
+registry (`--model package.module:SPEC`); a registered family's defaults are data in
+megatron_sp/families.py, so a config is built without importing this module. A new block variant
+is one file with its classes and a `SPEC = ModelSpec(...)`, plus one line in megatron_sp/families.py
+(docs/models.md: "Write your own model", "Add a family").
 """
 
 from __future__ import annotations

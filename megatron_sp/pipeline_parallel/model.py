@@ -114,7 +114,7 @@ class PipelineGPT(nn.Module):
 
     @property
     def stage_chunks(self) -> list:
-        """This rank's stages' forward modules, in stage order (FSDP2 makes each a root: training/fsdp.py)."""
+        """This rank's stages' forward modules, in stage order (FSDP2 makes each a root: distributed/fsdp.py)."""
         return list(self._chunks)
 
     def _build(self, spec, ranges):

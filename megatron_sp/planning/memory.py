@@ -23,13 +23,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from megatron_sp.distributed.distributed_optimizer import share_owners
+from megatron_sp.distributed.grad_buffers import BUCKET_BYTES  # (one bucket in flight without overlap)
 from megatron_sp.layer_options import cp_comm_types
 from megatron_sp.planning import activations as act
-from megatron_sp.training.distributed_optimizer import share_owners
 
 GIB = 1024**3
 SHARDINGS = ("replicated", "distributed", "fsdp2")  # AdamW state: every rank / over r (ZeRO-1) / ZeRO-3
-BUCKET_BYTES = 25 * 1024 * 1024  # training/grad_sync.py's bucket (one in flight without overlap)
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ class MemorySplit:
 def states_bytes(shapes, prec: Precision, sharding: str, replicas: int) -> tuple:
     """(weights, gradients, optimizer state of the largest share) bytes on a rank."""
     n = sum(numel(s) for s in shapes)
-    if sharding == "fsdp2" and replicas > 1:  # training/fsdp.py: fp32 shards and gradients in every mode
+    if sharding == "fsdp2" and replicas > 1:  # distributed/fsdp.py: fp32 shards and gradients in every mode
         shard = _fsdp_shard(shapes, replicas)
         return act.FP32 * shard, act.FP32 * shard, prec.moments * shard
     return prec.weight * n, prec.grad * n, max(optimizer_shares(shapes, prec.optimizer, sharding, replicas))
@@ -180,7 +180,7 @@ def buffer_bytes(
     cfg, micro_batch, prec: Precision, sharding, replicas, shapes, overlap_grad_reduce=True, pipeline=False
 ) -> dict:
     """The transient workspaces: gradient buckets, the logits' gradient, the SP gather, FSDP2's gathered
-    layers (pipeline: the stage's weights and unsharded fp32 gradients, held for the step; training/fsdp.py)."""
+    layers (pipeline: the stage's weights and unsharded fp32 gradients, held for the step; distributed/fsdp.py)."""
     shape = act.LayerShape.from_config(cfg, micro_batch, prec.act)
     n = sum(numel(s) for s in shapes)
     out = {}

@@ -1,6 +1,7 @@
 """Where a rank's parameter shard sits in the full (serial) parameter, and moving between the two.
 
-A parameter's `ShardSpec` says which dimension is split across the t ranks of a TP group. A fused
+A parameter's `ShardSpec` says which dimension is split across the t ranks of a group: the one its
+`group` role names (parallel_state.ROLES), the TP group for every layer today. A fused
 layer concatenates several *segments* along that dimension (QKV: q, k, v; SwiGLU: gate, up), and
 each segment is split on its own, so a rank holds matching slices of every segment:
 
@@ -19,11 +20,14 @@ copies (tensor_parallel/partial_grads.py), and count once in norms and checkpoin
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron_sp.parallel_state import TENSOR
 
 
 @dataclass(frozen=True)
@@ -34,12 +38,14 @@ class ShardSpec:
     segments  full sizes of the consecutive segments of `dim` in a fused layer; () = one segment
     units     per segment, indivisible units (heads) it is made of; () = no constraint (parts = t)
     full      size of `dim` in the serial model when it is padded here (the vocabulary); one segment
+    group     the role of the ranks `dim` is split over ("tp"; an expert's weights will name expert-TP)
     """
 
     dim: Optional[int] = None
     segments: tuple = ()
     units: tuple = ()
     full: Optional[int] = None
+    group: str = TENSOR
 
     def __post_init__(self):
         if self.units and len(self.units) != len(self.segments):
@@ -132,9 +138,7 @@ def gather_full(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
     if tp_size > 1:
         parts = [torch.empty_like(moved) for _ in range(tp_size)]
         dist.all_gather(parts, moved, group=group)
-    by_rank = [
-        split_local(p, ShardSpec(0, spec.segments, spec.units, spec.full), r, tp_size) for r, p in enumerate(parts)
-    ]
+    by_rank = [split_local(p, dataclasses.replace(spec, dim=0), r, tp_size) for r, p in enumerate(parts)]
     segments = []
     for i in range(len(by_rank[0])):
         segments.append(torch.cat([view for shard, view in (rank[i] for rank in by_rank) if shard.first_copy]))

@@ -233,10 +233,10 @@ def _check_features(args) -> None:
 
 
 def _check_fsdp2(args) -> None:
-    """--use-torch-fsdp2's impossible combinations (training/fsdp.py says why each)."""
+    """--use-torch-fsdp2's impossible combinations (distributed/fsdp.py says why each)."""
     if not args.use_torch_fsdp2:
         return
-    from megatron_sp.training.fsdp import problem
+    from megatron_sp.distributed.fsdp import problem
 
     if problem(args):
         raise ArgumentError(problem(args))

@@ -105,7 +105,7 @@ def _parallel_args(p):
         "--use-torch-fsdp2",
         action="store_true",
         help="ZeRO-3 with torch FSDP2 (fully_shard per layer): shard weights, gradients and AdamW state over "
-        "the data- (and context-) parallel replicas, composed with TP+SP, CP and PP (training/fsdp.py)",
+        "the data- (and context-) parallel replicas, composed with TP+SP, CP and PP (distributed/fsdp.py)",
     )
     g.add_argument(
         "--overlap-grad-reduce",
@@ -207,7 +207,7 @@ def _runtime_args(g):
 
 def _precision_args(p):
     """Megatron's mixed precision: --bf16/--fp16 put parameters and activations in that dtype, the
-    optimizer keeping fp32 main weights and moments (training/optimizer.py)."""
+    optimizer keeping fp32 main weights and moments (distributed/optimizer.py)."""
     g = p.add_argument_group("mixed precision")
     prec = g.add_mutually_exclusive_group()
     prec.add_argument("--bf16", action="store_true", help="parameters and activations in bf16, fp32 main weights")

@@ -14,7 +14,7 @@ import typing
 from typing import Optional
 
 from megatron_sp.config import GPTConfig
-from megatron_sp.fields import cli_default, info
+from megatron_sp.fields import cli_default, describes_model, info
 
 
 class _StoreConstIfUnset(argparse.Action):
@@ -71,8 +71,8 @@ def config_kwargs(args) -> dict:
 
 
 def _describes_weights(f) -> bool:
-    """A field that a resume compares or a Hugging Face config sets, and that has flags."""
-    return _has_flags(f) and (info(f).resume is not None or bool(info(f).hf))
+    """A field that a resume compares or that describes the model, and that has flags."""
+    return _has_flags(f) and describes_model(f)
 
 
 def _flag_for(f, value) -> Optional[list]:
@@ -118,7 +118,7 @@ def _flags_parser() -> argparse.ArgumentParser:
 
 def model_flags(cfg: GPTConfig) -> list:
     """The pretrain_gpt_sp.py model flags that rebuild cfg's weights and function (every field with a
-    resume rule or a Hugging Face name): `--model cfg.model` when its defaults can express the rest,
+    resume rule or `describes_model`): `--model cfg.model` when its defaults can express the rest,
     else GPT-2's with the architecture spelled out. Checked by parsing them back."""
     for family in dict.fromkeys((cfg.model, "gpt2")):
         flags = _family_flags(cfg, family)

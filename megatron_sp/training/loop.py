@@ -3,7 +3,7 @@ evaluation pass. Everything here is per-rank code between collectives; see pretr
 
 Precision is the model's own (Megatron's --bf16 / --fp16: bf16/fp16 parameters and activations, no
 autocast); the gradients accumulate in the optimizer's fp32 gradient buffers and it steps fp32 main
-weights (training/optimizer.py)."""
+weights (distributed/optimizer.py)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_sp.distributed.grad_sync import OverlappedGradSync
+from megatron_sp.distributed.loss_scale import DynamicLossScaler
+from megatron_sp.distributed.optimizer import clip_grads
 from megatron_sp.parallel_state import ParallelState
 from megatron_sp.training import pipeline_step
-from megatron_sp.training.grad_sync import OverlappedGradSync, finalize_model_grads
-from megatron_sp.training.loss_scale import DynamicLossScaler
-from megatron_sp.training.optimizer import clip_grads
 
 
 class NonFiniteError(RuntimeError):
@@ -133,7 +133,7 @@ def train_step(
     empty_cache: bool = False,
 ) -> StepResult:
     """Accumulates gradients over the micro-batches (into optimizer.grad_buffers), syncs them, clips
-    and steps. scaler: a training/loss_scale.py scaler (fp16, --loss-scale), or None.
+    and steps. scaler: a distributed/loss_scale.py scaler (fp16, --loss-scale), or None.
     per_token_loss (--calculate-per-token-loss): the loss is the global batch's token sum divided by
     its token count (over micro-batches and DP ranks), not the mean of the micro-batch means.
     empty_cache (--empty-unused-memory-level 2): empty the CUDA cache after the backward."""
@@ -156,11 +156,8 @@ def train_step(
             f"the training loss is {loss_value} at iteration {iteration}; lower --lr, "
             f"check the data, or use --bf16 instead of --fp16."
         )
-    partition = optimizer.partition  # distributed optimizer: reduce to owners
-    if optimizer.grad_buffers is None:  # FSDP2 reduce-scattered them in the backward (training/fsdp.py)
-        optimizer.finalize_grads(model)
-    else:
-        finalize_model_grads(model, ps, optimizer.grad_buffers, grad_sync, partition)
+    partition = optimizer.partition  # who holds which gradients (the norms read it)
+    optimizer.finalize_grads(model, ps, grad_sync)
     params = optimizer.prepare_grads()  # fp32 main weights with their gradients (only the owned ones)
     if per_token_loss and params:  # the DP average divided by dp size; the loss wants the token count
         torch._foreach_mul_([p.grad for p in params], ps.dp_size / tokens)

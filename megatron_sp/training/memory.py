@@ -28,10 +28,10 @@ def state_bytes(cfg, args) -> int:
     """Bytes of weights, gradients and optimizer state on one rank, a lower bound (no activations, no
     buffers; with pipeline stages, the largest stage's share of at least 1/pp): Megatron's accounting
     per parameter, r = DP x CP replicas sharing the optimizer state with
-    --use-distributed-optimizer (training/optimizer.py):
+    --use-distributed-optimizer (distributed/optimizer.py):
         fp32           4 weight + 4 gradient + 8 AdamW moments (/r)
         bf16 / fp16    2 weight + 4 gradient (2 with --grad-reduce-in-bf16) + 12 main weight and moments (/r)
-        FSDP2          (4 + 4 + 8) / r, fp32 and bf16 (training/fsdp.py); with pipeline stages a stage
+        FSDP2          (4 + 4 + 8) / r, fp32 and bf16 (distributed/fsdp.py); with pipeline stages a stage
                        also holds its weights gathered (4, or 2 in bf16 / fp16) and its gradients
                        unsharded in fp32 (4) for the whole step
     """

@@ -9,7 +9,7 @@ moved there right after each weight pass. With --overlap-grad-reduce each stage 
 just before its final backward of the step (its last weight pass under a zero-bubble schedule;
 PipelineGPT.before_last_backward), so a bucket's DP reduction starts once all its parameters are
 complete, whichever chunks hold them; the tied embedding's bucket waits for finish(), after its
-copies' sum over the embedding group (training/grad_sync.py finalize_model_grads).
+copies' sum over the embedding group (distributed/grad_sync.py finalize_model_grads).
 """
 
 from __future__ import annotations

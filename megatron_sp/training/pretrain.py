@@ -22,15 +22,15 @@ import torch
 from megatron_sp import checkpointing, failures, parallel_state
 from megatron_sp.config import GPTConfig
 from megatron_sp.data.errors import DataError
+from megatron_sp.distributed.grad_sync import OverlappedGradSync
+from megatron_sp.distributed.loss_scale import build_loss_scaler
+from megatron_sp.distributed.optimizer import build_optimizer
 from megatron_sp.training import trainer_report
 from megatron_sp.training.arguments import ArgumentError, parse_args
 from megatron_sp.training.config_flags import config_kwargs
-from megatron_sp.training.grad_sync import OverlappedGradSync
 from megatron_sp.training.logger import TrainingLogger
 from megatron_sp.training.loop import GradientUnderflowError, NonFiniteError, evaluate, train_step
-from megatron_sp.training.loss_scale import build_loss_scaler
 from megatron_sp.training.memory import MemoryShortage, check_fits, describe_out_of_memory, is_out_of_memory
-from megatron_sp.training.optimizer import build_optimizer, local_optimizer
 from megatron_sp.training.runtime import Runtime
 from megatron_sp.training.schedules import LRSchedule
 from megatron_sp.training.throughput import peak_tflops
@@ -88,7 +88,7 @@ def check_inputs(argv) -> Setup:
     )
     cfg = build_config(args, tokenizer.vocab_size)
     if args.use_torch_fsdp2:
-        from megatron_sp.training.fsdp import model_problem
+        from megatron_sp.distributed.fsdp import model_problem
 
         if model_problem(cfg, args.pipeline_layout):
             raise ValueError(model_problem(cfg, args.pipeline_layout))
@@ -254,7 +254,7 @@ class Trainer:
 
             compile_layers(self.model)
         if args.use_torch_fsdp2:  # ZeRO-3: FSDP2 owns the gradients and their reduction
-            from megatron_sp.training.fsdp import build_fsdp_optimizer
+            from megatron_sp.distributed.fsdp import build_fsdp_optimizer
 
             self.optimizer = build_fsdp_optimizer(self.model, args, args.device, self.ps)
         else:
@@ -262,7 +262,7 @@ class Trainer:
         self.scaler = build_loss_scaler(args)
         self.grad_sync = (
             OverlappedGradSync(self.optimizer.grad_buffers, self.ps, partition=self.optimizer.partition)
-            if args.overlap_grad_reduce and self.ps.dp_size * self.ps.cp_size > 1 and not args.use_torch_fsdp2
+            if args.overlap_grad_reduce and self.ps.replicas > 1 and not args.use_torch_fsdp2
             else None
         )
         self.schedule = LRSchedule(
@@ -283,14 +283,14 @@ class Trainer:
     def _checkpoint_states(self) -> dict:
         """What a checkpoint of this run holds (megatron_sp/checkpointing/states.py)."""
         if self.args.use_torch_fsdp2:  # the same canonical entries, gathered from the FSDP2 shards
-            from megatron_sp.training.fsdp_checkpoint import checkpoint_states
+            from megatron_sp.distributed.fsdp_checkpoint import checkpoint_states
 
             tensors = checkpoint_states(self.model, self.optimizer, self.ps)
         else:
             tensors = {
                 "model": checkpointing.ModelState(self.model, self.ps, self.optimizer.main_params()),
                 "optim": checkpointing.OptimizerState(
-                    local_optimizer(self.optimizer), self.model, self.ps, self.optimizer.main_params()
+                    self.optimizer.optim, self.model, self.ps, self.optimizer.main_params()
                 ),
             }
         return {

@@ -5,18 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from megatron_sp.training.optimizer import count_zero_grads, global_param_norm, local_optimizer
 from megatron_sp.training.throughput import throughput
 
 
 def record(trainer, result, lr, batch, elapsed) -> dict:
     """The figures of one step: what the log line, the JSONL file, TensorBoard and wandb show."""
     args, state = trainer.args, trainer.state
-    params = list(trainer.model.parameters())
-    partition = getattr(trainer.optimizer, "partition", None)
-    held = partition if hasattr(trainer.optimizer, "local_params") else None  # FSDP2: norms of the shards
-    if held is not None:
-        params = trainer.optimizer.local_params()
+    optimizer, model, ps = trainer.optimizer, trainer.model, trainer.ps
     return {
         "iteration": state.iteration,
         "lm_loss": result.loss,
@@ -32,10 +27,8 @@ def record(trainer, result, lr, batch, elapsed) -> dict:
         "skipped": result.skipped,
         "peak_tflops": trainer.peak,
         "loss_scale": trainer.scaler.scale if trainer.scaler else None,
-        "params_norm": global_param_norm(params, trainer.ps, held) if args.log_params_norm else None,
-        "num_zeros": count_zero_grads(_stepped(params, partition), trainer.ps, partition)
-        if args.log_num_zeros_in_grad
-        else None,
+        "params_norm": optimizer.params_norm(model, ps) if args.log_params_norm else None,
+        "num_zeros": optimizer.zero_grads_count(model, ps) if args.log_num_zeros_in_grad else None,
         "timers": result.timers,
         "memory": trainer.runtime.memory() if args.log_memory_to_tensorboard else None,
         # this step's peak of allocated GPU memory (bench/gpu_check.sh reports it per run)
@@ -44,18 +37,13 @@ def record(trainer, result, lr, batch, elapsed) -> dict:
     }
 
 
-def _stepped(params, partition) -> list:
-    """The parameters whose gradients this rank stepped (a distributed optimizer's: the ones it owns)."""
-    return [p for p in params if partition is None or partition.mine(p)]
-
-
 def _optimizer_words(trainer) -> str:
-    replicas = trainer.ps.dp_size * trainer.ps.cp_size
+    replicas = trainer.ps.replicas
     if trainer.optimizer.partition is None:
         return "AdamW"
     if trainer.args.use_torch_fsdp2:
         return f"FSDP2: weights, gradients and AdamW state sharded over {replicas} replicas"
-    mine = sum(p.numel() for g in local_optimizer(trainer.optimizer).param_groups for p in g["params"])
+    mine = sum(p.numel() for g in trainer.optimizer.optim.param_groups for p in g["params"])
     total = sum(p.numel() for p in trainer.model.parameters())
     return f"AdamW state sharded over {replicas} replicas (this rank: {mine / total:.0%} of its parameters)"
 

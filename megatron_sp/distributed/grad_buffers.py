@@ -1,11 +1,12 @@
 """Megatron's param-and-grad buffer: every parameter's gradient accumulates into `param.main_grad`, a
 view of one contiguous buffer per bucket, in fp32 whatever the parameter's dtype (bf16 with
 --grad-reduce-in-bf16), and the data-parallel reduction runs on those buffers in place
-(training/grad_sync.py): no gradient is copied into a flat tensor and back.
+(distributed/grad_sync.py): no gradient is copied into a flat tensor and back.
 
     bucket i    buffer [numel_i], one dtype        its parameters in backward order (reverse creation
                                                    order), about BUCKET_BYTES of gradients each, all
-                                                   of one owner with the distributed optimizer
+                                                   of one replica group (parallel_state.replica_role)
+                                                   and of one owner with the distributed optimizer
     parameter   main_grad = buffer[offset : offset + numel].view(param.shape)
 
 Accumulation: a post-accumulate-grad hook on each parameter adds the `.grad` autograd has just
@@ -21,25 +22,29 @@ from typing import Callable, Optional
 
 import torch
 
+from megatron_sp.parallel_state import REPLICAS, replica_role
+
 BUCKET_BYTES = 25 * 1024 * 1024
 
 
 @dataclass
 class Bucket:
-    """Consecutive parameters whose gradients share one buffer (and one owner)."""
+    """Consecutive parameters whose gradients share one buffer (one replica group, one owner)."""
 
     params: list
     buffer: torch.Tensor  # [sum of numels], the gradients' dtype
     owner: Optional[int] = None  # the replica that steps them (distributed optimizer), or None
     index: int = 0
     views: list = field(default_factory=list)  # params' main_grad, in order
+    role: str = REPLICAS  # the parameters' replica role: the group the bucket is reduced over
 
 
 def _groups(params, bucket_bytes: int, itemsize: int, owner):
-    """Consecutive runs of params of one owner, each about bucket_bytes of gradients."""
+    """Consecutive runs of params of one replica role and one owner, each about bucket_bytes of
+    gradients: ((role, owner), run)."""
     by_owner = {}
     for p in params:
-        by_owner.setdefault(owner(p) if owner else None, []).append(p)
+        by_owner.setdefault((replica_role(p), owner(p) if owner else None), []).append(p)
     for who, same in by_owner.items():
         run, size = [], 0
         for p in same:
@@ -64,9 +69,9 @@ class GradBuffers:
         params = [p for p in reversed(list(model.parameters())) if p.requires_grad]
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.buckets = []
-        for who, run in _groups(params, bucket_bytes, itemsize, owner):
+        for (role, who), run in _groups(params, bucket_bytes, itemsize, owner):
             buffer = torch.zeros(sum(p.numel() for p in run), dtype=dtype, device=run[0].device)
-            bucket = Bucket(run, buffer, who, len(self.buckets))
+            bucket = Bucket(run, buffer, who, len(self.buckets), role=role)
             offset = 0
             for p in run:
                 p.main_grad = buffer[offset : offset + p.numel()].view(p.shape)

@@ -26,13 +26,7 @@ import math
 import torch
 import torch.distributed as dist
 
-
-def _collective_device():
-    """Where a rank with no gradients of its own (distributed optimizer) puts its share: NCCL
-    reduces only CUDA tensors."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+from megatron_sp.parallel_state import collective_device
 
 
 def _check_scale(value: float, what: str) -> float:
@@ -52,7 +46,7 @@ class ConstantLossScaler:
         grads = [p.grad for p in params if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, 1.0 / self.scale)
-        bad = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else _collective_device())
+        bad = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else collective_device())
         for g in grads:
             bad += (~torch.isfinite(g)).any().float()
         if dist.is_initialized():

@@ -1,18 +1,18 @@
 """Gradient synchronisation between the backward passes and the optimizer step, in place on the
-gradient buffers (training/grad_buffers.py: each parameter's `main_grad` is a view of its bucket).
+gradient buffers (distributed/grad_buffers.py: each parameter's `main_grad` is a view of its bucket).
 
 1. Data and context parallelism: every gradient is averaged over the DP group and summed over the CP
    group (each CP rank saw its part of every sequence; the loss is the whole sequence's mean): one
-   all-reduce over the DP×CP group per bucket buffer, which *is* the gradients, so nothing is copied
-   in or out. With `OverlappedGradSync` a bucket's all-reduce starts during the last micro-batch's
-   backward as soon as all its gradients are in, and runs while autograd computes the gradients of
-   earlier layers.
+   all-reduce per bucket buffer over its parameters' replica group (DP×CP; a bucket holds one group's
+   parameters), and the buffer *is* the gradients, so nothing is copied in or out. With
+   `OverlappedGradSync` a bucket's all-reduce starts during the last micro-batch's backward as soon
+   as all its gradients are in, and runs while autograd computes the gradients of earlier layers.
 2. Partial gradients over the TP group: SP-region parameters and key/value heads held in copies,
    summed by the model's `partial_grads` (tensor_parallel/partial_grads.py) on the main_grads.
 The sums act on different groups and commute; the DP×CP one goes first because the overlapped
 buckets start it during the backward.
 
-With the distributed optimizer's `partition` (training/distributed_optimizer.py) a bucket holds one
+With the distributed optimizer's `partition` (distributed/distributed_optimizer.py) a bucket holds one
 owner's parameters and is reduced to that owner instead of all-reduced; the other replicas leave
 those gradients alone (nothing reads them before the next step zeroes the buffers).
 """
@@ -22,37 +22,38 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_sp.distributed.grad_buffers import GradBuffers
 from megatron_sp.parallel_state import ParallelState
-from megatron_sp.training.grad_buffers import BUCKET_BYTES, GradBuffers  # noqa: F401 (re-exported)
 
 
-def _replicas(ps) -> int:
-    """Ranks holding the same shards: DP replicas × CP ranks."""
-    return ps.dp_size * ps.cp_size
+def _replicated(bucket, ps) -> bool:
+    """Whether the bucket's parameters have replicas to sum over (their replica group, DP×CP for dense ones)."""
+    return ps.size(bucket.role) > 1
 
 
 def _start(bucket, ps, partition=None, async_op=False):
-    """The bucket's sum over DP×CP, in place: all-reduced, or reduced to its owner."""
-    group = ps.dp_cp_group if ps.cp_size > 1 else ps.dp_group
+    """The bucket's sum over its replica group, in place: all-reduced, or reduced to its owner."""
+    group = ps.group(bucket.role)
     if partition is None:
         return dist.all_reduce(bucket.buffer, group=group, async_op=async_op)
-    return dist.reduce(bucket.buffer, dst=partition.global_rank(bucket.owner), group=group, async_op=async_op)
+    dst = partition.global_rank(bucket.owner, bucket.role)
+    return dist.reduce(bucket.buffer, dst=dst, group=group, async_op=async_op)
 
 
 def _finish(bucket, ps, partition=None):
-    """DP replicas average (CP parts add up); a bucket another replica owns holds no final value."""
-    if partition is None or bucket.owner == partition.rank:
+    """DP replicas average (CP parts add up; the global batch is dp_size ranks' samples whatever the
+    group); a bucket another replica owns holds no final value."""
+    if partition is None or bucket.owner == partition.shares[bucket.role].rank:
         bucket.buffer.div_(ps.dp_size)
 
 
 def reduce_data_parallel_grads(buffers: GradBuffers, ps: ParallelState, partition=None):
     """Averages the gradients over DP (and sums over CP) after the backward: one all-reduce, or one
     reduce to the owner, per bucket."""
-    if _replicas(ps) == 1:
-        return
     for bucket in buffers.buckets:
-        _start(bucket, ps, partition)
-        _finish(bucket, ps, partition)
+        if _replicated(bucket, ps):
+            _start(bucket, ps, partition)
+            _finish(bucket, ps, partition)
 
 
 class OverlappedGradSync:
@@ -83,11 +84,13 @@ class OverlappedGradSync:
             self.armed_params.update(id(p) for p in params)
 
     def _on_grad_ready(self, param):
-        if not (self.armed or id(param) in self.armed_params) or _replicas(self.ps) == 1:
+        if not (self.armed or id(param) in self.armed_params):
             return
         if getattr(param, "waits_for_step_sums", False):
             return  # (a pipeline's tied embedding: its bucket waits for finish(), after the copies' sum)
         bucket = self.buffers.bucket_of[id(param)]
+        if not _replicated(bucket, self.ps):
+            return
         self.ready[bucket.index].add(id(param))
         if len(self.ready[bucket.index]) == len(bucket.params):
             self._launch(bucket)
@@ -96,13 +99,12 @@ class OverlappedGradSync:
         self.launched[bucket.index] = (bucket, _start(bucket, self.ps, self.partition, async_op=True))
 
     def finish(self):
-        if _replicas(self.ps) > 1:
-            for bucket in self.buffers.buckets:
-                if bucket.index not in self.launched:
-                    self._launch(bucket)
-            for bucket, handle in self.launched.values():
-                handle.wait()
-                _finish(bucket, self.ps, self.partition)
+        for bucket in self.buffers.buckets:
+            if bucket.index not in self.launched and _replicated(bucket, self.ps):
+                self._launch(bucket)
+        for bucket, handle in self.launched.values():
+            handle.wait()
+            _finish(bucket, self.ps, self.partition)
         self._reset()
 
     def remove(self):

@@ -1,4 +1,4 @@
-"""Checkpoints of an FSDP2 run (`--use-torch-fsdp2`, training/fsdp.py) in the canonical entries every
+"""Checkpoints of an FSDP2 run (`--use-torch-fsdp2`, distributed/fsdp.py) in the canonical entries every
 other run reads (checkpointing/canonical.py): each parameter and AdamW moment is gathered over the DP×CP
 replicas to its TP-local tensor on save, and on load each rank takes its dim-0 chunk of it (torch.chunk,
 as FSDP2 shards), so FSDP2, distributed-optimizer and replicated runs resume each other at any layout,
@@ -10,8 +10,8 @@ import torch
 
 from megatron_sp.checkpointing.canonical import empty_dcp_target, from_canonical_local, to_dcp_tensor
 from megatron_sp.checkpointing.states import ModelState, OptimizerState, adam_load_target
-from megatron_sp.training.fsdp import FSDPOptimizer
-from megatron_sp.training.optimizer import PARAM_ATTRS
+from megatron_sp.distributed.fsdp import FSDPOptimizer
+from megatron_sp.distributed.optimizer import PARAM_ATTRS
 
 
 def _like(p) -> torch.Tensor:

@@ -3,7 +3,7 @@ global gradient norm and clipping.
 
 Megatron's meaning of --bf16 / --fp16: the model's parameters are bf16/fp16; the optimizer keeps an
 fp32 *main* copy of each and the AdamW moments in fp32, and steps those with the fp32 gradients that the
-gradient buffers accumulated (training/grad_buffers.py: `param.main_grad`); after the step the main
+gradient buffers accumulated (distributed/grad_buffers.py: `param.main_grad`); after the step the main
 weights are copied into the model. In fp32 the parameter is its own main weight. Bytes per parameter
 on a rank (r = DP × CP replicas; --grad-reduce-in-bf16 makes the gradient 2):
 
@@ -16,9 +16,9 @@ update. What needs care is the gradient norm: each parameter must count once how
 (TP-split: sum the squares over the TP group) or replicated (identical on the TP ranks and on the
 DP replicas: count one copy).
 
-Distributed optimizer (`--use-distributed-optimizer`, ZeRO-1): training/distributed_optimizer.py; a
+Distributed optimizer (`--use-distributed-optimizer`, ZeRO-1): distributed/distributed_optimizer.py; a
 rank then holds main weights and moments only for the parameters it owns, and the gradient norm sums
-the squares each replica owns. fp16 loss scaling: training/loss_scale.py.
+the squares each replica owns. fp16 loss scaling: distributed/loss_scale.py.
 """
 
 from __future__ import annotations
@@ -26,17 +26,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_sp.parallel_state import ParallelState
+from megatron_sp.distributed.distributed_optimizer import ParamBroadcast, Partition
+from megatron_sp.distributed.grad_buffers import GradBuffers
+from megatron_sp.distributed.grad_sync import finalize_model_grads
+from megatron_sp.distributed.protocol import TrainingOptimizer
+from megatron_sp.parallel_state import ParallelState, collective_device, replica_role
 from megatron_sp.tensor_parallel.sharding import split_local
-from megatron_sp.training.distributed_optimizer import ParamBroadcast, Partition, _NoParameters, replica_group
-from megatron_sp.training.grad_buffers import GradBuffers
-from megatron_sp.training.loss_scale import ConstantLossScaler, DynamicLossScaler, _collective_device  # noqa: F401
 
 PARAM_ATTRS = (
     "shard_spec",
     "sequence_parallel",
     "init_tag",
     "pipeline_copy",
+    "replica_role",
 )  # what the norm, the partial sums, FSDP2 and its checkpoints read
 
 # Megatron-LM's "embedding or output" parameters, which --decoupled-lr trains with an LR of their own.
@@ -66,12 +68,23 @@ def _main_weight(p: torch.Tensor) -> torch.Tensor:
     return main
 
 
-class MixedPrecisionOptimizer:
+class _NoParameters:
+    """The local optimizer of a replica that owns no parameter (a model with fewer, larger
+    parameters than replicas)."""
+
+    def __init__(self):
+        self.param_groups, self.state = [], {}
+
+    def step(self):
+        pass
+
+
+class MixedPrecisionOptimizer(TrainingOptimizer):
     """AdamW (`optim`, made by `make_optimizer(groups)`) over the fp32 main weights of the parameters
     this rank steps: all of them, or with a distributed optimizer's `partition` the ones it owns.
 
-    Per step: zero_grad() (the gradient buffers), backward, grad sync (training/grad_sync.py), then
-    prepare_grads() -> the main weights, each with `.grad` its gradient in fp32 (clip and unscale
+    Per step: zero_grad() (the gradient buffers), backward, finalize_grads() (distributed/grad_sync.py),
+    then prepare_grads() -> the main weights, each with `.grad` its gradient in fp32 (clip and unscale
     those), step() -> AdamW, main weights copied into the model, owners broadcast (distributed).
     """
 
@@ -87,14 +100,6 @@ class MixedPrecisionOptimizer:
         groups = [g for g in param_groups(named, weight_decay, decoupled) if g["params"]]
         self.optim = make_optimizer(groups) if groups else _NoParameters()
 
-    @property
-    def param_groups(self):
-        return self.optim.param_groups
-
-    @property
-    def state(self):
-        return self.optim.state
-
     def main_params(self) -> dict:
         """{parameter name: fp32 main weight} of the parameters this rank steps (checkpoints save these)."""
         return {self._names[id(p)]: main for p, main in self.pairs}
@@ -103,6 +108,9 @@ class MixedPrecisionOptimizer:
         self.grad_buffers.zero()
         for p, main in self.pairs:
             main.grad = None
+
+    def finalize_grads(self, model, ps: ParallelState, overlapped=None) -> None:
+        finalize_model_grads(model, ps, self.grad_buffers, overlapped, self.partition)
 
     def prepare_grads(self) -> list:
         """The main weights with `.grad` = their reduced gradient (a view of the buffer in fp32, an fp32
@@ -122,8 +130,15 @@ class MixedPrecisionOptimizer:
         if self.broadcast is not None:
             self.broadcast.broadcast()
 
+    def params_norm(self, model, ps: ParallelState) -> float:
+        return global_param_norm(list(model.parameters()), ps)  # (every replica holds every parameter)
 
-def _adamw(args, device: str, distributed: bool):
+    def zero_grads_count(self, model, ps: ParallelState) -> int:
+        stepped = [p for p in model.parameters() if self.partition is None or self.partition.mine(p)]
+        return count_zero_grads(stepped, ps, self.partition)
+
+
+def adamw_factory(args, device: str, distributed: bool):
     """The torch optimizer factory: apex's FusedAdam (decoupled weight decay) when apex is installed and
     we run on CUDA, else torch's fused (CUDA) or foreach AdamW."""
     kw = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
@@ -141,19 +156,14 @@ def _adamw(args, device: str, distributed: bool):
 def build_optimizer(model, args, device: str, ps: ParallelState | None = None) -> MixedPrecisionOptimizer:
     """The run's optimizer and gradient buffers (fp32, or bf16 with args.grad_reduce_in_bf16). With
     args.use_distributed_optimizer and replicas (ps), main weights and moments are sharded over them."""
-    distributed = ps is not None and getattr(args, "use_distributed_optimizer", False) and replica_group(ps) is not None
+    distributed = ps is not None and getattr(args, "use_distributed_optimizer", False) and ps.replicas > 1
     partition = Partition([p for p in model.parameters() if p.requires_grad], ps) if distributed else None
     grad_dtype = torch.bfloat16 if getattr(args, "grad_reduce_in_bf16", False) else torch.float32
     buffers = GradBuffers(model, dtype=grad_dtype, owner=partition.owner if partition is not None else None)
     decoupled = getattr(args, "decoupled_lr", None) is not None
     return MixedPrecisionOptimizer(
-        model, buffers, _adamw(args, device, distributed), args.weight_decay, partition, decoupled
+        model, buffers, adamw_factory(args, device, distributed), args.weight_decay, partition, decoupled
     )
-
-
-def local_optimizer(optimizer):
-    """The torch optimizer that holds this rank's AdamW state."""
-    return getattr(optimizer, "optim", optimizer)
 
 
 def _sum_of_squares(grads, device) -> torch.Tensor:
@@ -171,7 +181,7 @@ def global_grad_norm(params, ps: ParallelState, partition: Partition | None = No
 
 def global_param_norm(params, ps: ParallelState, partition=None) -> float:
     """L2 norm of the full (serial) parameters, each counted once (--log-params-norm); partition: the
-    replicas each hold their own part of `params` (FSDP2's shards: training/fsdp.py)."""
+    replicas each hold their own part of `params` (FSDP2's shards: distributed/fsdp.py)."""
     return _global_sum(list(params), lambda p: p.detach(), _sum_of_squares, ps, partition).sqrt().item()
 
 
@@ -192,32 +202,47 @@ def _count_zeros(tensors, device) -> torch.Tensor:
 def _global_sum(params, tensor_of, measure, ps: ParallelState, partition) -> torch.Tensor:
     """measure(tensors) summed over the full (serial) model: TP shards summed over the group,
     replicated tensors and copies counted once (with a partition: what each replica owns)."""
-    device = tensor_of(params[0]).device if params else _collective_device()
-    split, replicated = [], []
+    device = tensor_of(params[0]).device if params else collective_device()
+    split, replicated = [], {}  # replicated: {replica role: tensors}
     params = [p for p in params if not getattr(p, "pipeline_copy", False)]  # a tied copy: counted once
     for p in params:
-        if not getattr(p, "norm_counted", True):  # a copy that other ranks count (training/fsdp.py)
+        if not getattr(p, "norm_counted", True):  # a copy that other ranks count (distributed/fsdp.py)
             continue
         spec = getattr(p, "shard_spec", None)
         if spec is None or spec.dim is None:
-            replicated.append(tensor_of(p))
+            replicated.setdefault(replica_role(p), []).append(tensor_of(p))
         elif not spec.segments:
             split.append(tensor_of(p))
         else:  # segments held in copies (GQA key/value heads): only the first copy counts
             split += [
-                view for shard, view in split_local(tensor_of(p), spec, ps.tp_rank, ps.tp_size) if shard.first_copy
+                view
+                for shard, view in split_local(tensor_of(p), spec, ps.rank(spec.group), ps.size(spec.group))
+                if shard.first_copy
             ]
-    sharded, whole = measure(split, device), measure(replicated, device)
+    sharded = measure(split, device)
     if partition is not None:  # every shard has one owner in the world,
         dist.all_reduce(sharded)  # every whole parameter one per replica group
-        dist.all_reduce(whole, group=partition.group)
-    elif ps.tp_size > 1:
+        whole = _summed_over_replicas(replicated, partition.groups, measure, device)
+    else:
+        whole = measure([t for tensors in replicated.values() for t in tensors], device)
+    if partition is None and ps.tp_size > 1:
         dist.all_reduce(sharded, group=ps.tp_group)  # TP shards: sum over the group
     if ps.pp_size > 1:  # each stage its own parameters (the world-wide sum above already spans them)
         total = whole if partition is not None else sharded + whole
         dist.all_reduce(total, group=ps.pp_group)
         return sharded + total if partition is not None else total
     return sharded + whole  # replicas: this rank's copy
+
+
+def _summed_over_replicas(replicated: dict, groups: dict, measure, device) -> torch.Tensor:
+    """measure of each replica group's whole parameters summed over that group (each replica owns its
+    part), added up over the groups (every rank of a group holds the same roles)."""
+    total = None
+    for role, group in groups.items():
+        whole = measure(replicated.get(role, []), device)
+        dist.all_reduce(whole, group=group)
+        total = whole if total is None else total + whole
+    return total
 
 
 def clip_grads(params, max_norm: float, ps: ParallelState, partition: Partition | None = None) -> float:

@@ -14,8 +14,8 @@ rank shards the same way, so our TP collectives and partial sums act on matching
 
 Gradients: FSDP2 reduce-scatters each micro-batch's gradients in the backward and accumulates them in
 the sharded `.grad` (DTensors); its reduction is a *sum* over DP×CP divided by dp_size, which is plain
-DP's semantics (the DP mean of the CP partial sums: training/grad_sync.py). The gradient buffers and the
-DP sync of training/grad_buffers.py / grad_sync.py are not built: FSDP2 owns the gradients. What is
+DP's semantics (the DP mean of the CP partial sums: distributed/grad_sync.py). The gradient buffers and the
+DP sync of distributed/grad_buffers.py / grad_sync.py are not built: FSDP2 owns the gradients. What is
 left after the backward is ours (`FSDPOptimizer.finalize_grads`): the SP-region partial sums over TP, on
 the local shards. Clipping sums the squares of the local shards: TP-split ones over the whole world,
 TP-replicated ones over the DP×CP group only (every TP rank holds the same shard of those).
@@ -54,7 +54,7 @@ copy sums need the TP-local layout, so those parameters' gradient shards are pla
 tensor for the sum (a QKV weight's worth, transient) and taken back; the norms count the copied rows on
 the first copy's ranks only.
 
-Checkpoints keep the canonical entries (training/fsdp_checkpoint.py).
+Checkpoints keep the canonical entries (distributed/fsdp_checkpoint.py).
 
 What does not compose (refused in one sentence by `problem(args)`): --use-distributed-optimizer
 (FSDP2 shards the optimizer state itself), --grad-reduce-in-bf16 (FSDP2 reduces in fp32), a
@@ -70,10 +70,16 @@ from types import SimpleNamespace
 
 import torch
 
-from megatron_sp.parallel_state import ParallelState
+from megatron_sp.distributed.optimizer import (  # PARAM_ATTRS: what our sums, norms and checkpoints read
+    PARAM_ATTRS,
+    adamw_factory,
+    count_zero_grads,
+    global_param_norm,
+    param_groups,
+)
+from megatron_sp.distributed.protocol import TrainingOptimizer
+from megatron_sp.parallel_state import REPLICAS, ParallelState
 from megatron_sp.tensor_parallel.sharding import ShardSpec, segment_shards
-from megatron_sp.training.distributed_optimizer import replica_group
-from megatron_sp.training.optimizer import PARAM_ATTRS  # what our sums, norms and checkpoints read
 
 FLAG = "--use-torch-fsdp2"
 
@@ -118,7 +124,7 @@ def replica_mesh(ps: ParallelState, device: str):
     """The 1-D DeviceMesh of this rank's DP×CP group (the ranks holding the same TP shards)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh.from_group(replica_group(ps), "cuda" if device == "cuda" else "cpu")
+    return DeviceMesh.from_group(ps.replica_group, "cuda" if device == "cuda" else "cpu")
 
 
 def shard_model(model, ps: ParallelState, device: str):
@@ -171,12 +177,10 @@ def _shard_root(root, layers, reshard, mesh, policy) -> list:
 @dataclass(frozen=True)
 class ReplicaShards:
     """Stands where a distributed optimizer's Partition stands for the gradient norm (optimizer.py's
-    _global_sum): every rank holds a disjoint shard of its TP rank's tensors over `group`."""
+    _global_sum): every rank holds a disjoint shard of its TP rank's tensors over its replica group
+    (`groups`: {replica role: group}; one mesh, the dense parameters' DP×CP, today)."""
 
-    group: object
-
-    def mine(self, p) -> bool:
-        return True
+    groups: dict
 
 
 def _chunk_rows(p) -> tuple:
@@ -193,7 +197,7 @@ def _copy_rows(p, ps: ParallelState) -> list:
     spec = getattr(p, "shard_spec", None)
     if spec is None or not spec.segments or spec.dim % p.dim() != 0:
         return []
-    shards = segment_shards(spec, p.shape[0], ps.tp_rank, ps.tp_size)
+    shards = segment_shards(spec, p.shape[0], ps.rank(spec.group), ps.size(spec.group))
     if all(s.copies == 1 for s in shards):
         return []
     rows, start = [], 0
@@ -203,11 +207,16 @@ def _copy_rows(p, ps: ParallelState) -> list:
     return rows
 
 
+def _unsegmented(spec: ShardSpec) -> ShardSpec:
+    """The spec of a piece of one segment: split on the same dim over the same group."""
+    return ShardSpec(spec.dim, group=spec.group)
+
+
 def _view(t, grad, spec, sequence_parallel, counted=True, pipeline_copy=False) -> torch.Tensor:
     view = t.detach()
     view.grad = grad
     view.main_grad = grad  # (the reduced gradient, where count_zero_grads reads it)
-    view.shard_spec = ShardSpec(spec.dim) if spec is not None and spec.dim is not None else spec
+    view.shard_spec = _unsegmented(spec) if spec is not None and spec.dim is not None else spec
     view.sequence_parallel = sequence_parallel
     view.norm_counted = counted  # (False: a copy that other TP ranks count)
     view.pipeline_copy = pipeline_copy  # (the last stage's tied embedding: the first stage's counts)
@@ -244,7 +253,7 @@ def _reduce_partial_grads(model, params, ps: ParallelState) -> None:
             continue
         spec, sp, grad = getattr(p, "shard_spec", None), getattr(p, "sequence_parallel", False), p.grad._local_tensor
         if not _copy_rows(p, ps):
-            plain = ShardSpec(spec.dim) if spec is not None and spec.split else spec
+            plain = _unsegmented(spec) if spec is not None and spec.split else spec
             items.append(SimpleNamespace(shard_spec=plain, sequence_parallel=sp, grad=grad))
             continue
         a, b = _chunk_rows(p)
@@ -264,28 +273,18 @@ def _local_grad(p) -> torch.Tensor:
     return p.grad._local_tensor
 
 
-class FSDPOptimizer:
-    """AdamW over the model's FSDP2-sharded fp32 parameters (DTensors): MixedPrecisionOptimizer's
-    interface (training/optimizer.py) for the training loop, with no gradient buffers."""
+class FSDPOptimizer(TrainingOptimizer):
+    """AdamW over the model's FSDP2-sharded fp32 parameters (DTensors), for the training loop
+    (distributed/protocol.py), with no gradient buffers: FSDP2 owns the gradients."""
 
     grad_buffers = None
 
     def __init__(self, model, ps: ParallelState, make_optimizer, weight_decay: float, decoupled=False):
-        from megatron_sp.training.optimizer import param_groups
-
         self.model, self.ps = model, ps
-        self.partition = ReplicaShards(replica_group(ps))
+        self.partition = ReplicaShards({REPLICAS: ps.replica_group})
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         self.optim = make_optimizer([g for g in param_groups(named, weight_decay, decoupled) if g["params"]])
-
-    @property
-    def param_groups(self):
-        return self.optim.param_groups
-
-    @property
-    def state(self):
-        return self.optim.state
 
     def main_params(self) -> dict:
         return dict(self.model.named_parameters())
@@ -294,10 +293,11 @@ class FSDPOptimizer:
         self.optim.zero_grad(set_to_none=True)
 
     @torch.no_grad()
-    def finalize_grads(self, model):
-        """After the last backward: FSDP2 has reduce-scattered over DP×CP; the partial sums over TP
-        remain (SP-region parameters, key/value copies), on the local shards, and under pipeline
-        parallelism the tied embedding's two copies (first and last stage: the same chunk of rows)."""
+    def finalize_grads(self, model, ps: ParallelState, overlapped=None):
+        """After the last backward: FSDP2 has reduce-scattered over DP×CP (overlapping its own: no
+        `overlapped`); the partial sums over TP remain (SP-region parameters, key/value copies), on the
+        local shards, and under pipeline parallelism the tied embedding's two copies (first and last
+        stage: the same chunk of rows)."""
         _reduce_partial_grads(model, self.params, self.ps)
         if hasattr(model, "finalize_embedding_grads"):
             model.finalize_embedding_grads(grad=_local_grad)
@@ -315,11 +315,15 @@ class FSDPOptimizer:
     def step(self):
         self.optim.step()
 
+    def params_norm(self, model, ps: ParallelState) -> float:
+        return global_param_norm(self.local_params(), ps, self.partition)
+
+    def zero_grads_count(self, model, ps: ParallelState) -> int:
+        return count_zero_grads(self.local_params(), ps, self.partition)
+
 
 def build_fsdp_optimizer(model, args, device: str, ps: ParallelState) -> FSDPOptimizer:
     """Shards the model (shard_model) and returns its optimizer (optimizer.py's AdamW factory)."""
-    from megatron_sp.training.optimizer import _adamw
-
     shard_model(model, ps, device)
     decoupled = getattr(args, "decoupled_lr", None) is not None
-    return FSDPOptimizer(model, ps, _adamw(args, device, distributed=True), args.weight_decay, decoupled)
+    return FSDPOptimizer(model, ps, adamw_factory(args, device, distributed=True), args.weight_decay, decoupled)
