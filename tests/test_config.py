@@ -106,6 +106,17 @@ def test_rank_grid_is_tp_fastest_and_partitions_the_world():
         assert sorted(r for g in groups for r in g) == list(range(8))
 
 
+def test_hierarchical_cp_groups_under_tp():
+    """a2a+p2p 2 × 2 at TP2 × CP4 (8 ranks, more than the parity worlds hold): each a2a group is two
+    adjacent CP ranks of one TP rank, each ring the ranks at one place of their a2a groups, by group,
+    so CP rank g·A + i is outer rank g (hierarchical.py's zigzag argument)."""
+    cp_lists = parallel_state.grid_ranks(tp_size=2, cp_size=4, dp_size=1)[1]
+    assert cp_lists == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    inner, outer = parallel_state.hierarchical_cp_ranks(cp_lists, (2, 2))
+    assert inner == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert outer == [[0, 4], [2, 6], [1, 5], [3, 7]]
+
+
 def test_group_roles_name_the_replicas_and_the_tensor_shards():
     """ "replicas" is DP×CP (its rank is the place in grid_ranks' DP×CP group), "tp" the TP axis; a
     parameter's replica role is its mark, DP×CP unless it carries another."""
