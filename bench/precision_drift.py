@@ -1,6 +1,7 @@
 """bf16 loss drift across layouts and against fp32 (issue 17): the program (pretrain_gpt_sp.py) on the
 tests' tiny model, dropout on, the same seed and data, --bf16 at TP=1 (the reference), TP=2+SP, TP=4+SP,
-CP=2, DP=2 (TP=2 x DP=2 with the distributed optimizer), and fp32 at TP=1.
+CP=2 (ring, and a2a), CP=4 (allgather, and a2a+p2p at 2 x 2), DP=2 (TP=2 x DP=2 with the distributed
+optimizer), and fp32 at TP=1.
 
     python bench/precision_drift.py                    # 50 iterations
     python bench/precision_drift.py --train-iters 20
@@ -32,6 +33,13 @@ RUNS = {  # name: (processes, flags)
     "bf16 TP=2+SP": (2, ["--bf16", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "bf16 TP=4+SP": (4, ["--bf16", "--tensor-model-parallel-size", "4", "--sequence-parallel"]),
     "bf16 CP=2": (2, ["--bf16", "--context-parallel-size", "2"]),
+    "bf16 CP=2 a2a": (2, ["--bf16", "--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
+    "bf16 CP=4 allgather": (4, ["--bf16", "--context-parallel-size", "4", "--cp-comm-type", "allgather"]),
+    "bf16 CP=4 a2a+p2p 2x2": (
+        4,
+        ["--bf16", "--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"]
+        + ["--hierarchical-context-parallel-sizes", "2", "2"],
+    ),
     "bf16 TP=2 x DP=2 dist-opt": (4, ["--bf16", "--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]),
     "fp32 TP=1": (1, []),
 }

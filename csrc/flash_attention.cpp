@@ -2,9 +2,9 @@
 // dropout; the reference is megatron_sp/ops/flash_attention.py (same function, same mask bits).
 //
 // Design: queries and keys are cut into 64-row blocks. Visibility (key position <= query
-// position, equal document segments) is summarised per block (flash_index_cpu.h), so a block pair
-// is skipped when nothing is visible and left unmasked when everything is. The inputs may have any
-// strides (q, k, v are permuted views of the fused QKV projection): each block is packed into a
+// position, within the sliding window when one is given, equal document segments) is summarised per block
+// (flash_index_cpu.h), so a block pair is skipped when nothing is visible and left unmasked when everything is. The
+// inputs may have any strides (q, k, v are permuted views of the fused QKV projection): each block is packed into a
 // zero-padded fp32 buffer (flash_block_cpu.h), so fp32/bf16/fp16 share one fp32 path.
 // at::parallel_for runs over (batch, query head, query block); per key block: S = Q K^T
 // (register-tiled GEMM), mask, online softmax (running max m, sum l of the un-dropped
@@ -109,14 +109,14 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor
                                            const at::Tensor& q_pos_in, const at::Tensor& k_pos_in,
                                            const c10::optional<at::Tensor>& q_seg_in,
                                            const c10::optional<at::Tensor>& k_seg_in, const at::Tensor& samples_in,
-                                           double p, int64_t seed, int64_t layer, int64_t head_offset) {
+                                           double p, int64_t seed, int64_t layer, int64_t head_offset, int64_t window) {
   check_flash_attention(q, k, v, q_pos_in, k_pos_in, q_seg_in, k_seg_in, samples_in, p, head_offset);
   const at::Tensor q_pos = q_pos_in.contiguous(), k_pos = k_pos_in.contiguous();
   const at::Tensor q_seg = q_seg_in ? q_seg_in->contiguous() : at::Tensor();
   const at::Tensor k_seg = k_seg_in ? k_seg_in->contiguous() : at::Tensor();
   const at::Tensor samples = samples_in.contiguous();
   const Problem pr = make_problem(q, k, p, seed, layer, head_offset);
-  const AttnIndex ix = make_index(q_pos, k_pos, q_seg, k_seg, samples);
+  const AttnIndex ix = make_index(q_pos, k_pos, q_seg, k_seg, samples, window);
   at::Tensor out = at::empty({pr.sq, pr.b, pr.nq, pr.d}, q.options()).permute({1, 2, 0, 3});
   at::Tensor lse = at::empty({pr.b, pr.nq, pr.sq}, q.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "flash_fwd", [&] {
@@ -144,11 +144,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor
 TORCH_LIBRARY_FRAGMENT(megatron_sp, m) {
   m.def(
       "flash_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor q_positions, Tensor k_positions, Tensor? q_segments, "
-      "Tensor? k_segments, Tensor sample_ids, float p, int seed, int layer, int head_offset) -> (Tensor, Tensor)");
+      "Tensor? k_segments, Tensor sample_ids, float p, int seed, int layer, int head_offset, int window=-1) -> "
+      "(Tensor, Tensor)");
   m.def(
       "flash_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor q_positions, "
       "Tensor k_positions, Tensor? q_segments, Tensor? k_segments, Tensor sample_ids, float p, int seed, int layer, "
-      "int head_offset) -> (Tensor, Tensor, Tensor)");
+      "int head_offset, int window=-1) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(megatron_sp, CPU, m) { m.impl("flash_attention_fwd", &fwd_cpu); }

@@ -196,7 +196,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& q_pos_in, const at::Tensor& k_pos_in,
     const c10::optional<at::Tensor>& q_seg_in, const c10::optional<at::Tensor>& k_seg_in, const at::Tensor& samples_in,
-    double p, int64_t seed, int64_t layer, int64_t head_offset) {
+    double p, int64_t seed, int64_t layer, int64_t head_offset, int64_t window) {
   check_flash_attention(q, k, v, q_pos_in, k_pos_in, q_seg_in, k_seg_in, samples_in, p, head_offset);
   check_flash_attention_bwd(dout, out, lse, q);
   const at::Tensor q_pos = q_pos_in.contiguous(), k_pos = k_pos_in.contiguous();
@@ -204,7 +204,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   const at::Tensor k_seg = k_seg_in ? k_seg_in->contiguous() : at::Tensor();
   const at::Tensor samples = samples_in.contiguous();
   const Problem pr = make_problem(q, k, p, seed, layer, head_offset);
-  const AttnIndex ix = make_index(q_pos, k_pos, q_seg, k_seg, samples);
+  const AttnIndex ix = make_index(q_pos, k_pos, q_seg, k_seg, samples, window);
   const int64_t chunks = key_chunks(pr.b * pr.nkv, ix.nkb);
   const at::TensorOptions f32 = q.options().dtype(at::kFloat);
   at::Tensor delta = at::empty({pr.b * pr.nq * pr.sq}, f32);

@@ -49,16 +49,20 @@ inline std::vector<BlockRange> block_ranges(const int64_t* values, int64_t n) {
 
 enum class Visibility { kNone, kAll, kSome };
 
-// Positions, segments and sample ids of one call, with their per-block summaries.
+// Positions, segments and sample ids of one call, with their per-block summaries; window: a key is
+// visible only when query position - key position <= window (kNoWindow: no sliding window).
+constexpr int64_t kNoWindow = INT64_MAX;
+
 struct AttnIndex {
   const int64_t *q_pos, *k_pos, *q_seg, *k_seg, *samples;  // segments [b, s] or nullptr
-  int64_t sq, sk, nqb, nkb;
+  int64_t sq, sk, nqb, nkb, window;
   std::vector<BlockRange> qb, kb, qsegb, ksegb;  // segment ranges: [b][blocks]
 
   Visibility visibility(int64_t bi, int64_t i, int64_t j) const {
     const BlockRange &q = qb[i], &k = kb[j];
     if (k.lo > q.hi) return Visibility::kNone;
-    bool all = k.hi <= q.lo;
+    if (window != kNoWindow && q.lo - k.hi > window) return Visibility::kNone;  // the window ends before
+    bool all = k.hi <= q.lo && (window == kNoWindow || q.hi - k.lo <= window);
     if (q_seg != nullptr) {
       const BlockRange &qs = qsegb[bi * nqb + i], &ks = ksegb[bi * nkb + j];
       if (ks.hi < qs.lo || ks.lo > qs.hi) return Visibility::kNone;
@@ -69,8 +73,9 @@ struct AttnIndex {
 };
 
 inline AttnIndex make_index(const at::Tensor& q_pos, const at::Tensor& k_pos, const at::Tensor& q_seg,
-                            const at::Tensor& k_seg, const at::Tensor& samples) {
+                            const at::Tensor& k_seg, const at::Tensor& samples, int64_t window) {
   AttnIndex ix;
+  ix.window = window < 0 ? kNoWindow : window;
   ix.q_pos = q_pos.data_ptr<int64_t>(), ix.k_pos = k_pos.data_ptr<int64_t>();
   ix.q_seg = q_seg.defined() ? q_seg.data_ptr<int64_t>() : nullptr;
   ix.k_seg = k_seg.defined() ? k_seg.data_ptr<int64_t>() : nullptr;
@@ -112,19 +117,28 @@ struct KeyBlock {
   const int64_t* seg;  // nullptr without segments
   int64_t n;
   bool consecutive;
+  int64_t window;  // AttnIndex's
 };
 
 inline KeyBlock key_block(const AttnIndex& ix, int64_t bi, int64_t j) {
   const int64_t k0 = j * kBlock;
   return {ix.k_pos + k0, ix.k_seg ? ix.k_seg + bi * ix.sk + k0 : nullptr, std::min(kBlock, ix.sk - k0),
-          ix.kb[j].consecutive};
+          ix.kb[j].consecutive, ix.window};
 }
 
 // Scores of one query row: s[j] * scale where key j is visible, -inf elsewhere and in the padding.
+// qpos and the key positions are real ones (>= 0), so qpos - pos cannot overflow.
 MSP_CPU_INLINE void mask_row(float* s, float scale, const KeyBlock& kb, int64_t qpos, int64_t qseg, Visibility vis) {
   if (vis == Visibility::kAll) {
 #pragma omp simd
     for (int64_t j = 0; j < kb.n; ++j) s[j] *= scale;
+  } else if (kb.window != kNoWindow) {
+    const int64_t w = kb.window;
+#pragma omp simd
+    for (int64_t j = 0; j < kb.n; ++j) {
+      const bool seen = kb.pos[j] <= qpos && qpos - kb.pos[j] <= w && (kb.seg == nullptr || kb.seg[j] == qseg);
+      s[j] = seen ? s[j] * scale : kNegInf;
+    }
   } else if (kb.seg == nullptr) {
 #pragma omp simd
     for (int64_t j = 0; j < kb.n; ++j) s[j] = kb.pos[j] <= qpos ? s[j] * scale : kNegInf;

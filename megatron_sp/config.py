@@ -19,13 +19,22 @@ from typing import Optional
 from megatron_sp import config_checks as checks
 from megatron_sp import families
 from megatron_sp.fields import ALWAYS, IF_ROPE_SCALED, IF_ROTARY, Switch, model_field
+from megatron_sp.layer_options import (
+    CP_COMM_TYPES,
+    SOFTMAX_TYPES,
+    format_layer_freq,
+    format_window_size,
+    format_words,
+    layer_freq_type,
+    normalised_list,
+    window_size_type,
+)
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 # gelu: erf; openai_gelu: tanh approximation (GPT-2); squared_relu: relu(x)² (Primer, Nemotron)
 ACTIVATIONS = ("gelu", "openai_gelu", "swiglu", "squared_relu")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
-CP_COMM_TYPES = ("p2p", "a2a")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 PRECISIONS = ("fp32", "bf16", "fp16")  # params_dtype values (torch.float32, bfloat16, float16)
@@ -199,6 +208,32 @@ class GPTConfig:
         switches=(Switch("--add-qkv-bias", True),),
         resume=ALWAYS,
     )
+    window_size: Optional[tuple] = model_field(
+        None,
+        help="sliding-window attention (left, right): a query sees the `left` tokens before it (-1: all); "
+        "right must be 0 (causal)",
+        flags=("--window-size",),
+        parse=window_size_type,
+        format=format_window_size,
+        resume=ALWAYS,
+    )
+    window_attn_skip_freq: Optional[int | tuple] = model_field(
+        None,
+        help="with --window-size: N makes every N-th layer full attention, a pattern such as '[1,1,1,0]*2' "
+        "chooses per layer (1 windowed); default every layer windowed",
+        flags=("--window-attn-skip-freq",),
+        parse=layer_freq_type,
+        format=format_layer_freq,
+        resume=ALWAYS,
+    )
+    softmax_type: str = model_field(
+        "vanilla",
+        help="attention softmax: vanilla, off-by-one (a zero logit joins each denominator) or learnable "
+        "(one learnt logit per head, gpt-oss's sinks)",
+        flags=("--softmax-type",),
+        choices=SOFTMAX_TYPES,
+        resume=ALWAYS,
+    )
     attention_backend: str = model_field(
         "auto",
         help="unfused/local: explicit softmax; otherwise PyTorch SDPA whenever dropout allows",
@@ -292,11 +327,24 @@ class GPTConfig:
         flags=("--context-parallel-size",),
         group=_PARALLEL,
     )
-    cp_comm_type: str = model_field(
+    cp_comm_type: str | tuple = model_field(
         "p2p",
-        help="context-parallel attention: p2p ring attention or a2a (Ulysses all-to-all)",
+        help="context-parallel attention: p2p (ring), a2a (Ulysses), allgather (keys and values gathered) or "
+        "a2a+p2p (a2a inside --hierarchical-context-parallel-sizes' first level, the ring across); one value "
+        "or one per layer",
         flags=("--cp-comm-type",),
         choices=CP_COMM_TYPES,
+        nargs="+",
+        format=format_words,
+        group=_PARALLEL,
+    )
+    hierarchical_context_parallel_sizes: Optional[tuple] = model_field(
+        None,
+        help="a2a+p2p: the inner (a2a, adjacent CP ranks) and outer (p2p) sizes, whose product is the CP size",
+        flags=("--hierarchical-context-parallel-sizes",),
+        nargs="+",
+        parse=int,
+        format=format_words,
         group=_PARALLEL,
     )
     sequence_parallel: bool = model_field(
@@ -314,6 +362,8 @@ class GPTConfig:
     )
 
     def __post_init__(self):
+        for name in ("cp_comm_type", "hierarchical_context_parallel_sizes", "window_size", "window_attn_skip_freq"):
+            self._set(name, normalised_list(name, getattr(self, name)))
         self._fill_family_defaults()
         if self.ffn_hidden_size is None:
             swiglu = int(4 * self.hidden_size * 2 / 3 / 64) * 64
@@ -328,6 +378,7 @@ class GPTConfig:
             self._set("num_query_groups", self.num_attention_heads)
         checks.check_divisibility(self)
         checks.check_ranges(self)
+        checks.check_attention_variants(self)
         self._fill_recompute()
         checks.check_recompute(self)
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:

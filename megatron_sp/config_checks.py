@@ -8,13 +8,16 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_sp.fields import info
+from megatron_sp.layer_options import cp_comm_types, zigzag_split
 
 
 def check_choices(cfg):
     for f in dataclasses.fields(cfg):
         value, choices = getattr(cfg, f.name), info(f).choices
-        if choices and value not in choices and not (value is None and f.default is None):
-            raise ValueError(f"GPTConfig.{f.name} must be one of {', '.join(choices)}, got {value!r}.")
+        values = value if isinstance(value, tuple) and info(f).nargs else (value,)  # one per layer
+        for one in values:
+            if choices and one not in choices and not (one is None and f.default is None):
+                raise ValueError(f"GPTConfig.{f.name} must be one of {', '.join(choices)}, got {one!r}.")
 
 
 def check_positive(cfg):
@@ -70,26 +73,81 @@ def check_divisibility(cfg):
             f"tensor_model_parallel_size ({t}){f' × context_parallel_size ({c})' if c > 1 else ''} "
             f"with sequence_parallel on."
         )
+    check_cp_comm_type(cfg)
     if c > 1:
         _check_context_parallel(cfg, t, c)
 
 
 def _check_context_parallel(cfg, t, c):
-    parts = 2 * c if cfg.cp_comm_type == "p2p" else c
+    types = set(cp_comm_types(cfg))
+    zigzag = zigzag_split(cfg)
+    parts = 2 * c if zigzag else c
     if cfg.seq_length % parts != 0:
         raise ValueError(
             f"GPTConfig.seq_length ({cfg.seq_length}) must be divisible by {parts} "
-            + (
-                "(2 × context_parallel_size: ring attention's zigzag chunks)."
-                if cfg.cp_comm_type == "p2p"
-                else "(context_parallel_size)."
-            )
+            + ("(2 × context_parallel_size: the zigzag chunks)." if zigzag else "(context_parallel_size).")
         )
     heads = cfg.num_attention_heads // t
-    if cfg.cp_comm_type == "a2a" and heads % c != 0:
+    if "a2a" in types and heads % c != 0:
         raise ValueError(
             f"GPTConfig.num_attention_heads per TP rank ({heads}) must be divisible by "
-            f"context_parallel_size ({c}) for cp_comm_type a2a (Ulysses); use p2p."
+            f"context_parallel_size ({c}) for cp_comm_type a2a (Ulysses); use p2p or allgather."
+        )
+    if "a2a+p2p" in types and heads % cfg.hierarchical_context_parallel_sizes[0] != 0:
+        raise ValueError(
+            f"GPTConfig.num_attention_heads per TP rank ({heads}) must be divisible by the a2a level of "
+            f"hierarchical_context_parallel_sizes ({cfg.hierarchical_context_parallel_sizes[0]})."
+        )
+
+
+def check_cp_comm_type(cfg):
+    """One type or one per layer; a2a+p2p only with two hierarchical sizes that multiply to the CP
+    size (Megatron asserts the product; we never turn CP off silently)."""
+    types, sizes, c = cfg.cp_comm_type, cfg.hierarchical_context_parallel_sizes, cfg.context_parallel_size
+    if isinstance(types, tuple) and len(types) != cfg.num_layers:
+        raise ValueError(
+            f"GPTConfig.cp_comm_type gives {len(types)} types for {cfg.num_layers} layers; give one type, "
+            f"or one per layer."
+        )
+    if sizes is not None:
+        if len(sizes) != 2 or any(not isinstance(n, int) or n < 1 for n in sizes):
+            raise ValueError(
+                f"GPTConfig.hierarchical_context_parallel_sizes must be two positive sizes (a2a inside, p2p "
+                f"across), got {sizes!r}."
+            )
+        if sizes[0] * sizes[1] != c:
+            raise ValueError(
+                f"GPTConfig.hierarchical_context_parallel_sizes {list(sizes)} multiply to {sizes[0] * sizes[1]}, "
+                f"not context_parallel_size ({c})."
+            )
+    if c > 1 and "a2a+p2p" in cp_comm_types(cfg) and sizes is None:
+        raise ValueError(
+            "GPTConfig.cp_comm_type a2a+p2p needs hierarchical_context_parallel_sizes "
+            "(--hierarchical-context-parallel-sizes A P, A × P = context_parallel_size)."
+        )
+
+
+def check_attention_variants(cfg):
+    """The sliding window (Megatron's (left, right), right 0 for a causal model) and which layers use it."""
+    window, freq = cfg.window_size, cfg.window_attn_skip_freq
+    if window is not None:
+        if len(window) != 2 or not all(isinstance(w, int) for w in window) or window[0] < -1:
+            raise ValueError(f"GPTConfig.window_size must be (left, right) with left >= -1, got {window!r}.")
+        if window[1] != 0:
+            raise ValueError(
+                f"GPTConfig.window_size {tuple(window)}: right must be 0 (a causal decoder sees no later token)."
+            )
+    if freq is None:
+        return
+    if window is None:
+        raise ValueError("GPTConfig.window_attn_skip_freq needs window_size (it chooses the windowed layers).")
+    if isinstance(freq, int):
+        if freq < 1:
+            raise ValueError(f"GPTConfig.window_attn_skip_freq must be a positive integer, got {freq}.")
+    elif len(freq) != cfg.num_layers or any(v not in (0, 1) for v in freq):
+        raise ValueError(
+            f"GPTConfig.window_attn_skip_freq must give 0 or 1 for each of the {cfg.num_layers} layers, got "
+            f"{list(freq)}."
         )
 
 

@@ -63,6 +63,9 @@ class FieldInfo:
     choices: tuple = ()  # the allowed values (checked by GPTConfig, offered by the CLI)
     group: str = "model"  # the --help group of its flags
     resume: Optional[Callable] = None  # ALWAYS / IF_ROTARY / IF_ROPE_SCALED: must match on resume
+    nargs: Optional[str] = None  # argparse's nargs of its flags ("+": one or more words)
+    parse: Optional[Callable] = None  # a flag's word -> the value (argparse's type); default by the field's type
+    format: Optional[Callable] = None  # the value -> the flag's words (model_flags); default [str(value)]
     # part of what a model is although a resume may change it (epsilon, dropout, init std): the
     # flags that rebuild a config print it, and a Hugging Face config.json may carry it
     describes_model: bool = False

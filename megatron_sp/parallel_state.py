@@ -62,6 +62,8 @@ class ParallelState:
     pp_group: Optional[object] = None  # the stages of one pipeline (same tp, cp, dp coordinates)
     pp_ranks: tuple = (0,)  # global ranks of pp_group, by stage (torch.distributed.pipelining's peers)
     embedding_group: Optional[object] = None  # first and last stage of this pipeline (None at pp 1)
+    hierarchical_cp_sizes: tuple = ()  # (A, P) of --hierarchical-context-parallel-sizes, or ()
+    hierarchical_cp_groups: tuple = ()  # (A adjacent CP ranks: a2a, the P ranks of my place: p2p), or ()
 
     def __post_init__(self):
         for name in ("tp_size", "cp_size", "dp_size", "pp_size"):
@@ -153,6 +155,16 @@ def grid_ranks(tp_size: int, cp_size: int, dp_size: int, pp_size: int = 1):
     return tp, cp, dp, dp_cp
 
 
+def hierarchical_cp_ranks(cp_lists, sizes):
+    """(inner, outer) rank lists of hierarchical CP (Megatron's): within each CP group (by CP rank),
+    every A adjacent ranks form an inner group; the ranks at the same place i of their inner groups
+    form an outer one, ordered by group."""
+    a, _ = sizes
+    inner = [ranks[g : g + a] for ranks in cp_lists for g in range(0, len(ranks), a)]
+    outer = [ranks[i::a] for ranks in cp_lists for i in range(a)]
+    return inner, outer
+
+
 def pipeline_ranks(tp_size: int, cp_size: int, dp_size: int, pp_size: int):
     """Global ranks of every pipeline (one per (tp, cp, dp) coordinate), each by stage."""
     block = tp_size * cp_size * dp_size  # ranks per stage
@@ -189,6 +201,7 @@ def initialize_model_parallel(
     context_parallel_size: int = 1,
     timeout: Optional[timedelta] = None,
     pipeline_model_parallel_size: int = 1,
+    hierarchical_context_parallel_sizes: Optional[tuple] = None,
 ) -> ParallelState:
     """Builds the TP/CP/DP/PP groups (collective over the whole world) and makes them current.
 
@@ -196,9 +209,16 @@ def initialize_model_parallel(
     the one given to init_process_group (pretrain.py passes --distributed-timeout-minutes): a dead or
     hung peer then fails its TP/CP/DP group as fast as the world. None: torch's default for a new
     group (30 min on gloo, 10 min on NCCL).
+    hierarchical_context_parallel_sizes: (A, P) with A·P = CP size, for --cp-comm-type a2a+p2p.
     """
     global _STATE
     tp, cp, pp = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
+    sizes = tuple(hierarchical_context_parallel_sizes or ())
+    if sizes and (len(sizes) != 2 or sizes[0] * sizes[1] != cp):
+        raise ValueError(
+            f"hierarchical_context_parallel_sizes {list(sizes)} must be two sizes whose product is "
+            f"context_parallel_size ({cp})."
+        )
     if not dist.is_initialized():
         _check_factors(1, tp, cp, pp)
         _STATE = ParallelState()
@@ -219,6 +239,10 @@ def initialize_model_parallel(
         groups["pp_ranks"] = tuple(next(ranks for ranks in pipelines if me in ranks))
     else:
         groups["pp_ranks"] = (me,)
+    if sizes:
+        inner, outer = hierarchical_cp_ranks(cp_lists, sizes)
+        groups["hierarchical_cp_groups"] = (_new_groups(inner, me, timeout), _new_groups(outer, me, timeout))
+        groups["hierarchical_cp_sizes"] = sizes
     _STATE = ParallelState(
         tp_size=tp,
         cp_size=cp,

@@ -36,11 +36,43 @@ BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=97, 
             ),
             "seq_length",
         ),
+        # a2a+p2p never runs without its levels (Megatron-Bridge once turned CP off silently)
+        (dict(context_parallel_size=4, cp_comm_type="a2a+p2p"), "cp_comm_type"),
+        (dict(context_parallel_size=4, hierarchical_context_parallel_sizes=(2, 3)), "hierarchical"),
+        (dict(context_parallel_size=2, cp_comm_type=("p2p", "a2a", "p2p")), "cp_comm_type"),  # 2 layers
+        (dict(context_parallel_size=2, cp_comm_type=("p2p", "ring")), "cp_comm_type"),
+        (dict(context_parallel_size=4, cp_comm_type="a2a", num_attention_heads=2, hidden_size=64), "num_attention"),
+        (dict(context_parallel_size=2, cp_comm_type=("a2a", "allgather"), seq_length=34), "seq_length"),  # zigzag
+        (dict(window_size=(8, 2)), "window_size"),  # a causal decoder
+        (dict(window_size=(-2, 0)), "window_size"),
+        (dict(window_attn_skip_freq=2), "window_attn_skip_freq"),  # without a window
+        (dict(window_size=(8, 0), window_attn_skip_freq=(1, 0, 1)), "window_attn_skip_freq"),
+        (dict(softmax_type="sigmoid"), "softmax_type"),
     ],
 )
 def test_config_rejects_with_the_field_named(override, field):
     with pytest.raises(ValueError, match=f"GPTConfig.{field}"):
         GPTConfig(**{**BASE, **override})
+
+
+def test_per_layer_options_read_as_megatron_reads_them():
+    """--window-attn-skip-freq N: every N-th layer (1-based) full; a pattern: 1 = windowed; --window-size
+    -1: no limit; --cp-comm-type: one value or one per layer; the flags' words parsed as Megatron's."""
+    from megatron_sp.layer_options import cp_comm_types, layer_freq_type, layer_window, window_size_type, zigzag_split
+
+    four = dict(BASE, num_layers=4)
+    every_third = GPTConfig(**four, window_size=(16, 0), window_attn_skip_freq=3)
+    assert [layer_window(every_third, n) for n in range(1, 5)] == [16, 16, None, 16]
+    pattern = GPTConfig(**four, window_size=(16, 0), window_attn_skip_freq=layer_freq_type("([1]*1+[0])*2"))
+    assert pattern.window_attn_skip_freq == (1, 0, 1, 0)
+    assert [layer_window(pattern, n) for n in range(1, 5)] == [16, None, 16, None]
+    assert layer_window(GPTConfig(**four, window_size=window_size_type("(-1, 0)")), 1) is None
+    assert window_size_type("4096,0") == (4096, 0)
+    mixed = GPTConfig(**four, context_parallel_size=4, cp_comm_type=["a2a", "a2a+p2p", "allgather", "p2p"],
+                      hierarchical_context_parallel_sizes=[2, 2])  # fmt: skip
+    assert cp_comm_types(mixed) == ("a2a", "a2a+p2p", "allgather", "p2p") and zigzag_split(mixed)
+    one = GPTConfig(**BASE, context_parallel_size=2, cp_comm_type=["a2a"])  # --cp-comm-type a2a
+    assert one.cp_comm_type == "a2a" and not zigzag_split(one)
 
 
 def test_sequence_parallel_without_tp_is_a_warned_no_op():
@@ -72,6 +104,17 @@ def test_rank_grid_is_tp_fastest_and_partitions_the_world():
     assert tp[0] == [0, 1] and cp[0] == [0, 2] and dp[0] == [0, 4]
     for groups in (tp, cp, dp, dp_cp):
         assert sorted(r for g in groups for r in g) == list(range(8))
+
+
+def test_hierarchical_cp_groups_under_tp():
+    """a2a+p2p 2 × 2 at TP2 × CP4 (8 ranks, more than the parity worlds hold): each a2a group is two
+    adjacent CP ranks of one TP rank, each ring the ranks at one place of their a2a groups, by group,
+    so CP rank g·A + i is outer rank g (hierarchical.py's zigzag argument)."""
+    cp_lists = parallel_state.grid_ranks(tp_size=2, cp_size=4, dp_size=1)[1]
+    assert cp_lists == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    inner, outer = parallel_state.hierarchical_cp_ranks(cp_lists, (2, 2))
+    assert inner == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert outer == [[0, 4], [2, 6], [1, 5], [3, 7]]
 
 
 def test_group_roles_name_the_replicas_and_the_tensor_shards():

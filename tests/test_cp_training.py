@@ -1,8 +1,12 @@
 """Context parallelism and GQA checkpoints in the real program (torchrun, gloo), with a Llama of 2
-key/value heads and dropout on: a TP=2 × CP=2 ring-attention run logs the losses of a single-process
-run; its checkpoint (key/value heads split over 2 TP ranks) resumes at TP=1 × CP=2 with Ulysses
-(another CP size, TP size and attention algorithm) and at TP=4 + SP (each key/value head held in
-copies by 2 ranks), both on the uninterrupted loss curve, optimizer state included."""
+key/value heads, a sliding window of 8 tokens on every other layer, learnt attention sinks and
+dropout on: a TP=2+SP × CP=2 run whose layers are ring attention and all-gather CP
+(--cp-comm-type p2p allgather) logs the losses of a single-process run; its checkpoint (key/value
+heads and sinks split over 2 TP ranks) resumes at TP=1 × CP=4 with a2a+p2p (2 × 2) and Ulysses
+layers (another CP size, TP size and both remaining types) and at TP=4 + SP (each key/value head held
+in copies by 2 ranks, the sinks over 4), both on the uninterrupted loss curve, optimizer state
+included. So every CP type runs in the program, each on the serial losses, in the runs the resume
+needs anyway (a program run takes one type per layer, not one per run)."""
 
 import pytest
 from launch_helpers import TINY, check, losses, torchrun
@@ -17,6 +21,12 @@ RUN = TINY + [
     "--group-query-attention",
     "--num-query-groups",
     "2",
+    "--window-size",
+    "8,0",
+    "--window-attn-skip-freq",
+    "2",
+    "--softmax-type",
+    "learnable",
 ]
 
 
@@ -31,6 +41,7 @@ def test_context_parallel_training_and_gqa_resharded_resume(tmp_path):
         "2",
         "--cp-comm-type",
         "p2p",
+        "allgather",
     ]
     out = check(
         torchrun(
@@ -41,17 +52,18 @@ def test_context_parallel_training_and_gqa_resharded_resume(tmp_path):
             cwd=tmp_path,
         )
     )
-    assert "TP 2 × CP 2 (p2p) × DP 1" in out.stdout
+    assert "TP 2 × CP 2 (p2p allgather) × DP 1" in out.stdout
     serial = losses(tmp_path / "serial.jsonl")
     first = losses(tmp_path / "cp.jsonl")
     assert len(serial) == 8 and len(first) == 4
     for got, want in zip(first, serial):
         assert abs(got - want) <= 1e-5 * abs(want), (first, serial)
-    ulysses = ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]
+    levels = ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "a2a"]
+    levels += ["--hierarchical-context-parallel-sizes", "2", "2"]
     check(
         torchrun(
-            2,
-            RUN + ulysses + ["--load", str(tmp_path / "ckpt"), "--log-jsonl", str(tmp_path / "r.jsonl")],
+            4,
+            RUN + levels + ["--load", str(tmp_path / "ckpt"), "--log-jsonl", str(tmp_path / "r.jsonl")],
             cwd=tmp_path,
         )
     )

@@ -231,6 +231,8 @@ def test_round_trip_is_exact():
         (dict(model="llama", add_qkv_bias=True), "attention_bias"),
         (dict(model="llama", position_embedding_type="rope", rotary_percent=0.5), "rotary-percent"),
         (dict(model="llama", rope_scaling=True, rotary_seq_len_interpolation_factor=2.0), "scaled one way"),
+        (dict(model="llama", window_size=(8, 0)), "--window-size"),  # (Mistral's and gpt-oss's: issue 36)
+        (dict(softmax_type="learnable"), "--softmax-type"),
     ],
 )
 def test_export_refuses_what_hf_cannot_express(fields, needle):

@@ -108,6 +108,12 @@ RULES = [
         ("megatron_sp.failures",),
         ("megatron_sp",),
     ),
+    Rule(
+        "layer_options knows nothing of the library (config declares its fields with it; models, context "
+        "parallelism and planning read it)",
+        ("megatron_sp.layer_options",),
+        ("megatron_sp",),
+    ),
 ]
 
 CONFIG_RULE = Rule(

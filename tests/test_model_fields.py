@@ -62,6 +62,10 @@ MODEL_FLAGS = {
     "--tensor-model-parallel-size": 1,
     "--context-parallel-size": 1,
     "--cp-comm-type": "p2p",
+    "--hierarchical-context-parallel-sizes": None,
+    "--window-size": None,
+    "--window-attn-skip-freq": None,
+    "--softmax-type": "vanilla",
     "--sequence-parallel": (True,),
     "--fp32-residual-connection": (True,),
     "--attention-softmax-in-fp32": (True,),
@@ -73,7 +77,8 @@ CHOICES = {
     "--attention-backend": ["auto", "flash", "fused", "unfused", "local"],
     "--recompute-granularity": ["full", "selective"],
     "--recompute-method": ["uniform", "block"],
-    "--cp-comm-type": ["p2p", "a2a"],
+    "--cp-comm-type": ["p2p", "a2a", "allgather", "a2a+p2p"],
+    "--softmax-type": ["vanilla", "off-by-one", "learnable"],
 }
 FIELDS = {f.name: f for f in dataclasses.fields(GPTConfig)}
 
@@ -134,8 +139,18 @@ BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=97)
             dict(model="llama", seq_length=256, rope_scaling=True, rope_scaling_original_max_position_embeddings=32),
             "llama",
         ),
+        (
+            dict(
+                model="llama",
+                seq_length=64,
+                window_size=(16, 0),
+                window_attn_skip_freq=(1, 0),
+                softmax_type="learnable",
+            ),
+            "llama",
+        ),
     ],
-    ids=["gpt2", "gpt2-untied-dropout", "llama-gqa", "llama-tied", "llama3-scaled"],
+    ids=["gpt2", "gpt2-untied-dropout", "llama-gqa", "llama-tied", "llama3-scaled", "llama-window-sinks"],
 )
 def test_printed_flags_rebuild_the_model_at_any_sequence_length(fields, family):
     cfg = GPTConfig(**BASE, **fields)
@@ -147,6 +162,25 @@ def test_printed_flags_rebuild_the_model_at_any_sequence_length(fields, family):
             if describes_model(f):
                 want = 300 if f.name == "vocab_size" else getattr(cfg, f.name)  # build_config's vocabulary
                 assert getattr(rebuilt, f.name) == want, (f.name, flags)
+
+
+def test_list_valued_flags():
+    """--cp-comm-type takes one type or one per layer, --hierarchical-context-parallel-sizes two sizes,
+    --window-size Megatron's 'left,right', --window-attn-skip-freq an integer or a list pattern."""
+    from megatron_sp.training.config_flags import _flags_parser, config_kwargs
+
+    cp = ["--context-parallel-size", "4", "--cp-comm-type", "a2a", "a2a+p2p", "--num-layers", "2"]
+    args = _flags_parser().parse_args(cp + ["--hierarchical-context-parallel-sizes", "2", "2"])
+    cfg = GPTConfig(vocab_size=97, **config_kwargs(args))  # (the program's world-size check aside)
+    assert cfg.cp_comm_type == ("a2a", "a2a+p2p") and cfg.hierarchical_context_parallel_sizes == (2, 2)
+    assert _cfg(["--cp-comm-type", "allgather"]).cp_comm_type == "allgather"
+    cfg = _cfg(["--num-layers", "4", "--window-size", "(128,0)", "--window-attn-skip-freq", "[1,1,0]+[0]"])
+    assert cfg.window_size == (128, 0) and cfg.window_attn_skip_freq == (1, 1, 0, 0)
+    assert _cfg(["--window-size", "8,0", "--window-attn-skip-freq", "2"]).window_attn_skip_freq == 2
+    from megatron_sp.training.argument_checks import ArgumentError
+
+    with pytest.raises(ArgumentError, match="list pattern"):  # read without eval
+        _cfg(["--window-size", "8,0", "--window-attn-skip-freq", "__import__('os')"])
 
 
 def test_hugging_face_keys_name_fields_the_printed_flags_carry():

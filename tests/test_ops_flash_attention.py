@@ -1,8 +1,8 @@
 """Fused blockwise attention (C++ CPU op) against the reference of ops/flash_attention.py: forward
 (out, lse) and backward (dq, dk, dv) with dropout (the mask bits show as fp32 agreement), GQA,
 document segments, ring-style offset and disjoint key ranges (rows that see nothing), strided
-inputs, the key-block split of the backward, merge_partials, opcheck, torch.compile; and the
-reference against the explicit softmax of models/attention.py."""
+inputs, the key-block split of the backward, the sliding window, merge_partials, opcheck,
+torch.compile; and the reference against the explicit softmax of models/attention.py."""
 
 import pytest
 import torch
@@ -43,19 +43,20 @@ def _segments(b, s, gen):
     return torch.randint(0, 3, (b, s), generator=gen).sort(-1).values
 
 
-def _compare(q, k, v, q_pos, k_pos, q_seg, k_seg, samples, drop, gen):
+def _compare(q, k, v, q_pos, k_pos, q_seg, k_seg, samples, drop, gen, window=None):
     """Fused vs reference: out, lse, then (dq, dk, dv) from the reference's out and lse."""
     dtype = q.dtype
-    out, lse = flash_attention_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, samples, drop)
-    ref_out, ref_lse = flash_attention_fwd_reference(q, k, v, q_pos, k_pos, q_seg, k_seg, samples, drop)
+    out, lse = flash_attention_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, samples, drop, window=window)
+    ref_out, ref_lse = flash_attention_fwd_reference(q, k, v, q_pos, k_pos, q_seg, k_seg, samples, drop, window=window)
     assert out.dtype == dtype and lse.dtype == torch.float32 and out.shape == q.shape
     assert out.permute(2, 0, 1, 3).is_contiguous(), "out must be laid out [s, b, n, d]"
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "rows that see nothing differ"
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
     _close(out, ref_out, dtype, sums=False)
     dout = torch.randn(q.shape, generator=gen).to(dtype)
-    got = flash_attention_bwd(dout, q, k, v, ref_out, ref_lse, q_pos, k_pos, q_seg, k_seg, samples, drop)
-    want = flash_attention_bwd_reference(dout, q, k, v, ref_out, ref_lse, q_pos, k_pos, q_seg, k_seg, samples, drop)
+    args = (q_pos, k_pos, q_seg, k_seg, samples, drop)
+    got = flash_attention_bwd(dout, q, k, v, ref_out, ref_lse, *args, window=window)
+    want = flash_attention_bwd_reference(dout, q, k, v, ref_out, ref_lse, *args, window=window)
     for name, a, e, like in zip(("dq", "dk", "dv"), got, want, (q, k, v)):
         assert a.dtype == like.dtype and a.shape == like.shape, name
         _close(a, e, dtype)
@@ -99,6 +100,24 @@ def test_dtypes_strided_segments_dropout(dtype):
     seg = _segments(b, s, gen)
     pos = torch.arange(s)
     _compare(q, k, v, pos, pos, seg, seg, torch.tensor([3, 1 << 33]), AttentionDropout(0.2, 11, 1, 6), gen)
+
+
+@needs_op
+@pytest.mark.parametrize(
+    "window,dtype", [(0, torch.float32), (9, torch.float32), (70, torch.bfloat16), (200, torch.float32)]
+)
+def test_sliding_window(window, dtype):
+    """A sliding window of 0 (each query itself), 9 and 70 keys over 3 blocks (pairs skipped, cut, whole)
+    and one wider than the sequence (nothing cut): GQA, documents, strided views, dropout."""
+    gen = torch.Generator().manual_seed(window)
+    b, nq, nkv, s, d = 2, 4, 2, 150, 16
+    q, k, v = _qkv(b, nq, nkv, s, s, d, dtype, gen, strided=True)
+    seg, pos = _segments(b, s, gen), torch.arange(s) + 3
+    drop = AttentionDropout(0.2, 5, 1, 2)
+    out, _ = _compare(q, k, v, pos, pos, seg, seg, torch.tensor([4, 1 << 33]), drop, gen, window=window)
+    plain, _ = flash_attention_fwd(q, k, v, pos, pos, seg, seg, torch.tensor([4, 1 << 33]), drop)
+    longest = max(int(torch.unique_consecutive(row, return_counts=True)[1].max()) for row in seg)
+    assert torch.equal(out, plain) == (window >= longest - 1)  # it changes what it cuts, only that
 
 
 @needs_op
@@ -178,6 +197,7 @@ def test_opcheck():
     seg = _segments(2, 20, gen)
     for segs, p in (((None, None), 0.2), ((seg, seg), 0.0)):
         torch.library.opcheck(MSP.flash_attention_fwd, (q, k, v, pos, pos, *segs, samples, p, 3, 1, 2))
+    torch.library.opcheck(MSP.flash_attention_fwd, (q, k, v, pos, pos, None, None, samples, 0.2, 3, 1, 2, 5))
     out, lse = MSP.flash_attention_fwd(q, k, v, pos, pos, None, None, samples, 0.2, 3, 1, 2)
     dout = torch.randn(q.shape, generator=gen)
     torch.library.opcheck(
@@ -212,10 +232,10 @@ def test_bad_inputs_raise_one_sentence():
         MSP.flash_attention_fwd(q, q, q, pos, pos, pos.view(1, 4), None, samples, 0.0, 0, 0, 0)
 
 
-@pytest.mark.parametrize("gqa", [False, True])
-def test_reference_matches_explicit_softmax(gqa):
+@pytest.mark.parametrize("gqa,window", [(False, None), (True, None), (True, 7)])
+def test_reference_matches_explicit_softmax(gqa, window):
     """The reference against causal_attention(explicit=True) (s x s softmax, the same dropout bits
-    through attention_keep_mask), with documents: outputs and gradients."""
+    through attention_keep_mask), with documents and a sliding window: outputs and gradients."""
     gen = torch.Generator().manual_seed(6)
     b, nq, s, d = 2, 4, 70, 16
     q, k, v = (t.requires_grad_() for t in _qkv(b, nq, 2 if gqa else nq, s, s, d, torch.float32, gen))
@@ -224,11 +244,12 @@ def test_reference_matches_explicit_softmax(gqa):
     mask = seg[:, None, :, None] != seg[:, None, None, :]  # True = masked out
     drop = AttentionDropout(0.2, 8, 3, 4)
     ref = FlashAttention.apply(
-        q, k, v, index.token_positions, index.token_positions, seg, seg, index.sample_ids, drop, False
+        q, k, v, index.token_positions, index.token_positions, seg, seg, index.sample_ids, drop, False, window
     )
     explicit = causal_attention(
-        q, k, v, attention_mask=mask, dropout_p=0.2, seed=8, layer=3, index=index, head_offset=4, explicit=True
-    )
+        q, k, v, attention_mask=mask, dropout_p=0.2, seed=8, layer=3, index=index, head_offset=4, explicit=True,
+        window=window,
+    )  # fmt: skip
     torch.testing.assert_close(ref, explicit, rtol=1e-5, atol=1e-5)
     dout = torch.randn(ref.shape, generator=gen)
     for a, e in zip(torch.autograd.grad(ref, (q, k, v), dout), torch.autograd.grad(explicit, (q, k, v), dout)):

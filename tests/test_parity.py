@@ -62,6 +62,11 @@ def _config(tp=1, sp=False, dropout=0.0, fused=FUSED, family="gpt2", cp=1, comm=
     )
 
 
+def _levels(cfg):
+    """The hierarchical CP sizes the groups are built with (a2a+p2p), or None."""
+    return cfg.hierarchical_context_parallel_sizes
+
+
 def family_fields(family):
     """A family not in FAMILIES: a registered model name or a "module:SPEC" path."""
     return {"model": family}
@@ -110,8 +115,9 @@ def _parity_worker(tp, sp, dropout, fused=FUSED, family="gpt2", cp=1, comm="p2p"
     from megatron_sp.models.compile import compile_layers
     from megatron_sp.models.gpt import GPTModel
 
-    ps = parallel_state.initialize_model_parallel(tp, cp)
-    model = GPTModel(_config(tp, sp, dropout, fused, family, cp, comm, extra))
+    cfg = _config(tp, sp, dropout, fused, family, cp, comm, extra)
+    ps = parallel_state.initialize_model_parallel(tp, cp, hierarchical_context_parallel_sizes=_levels(cfg))
+    model = GPTModel(cfg)
     if compile_options is not None:  # --torch-compile
         compile_layers(model, **compile_options)
     init = model.full_state_dict()
@@ -312,8 +318,9 @@ def _document_worker(tp, sp, family, cp=1, comm="p2p", extra=None, dropout=0.1):
     from megatron_sp import parallel_state
     from megatron_sp.models.gpt import GPTModel
 
-    parallel_state.initialize_model_parallel(tp, cp)
-    model = GPTModel(_config(tp, sp, dropout, False, family, cp, comm, extra))
+    cfg = _config(tp, sp, dropout, False, family, cp, comm, extra)
+    parallel_state.initialize_model_parallel(tp, cp, hierarchical_context_parallel_sizes=_levels(cfg))
+    model = GPTModel(cfg)
     tokens, labels, ids, positions, mask = _documents()
     loss = model(tokens, labels, sample_ids=ids, position_ids=positions, attention_mask=mask)
     loss.backward()
@@ -379,6 +386,106 @@ def test_context_parallel_parity_llama_gqa(pool, family, tp, cp, comm, overlap):
     """GQA under CP: 2 key/value heads repeated for Ulysses' 4-way split; ring passes the 2 heads;
     scaled RoPE on the zigzag chunks' global positions."""
     check_parity(pool, tp, tp > 1, 0.1, fused=False, family=family, cp=cp, comm=comm, extra=_overlap(overlap))
+
+
+# Megatron's CP types, each at CP2 (with TP2+SP) and CP4, a2a+p2p at 2 x 2, a per-layer mix, with the
+# attention variants they run beyond Transformer Engine: a sliding window of 5 tokens (SEQ 32 at CP4:
+# zigzag chunks of 4, so the ring skips whole blocks and the window's edge crosses others), on every
+# other layer with --window-attn-skip-freq 2; learnt sinks (one logit per head) or off-by-one.
+WINDOW = {"window_size": (5, 0)}
+SINKS = {"softmax_type": "learnable"}
+LEVELS = lambda a, p: {"hierarchical_context_parallel_sizes": (a, p)}  # noqa: E731
+CP_TYPES = [  # comm, tp, cp, family, dropout, model fields (both models), parallel fields
+    ("p2p", 1, 4, "llama", 0.1, {**WINDOW, **SINKS}, {}),
+    ("p2p", 2, 2, "llama", 0.0, {**WINDOW, **SINKS}, {}),  # torch's kernels per planned block
+    ("a2a", 2, 2, "llama", 0.1, {**WINDOW, **SINKS}, {}),
+    ("a2a", 1, 4, "gpt2", 0.0, {**WINDOW, "softmax_type": "off-by-one"}, {}),
+    ("allgather", 2, 2, "llama", 0.1, {**WINDOW, "window_attn_skip_freq": 2, **SINKS}, {}),
+    ("allgather", 1, 4, "gpt2", 0.0, {"softmax_type": "off-by-one"}, {}),
+    ("a2a+p2p", 1, 4, "llama", 0.1, {**WINDOW, **SINKS}, LEVELS(2, 2)),
+    ("a2a+p2p", 2, 2, "llama", 0.0, WINDOW, LEVELS(2, 1)),
+    (("p2p", "a2a"), 2, 2, "gpt2", 0.1, {}, {}),  # Ulysses on the zigzag split the ring needs
+    (("allgather", "a2a+p2p"), 1, 4, "llama", 0.1, {**WINDOW, "window_attn_skip_freq": 2}, LEVELS(2, 2)),
+]
+
+
+def _type_id(case):
+    comm, tp, cp, family, dropout, shared, extra = case
+    names = "+".join(comm) if isinstance(comm, tuple) else comm
+    return f"{names}-tp{tp}-cp{cp}-{family}-p{dropout}-" + "-".join(f"{k}={v}" for k, v in shared.items())
+
+
+@pytest.mark.parametrize("comm,tp,cp,family,dropout,shared,extra", CP_TYPES, ids=[_type_id(c) for c in CP_TYPES])
+def test_every_cp_comm_type_with_windows_and_sinks(pool, comm, tp, cp, family, dropout, shared, extra):
+    """--cp-comm-type p2p / a2a / allgather / a2a+p2p (one type, or one per layer) with GQA, the
+    sliding window and attention sinks: losses, gradients (the sinks' included) and parameters after
+    the AdamW steps equal the serial model's, dropout on and off."""
+    check_parity(pool, tp, tp > 1, dropout, fused=False, family=family, cp=cp, comm=comm, extra=extra, shared=shared)
+
+
+@pytest.mark.parametrize(
+    "comm,dropout,shared,extra",
+    [
+        ("allgather", 0.0, {**WINDOW, "softmax_type": "off-by-one"}, {}),
+        ("a2a+p2p", 0.1, {**WINDOW, **SINKS}, LEVELS(2, 2)),
+        ("p2p", 0.1, {"window_size": (3, 0)}, {}),
+    ],
+)
+def test_documents_windows_and_sinks_under_cp(pool, comm, dropout, shared, extra):
+    """Documents (reset positions, block-causal masks) with a window that crosses their boundaries and
+    sinks, at CP4 (Llama, GQA): the loss and every gradient of the serial model."""
+    from megatron_sp.models.reference import ReferenceGPT
+
+    ref = ReferenceGPT(_config(dropout=dropout, family="llama", extra=shared))
+    tokens, labels, ids, positions, mask = _documents()
+    loss = ref(tokens, labels, sample_ids=ids, position_ids=positions, attention_mask=mask)
+    loss.backward()
+    assert abs(loss.item() - ReferenceGPT(_config(dropout=dropout, family="llama"))(tokens, labels).item()) > 1e-4
+    for got_loss, grads in pool.run(_document_worker, 1, False, "llama", 4, comm, {**shared, **extra}, dropout):
+        assert abs(got_loss - loss.item()) <= 1e-5 * loss.item()
+        for name, p in ref.named_parameters():
+            assert _rel(grads[name], p.grad) < 1e-5, name
+
+
+# bf16 against bf16: test_pretrain's BF16_LAYOUT_RTOL; measured here (2026-12-03): loss <= 1.5e-5, the
+# gradient norm <= 1.35e-4 (allgather: its dK, dV summed in another order)
+BF16_CP_RTOL = 1e-3
+
+
+def _bf16_types_worker(shared):
+    """bf16 loss and gradient norm of one step of each CP type at CP4 (one world: its groups carry the
+    2 x 2 levels of a2a+p2p too)."""
+    from megatron_sp import parallel_state
+    from megatron_sp.models.gpt import GPTModel
+
+    ps = parallel_state.initialize_model_parallel(1, 4, hierarchical_context_parallel_sizes=(2, 2))
+    tokens, labels, ids = _batch(0)
+    out = {}
+    for comm in ("p2p", "a2a", "allgather", "a2a+p2p"):
+        extra = dict(shared, params_dtype="bf16", **LEVELS(2, 2))
+        model = GPTModel(_config(1, False, 0.1, False, "llama", 4, comm, extra), ps)
+        loss = model(tokens, labels, sample_ids=ids)
+        loss.backward()
+        grads = model.full_grad_dict()
+        out[comm] = (loss.item(), torch.stack([g.float().norm() for g in grads.values()]).norm().item())
+    return out
+
+
+def test_bf16_drift_of_every_cp_type(pool):
+    """--bf16 at every CP type (CP4, window, sinks, dropout on) against the serial model in bf16: the
+    loss and the gradient norm within BF16_CP_RTOL (bench/precision_drift.py measures the training
+    curves: every type within 1.1e-4 of TP=1 over 50 iterations)."""
+    from megatron_sp.models.reference import ReferenceGPT
+
+    shared = {**WINDOW, **SINKS}
+    ref = ReferenceGPT(_config(dropout=0.1, family="llama", extra=dict(shared, params_dtype="bf16")))
+    tokens, labels, ids = _batch(0)
+    loss = ref(tokens, labels, sample_ids=ids)
+    loss.backward()
+    norm = torch.stack([p.grad.float().norm() for p in ref.parameters()]).norm().item()
+    for comm, (got_loss, got_norm) in pool.run(_bf16_types_worker, shared)[0].items():
+        assert abs(got_loss - loss.item()) <= BF16_CP_RTOL * loss.item(), (comm, got_loss, loss.item())
+        assert abs(got_norm - norm) <= BF16_CP_RTOL * norm, (comm, got_norm, norm)
 
 
 def _non_document_mask_worker():

@@ -301,3 +301,29 @@ def test_step_time_model_compute_is_the_flops_over_every_gpu():
     full = lay.plan_layout(base, lay.Layout(2, 1, 8, 1, False, "full", "distributed"), prec, cluster, batch, False)
     assert flops / 16 / 50e12 < full.time.compute < 4 / 3 * flops / 16 / 50e12 * 1.01
     assert cluster.bandwidth(8) == 300e9 and cluster.bandwidth(16) == 25e9
+
+
+def test_the_planner_chooses_among_the_cp_types():
+    """Every CP type is a layout (a2a+p2p with the a2a level filling a node with TP, the ring across);
+    Llama-3-8B at CP16 on 64 GPUs (two nodes' rings): at 8k tokens the ring's traffic cannot hide
+    under the attention and a2a inside the node wins; at 128k the ring is hidden and wins; all-gather,
+    never overlapped, comes after the ring; a pinned --cp-comm-type is the only one tried."""
+    from megatron_sp.planning import cost
+    from megatron_sp.planning import layouts as lay
+    from megatron_sp.planning.ladder import llama_fields
+
+    cluster = cost.Cluster(64, 8, 80.0, 4.0, 989.0, 0.4, 360.0, 45.0)
+    prec, batch = mem.precision("bf16", True), lay.Batch(1, 64)
+    fixed = dict(tp=1, cp=16, pp=1, recompute="selective", sharding="fsdp2")
+    assert [c for c, _ in lay.cp_choices(cluster, 1, 16, {})] == ["p2p", "a2a", "allgather", "a2a+p2p"]
+    assert lay.cp_choices(cluster, 2, 16, {})[-1] == ("a2a+p2p", (4, 4)) and len(lay.cp_choices(cluster, 8, 4, {})) == 3
+    order = {}
+    for s in (8192, 131072):
+        fits, _ = lay.plans(dict(llama_fields({}, "8B"), seq_length=s), prec, cluster, batch, fixed, True)
+        order[s] = [p.layout.cp_comm for p in fits]
+        assert set(order[s]) == {"p2p", "a2a", "allgather", "a2a+p2p"}
+        assert order[s].index("p2p") < order[s].index("allgather")
+    assert order[8192][0] == "a2a+p2p" and order[131072][0] == "p2p"
+    pinned = lay.plans(dict(llama_fields({}, "8B"), seq_length=8192), prec, cluster, batch,
+                       dict(fixed, cp_comm="allgather"), True)[0]  # fmt: skip
+    assert {p.layout.cp_comm for p in pinned} == {"allgather"}

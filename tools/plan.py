@@ -5,11 +5,13 @@
         --num-query-groups 8 --ffn-hidden-size 14336 --vocab-size 128256 --seq-length 8192 --bf16 \\
         --gpus 64 --gpus-per-node 8 --gpu-memory-gib 80 --micro-batch-size 1 --global-batch-size 256
     python tools/plan.py --largest-llama --seq-length 8192 --gpus 64 --gpu-memory-gib 80 --bf16
+    python tools/plan.py --longest-sequence 8B,70B --gpus 64 --gpu-memory-gib 80 --bf16 --micro-batch-size 1
 
 It takes pretrain_gpt_sp.py's flags (the program's own parser): the model flags describe the model,
-and the layout flags given (--tensor-model-parallel-size, --context-parallel-size,
---sequence-parallel, --recompute-granularity, --use-distributed-optimizer, --use-torch-fsdp2,
---pipeline-model-parallel-size) pin that dimension; the others are enumerated. The memory and time
+and the layout flags given (--tensor-model-parallel-size, --context-parallel-size, --cp-comm-type,
+--hierarchical-context-parallel-sizes, --sequence-parallel, --recompute-granularity,
+--use-distributed-optimizer, --use-torch-fsdp2, --pipeline-model-parallel-size) pin that dimension;
+the others are enumerated (with CP, each of Megatron's four types). The memory and time
 models are megatron_sp/planning/ (their docstrings state every term and constant); the constants
 of the step-time model are the flags of the "cluster" group.
 """
@@ -20,23 +22,12 @@ import argparse
 import sys
 
 from megatron_sp.config import GPTConfig
-from megatron_sp.planning import cost
+from megatron_sp.planning import cost, ladder
 from megatron_sp.planning import layouts as lay
 from megatron_sp.planning import memory as mem
 from megatron_sp.training.arguments import ArgumentError, build_parser
 from megatron_sp.training.config_flags import config_kwargs
 
-# name: (hidden, layers, heads, key/value heads, ffn) -- Llama 3.2 1B/3B, 3.1 8B, Llama 2 13B,
-# Code Llama 34B, Llama 3.1 70B and 405B; vocabulary 128256 for all
-LLAMA_LADDER = {
-    "1B": (2048, 16, 32, 8, 8192),
-    "3B": (3072, 28, 24, 8, 8192),
-    "8B": (4096, 32, 32, 8, 14336),
-    "13B": (5120, 40, 40, 8, 13824),
-    "34B": (8192, 48, 64, 8, 22016),
-    "70B": (8192, 80, 64, 8, 28672),
-    "405B": (16384, 126, 128, 8, 53248),
-}
 LAYOUT_FLAGS = {  # planner dimension: the program's flag (its dest)
     "tp": "tensor_model_parallel_size",
     "cp": "context_parallel_size",
@@ -71,6 +62,12 @@ def build_plan_parser():
     g.add_argument("--top", type=int, default=10, help="layouts printed")
     g.add_argument(
         "--largest-llama", action="store_true", help="the largest Llama of a ladder that fits, before/after FSDP2"
+    )
+    g.add_argument(
+        "--longest-sequence",
+        default=None,
+        metavar="SIZES",
+        help="the longest sequence each of these Llamas (e.g. 8B,70B) trains at on the cluster, any layout",
     )
     return parser, offered
 
@@ -164,6 +161,11 @@ def _layout_rules(args, given: set) -> list:
 
 def fixed_dimensions(args, given: set) -> dict:
     fixed = {dim: getattr(args, dest) for dim, dest in LAYOUT_FLAGS.items() if dest in given}
+    if "cp_comm_type" in given:  # one type, or one per layer
+        types = args.cp_comm_type
+        fixed["cp_comm"] = types if isinstance(types, str) else (types[0] if len(types) == 1 else tuple(types))
+    if "hierarchical_context_parallel_sizes" in given:
+        fixed["levels"] = tuple(args.hierarchical_context_parallel_sizes)
     if args.use_torch_fsdp2:
         fixed["sharding"] = "fsdp2"
     elif args.use_distributed_optimizer:
@@ -204,6 +206,7 @@ def base_config(args, given: set) -> dict:
         args.vocab_size = tok.vocab_size
     fields["vocab_size"] = args.vocab_size
     serial = dict(tensor_model_parallel_size=1, context_parallel_size=1, sequence_parallel=False)
+    serial.update(cp_comm_type="p2p", hierarchical_context_parallel_sizes=None)
     pinned = {k: v for k, v in fields.items() if k in serial and k in given}
     try:
         GPTConfig(**dict(fields, **serial))
@@ -265,7 +268,8 @@ def table(headers, rows) -> str:
 
 
 def report(args, base, prec, cluster, fits, too_big) -> None:
-    cfg = GPTConfig(**dict(base, tensor_model_parallel_size=1, context_parallel_size=1, sequence_parallel=False))
+    serial = dict(tensor_model_parallel_size=1, context_parallel_size=1, sequence_parallel=False)
+    cfg = GPTConfig(**dict(base, **serial, hierarchical_context_parallel_sizes=None))
     print(
         f"model: {cfg.model}, {cfg.num_parameters() / 1e9:.2f} B parameters, seq {cfg.seq_length}, micro batch "
         f"{args.micro_batch_size}, global batch {args.global_batch_size}; precision {prec.name} "
@@ -302,35 +306,14 @@ def report(args, base, prec, cluster, fits, too_big) -> None:
     )
 
 
-# ---- the largest Llama ------------------------------------------------------------------------
-
-
-def llama_fields(base: dict, size: str) -> dict:
-    h, layers, heads, groups, ffn = LLAMA_LADDER[size]
-    return dict(
-        base,
-        model="llama",
-        hidden_size=h,
-        num_layers=layers,
-        num_attention_heads=heads,
-        num_query_groups=groups,
-        ffn_hidden_size=ffn,
-        vocab_size=128256,
-        kv_channels=None,
-        activation=None,
-        normalization=None,
-        position_embedding_type=None,
-        untie_embeddings_and_output_weights=None,
-        add_bias_linear=None,
-        add_qkv_bias=None,
-    )
+# ---- the Llama ladder ---------------------------------------------------------------------
 
 
 def largest_llama(args, base, prec, cluster, fixed) -> None:
     batch = lay.Batch(args.micro_batch_size, args.global_batch_size)
     rows = []
-    for size in LLAMA_LADDER:
-        fields = llama_fields(base, size)
+    for size in ladder.LLAMA_LADDER:
+        fields = ladder.llama_fields(base, size)
         row = [size, f"{GPTConfig(**fields).num_parameters() / 1e9:.1f}"]
         for sharding, pins in (
             (("replicated", "distributed"), {"pp": 1}),
@@ -350,6 +333,23 @@ def largest_llama(args, base, prec, cluster, fixed) -> None:
     )
     headers = ["model", "B params", "pp 1: replicated weights (+ distributed optimizer)", "pp 1: FSDP2"]
     print(table(headers + ["any pp (even stages), any sharding"], rows))
+
+
+def longest_sequence(args, base, prec, cluster, fixed, sizes) -> None:
+    batch = lay.Batch(args.micro_batch_size, args.global_batch_size)
+    rows = []
+    for size in sizes:
+        s, best = ladder.longest_sequence(ladder.llama_fields(base, size), prec, cluster, batch, fixed)
+        if best is None:
+            rows.append([size, "under 8192", "does not fit", "", ""])
+            continue
+        tokens = best.micro_batches * args.micro_batch_size * best.layout.dp * s
+        rows.append([size, s, best.layout.describe(), _gib(best.memory.total), f"{tokens / best.time.total:,.0f}"])
+    print(
+        f"Longest sequence on {cluster.gpus} x {cluster.gpu_memory_gib:g} GiB GPUs ({cluster.gpus_per_node} per node), "
+        f"micro batch {args.micro_batch_size}, global batch {args.global_batch_size}, precision {prec.name}:"
+    )
+    print(table(["model", "longest s", "fastest layout there", "GiB/GPU", "tokens/s (modelled)"], rows))
 
 
 def paper_table() -> None:
@@ -385,6 +385,9 @@ def main(argv=None) -> int:
     prec, cluster, fixed = precision_of(args, offered), cluster_of(args), fixed_dimensions(args, given)
     if args.largest_llama:
         largest_llama(args, base, prec, cluster, fixed)
+        return 0
+    if args.longest_sequence:
+        longest_sequence(args, base, prec, cluster, fixed, args.longest_sequence.split(","))
         return 0
     batch = lay.Batch(args.micro_batch_size, args.global_batch_size)
     fits, too_big = lay.plans(base, prec, cluster, batch, fixed, "--use-torch-fsdp2" in offered)

@@ -16,6 +16,7 @@ namespace cuda {
 namespace flash {
 
 constexpr int64_t kNoPosition = INT64_MAX;  // keys past the end: visible to no query
+constexpr int64_t kNoWindow = INT64_MAX;    // no sliding window: q - k <= kNoWindow always
 constexpr int kTile = 64;                   // rows of a summary tile (the tensor-core tiles are multiples)
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
@@ -28,6 +29,13 @@ struct Attn {
   bool dropout;  // p > 0
   DropoutParams drop;
   int64_t head_offset;
+  int64_t window;  // kNoWindow, or visible only when q - k <= window
+
+  // Key kpos visible to query qpos by position (causal, within the window). Evaluated with &&, the
+  // difference is taken only for real positions (padding rows and keys fail the first test).
+  __device__ __forceinline__ bool sees(int64_t kpos, int64_t qpos) const {
+    return kpos <= qpos && qpos - kpos <= window;
+  }
 
   // Multiplier of the attention probability (sample bi, local head h, query qpos, key kpos): one
   // Philox call for one element (the fp32 kernels; the tensor-core ones share a call among 4 keys).
@@ -62,7 +70,8 @@ Attn attn_of(const Args& x) {
               static_cast<float>(1.0 / sqrt(static_cast<double>(x.d))),
               x.dropout,
               x.drop,
-              x.head_offset};
+              x.head_offset,
+              x.window < 0 ? kNoWindow : x.window};
 }
 
 __host__ __device__ inline unsigned tiles(int64_t n, int tile) { return static_cast<unsigned>((n + tile - 1) / tile); }
@@ -101,9 +110,9 @@ inline Summary summary_at(const int64_t* words, int64_t n, int64_t b, bool segme
 
 enum class Visibility { kNone, kSome, kAll };
 
-// Query summary tiles [qt, qt + nqt) (clipped) against key tile kt, for sample bi.
+// Query summary tiles [qt, qt + nqt) (clipped) against key tile kt, for sample bi; window: Attn's.
 __device__ __forceinline__ Visibility visibility(const Summary& q, int64_t qt, int nqt, const Summary& k, int64_t kt,
-                                                 int64_t bi) {
+                                                 int64_t bi, int64_t window) {
   int64_t q_lo = kNoPosition, q_hi = -kNoPosition - 1, s_lo = kNoPosition, s_hi = -kNoPosition - 1;
   bool full = k.has(kt, kFull) && qt + nqt <= q.tiles;
   for (int64_t t = qt; t < qt + nqt && t < q.tiles; ++t) {
@@ -113,7 +122,8 @@ __device__ __forceinline__ Visibility visibility(const Summary& q, int64_t qt, i
       s_lo = q.seg_lo(bi, t) < s_lo ? q.seg_lo(bi, t) : s_lo, s_hi = q.seg_hi(bi, t) > s_hi ? q.seg_hi(bi, t) : s_hi;
   }
   if (k.lo(kt) > q_hi) return Visibility::kNone;
-  bool all = full && k.hi(kt) <= q_lo;
+  if (window != kNoWindow && q_lo - k.hi(kt) > window) return Visibility::kNone;  // positions are real here
+  bool all = full && k.hi(kt) <= q_lo && (window == kNoWindow || q_hi - k.lo(kt) <= window);
   if (q.seg) {
     const int64_t ks_lo = k.seg_lo(bi, kt), ks_hi = k.seg_hi(bi, kt);
     if (ks_hi < s_lo || ks_lo > s_hi) return Visibility::kNone;

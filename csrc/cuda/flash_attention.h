@@ -34,6 +34,7 @@ struct FlashAttentionFwd {
   DropoutParams drop;             // the attention-probability site (feature_offset unused)
   bool dropout;                   // p > 0
   int64_t head_offset;            // global index of local query head 0
+  int64_t window;                 // a key is visible only when q - k <= window; < 0: no sliding window
 };
 
 struct FlashAttentionBwd {
@@ -49,6 +50,7 @@ struct FlashAttentionBwd {
   DropoutParams drop;
   bool dropout;
   int64_t head_offset;
+  int64_t window;
 };
 
 // Bytes of device scratch a call needs (sizes, dtype and positions' presence of args; its pointers unused).

@@ -55,7 +55,7 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda(const at::Tensor& q, const at:
                                                   const c10::optional<at::Tensor>& q_segments,
                                                   const c10::optional<at::Tensor>& k_segments,
                                                   const at::Tensor& sample_ids, double p, int64_t seed, int64_t layer,
-                                                  int64_t head_offset) {
+                                                  int64_t head_offset, int64_t window) {
   check_flash_attention(q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, p, head_offset);
   check_flash_cuda(q);
   c10::cuda::CUDAGuard guard(q.device());
@@ -85,7 +85,8 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda(const at::Tensor& q, const at:
                                cuda_dtype(q.scalar_type()),
                                ix.drop,
                                p > 0.0,
-                               head_offset};
+                               head_offset,
+                               window};
   const at::Tensor scratch = scratch_for(cuda::flash_attention_fwd_scratch(args), q);
   args.scratch = scratch.data_ptr();
   check_launch(cuda::flash_attention_fwd(args, current_stream()), "flash_attention_fwd");
@@ -96,7 +97,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& q_positions, const at::Tensor& k_positions,
     const c10::optional<at::Tensor>& q_segments, const c10::optional<at::Tensor>& k_segments,
-    const at::Tensor& sample_ids, double p, int64_t seed, int64_t layer, int64_t head_offset) {
+    const at::Tensor& sample_ids, double p, int64_t seed, int64_t layer, int64_t head_offset, int64_t window) {
   check_flash_attention(q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, p, head_offset);
   check_flash_attention_bwd(dout, out, lse, q);
   check_flash_cuda(q);
@@ -133,7 +134,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda(
                                cuda_dtype(q.scalar_type()),
                                ix.drop,
                                p > 0.0,
-                               head_offset};
+                               head_offset,
+                               window};
   const at::Tensor scratch = scratch_for(cuda::flash_attention_bwd_scratch(args), q);
   args.scratch = scratch.data_ptr();
   check_launch(cuda::flash_attention_bwd(args, current_stream()), "flash_attention_bwd");

@@ -115,7 +115,7 @@ struct BwdBlock {
   // the block sees; `end` when none.
   __device__ int64_t next_pair(int64_t at) const {
     const int64_t n = t.sums.q.tiles, end = int64_t(a.rep) * n;
-    for (++at; at < end && visibility(t.sums.q, at % n, 1, t.sums.k, kt, bi) == Visibility::kNone;) ++at;
+    for (++at; at < end && visibility(t.sums.q, at % n, 1, t.sums.k, kt, bi, a.window) == Visibility::kNone;) ++at;
     return at;
   }
 
@@ -177,7 +177,7 @@ struct BwdBlock {
         const float p = exp2f(st[n][i] * sl2 - lse_sh[qc] * kLog2e);
         bool vis = true;
         if (some)
-          vis = q0 + qc < a.sq && k0 + kl < a.sk && kpos_sh[kl] <= qpos_sh[qc] &&
+          vis = q0 + qc < a.sq && k0 + kl < a.sk && a.sees(kpos_sh[kl], qpos_sh[qc]) &&
                 (a.q_seg == nullptr || kseg_sh[kl] == qseg_sh[qc]);
         st[n][i] = vis ? p : 0.0f;
       }
@@ -317,7 +317,7 @@ __global__ void __launch_bounds__(kMmaThreads) flash_dkdv_mma_kernel(Attn a, Bwd
     __syncthreads();  // the query tile is in; every warp is done with the previous dS^T
     float st[8][4], dpt[8][4];
     blk.products(st, dpt);
-    blk.probabilities(st, q0, visibility(t.sums.q, at % n, 1, t.sums.k, blk.kt, blk.bi) == Visibility::kSome);
+    blk.probabilities(st, q0, visibility(t.sums.q, at % n, 1, t.sums.k, blk.kt, blk.bi, a.window) == Visibility::kSome);
     blk.combine(st, dpt, h);
     blk.accumulate(st, dpt, dk, dv);
     blk.store_ds(dpt);

@@ -68,7 +68,7 @@ struct FwdBlock {
   }
 
   __device__ Visibility visible(int64_t kt) const {
-    return visibility(t.sums.q, q0 / kTile, S::kRows / kTile, t.sums.k, kt, bi);
+    return visibility(t.sums.q, q0 / kTile, S::kRows / kTile, t.sums.k, kt, bi, a.window);
   }
 
   // The first key tile after kt that some query of the block sees (tiles(sk) when none).
@@ -135,7 +135,7 @@ struct FwdBlock {
           float x = s[mt][n][i] * sl2;
           if (some) {
             const int r = (warp * kM + mt) * 16 + lane / 4 + 8 * (i / 2), c = 8 * n + 2 * (lane % 4) + (i % 2);
-            const bool vis = q0 + r < a.sq && kt * S::kKeys + c < a.sk && kpos_sh[c] <= qpos_sh[r] &&
+            const bool vis = q0 + r < a.sq && kt * S::kKeys + c < a.sk && a.sees(kpos_sh[c], qpos_sh[r]) &&
                              (a.q_seg == nullptr || kseg_sh[c] == qseg_sh[r]);
             x = vis ? x : -INFINITY;
           }

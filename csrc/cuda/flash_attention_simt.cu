@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(Attn a, FwdTensors<
 #pragma unroll
     for (int rr = 0; rr < kFwdRowsPerWarp; ++rr) {
       const int r = warp * kFwdRowsPerWarp + rr;
-      const bool vis = kpos_sh[lane] <= qpos[rr] && (a.q_seg == nullptr || kseg_sh[lane] == qseg[rr]);
+      const bool vis = a.sees(kpos_sh[lane], qpos[rr]) && (a.q_seg == nullptr || kseg_sh[lane] == qseg[rr]);
       const float s = vis ? dot(q_sh[r], k_sh[lane], d) * a.scale : -INFINITY;
       const float m_new = fmaxf(m[rr], warp_max(s));
       const float base = m_new == -INFINITY ? 0.0f : m_new;  // a row that has seen nothing yet
@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(Attn a, BwdTensors
 #pragma unroll
       for (int kk = 0; kk < kBwdKeysPerWarp; ++kk) {
         const int key = warp * kBwdKeysPerWarp + kk;
-        const bool vis = kpos_sh[key] <= qt.pos[lane] && qt.lse[lane] != -INFINITY &&
+        const bool vis = a.sees(kpos_sh[key], qt.pos[lane]) && qt.lse[lane] != -INFINITY &&
                          (a.q_seg == nullptr || kseg_sh[key] == qt.seg[lane]);
         float pd = 0.0f, ds = 0.0f;
         if (vis) {
@@ -329,7 +329,7 @@ __global__ void __launch_bounds__(kThreads) flash_dq_kernel(Attn a, BwdTensors<T
     for (int rr = 0; rr < kDqRowsPerWarp; ++rr) {
       const int r = warp * kDqRowsPerWarp + rr;
       const bool vis =
-          kpos_sh[lane] <= qpos[rr] && lse[rr] != -INFINITY && (a.q_seg == nullptr || kseg_sh[lane] == qseg[rr]);
+          a.sees(kpos_sh[lane], qpos[rr]) && lse[rr] != -INFINITY && (a.q_seg == nullptr || kseg_sh[lane] == qseg[rr]);
       float ds = 0.0f;
       if (vis) {
         const float p = expf(dot(q_sh[r], k_sh[lane], d) * a.scale - lse[rr]);

@@ -11,6 +11,12 @@ against the block of rank j its work is always half a block pair:
     j <  r   both query chunks see only the block's first chunk     q [both] × k [c_j]
     j >  r   only the second query chunk sees anything, all of it   q [c_2p-1-r] × k [both]
 
+(ops/attention_runs.py plans these blocks from the chunks' positions.) With a sliding window the
+plan also drops the chunk pairs the window cannot reach (their compute is skipped; the block still
+travels, the next ranks need it) and masks the pairs its edge crosses. An attention sink is merged
+into each query's log-sum-exp once, after the last block, and its gradient is this rank's queries'
+share (summed over CP with every other gradient).
+
 The backward walks the ring again from the saved q, k, v, merged out and log-sum-exp: each rank adds
 its query's contribution to the travelling block's dK, dV, which arrive at their owner after p steps
 (the incoming partial sums overlap the compute of the next contribution). Dropout masks are keyed by
@@ -30,8 +36,9 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_sp.context_parallel.split import CPSplit
-from megatron_sp.ops.attention_lse import block_attention_bwd, block_attention_fwd
-from megatron_sp.ops.flash_attention import AttentionDropout, merge_partials
+from megatron_sp.layer_options import layer_window
+from megatron_sp.ops.attention_runs import add_sink, blocks_backward, blocks_forward, empty_out, plan_blocks, sink_grad
+from megatron_sp.ops.flash_attention import AttentionDropout
 
 
 class _Ring:
@@ -57,85 +64,44 @@ def _wait(handles):
         h.wait()
 
 
-def _halves(j, r, c):
-    """(query rows, key rows) of the useful part of the pair (this rank r, block of rank j)."""
-    if j == r:
-        return slice(None), slice(None)
-    if j < r:
-        return slice(None), slice(0, c)
-    return slice(c, None), slice(None)
-
-
-def _ring_forward(q, k, v, split, sample_ids, drop, fused, ring):
+def _ring_forward(q, k, v, split, sample_ids, drop, fused, ring, window):
     """(out [b, n, s, d] laid out [s, b, n, d], lse [b, n, s] fp32) of this rank's queries over the ring."""
     r, p = split.rank, split.size
-    c = q.shape[2] // 2
-    q_pos = split.positions(r, q.device)
-    q_doc = split.document_ids(r)
-    b, n, s, d = q.shape  # out laid out [s, b, n, d]: proj's input is a view of it
-    out = torch.zeros(s, b, n, d, dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
-    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    q_runs, qx = split.runs(r), split.keys(r, q.device)
+    out, lse = empty_out(q)
     kv = (k, v)
     for step in range(p):
         handles, incoming = ring.shift(kv) if step < p - 1 else ([], None)
         j = (r - step) % p
-        qs, ks = _halves(j, r, c)
-        k_pos, k_doc = split.positions(j, q.device), split.document_ids(j)
-        part, part_lse = block_attention_fwd(
-            q[:, :, qs],
-            kv[0][:, :, ks],
-            kv[1][:, :, ks],
-            q_pos[qs],
-            k_pos[ks],
-            None if q_doc is None else q_doc[:, qs],
-            None if k_doc is None else k_doc[:, ks],
-            sample_ids,
-            drop,
-            fused,
-            causal=j == r,
-        )
-        out[:, :, qs], lse[:, :, qs] = merge_partials(out[:, :, qs], lse[:, :, qs], part, part_lse.float())
+        blocks = plan_blocks(q_runs, split.runs(j), window)  # none: the window ends before this block
+        if blocks:
+            blocks_forward(q, *kv, qx, split.keys(j, q.device), blocks, sample_ids, drop, fused, window, out, lse)
         _wait(handles)
         kv = incoming
     return out, lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, split, sample_ids, drop, fused, ring):
+def _ring_backward(dout, q, k, v, out, lse, split, sample_ids, drop, fused, ring, window):
     """(dq, dk, dv): the ring walked again; each block's dK, dV travel with it back to their owner."""
     r, p = split.rank, split.size
-    c = q.shape[2] // 2
     dout = dout.contiguous()
-    q_pos, q_doc = split.positions(r, q.device), split.document_ids(r)
+    q_runs, qx = split.runs(r), split.keys(r, q.device)
     dq = torch.zeros_like(q, dtype=torch.float32)
     kv, pending = (k, v), None
     for step in range(p):
         handles, incoming = ring.shift(kv) if step < p - 1 else ([], None)
         j = (r - step) % p
-        qs, ks = _halves(j, r, c)
-        k_pos, k_doc = split.positions(j, q.device), split.document_ids(j)
-        dq_part, dk_part, dv_part = block_attention_bwd(
-            dout[:, :, qs],
-            q[:, :, qs],
-            kv[0][:, :, ks],
-            kv[1][:, :, ks],
-            out[:, :, qs],
-            lse[:, :, qs],
-            q_pos[qs],
-            k_pos[ks],
-            None if q_doc is None else q_doc[:, qs],
-            None if k_doc is None else k_doc[:, ks],
-            sample_ids,
-            drop,
-            fused,
-            causal=j == r,
-        )
-        dq[:, :, qs] += dq_part.float()
         dkv = torch.zeros(2, *kv[0].shape, dtype=torch.float32, device=q.device)  # this block's dK, dV
-        dkv[0][:, :, ks], dkv[1][:, :, ks] = dk_part.float(), dv_part.float()
+        blocks = plan_blocks(q_runs, split.runs(j), window)
+        if blocks:
+            grads = (dq, dkv[0], dkv[1])
+            blocks_backward(dout, q, *kv, out, lse, qx, split.keys(j, q.device), blocks, sample_ids, drop, fused,
+                            window, grads)  # fmt: skip
         if pending is not None:  # the partial sums of the ranks before us
             _wait(pending[0])
             dkv += pending[1][0]
-        pending = ring.shift([dkv], tag=2)  # towards the block's next holder, then home
+        # towards the block's next holder, then home (a ring of one: home already)
+        pending = ring.shift([dkv], tag=2) if p > 1 else ([], [dkv])
         _wait(handles)
         kv = incoming
     _wait(pending[0])
@@ -150,7 +116,7 @@ def _setting(seq_length, group_name, document_ids, p, seed, layer, head_offset):
     """(CPSplit, _Ring, AttentionDropout) from the op's plain arguments."""
     group = dist.distributed_c10d._resolve_process_group(group_name)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    split = CPSplit(seq_length, size, rank, "p2p", document_ids)
+    split = CPSplit(seq_length, size, rank, True, document_ids)
     return split, _Ring(group, rank, size), AttentionDropout(p, seed, layer, head_offset)
 
 
@@ -159,6 +125,7 @@ def ring_attention_op(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    sink: Optional[torch.Tensor],
     sample_ids: torch.Tensor,
     document_ids: Optional[torch.Tensor],
     seq_length: int,
@@ -168,10 +135,13 @@ def ring_attention_op(
     layer: int,
     head_offset: int,
     fused: bool,
+    window: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of ring attention; document_ids [b, s] of the whole sequence or None."""
+    """(out, lse) of ring attention; document_ids [b, s] of the whole sequence or None; sink [n] logits
+    merged once after the ring, or None; window < 0: none."""
     split, ring, drop = _setting(seq_length, group_name, document_ids, p, seed, layer, head_offset)
-    return _ring_forward(q, k, v, split, sample_ids, drop, fused, ring)
+    out, lse = _ring_forward(q, k, v, split, sample_ids, drop, fused, ring, None if window < 0 else window)
+    return add_sink(out, lse, sink) if sink is not None else (out, lse)
 
 
 @torch.library.custom_op("megatron_sp::ring_attention_backward", mutates_args=())
@@ -191,13 +161,15 @@ def ring_attention_backward_op(
     layer: int,
     head_offset: int,
     fused: bool,
+    window: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) from the final (sink merged) out and lse."""
     split, ring, drop = _setting(seq_length, group_name, document_ids, p, seed, layer, head_offset)
-    return _ring_backward(dout, q, k, v, out, lse, split, sample_ids, drop, fused, ring)
+    return _ring_backward(dout, q, k, v, out, lse, split, sample_ids, drop, fused, ring, None if window < 0 else window)
 
 
 @ring_attention_op.register_fake
-def _(q, k, v, sample_ids, document_ids, seq_length, group_name, p, seed, layer, head_offset, fused):
+def _(q, k, v, sink, sample_ids, document_ids, seq_length, group_name, p, seed, layer, head_offset, fused, window):
     b, n, s, d = q.shape
     return q.new_empty(s, b, n, d).permute(1, 2, 0, 3), q.new_empty((b, n, s), dtype=torch.float32)
 
@@ -208,36 +180,42 @@ def _(dout, q, k, v, out, lse, *settings):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, sample_ids, document_ids, *settings = inputs
+    q, k, v, sink, sample_ids, document_ids, *settings = inputs
     ctx.mark_non_differentiable(output[1])
-    ctx.save_for_backward(q, k, v, output[0], output[1], sample_ids, document_ids)
+    ctx.save_for_backward(q, k, v, sink, output[0], output[1], sample_ids, document_ids)
     ctx.settings = settings
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, sample_ids, document_ids = ctx.saved_tensors
+    q, k, v, sink, out, lse, sample_ids, document_ids = ctx.saved_tensors
     grads = ring_attention_backward_op(dout, q, k, v, out, lse, sample_ids, document_ids, *ctx.settings)
-    return (*grads,) + (None,) * 9
+    dsink = None
+    if sink is not None and ctx.needs_input_grad[3]:  # this rank's queries' share; summed over CP with the rest
+        dsink = sink_grad(dout, out, lse, sink).to(sink.dtype)
+    return (*grads, dsink) + (None,) * 10
 
 
 ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class RingAttention(nn.Module):
-    """The core for --cp-comm-type p2p: q, k, v [b, heads, s/p, d] (this rank's zigzag chunks)."""
+    """The core for --cp-comm-type p2p: q, k, v [b, heads, s/p, d], this rank's zigzag chunks over the
+    ring of `group` (the CP group; a2a+p2p: its outer level, on the inner level's gathered tokens)."""
 
-    def __init__(self, cfg, layer: int, ps):
+    def __init__(self, cfg, layer: int, group):
         super().__init__()
         self.cfg, self.layer = cfg, layer
-        self.group_name = ps.cp_group.group_name
+        self.group_name = group.group_name
+        self.window = layer_window(cfg, layer)
 
-    def forward(self, q, k, v, seq, head_offset: int):
+    def forward(self, q, k, v, seq, head_offset: int, sink=None):
         p = self.cfg.attention_dropout if seq.training else 0.0
         split = seq.cp_split
         out, _ = ring_attention_op(
             q.contiguous(),
             k.contiguous(),
             v.contiguous(),
+            sink,
             seq.tp_index.sample_ids,
             split.whole_document_ids,
             split.seq_length,
@@ -247,5 +225,6 @@ class RingAttention(nn.Module):
             int(self.layer),
             int(head_offset),
             bool(self.cfg.use_fused_kernels),
+            -1 if self.window is None else int(self.window),
         )
         return out

@@ -10,15 +10,20 @@ A model spec's slots (models/blocks.py, models/attention.py) create their layers
     word_embedding(cfg)          [V, h] lookup                 VocabParallelEmbedding [V_pad/t, h]
     output_layer(cfg)            [V, h]                        [V_pad/t, h]
     lm_head(cfg)                 logits, F.cross_entropy       vocab-parallel logits and cross entropy (CP mean)
-    wrap_core_attention(core)    the spec's core               the core, inside Ulysses' all-to-alls (a2a),
-                                                               or ring attention (p2p)
+    wrap_core_attention(core)    the spec's core               the layer's --cp-comm-type: the core inside
+                                                               Ulysses' all-to-alls (a2a), or ring attention
+                                                               (p2p), all-gathered keys (allgather), a2a
+                                                               within and the ring across groups (a2a+p2p)
     sequence_context(cfg, ...)   the whole sequence            this rank's tokens (CP) and SP-region rows
 """
 
 from __future__ import annotations
 
+from megatron_sp.context_parallel.allgather import AllGatherAttention
+from megatron_sp.context_parallel.hierarchical import HierarchicalAttention
 from megatron_sp.context_parallel.ring import RingAttention
 from megatron_sp.context_parallel.ulysses import UlyssesAttention
+from megatron_sp.layer_options import layer_cp_comm_type
 from megatron_sp.models.attention import CausalAttention
 from megatron_sp.models.lm_head import OutputLayer, ParallelLMHead, SerialLMHead
 from megatron_sp.models.sequence_context import sequence_context
@@ -107,14 +112,19 @@ class ParallelBuilder:
         """The spec's core as context parallelism runs it (the core itself without CP)."""
         if self.ps.cp_size == 1:
             return core
-        if cfg.cp_comm_type == "a2a":
+        comm = layer_cp_comm_type(cfg, layer)
+        if comm == "a2a":
             return UlyssesAttention(core, self.ps, cfg.use_fused_kernels)
         if type(core) is not CausalAttention:
             raise ValueError(
-                f"ring attention (cp_comm_type p2p) computes causal attention itself and cannot run the "
-                f"spec's core_attention {type(core).__name__}; use cp_comm_type a2a or context_parallel_size 1."
+                f"cp_comm_type {comm} computes causal attention itself and cannot run the spec's "
+                f"core_attention {type(core).__name__}; use cp_comm_type a2a or context_parallel_size 1."
             )
-        return RingAttention(cfg, layer, self.ps)
+        if comm == "allgather":
+            return AllGatherAttention(cfg, layer, self.ps)
+        if comm == "a2a+p2p":
+            return HierarchicalAttention(cfg, layer, self.ps)
+        return RingAttention(cfg, layer, self.ps.cp_group)
 
     def sequence_context(self, cfg, tokens, **batch):
         """batch: labels, loss_mask, position_ids, attention_mask, sample_ids, training."""

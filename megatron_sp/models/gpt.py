@@ -112,3 +112,9 @@ def _check_parallel_sizes(cfg, ps: parallel_state.ParallelState):
             f"GPTConfig.context_parallel_size ({cfg.context_parallel_size}) does not match the "
             f"initialised CP group size ({ps.cp_size})."
         )
+    wanted = tuple(cfg.hierarchical_context_parallel_sizes or ())
+    if ps.cp_size > 1 and wanted and wanted != tuple(ps.hierarchical_cp_sizes):
+        raise ValueError(
+            f"GPTConfig.hierarchical_context_parallel_sizes {list(wanted)} do not match the initialised "
+            f"groups' {list(ps.hierarchical_cp_sizes)}; pass them to initialize_model_parallel."
+        )

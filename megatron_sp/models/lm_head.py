@@ -85,6 +85,6 @@ class ParallelLMHead(nn.Module):
             logits = mappings.gather_from_sequence_parallel_region(
                 logits, self.cp_group, tensor_parallel_output_grad=False
             )
-            if seq.cp_split.comm_type == "p2p":  # the ranks' zigzag chunks, undone
+            if seq.cp_split.zigzag:  # the ranks' zigzag chunks, undone
                 logits = ops.zigzag_reorder(logits.contiguous(), self.cp_size, dim=0, inverse=True, fused=self.fused)
         return logits.transpose(0, 1)

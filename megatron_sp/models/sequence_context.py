@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from megatron_sp.context_parallel.split import CPSplit, document_ids_from_mask
+from megatron_sp.layer_options import zigzag_split
 from megatron_sp.ops.philox import DropoutIndex
 
 
@@ -77,7 +78,7 @@ def sequence_context(
             "with context parallelism the attention mask must be a document mask (block-diagonal, "
             "as --reset-attention-mask makes); other masks need context_parallel_size 1."
         )
-    split = CPSplit(tokens.shape[1], cp_size, cp_rank, cfg.cp_comm_type, whole.document_ids)
+    split = CPSplit(tokens.shape[1], cp_size, cp_rank, zigzag_split(cfg), whole.document_ids)
     return _cp_rank_context(replace(whole, attention_mask=None), split, sp_rows)
 
 

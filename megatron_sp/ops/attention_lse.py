@@ -145,24 +145,63 @@ def attention_with_lse_backward(dout, q, k, v, out, lse, *, causal: bool, allowe
 
 
 def block_attention_fwd(
-    q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, drop: AttentionDropout, fused, *, causal
+    q,
+    k,
+    v,
+    q_positions,
+    k_positions,
+    q_segments,
+    k_segments,
+    sample_ids,
+    drop: AttentionDropout,
+    fused,
+    *,
+    causal,
+    window=None,
+    masked=False,
 ):
     """(out, lse) of q over one key block: the vendor kernel without dropout, ours with it (the
     invariant mask). Positions/segments as in ops/flash_attention.py; `causal` must agree with them
-    (q and k the same tokens) and saves deriving it on the host."""
+    (q and k the same tokens) and saves deriving it on the host. window: the sliding window (our kernel
+    takes it from the positions; the vendor kernels as a mask when `masked`, which the caller sets
+    where the window cuts the block, or where the block needs a mask of positions for another reason)."""
     if drop.p > 0.0:
-        return flash_attention_fwd(q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, drop, fused)
-    allowed = None if q_segments is None else visible(q_positions, k_positions, q_segments, k_segments)
+        return flash_attention_fwd(
+            q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, drop, fused, window
+        )
+    allowed = _allowed(q_positions, k_positions, q_segments, k_segments, window, masked)
     return attention_with_lse(q, k, v, causal=causal, allowed=allowed)
 
 
 def block_attention_bwd(
-    dout, q, k, v, out, lse, q_positions, k_positions, q_segments, k_segments, sample_ids, drop, fused, *, causal
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    q_positions,
+    k_positions,
+    q_segments,
+    k_segments,
+    sample_ids,
+    drop,
+    fused,
+    *,
+    causal,
+    window=None,
+    masked=False,
 ):
     """(dq, dk, dv) of one key block, the kernel chosen as in block_attention_fwd."""
     if drop.p > 0.0:
         return flash_attention_bwd(
-            dout, q, k, v, out, lse, q_positions, k_positions, q_segments, k_segments, sample_ids, drop, fused
+            dout, q, k, v, out, lse, q_positions, k_positions, q_segments, k_segments, sample_ids, drop, fused, window
         )
-    allowed = None if q_segments is None else visible(q_positions, k_positions, q_segments, k_segments)
+    allowed = _allowed(q_positions, k_positions, q_segments, k_segments, window, masked)
     return attention_with_lse_backward(dout, q, k, v, out, lse, causal=causal, allowed=allowed)
+
+
+def _allowed(q_positions, k_positions, q_segments, k_segments, window, masked):
+    if q_segments is None and not masked:
+        return None
+    return visible(q_positions, k_positions, q_segments, k_segments, window if masked else None)

@@ -4,6 +4,7 @@
     q_positions  [s_q] int64, k_positions [s_k] int64   global positions: key j is visible to query i
                                                         iff k_positions[j] <= q_positions[i] (causal)
     q_segments   [b, s_q] / k_segments [b, s_k] int64 or None   documents: visible only within one
+    window       int or None                            sliding window: visible only if q - k <= window
     sample_ids   [b] int64                              global sample indices (dropout keys)
     returns      out [b, n_q, s_q, d] (q's dtype; laid out [s_q, b, n_q, d] in memory), lse [b, n_q, s_q]
                  fp32 (log-sum-exp of the scaled scores; -inf for a query that sees no key, whose output is 0)
@@ -43,9 +44,12 @@ class AttentionDropout:
     head_offset: int = 0
 
 
-def visible(q_pos, k_pos, q_seg=None, k_seg=None):
-    """[b or 1, 1, s_q, s_k] bool: key visible to query (causal by position, within a document)."""
+def visible(q_pos, k_pos, q_seg=None, k_seg=None, window=None):
+    """[b or 1, 1, s_q, s_k] bool: key visible to query (causal by position, within the sliding window
+    of `window` earlier tokens if given, within a document)."""
     allowed = k_pos.view(1, 1, 1, -1) <= q_pos.view(1, 1, -1, 1)
+    if window is not None:
+        allowed = allowed & (q_pos.view(1, 1, -1, 1) - k_pos.view(1, 1, 1, -1) <= window)
     if q_seg is not None:
         allowed = allowed & (q_seg[:, None, :, None] == k_seg[:, None, None, :])
     return allowed
@@ -66,7 +70,17 @@ def _acc(t):
 
 
 def flash_attention_fwd_reference(
-    q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, drop: AttentionDropout, block: int = BLOCK
+    q,
+    k,
+    v,
+    q_positions,
+    k_positions,
+    q_segments,
+    k_segments,
+    sample_ids,
+    drop: AttentionDropout,
+    block: int = BLOCK,
+    window: Optional[int] = None,
 ):
     b, nq, sq, d = q.shape
     rep = nq // k.shape[1]
@@ -85,7 +99,7 @@ def flash_attention_fwd_reference(
             ks = slice(k0, min(k0 + block, k.shape[2]))
             s = torch.matmul(qb, kf[:, :, ks].transpose(-1, -2)) * scale  # [b, n, bq, bk]
             seg = (q_segments[:, qs], k_segments[:, ks]) if q_segments is not None else (None, None)
-            s = s.masked_fill(~visible(q_positions[qs], k_positions[ks], *seg), float("-inf"))
+            s = s.masked_fill(~visible(q_positions[qs], k_positions[ks], *seg, window), float("-inf"))
             m_new = torch.maximum(m, s.amax(-1))
             base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows seeing nothing
             p = torch.exp(s - base.unsqueeze(-1))
@@ -116,6 +130,7 @@ def flash_attention_bwd_reference(
     sample_ids,
     drop: AttentionDropout,
     block: int = BLOCK,
+    window: Optional[int] = None,
 ):
     """(dq, dk, dv) of the keys given, from the final (possibly merged over key sets) out and lse."""
     b, nq, sq, d = q.shape
@@ -134,7 +149,7 @@ def flash_attention_bwd_reference(
             ks = slice(k0, min(k0 + block, sk))
             s = torch.matmul(qf[:, :, qs], kf[:, :, ks].transpose(-1, -2)) * scale
             seg = (q_segments[:, qs], k_segments[:, ks]) if q_segments is not None else (None, None)
-            seen = visible(q_positions[qs], k_positions[ks], *seg)
+            seen = visible(q_positions[qs], k_positions[ks], *seg, window)
             p = torch.exp(s - safe_lse[:, :, qs].unsqueeze(-1)).masked_fill(~seen, 0.0)
             p = p.masked_fill(torch.isinf(lse[:, :, qs]).unsqueeze(-1), 0.0)
             dp = torch.matmul(dof[:, :, qs], vf[:, :, ks].transpose(-1, -2))
@@ -175,7 +190,17 @@ def _use_kernel(fused, q):
 
 
 def flash_attention_fwd(
-    q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, drop: AttentionDropout, fused: bool = True
+    q,
+    k,
+    v,
+    q_positions,
+    k_positions,
+    q_segments,
+    k_segments,
+    sample_ids,
+    drop: AttentionDropout,
+    fused: bool = True,
+    window: Optional[int] = None,
 ):
     """(out, lse); the fused op when built for q's device, else the reference."""
     if _use_kernel(fused, q):
@@ -192,8 +217,11 @@ def flash_attention_fwd(
             int(drop.seed),
             int(drop.layer),
             int(drop.head_offset),
+            _window_arg(window),
         )
-    return flash_attention_fwd_reference(q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, drop)
+    return flash_attention_fwd_reference(
+        q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, drop, window=window
+    )
 
 
 def flash_attention_bwd(
@@ -210,6 +238,7 @@ def flash_attention_bwd(
     sample_ids,
     drop: AttentionDropout,
     fused: bool = True,
+    window: Optional[int] = None,
 ):
     """(dq, dk, dv); the fused op when built for q's device, else the reference."""
     if _use_kernel(fused, q):
@@ -229,31 +258,37 @@ def flash_attention_bwd(
             int(drop.seed),
             int(drop.layer),
             int(drop.head_offset),
+            _window_arg(window),
         )
     return flash_attention_bwd_reference(
-        dout, q, k, v, out, lse, q_positions, k_positions, q_segments, k_segments, sample_ids, drop
+        dout, q, k, v, out, lse, q_positions, k_positions, q_segments, k_segments, sample_ids, drop, window=window
     )
+
+
+def _window_arg(window: Optional[int]) -> int:
+    """The fused op's window: -1 for none."""
+    return -1 if window is None else int(window)
 
 
 class FlashAttention(torch.autograd.Function):
     """Autograd of the blockwise attention: saves q, k, v, out, lse (no s×s tensor)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, drop, fused):
+    def forward(ctx, q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, drop, fused, window=None):
         out, lse = flash_attention_fwd(
-            q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, drop, fused
+            q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, drop, fused, window
         )
         ctx.save_for_backward(q, k, v, out, lse, q_positions, k_positions, sample_ids, q_segments, k_segments)
-        ctx.drop, ctx.fused = drop, fused
+        ctx.drop, ctx.fused, ctx.window = drop, fused, window
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, q_pos, k_pos, samples, q_seg, k_seg = ctx.saved_tensors
         dq, dk, dv = flash_attention_bwd(
-            dout.contiguous(), q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, samples, ctx.drop, ctx.fused
+            dout.contiguous(), q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, samples, ctx.drop, ctx.fused, ctx.window
         )
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def flash_attention(
@@ -267,9 +302,12 @@ def flash_attention(
     q_segments: Optional[torch.Tensor] = None,
     k_segments: Optional[torch.Tensor] = None,
     fused: bool = True,
+    window: Optional[int] = None,
 ):
     """Differentiable blockwise causal attention (see the module docstring); returns out."""
-    return FlashAttention.apply(q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, drop, fused)
+    return FlashAttention.apply(
+        q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, drop, fused, window
+    )
 
 
 # ---- the fused op (csrc/flash_attention.cpp, csrc/cuda/flash_attention.cu) ------------------
@@ -281,22 +319,39 @@ def _seq_major(shape, like, dtype=None):
     return like.new_empty((s, b, n, d), dtype=dtype).permute(1, 2, 0, 3)
 
 
-def _fake_fwd(q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, p, seed, layer, head_offset):
+def _fake_fwd(
+    q, k, v, q_positions, k_positions, q_segments, k_segments, sample_ids, p, seed, layer, head_offset, window=-1
+):
     return _seq_major(q.shape, q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _fake_bwd(
-    dout, q, k, v, out, lse, q_positions, k_positions, q_segments, k_segments, sample_ids, p, seed, layer, head_offset
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    q_positions,
+    k_positions,
+    q_segments,
+    k_segments,
+    sample_ids,
+    p,
+    seed,
+    layer,
+    head_offset,
+    window=-1,
 ):
     return _seq_major(q.shape, q), _seq_major(k.shape, k), _seq_major(v.shape, v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, q_pos, k_pos, q_seg, k_seg, samples, p, seed, layer, head_offset = inputs
+    q, k, v, q_pos, k_pos, q_seg, k_seg, samples, *dropout_and_window = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)  # the backward of lse itself is not implemented
     ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos, samples, q_seg, k_seg)
-    ctx.dropout_args = (p, seed, layer, head_offset)
+    ctx.dropout_args = tuple(dropout_and_window)  # p, seed, layer, head_offset, window
 
 
 def _backward(ctx, dout, _dlse):
@@ -304,7 +359,7 @@ def _backward(ctx, dout, _dlse):
     dq, dk, dv = torch.ops.megatron_sp.flash_attention_bwd(
         dout, q, k, v, out, lse, q_pos, k_pos, q_seg, k_seg, samples, *ctx.dropout_args
     )
-    return (dq, dk, dv) + (None,) * 9
+    return (dq, dk, dv) + (None,) * (5 + len(ctx.dropout_args))
 
 
 def _register():

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_sp.layer_options import cp_comm_types
+
 FP32 = 4
 
 
@@ -77,7 +79,7 @@ class LayerShape:
     rope_dim: int = 0  # channels RoPE rotates (0: no RoPE)
     masks: bool = False  # dropout masks saved (dropout on and the reference ops)
     cp: bool = False  # context parallel: the core saves its own q, k, v (not views of the QKV output)
-    ulysses: bool = False  # CP a2a: the core's output is also kept in head layout
+    ulysses: bool = False  # CP a2a (a2a+p2p): the core's output is also kept in head layout
     act_bytes: int = FP32  # bytes per activation element
 
     @classmethod
@@ -98,7 +100,7 @@ class LayerShape:
             masks=(cfg.hidden_dropout > 0 or cfg.attention_dropout > 0) and not cfg.use_fused_kernels,
             act_bytes=act_bytes,
             cp=cfg.context_parallel_size > 1,
-            ulysses=cfg.context_parallel_size > 1 and cfg.cp_comm_type == "a2a",
+            ulysses=cfg.context_parallel_size > 1 and bool({"a2a", "a2a+p2p"} & set(cp_comm_types(cfg))),
         )
 
     @property

@@ -6,8 +6,13 @@ Per layer and micro-batch, N = act_bytes * (s/c) b h (bench/comm_volume.py measu
     TP        4 all-reduces                       (2 forward, 2 backward)
     TP + SP   6 all-gathers + 4 reduce-scatters   (the backward gathers the GEMM inputs again)
     full recomputation repeats the forward's: + 2 all-reduces / + 2 AG + 2 RS
-    CP p2p    K, V sent c-1 times forward and again backward, dK, dV (fp32) c times on their way home
-    CP a2a    q, k, v, out forward and their gradients backward: 8 all-to-alls of (s/c) b heads d
+    CP p2p    K, V sent c-1 times forward and again backward, dK, dV (fp32) c times on their way home:
+              (2(c-1)e + 4c) · KV,  KV = 2 (s/c) b g d (the rank's keys and values)
+    CP a2a    q, k, v, out forward and their gradients backward: 2 all-to-alls of (s/c) b (2n + 2g') d e
+              (g' = g, or n when g does not split over c: the key/value heads are repeated)
+    CP allgather  K, V gathered forward and again backward, dK, dV (fp32) reduce-scattered: (c-1)(2e + 4) · KV
+    CP a2a+p2p    a2a over the A inner ranks (as a2a with c = A), then the ring over the P outer ones on
+              A times the tokens and 1/A of the heads (as p2p with c = P, KV = 2 (s/c) b g' d)
     head      embedding + logits GEMM: 2 all-reduces (SP: 5 AG/RS), cross entropy: 3 fp32 all-reduces
               of the rank's tokens; CP: the loss sum and count (two fp32 all-reduces)
 (tests/test_plan.py checks TP and CP bytes against the collectives of one forward + backward.)
@@ -19,8 +24,9 @@ send forward and one gradient send backward per micro-batch and stage boundary.
 Step time = compute + exposed communication + pipeline bubble, where
     compute   = FLOPs per GPU / (peak x MFU), FLOPs = GPTConfig.flops_per_token x tokens
                 (+ one forward of the layers with full recomputation, of attention with selective)
-    TP, CP a2a, pipeline sends: exposed (nothing overlaps them here)
-    CP p2p    overlaps the attention compute of the step it feeds
+    TP, CP a2a and allgather, pipeline sends: exposed (nothing overlaps them here)
+    CP p2p    overlaps the attention compute of the step it feeds (a2a+p2p: its ring part does; the
+              a2a part runs over the inner group's links, the ring over the whole CP group's)
     DP        overlaps the last micro-batch's backward (--overlap-grad-reduce); FSDP2 all compute
     bubble    (pp - 1) / micro-batches x compute
 over NVLink when a group fits in a node, InfiniBand (per GPU) when it spans nodes.
@@ -29,6 +35,8 @@ over NVLink when a group fits in a node, InfiniBand (per GPU) when it spans node
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from megatron_sp.layer_options import cp_comm_types
 
 FP32 = 4
 
@@ -62,18 +70,51 @@ def tp_bytes_per_layer(t: int, sp: bool, n_bytes: float, recompute_full: bool) -
     return (4 + (2 if recompute_full else 0)) * ring("all_reduce", t, n_bytes)
 
 
-def cp_bytes_per_layer(cfg, micro_batch: int, act_bytes: int) -> float:
-    c, t = cfg.context_parallel_size, cfg.tensor_model_parallel_size
+@dataclass(frozen=True)
+class CPTraffic:
+    """Bytes one rank sends for one layer's attention and micro-batch, over a group spanning `span`
+    GPUs; `overlaps`: hidden under the attention compute (the ring's steps)."""
+
+    nbytes: float
+    span: int
+    overlaps: bool
+
+
+def _ring_bytes(c: int, act_bytes: int, kv: float) -> float:
+    return (2 * (c - 1) * act_bytes + c * FP32) * kv if c > 1 else 0.0
+
+
+def cp_traffic(cfg, comm: str, micro_batch: int, act_bytes: int) -> list:
+    """The CPTraffic of one layer of CP type `comm` (module docstring's formulas)."""
+    c, t, d = cfg.context_parallel_size, cfg.tensor_model_parallel_size, cfg.kv_channels
     if c == 1:
-        return 0.0
+        return []
     tokens = cfg.seq_length // c * micro_batch
     g = cfg.num_query_groups // t if cfg.num_query_groups >= t else 1
     nq = cfg.num_attention_heads // t
-    if cfg.cp_comm_type == "p2p":  # K, V around the ring twice; dK, dV (fp32) home in c steps
-        kv = 2 * tokens * g * cfg.kv_channels
-        return (2 * (c - 1) * act_bytes + c * FP32) * kv
-    qkvo = act_bytes * tokens * (2 * nq + 2 * g) * cfg.kv_channels
-    return 2 * ring("all_to_all", c, qkvo)
+
+    def heads(parts):  # key/value heads after Ulysses' split over `parts` (repeated when too few)
+        return g if g % parts == 0 else nq
+
+    def a2a(parts):
+        return 2 * ring("all_to_all", parts, act_bytes * tokens * (2 * nq + 2 * heads(parts)) * d)
+
+    if comm == "a2a":
+        return [CPTraffic(a2a(c), t * c, False)]
+    kv = 2 * tokens * g * d
+    if comm == "allgather":
+        return [CPTraffic((c - 1) * (2 * act_bytes + FP32) * kv, t * c, False)]
+    if comm == "a2a+p2p":
+        inner, outer = cfg.hierarchical_context_parallel_sizes
+        ring_kv = 2 * tokens * heads(inner) * d
+        return [CPTraffic(a2a(inner), t * inner, False), CPTraffic(_ring_bytes(outer, act_bytes, ring_kv), t * c, True)]
+    return [CPTraffic(_ring_bytes(c, act_bytes, kv), t * c, True)]
+
+
+def cp_bytes_per_layer(cfg, micro_batch: int, act_bytes: int, comm=None) -> float:
+    """Bytes a rank sends per layer and micro-batch for CP type `comm` (default: the mean over cfg's layers)."""
+    types = [comm] if comm is not None else list(cp_comm_types(cfg))
+    return sum(x.nbytes for kind in types for x in cp_traffic(cfg, kind, micro_batch, act_bytes)) / len(types)
 
 
 def _head_bytes(t: int, sp: bool, n_bytes: float, tokens: int) -> float:
@@ -152,16 +193,29 @@ def step_time(cfg, layout, prec, cluster: Cluster, micro_batch, micro_batches, c
     gpus = t * c * layout.dp * layout.pp
     compute = compute_flops(cfg, micro_batch * micro_batches * layout.dp) / gpus / peak
     tp = comm.tp / cluster.bandwidth(t)
-    cp_time = comm.cp / cluster.bandwidth(t * c)
-    if cfg.cp_comm_type == "p2p":
-        attention = compute * _attention_share(cfg)
-        cp_time = max(0.0, cp_time - attention)
+    cp_time = _cp_time(cfg, cluster, prec, micro_batch, micro_batches, layout.pp, compute)
     dp_time = comm.dp / cluster.bandwidth(t * c * layout.dp)
     overlap = compute if layout.sharding == "fsdp2" else compute * 2 / 3 / micro_batches
     dp_time = max(0.0, dp_time - overlap)
     pp_time = comm.pp / cluster.bandwidth(t * c * layout.dp * layout.pp) if layout.pp > 1 else 0.0
     bubble = compute * (layout.pp - 1) / micro_batches
     return StepTime(compute, tp, cp_time, dp_time, pp_time, bubble)
+
+
+def _cp_time(cfg, cluster, prec, micro_batch, micro_batches, pp, compute) -> float:
+    """Exposed CP time of a step: each layer's traffic over its links, less the attention compute
+    its ring steps hide."""
+    if cfg.context_parallel_size == 1:
+        return 0.0
+    types = cp_comm_types(cfg)  # a stage holds len(types) / pp of them: per layer, compute's share × pp / L
+    attention = compute * _attention_share(cfg) * pp / len(types)
+    total = 0.0
+    for comm in types:
+        for x in cp_traffic(cfg, comm, micro_batch, prec.act):
+            seconds = micro_batches * x.nbytes / cluster.bandwidth(x.span)
+            total += (max(0.0, seconds - attention) if x.overlaps else seconds) / pp
+    loss_mean = micro_batches * 2 * ring("all_reduce", cfg.context_parallel_size, FP32)
+    return total + loss_mean / cluster.bandwidth(cfg.tensor_model_parallel_size * cfg.context_parallel_size)
 
 
 def _attention_share(cfg) -> float:

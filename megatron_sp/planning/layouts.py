@@ -1,7 +1,9 @@
 """The layouts of a cluster, each with its memory split, bytes sent and modelled step time.
 
-A layout is (tp, cp, dp, pp, sp, recompute, sharding) with tp * cp * dp * pp = GPUs, tp within a
-node; GPTConfig's own checks decide whether the model splits that way (heads, groups, MLP width,
+A layout is (tp, cp, dp, pp, sp, recompute, sharding, CP type) with tp * cp * dp * pp = GPUs, tp
+within a node; with cp > 1 each of Megatron's CP types is a layout (a2a+p2p with the a2a level the
+largest part of cp that fits in a node with tp, the ring across, when both levels exceed 1).
+GPTConfig's own checks decide whether the model splits that way (heads, groups, MLP width,
 sequence). A layout is runnable when the program offers it today: FSDP2 where the program's parser
 accepts --use-torch-fsdp2 (with pipeline stages too).
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_sp.config import RECOMPUTE_GRANULARITIES, GPTConfig
+from megatron_sp.layer_options import CP_COMM_TYPES
 from megatron_sp.planning import cost
 from megatron_sp.planning import memory as mem
 
@@ -26,9 +29,15 @@ class Layout:
     sp: bool
     recompute: str | None
     sharding: str  # memory.SHARDINGS
+    cp_comm: str | tuple = "p2p"  # --cp-comm-type (one type, or one per layer)
+    levels: tuple | None = None  # --hierarchical-context-parallel-sizes (a2a+p2p)
 
     def describe(self) -> str:
-        parts = [f"tp{self.tp}" + ("+sp" if self.sp else ""), f"cp{self.cp}", f"dp{self.dp}", f"pp{self.pp}"]
+        cp = f"cp{self.cp}"
+        if self.cp > 1:
+            types = self.cp_comm if isinstance(self.cp_comm, str) else "/".join(self.cp_comm)
+            cp += f"({types}{f' {self.levels[0]}x{self.levels[1]}' if self.levels and 'a2a+p2p' in types else ''})"
+        parts = [f"tp{self.tp}" + ("+sp" if self.sp else ""), cp, f"dp{self.dp}", f"pp{self.pp}"]
         return " ".join(parts + [self.recompute or "no-recompute", self.sharding])
 
 
@@ -64,6 +73,8 @@ def layout_config(base: dict, layout: Layout) -> GPTConfig | None:
         recompute_method=None,
         recompute_num_layers=None,
         tp_comm_overlap=False,
+        cp_comm_type=layout.cp_comm,
+        hierarchical_context_parallel_sizes=layout.levels,
     )
     try:
         return GPTConfig(**fields)
@@ -71,8 +82,20 @@ def layout_config(base: dict, layout: Layout) -> GPTConfig | None:
         return None
 
 
+def cp_choices(cluster: cost.Cluster, tp: int, cp: int, fixed: dict) -> list:
+    """(cp_comm, levels) to try: one p2p without CP; else every type (or the pinned one), a2a+p2p
+    with the largest a2a level that fits a node with tp (levels pinned by the flag are kept)."""
+    if cp == 1:
+        return [("p2p", None)]
+    inner = max((a for a in divisors(cp) if tp * a <= cluster.gpus_per_node), default=1)
+    levels = fixed.get("levels") or ((inner, cp // inner) if 1 < inner < cp else None)
+    types = [fixed["cp_comm"]] if "cp_comm" in fixed else [t for t in CP_COMM_TYPES if t != "a2a+p2p" or levels]
+    return [(t, levels if "a2a+p2p" in (t if isinstance(t, tuple) else (t,)) else None) for t in types]
+
+
 def candidate_layouts(cluster: cost.Cluster, num_layers: int, fixed: dict):
-    """Every (tp, cp, dp, pp, sp, recompute, sharding) the cluster allows; `fixed` pins dimensions."""
+    """Every (tp, cp, dp, pp, sp, recompute, sharding, CP type) the cluster allows; `fixed` pins dimensions."""
+    pinned = {k: v for k, v in fixed.items() if k not in ("cp_comm", "levels")}
     for tp in divisors(min(cluster.gpus_per_node, cluster.gpus)):
         for pp in [p for p in divisors(cluster.gpus // tp) if num_layers % p == 0]:
             for cp in divisors(cluster.gpus // (tp * pp)):
@@ -80,11 +103,12 @@ def candidate_layouts(cluster: cost.Cluster, num_layers: int, fixed: dict):
                 for sp in (False, True) if tp > 1 else (False,):
                     for recompute in RECOMPUTE:
                         for sharding in mem.SHARDINGS:
-                            layout = Layout(tp, cp, dp, pp, sp, recompute, sharding)
                             if sharding != "replicated" and dp * cp == 1:
                                 continue  # one replica: nothing to shard
-                            if all(getattr(layout, k) == v for k, v in fixed.items()):
-                                yield layout
+                            for comm, levels in cp_choices(cluster, tp, cp, fixed):
+                                layout = Layout(tp, cp, dp, pp, sp, recompute, sharding, comm, levels)
+                                if all(getattr(layout, k) == v for k, v in pinned.items()):
+                                    yield layout
 
 
 def plan_layout(base: dict, layout: Layout, prec, cluster, batch: Batch, runnable_fsdp2: bool) -> Plan | None:

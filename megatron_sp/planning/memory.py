@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from megatron_sp.distributed.distributed_optimizer import share_owners
 from megatron_sp.distributed.grad_buffers import BUCKET_BYTES  # (one bucket in flight without overlap)
+from megatron_sp.layer_options import cp_comm_types
 from megatron_sp.planning import activations as act
 
 GIB = 1024**3
@@ -189,6 +190,9 @@ def buffer_bytes(
     out["logits + their gradient"] = (prec.act + act.FP32) * sb * cfg.padded_vocab_size / shape.t
     if shape.sp:
         out["SP gather (input + gradient)"] = 2 * prec.act * sb * shape.h
+    if cfg.context_parallel_size > 1 and "allgather" in cp_comm_types(cfg):  # one layer's, while it runs
+        whole = sb * cfg.context_parallel_size * 2 * shape.kv_heads * shape.d
+        out["CP all-gathered K, V (+ fp32 dK, dV)"] = (prec.act + act.FP32) * whole
     if sharding == "fsdp2" and replicas > 1 and pipeline:
         out["FSDP2 under PP: the stage gathered + its unsharded fp32 grads"] = (prec.weight + act.FP32) * n
     elif sharding == "fsdp2" and replicas > 1:

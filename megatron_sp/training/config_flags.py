@@ -39,8 +39,9 @@ def _add_field_flags(group, f, hint) -> None:
     meta, default = info(f), cli_default(f)
     if meta.flags:
         choices = list(meta.choices) or None
+        kind = meta.parse if meta.parse is not None else _value_type(hint)
         group.add_argument(
-            *meta.flags, dest=f.name, type=_value_type(hint), default=default, choices=choices, help=meta.help
+            *meta.flags, dest=f.name, type=kind, nargs=meta.nargs, default=default, choices=choices, help=meta.help
         )
     for switch in meta.switches:
         action = _StoreConstIfUnset if switch.if_unset else "store_const"
@@ -78,7 +79,7 @@ def _flag_for(f, value) -> Optional[list]:
     """The flag tokens that set field f to value, or None when no flag can."""
     meta = info(f)
     if meta.flags and value is not None:
-        return [meta.flags[0], str(value)]
+        return [meta.flags[0], *(meta.format(value) if meta.format is not None else [str(value)])]
     for switch in meta.switches:
         if not switch.if_unset and type(switch.const) is type(value) and switch.const == value:
             return [switch.flag]

@@ -56,12 +56,6 @@ NO_EFFECT = (
     ),
     NoEffect(("--rope-type",), ("rope", "yarn"), "plain RoPE is the only kind here: YaRN is not implemented", "rope"),
     NoEffect(
-        ("--softmax-type",),
-        ("vanilla", "off-by-one", "learnable"),
-        "the plain softmax is the only one here: off-by-one and learnable softmaxes (gpt-oss) are not implemented",
-        "vanilla",
-    ),
-    NoEffect(
         ("--optimizer",),
         ("adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"),
         "AdamW (Megatron-LM's adam, decoupled weight decay) is the only optimizer here",
@@ -115,9 +109,7 @@ MOE = (
     "mixture of experts is not implemented in megatron_sp (dense GPT/Llama models only); "
     "remove the MoE flags or use Megatron-LM"
 )
-_GPT_OSS = (
-    "gpt-oss's attention and MLP variants (sliding windows, learnable softmax, clamped GEGLU) are not implemented"
-)
+_GPT_OSS = "gpt-oss's MLP variants (clamped GEGLU) and its model switch are not implemented"
 _FP8 = "FP8 training needs Transformer Engine, which megatron_sp does not use; train in --bf16"
 _MFSDP = "Megatron-FSDP is not implemented; use --use-distributed-optimizer (ZeRO-1) for sharded optimizer state"
 
@@ -130,8 +122,6 @@ REFUSED = (
     ("--quick-geglu", _GPT_OSS),
     ("--glu-linear-offset", _GPT_OSS),
     ("--activation-func-clamp-value", _GPT_OSS),
-    ("--window-size", _GPT_OSS),
-    ("--window-attn-skip-freq", _GPT_OSS),
     ("--export-force-local-attention", _GPT_OSS),
     ("--fp8-", _FP8),
     ("--fp8", _FP8),

@@ -243,6 +243,7 @@ class Trainer:
             args.context_parallel_size,
             timeout=timedelta(minutes=args.distributed_timeout_minutes),  # the world's (init_distributed)
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            hierarchical_context_parallel_sizes=self.cfg.hierarchical_context_parallel_sizes,
         )
         self.log = TrainingLogger(
             args, enabled=torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True

@@ -56,12 +56,19 @@ def _pipeline_words(args) -> str:
     return f" × PP {layout.pp_size} ({layout.schedule}{chunks})"
 
 
+def _cp_words(cfg) -> str:
+    """The CP type (or the layers' types in turn), with the hierarchical sizes of a2a+p2p."""
+    types = cfg.cp_comm_type if isinstance(cfg.cp_comm_type, str) else " ".join(cfg.cp_comm_type)
+    sizes = cfg.hierarchical_context_parallel_sizes
+    return types + (f"; levels {' × '.join(map(str, sizes))}" if sizes else "")
+
+
 def describe(trainer) -> None:
     """The start-up line: layout, model, batch, optimizer, MFU peak (and where a resume starts)."""
     a, c = trainer.args, trainer.cfg
     trainer.log.info(
         f" megatron_sp: world {a.world_size} = TP {a.tensor_model_parallel_size}"
-        f"{f' × CP {c.context_parallel_size} ({c.cp_comm_type})' if c.context_parallel_size > 1 else ''}"
+        f"{f' × CP {c.context_parallel_size} ({_cp_words(c)})' if c.context_parallel_size > 1 else ''}"
         f" × DP {a.data_parallel_size}{_pipeline_words(a)}"
         f"{' + SP' if c.sequence_parallel else ''} | device {a.device} ({a.distributed_backend}) | "
         f"model {c.model}: {c.normalization}, {c.activation}, {c.position_embedding_type} positions, "

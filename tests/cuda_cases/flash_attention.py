@@ -50,16 +50,18 @@ def _index(gen, b, sq, sk, positions, segments):
     return q_pos, k_pos, q_seg, q_seg, samples
 
 
-def results_case(target, shape, dtype, p, positions="causal", segments=False, layout="contiguous"):
+def results_case(target, shape, dtype, p, positions="causal", segments=False, layout="contiguous", window=None):
+    """window: a sliding window of that many earlier keys (tile pairs skipped, cut, or left whole)."""
     b, nq, nkv, sq, sk, d = shape
     gen = torch.Generator().manual_seed(sq * 1000 + sk * 10 + d)
     q, k, v = _inputs(target, shape, dtype, gen, layout)
     index = _index(gen, b, sq, sk, positions, segments)
     index_on = tuple(target.put(t) for t in index)
-    out, lse = map(cpu, target.ops.flash_attention_fwd(q, k, v, *index_on, p, *DROP))
+    w = -1 if window is None else window
+    out, lse = map(cpu, target.ops.flash_attention_fwd(q, k, v, *index_on, p, *DROP, w))
     qc, kc, vc = map(cpu, (q, k, v))
     drop = fa.AttentionDropout(p, *DROP)
-    ref_out, ref_lse = fa.flash_attention_fwd_reference(qc, kc, vc, *index, drop)
+    ref_out, ref_lse = fa.flash_attention_fwd_reference(qc, kc, vc, *index, drop, window=window)
     assert out.permute(2, 0, 1, 3).is_contiguous(), "out must be laid out [s, b, n, d]"
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "rows that see nothing differ"
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
@@ -68,9 +70,9 @@ def results_case(target, shape, dtype, p, positions="causal", segments=False, la
 
     dout = torch.randn(q.shape, generator=gen).to(dtype)
     grads = target.ops.flash_attention_bwd(
-        target.put(dout), q, k, v, target.put(ref_out), target.put(ref_lse), *index_on, p, *DROP
+        target.put(dout), q, k, v, target.put(ref_out), target.put(ref_lse), *index_on, p, *DROP, w
     )
-    want = fa.flash_attention_bwd_reference(dout, qc, kc, vc, ref_out, ref_lse, *index, drop)
+    want = fa.flash_attention_bwd_reference(dout, qc, kc, vc, ref_out, ref_lse, *index, drop, window=window)
     for got, e in zip(grads, want):
         assert got.permute(2, 0, 1, 3).is_contiguous(), "gradients must be laid out [s, b, n, d]"
         scale = (1.0 if dtype == FP32 else 2.0) * (1 + e.float().abs().max().item())
@@ -172,6 +174,8 @@ def cases() -> list:
         # odd head dims: one column per lane with a tail (33 -> 2 per lane), 4 per lane (100)
         "flash-odd-misaligned-fp32": ((1, 1, 1, 9, 9, 33), FP32, 0.0, "causal", False, "misaligned"),
         "flash-d100-bf16": ((1, 1, 1, 5, 5, 100), BF16, 0.5),
+        # a sliding window of 9 keys over two key tiles, with documents (the window cuts inside tiles)
+        "flash-window-70-segments-dropout-fp32": ((1, 2, 1, 70, 70, 8), FP32, 0.2, "causal", True, "contiguous", 9),
     }
     # the tensor-core kernels: 64-key tiles, 128-row query blocks (sms=1) or 64-row ones (sms=132, which
     # also leaves fully visible tile pairs unmasked), partial tiles, GQA, head dims 64 and 128
@@ -181,6 +185,8 @@ def cases() -> list:
         "flash-mma-130-segments-narrow-fp16": (((1, 1, 1, 130, 130, 32), FP16, 0.2, "causal", True), 132),
         "flash-mma-70-zigzag-d128-strided-bf16": (((1, 1, 1, 70, 70, 128), BF16, 0.25, "zigzag", False, "strided"), 1),
         "flash-mma-70-ring-fp16": (((1, 1, 1, 70, 70, 16), FP16, 0.1, "ring"), 1),
+        # a window of 70 keys over 200: tile pairs skipped (too far back), cut, and whole (64-row blocks)
+        "flash-mma-200-window-bf16": (((1, 1, 1, 200, 200, 32), BF16, 0.1, "causal", False, "contiguous", 70), 132),
     }
     # the SIMT kernels (fp32) and the tensor-core ones (bf16/fp16; one with several tiles) under
     # ThreadSanitizer

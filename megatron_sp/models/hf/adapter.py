@@ -103,8 +103,14 @@ class CausalLMAdapter:
     tied_output = "lm_head.weight"
     config_keys: dict = {}
     hf_defaults: dict = {}
-    # boolean GPTConfig fields the architecture has no place for: {field: its flag}, refused by `check`
-    unsupported = {"qk_layernorm": "--qk-layernorm", "layernorm_zero_centered_gamma": "--apply-layernorm-1p"}
+    # GPTConfig fields the architecture has no place for when set (true, or not their default:
+    # a window, sinks): {field: its flag}, refused by `check`
+    unsupported = {
+        "qk_layernorm": "--qk-layernorm",
+        "layernorm_zero_centered_gamma": "--apply-layernorm-1p",
+        "window_size": "--window-size",
+        "softmax_type": "--softmax-type off-by-one / learnable",
+    }
 
     def named_fields(self, config: dict) -> dict:
         """The GPTConfig fields of the `config_keys` (an omitted key: transformers' default)."""
@@ -121,10 +127,14 @@ class CausalLMAdapter:
         return tensors
 
 
+_OFF = {"softmax_type": "vanilla"}  # a field whose default is a value, not False / None
+
+
 def refuse_fields(cfg, architecture: str, flags: dict) -> None:
-    """ConversionError naming the first of `flags` ({boolean field: its flag}) that cfg turns on."""
+    """ConversionError naming the first of `flags` ({field: its flag}) that cfg sets."""
     for name, flag in flags.items():
-        if getattr(cfg, name):
+        value = getattr(cfg, name)
+        if value != _OFF.get(name) and value:
             raise ConversionError(f"{architecture} cannot express {flag}.")
 
 
