@@ -47,10 +47,19 @@ FAMILIES = {
             position_embedding_type="learned_absolute",
             untie_embeddings_and_output_weights=False,
             add_bias_linear=True,
+            qk_layernorm=False,
         ),
         hf="megatron_sp.models.hf.gpt2:ADAPTER",
     ),
     "llama": Family("megatron_sp.models.llama:SPEC", _LLAMA, hf="megatron_sp.models.hf.llama:ADAPTER"),
+    # Llama with biases on q/k/v only (the output and MLP projections have none)
+    "qwen2": Family(
+        "megatron_sp.models.qwen2:SPEC", dict(_LLAMA, add_qkv_bias=True), hf="megatron_sp.models.hf.qwen2:ADAPTER"
+    ),
+    # Llama with an RMSNorm over each head's queries and keys before RoPE (Megatron's --qk-layernorm)
+    "qwen3": Family(
+        "megatron_sp.models.qwen3:SPEC", dict(_LLAMA, qk_layernorm=True), hf="megatron_sp.models.hf.qwen3:ADAPTER"
+    ),
 }
 BASE = "gpt2"  # the family whose defaults fill what another family does not set
 
