@@ -229,7 +229,7 @@ def test_round_trip_is_exact():
     [
         (dict(normalization="RMSNorm"), "no Hugging Face architecture"),
         (dict(num_query_groups=2), "grouped-query"),
-        (dict(model="llama", add_qkv_bias=True), "attention_bias"),
+        (dict(model="llama", add_bias_linear=True, add_qkv_bias=False), "attention_bias"),
         (dict(model="llama", position_embedding_type="rope", rotary_percent=0.5), "rotary-percent"),
         (dict(model="llama", rope_scaling=True, rotary_seq_len_interpolation_factor=2.0), "scaled one way"),
     ],
