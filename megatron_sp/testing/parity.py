@@ -154,10 +154,16 @@ def run_layout(
     from megatron_sp.config import GPTConfig
     from megatron_sp.distributed.optimizer import global_grad_norm
 
-    ps = parallel_state.initialize_model_parallel(layout.tp, layout.cp, pipeline_model_parallel_size=layout.pp)
+    cfg = GPTConfig(**{**fields, **layout.config_fields()})
+    levels = getattr(cfg, "hierarchical_context_parallel_sizes", None)  # a2a+p2p's CP groups (its field)
+    ps = parallel_state.initialize_model_parallel(
+        layout.tp,
+        layout.cp,
+        pipeline_model_parallel_size=layout.pp,
+        **({} if levels is None else {"hierarchical_context_parallel_sizes": levels}),
+    )
     if ps.dp_size % layout.dp:
         raise ValueError(f"layout {layout} asks dp{layout.dp}, which does not divide the {ps.dp_size} replicas.")
-    cfg = GPTConfig(**{**fields, **layout.config_fields()})
     model = _build(cfg, layout, ps)
     init = model.full_state_dict()
     if state is not None:
