@@ -75,7 +75,7 @@ class GPTConfig:
     seq_length: int = model_field(help="tokens per sample s", flags=("--seq-length",), cli_default=128)
     model: str = model_field(
         "gpt2",
-        help="model family: gpt2, llama (megatron_sp/families.py) or package.module:SPEC; sets the "
+        help="model family: gpt2, llama, qwen2, qwen3 (megatron_sp/families.py) or package.module:SPEC; sets the "
         "defaults of the architecture flags below",
         flags=("--model",),
     )
@@ -179,9 +179,10 @@ class GPTConfig:
         switches=(Switch("--apply-layernorm-1p", True),),
         resume=ALWAYS,
     )
-    qk_layernorm: bool = model_field(
-        False,
-        help="normalise each head's queries and keys (--normalization's kind, over the head dim) before RoPE",
+    qk_layernorm: Optional[bool] = model_field(
+        None,
+        help="normalise each head's queries and keys (--normalization's kind, over the head dim) before RoPE; "
+        "default: the family's (Qwen3's: on)",
         switches=(Switch("--qk-layernorm", True),),
         resume=ALWAYS,
     )

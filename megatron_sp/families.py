@@ -28,6 +28,10 @@ _LLAMA = dict(
     add_bias_linear=False,
 )
 
+# Qwen's small models tie the output layer to the embeddings, its large ones do not: tied by default
+# (Megatron's), so both print as --model qwen2/qwen3 (untied: --untie-embeddings-and-output-weights).
+_QWEN = {k: v for k, v in _LLAMA.items() if k != "untie_embeddings_and_output_weights"}
+
 
 @dataclass(frozen=True)
 class Family:
@@ -47,10 +51,19 @@ FAMILIES = {
             position_embedding_type="learned_absolute",
             untie_embeddings_and_output_weights=False,
             add_bias_linear=True,
+            qk_layernorm=False,
         ),
         hf="megatron_sp.models.hf.gpt2:ADAPTER",
     ),
     "llama": Family("megatron_sp.models.llama:SPEC", _LLAMA, hf="megatron_sp.models.hf.llama:ADAPTER"),
+    # Llama with biases on q/k/v only (the output and MLP projections have none)
+    "qwen2": Family(
+        "megatron_sp.models.qwen2:SPEC", dict(_QWEN, add_qkv_bias=True), hf="megatron_sp.models.hf.qwen2:ADAPTER"
+    ),
+    # Llama with an RMSNorm over each head's queries and keys before RoPE (Megatron's --qk-layernorm)
+    "qwen3": Family(
+        "megatron_sp.models.qwen3:SPEC", dict(_QWEN, qk_layernorm=True), hf="megatron_sp.models.hf.qwen3:ADAPTER"
+    ),
 }
 BASE = "gpt2"  # the family whose defaults fill what another family does not set
 

@@ -1,7 +1,8 @@
 """Hugging Face import/export (tools/convert_hf.py): logits of GPT2LMHeadModel / LlamaForCausalLM
 (transformers, randomly initialised from configs, fp32) equal ReferenceGPT's within 1e-4 after import,
 and transformers loads our exports offline with the same logits (RoPE scaling: Llama 3.1's and linear
-included); what cannot be expressed is refused; imported models train with the printed flags."""
+included); what cannot be expressed is refused; imported models train with the printed flags.
+The Qwen families, and every family at TP/CP/PP against transformers: tests/test_hf_families.py."""
 
 import json
 
@@ -228,7 +229,7 @@ def test_round_trip_is_exact():
     [
         (dict(normalization="RMSNorm"), "no Hugging Face architecture"),
         (dict(num_query_groups=2), "grouped-query"),
-        (dict(model="llama", add_qkv_bias=True), "attention_bias"),
+        (dict(model="llama", add_bias_linear=True, add_qkv_bias=False), "attention_bias"),
         (dict(model="llama", position_embedding_type="rope", rotary_percent=0.5), "rotary-percent"),
         (dict(model="llama", rope_scaling=True, rotary_seq_len_interpolation_factor=2.0), "scaled one way"),
         (dict(model="llama", window_size=(8, 0)), "--window-size"),  # (Mistral's and gpt-oss's: issue 36)
@@ -348,69 +349,3 @@ def test_greedy_generation_matches_transformers(name, tmp_path, capsys):
     assert capsys.readouterr().out.split() == [str(t) for t in want[0].tolist()]
     assert gen.main(["--load", str(tmp_path / "ckpt"), "--tokenizer-type", "NullTokenizer", "--vocab-size", "500"]) == 2
     assert "the tokenizer has 500 ids" in capsys.readouterr().err
-
-
-# ---- a new Llama-like family: its spec, one registry line, its adapter (tests/example_qkv_bias_family.py)
-
-
-@pytest.fixture
-def qkv_bias_family():
-    from megatron_sp import families
-
-    families.register_model(
-        "llama-qkv-bias",
-        "example_qkv_bias_family:SPEC",
-        defaults=dict(families.FAMILIES["llama"].defaults, add_qkv_bias=True),
-        hf="example_qkv_bias_family:ADAPTER",
-    )
-    yield "llama-qkv-bias"
-    del families.FAMILIES["llama-qkv-bias"]
-
-
-def test_a_registered_llama_like_family_imports_and_exports(qkv_bias_family, tmp_path, capsys, monkeypatch):
-    """Qwen2ForCausalLM (q/k/v biases only) imports as the family, computes transformers' logits, its
-    flags name it, and its export loads back in transformers; a plain Llama with --add-qkv-bias, which
-    LlamaForCausalLM cannot express, now exports through it too (the architecture follows the config)."""
-    from megatron_sp.config import GPTConfig
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    torch.manual_seed(0)
-    hf = transformers.Qwen2ForCausalLM(
-        transformers.Qwen2Config(
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=VOCAB,
-            max_position_embeddings=64,
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-        )
-    )
-    _randomise(hf)
-    hf.save_pretrained(tmp_path / "hf")
-    assert convert_hf.main(["import", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 0
-    assert "--model llama-qkv-bias" in capsys.readouterr().out
-    ours, tokens = _our_model(tmp_path / "ckpt"), _tokens()
-    assert ours.cfg.model == qkv_bias_family and ours.cfg.add_qkv_bias and not ours.cfg.add_bias_linear
-    want = _hf_logits(hf, tokens)
-    assert (ours(tokens) - want).abs().max().item() < 1e-4
-    assert convert_hf.main(["export", "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out")]) == 0
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
-    assert type(back).__name__ == "Qwen2ForCausalLM"
-    assert (_hf_logits(back, tokens) - want).abs().max().item() < 1e-4
-    llama = GPTConfig(
-        num_layers=1,
-        hidden_size=32,
-        num_attention_heads=4,
-        vocab_size=VOCAB,
-        seq_length=16,
-        model="llama",
-        add_qkv_bias=True,
-    )
-    state = ReferenceGPT(llama).state_dict()
-    tensors, config = to_hf(state, llama)
-    assert config["model_type"] == "qwen2"
-    round_trip, fields = from_hf(tensors, json.loads(json.dumps(config)))
-    assert fields["model"] == qkv_bias_family and round_trip.keys() == state.keys()
-    assert all(torch.equal(round_trip[k], state[k]) for k in state)  # bit-exact both ways

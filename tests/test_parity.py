@@ -11,11 +11,23 @@ Every case with SP and dropout runs again with --tp-comm-overlap (`overlapped`, 
 all-gathers and reduce-scatters cut into ring steps under the GEMMs compute the same function."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
 
 from megatron_sp.testing import LocalWorld
+from megatron_sp.testing.layouts import Layout
+from megatron_sp.testing.parity import (
+    TOLERANCES,
+    compare,
+    document_inputs,
+    make_batches,
+    rel,
+    run_layout,
+    run_serial,
+    without_key_bias,
+)
 
 VOCAB, SEQ, BATCH, STEPS = 97, 32, 2, 3  # 97: not divisible by any TP size
 FUSED = False  # the reference ops (test_fused_parity covers megatron_sp._C)
@@ -44,19 +56,21 @@ FAMILIES = {
 def _config(tp=1, sp=False, dropout=0.0, fused=FUSED, family="gpt2", cp=1, comm="p2p", extra=None):
     from megatron_sp.config import GPTConfig
 
-    return GPTConfig(
+    layout = Layout(tp=tp, sp=sp, cp=cp, cp_comm=comm)
+    return GPTConfig(**_fields(dropout, fused, family, extra), **layout.config_fields())
+
+
+def _fields(dropout=0.0, fused=FUSED, family="gpt2", extra=None):
+    """The GPTConfig fields of a case besides its layout."""
+    return dict(
         num_layers=2,
         hidden_size=64,
         num_attention_heads=4,
         vocab_size=VOCAB,
         seq_length=SEQ,
-        tensor_model_parallel_size=tp,
-        sequence_parallel=sp,
         hidden_dropout=dropout,
         attention_dropout=dropout,
         use_fused_kernels=fused,
-        context_parallel_size=cp,
-        cp_comm_type=comm,
         **FAMILIES.get(family, family_fields(family)),
         **(extra or {}),
     )
@@ -72,28 +86,12 @@ def family_fields(family):
     return {"model": family}
 
 
+BATCHES = make_batches(VOCAB, SEQ, BATCH, STEPS)  # step i: seed 100 + i, sample ids new every step
+
+
 def _batch(step):
-    g = torch.Generator().manual_seed(100 + step)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    return tokens, labels, torch.arange(BATCH) + step * BATCH  # sample ids change every step
-
-
-def _train(model, step_fn, grad_fn):
-    """First step's loss and gradients, then STEPS AdamW steps; returns (loss0, grads0, losses)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    losses, grads0 = [], None
-    for step in range(STEPS):
-        tokens, labels, sample_ids = _batch(step)
-        opt.zero_grad()
-        loss = model(tokens, labels, sample_ids=sample_ids)
-        loss.backward()
-        step_fn()
-        if step == 0:
-            grads0 = grad_fn()
-        losses.append(loss.item())
-        opt.step()
-    return losses, grads0
+    b = BATCHES[step] if step < STEPS else make_batches(VOCAB, SEQ, BATCH, step + 1)[step]
+    return b.tokens, b.labels, b.sample_ids
 
 
 def _copies(model, ps):
@@ -109,57 +107,19 @@ def _copies(model, ps):
     return out
 
 
-def _parity_worker(tp, sp, dropout, fused=FUSED, family="gpt2", cp=1, comm="p2p", extra=None, compile_options=None):
-    from megatron_sp import parallel_state
-    from megatron_sp.distributed.optimizer import global_grad_norm
-    from megatron_sp.models.compile import compile_layers
-    from megatron_sp.models.gpt import GPTModel
-
-    cfg = _config(tp, sp, dropout, fused, family, cp, comm, extra)
-    ps = parallel_state.initialize_model_parallel(tp, cp, hierarchical_context_parallel_sizes=_levels(cfg))
-    model = GPTModel(cfg)
-    if compile_options is not None:  # --torch-compile
-        compile_layers(model, **compile_options)
-    init = model.full_state_dict()
-
-    def grads_and_norm():
-        return model.full_grad_dict(), global_grad_norm(list(model.parameters()), ps).item()
-
-    losses, (grads0, norm0) = _train(model, lambda: model.partial_grads.reduce(model.parameters()), grads_and_norm)
+def _replicas(model, ps):
+    """check_parity's probe: parameters replicated over TP (to be bit-identical) and the copies."""
     replicated = {n: p.detach().clone() for n, p in model.named_parameters() if p.shard_spec.dim is None}
-    final = model.full_state_dict()
-    if ps.dp_rank != 0 or ps.cp_rank != 0:  # DP replicas, CP ranks: same weights
-        return None
-    return {
-        "tp_rank": ps.tp_rank,
-        "init": init,
-        "losses": losses,
-        "grads0": grads0,
-        "norm0": norm0,
-        "final": final,
-        "replicated": replicated,
-        "copies": _copies(model, ps),
-    }
+    return {"replicated": replicated, "copies": _copies(model, ps)}
 
 
-def _reference(dropout, family="gpt2", extra=None):
-    from megatron_sp.models.reference import ReferenceGPT
+def _compile(model, options):  # --torch-compile
+    from megatron_sp.models.compile import compile_layers
 
-    model = ReferenceGPT(_config(dropout=dropout, family=family, extra=extra))
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    grads = lambda: {n: p.grad.clone() for n, p in model.named_parameters()}  # noqa: E731
-    losses, grads0 = _train(model, lambda: None, grads)
-    return init, losses, grads0, model.state_dict()
+    compile_layers(model, **options)
 
 
-def _without_key_bias(name, value):
-    """The key third of the QKV bias has an exactly zero gradient (softmax is shift-invariant), so
-    AdamW turns fp32 rounding noise (~1e-10) into steps of ±lr there in both models alike; it is
-    compared in test_key_bias_gets_no_gradient instead."""
-    if name.endswith("attn.qkv.bias"):
-        q, _, v = value.chunk(3)
-        return torch.cat([q, v])
-    return value
+_without_key_bias, _rel = without_key_bias, rel  # the names the other tests here use
 
 
 def test_key_bias_gets_no_gradient():
@@ -171,10 +131,6 @@ def test_key_bias_gets_no_gradient():
     grad = model.layers[0].attn.qkv.bias.grad
     q, k, v = grad.chunk(3)
     assert k.abs().max() < 1e-12 * q.abs().max()
-
-
-def _rel(a, b):
-    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
 def overlapped(cases, sp):
@@ -239,48 +195,35 @@ def check_parity(
     comm="p2p",
     extra=None,
     shared=None,
-    final_rtol=3e-5,
+    final_rtol=TOLERANCES["params"],
     compile_options=None,
 ):
     """The parallel model (extra: more GPTConfig fields, e.g. recomputation; compile_options: its layers
-    compiled with them) against the plain reference (shared: fields of both, the model variant).
-    final_rtol: the weights after the AdamW steps (the losses and first gradients are held to 1e-5).
-    Its default 3e-5: AdamW's first steps are sign(g)·lr where |g| is near its eps (a GELU unit that is
-    off for every token has such gradients in its fc1 bias), so 1e-7 gradient differences become ~1e-5
-    in those weights (measured: layers.0.mlp.fc1.bias 1.37e-5 at gpt2 TP=4 fused, 1.46e-5 at TP=2 x CP=2,
-    with the by-shard initial values; every other weight < 1e-5). A wrong step is off by >= 1e-3."""
-    init, ref_losses, ref_grads, ref_final = _reference(dropout, family, shared)
-    extra = {**(shared or {}), **(extra or {})}
-    args = (tp, sp, dropout, fused, family, cp, comm, extra, compile_options)
-    results = [r for r in pool.run(_parity_worker, *args) if r is not None]
-    assert len(results) == tp
-    for res in results:
-        assert res["init"].keys() == init.keys()
-        for k in init:  # init on the full tensor, then sliced
-            assert torch.equal(res["init"][k], init[k]), k
-        for got, want in zip(res["losses"], ref_losses):
-            assert abs(got - want) <= 1e-5 * abs(want), (res["losses"], ref_losses)
-        ref_norm = torch.stack([g.norm() for g in ref_grads.values()]).norm().item()
-        assert abs(res["norm0"] - ref_norm) <= 1e-5 * ref_norm  # each parameter counted once
-        assert res["grads0"].keys() == ref_grads.keys()
-        for k in ref_grads:
+    compiled with them) against the plain reference (shared: fields of both, the model variant), through
+    megatron_sp/testing/parity.py's harness. final_rtol: the weights after the AdamW steps (the losses
+    and first gradients are held to 1e-5; its default and why: parity.TOLERANCES). Besides the harness's
+    differences: every rank's initial shard is the reference's slice, parameters replicated across the
+    TP group are bit-identical, and so are the copies of a key/value head."""
+    oracle = run_serial(_fields(dropout, False, family, shared), BATCHES)
+    layout = Layout(tp=tp, sp=sp and tp > 1, cp=cp, cp_comm=comm)
+    prepare = None if compile_options is None else functools.partial(_compile, options=compile_options)
+    fields = _fields(dropout, fused, family, {**(shared or {}), **(extra or {})})
+    runs = pool.run(run_layout, fields, layout, BATCHES, prepare=prepare, probe=_replicas)
+    runs = [r for r in runs if r is not None]
+    assert len(runs) == tp
+    for run in runs:
+        row = compare(oracle, run, layout)
+        assert not row.missing and row.init is None, row  # init on the full tensor, then sliced
+        assert row.failures({**TOLERANCES, "params": final_rtol}) == [], row
+        for k in oracle.grads0:
             if k.endswith("attn.k_norm.bias"):  # shifts every key alike: softmax-invariant, no gradient
-                assert res["grads0"][k].abs().max() < 1e-6 and ref_grads[k].abs().max() < 1e-6, k
-                continue
-            assert _rel(res["grads0"][k], ref_grads[k]) < 1e-5, (k, _rel(res["grads0"][k], ref_grads[k]))
-        for k in ref_final:
-            if k.endswith("attn.k_norm.bias"):
-                continue
-            got, want = _without_key_bias(k, res["final"][k]), _without_key_bias(k, ref_final[k])
-            if (extra or {}).get("layernorm_zero_centered_gamma") and init[k].count_nonzero() == 0:
-                got, want = got + 1.0, want + 1.0  # the gamma applied, not AdamW's steps away from 0
-            assert _rel(got, want) < final_rtol, (k, _rel(got, want))
-    for k, value in results[0]["replicated"].items():  # bit-identical across the TP group
-        for res in results[1:]:
-            assert torch.equal(res["replicated"][k], value), k
+                assert run.grads0[k].abs().max() < 1e-6 and oracle.grads0[k].abs().max() < 1e-6, k
+    for k, value in runs[0].extra["replicated"].items():  # bit-identical across the TP group
+        for run in runs[1:]:
+            assert torch.equal(run.extra["replicated"][k], value), k
     copies = {}
-    for res in results:  # copies of a key/value head: identical
-        for key, value in res["copies"].items():
+    for run in runs:  # copies of a key/value head: identical
+        for key, value in run.extra["copies"].items():
             assert torch.equal(copies.setdefault(key, value), value), key
     if family == "llama" and tp == 4:
         assert copies, "GQA with 2 key/value heads at TP=4 must hold them in copies"
@@ -303,15 +246,9 @@ def test_user_block_gets_parity_for_free(pool, tp, sp, overlap):
 
 
 def _documents():
-    """Two documents per sample (boundary at 11 and 20): reset positions and a block-causal mask."""
+    """Three documents per sample (boundaries at 11 and 20): reset positions and a block-causal mask."""
     tokens, labels, ids = _batch(0)
-    starts = [0, 11, 20]
-    doc = torch.zeros(SEQ, dtype=torch.long)
-    for start in starts[1:]:
-        doc[start:] += 1
-    positions = torch.arange(SEQ) - torch.tensor(starts)[doc]
-    mask = (doc.view(-1, 1) != doc.view(1, -1)).view(1, 1, SEQ, SEQ).expand(BATCH, 1, SEQ, SEQ)
-    return tokens, labels, ids, positions.expand(BATCH, SEQ), mask
+    return tokens, labels, ids, *document_inputs(BATCH, SEQ, [0, 11, 20])
 
 
 def _document_worker(tp, sp, family, cp=1, comm="p2p", extra=None, dropout=0.1):

@@ -4,7 +4,7 @@ Llama's q/k/v and gate/up projections are our fused rows (qkv: the query heads, 
 groups; fc1: gate, then up); RoPE uses the same rotate-half layout as ours, so no permutation. A
 Llama-like family subclasses this adapter and changes what differs (its model_type, its biases, its
 extra tensors in `layer_links`, its config keys: `config_keys`, `variant_config` / `variant_fields`),
-e.g. tests/example_qkv_bias_family.py.
+e.g. hf/qwen2.py and hf/qwen3.py.
 """
 
 from __future__ import annotations

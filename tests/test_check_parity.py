@@ -1,0 +1,38 @@
+"""tools/check_parity.py, the parity check users run on their own model: one run on a block with a
+planted layout bug (tests/example_layout_bug.py, given as a spec file) in 2 local ranks catches it
+at TP2+SP, names the parameter and exits 1, while the layouts it does not break pass; flags it
+cannot run exit 2 with one sentence and start no rank."""
+
+import os
+
+import pytest
+
+from tools import check_parity
+
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16"]
+BUGGY = os.path.join(os.path.dirname(__file__), "example_layout_bug.py") + ":SPEC"
+
+
+def test_a_planted_layout_bug_is_caught_and_named(capsys):
+    code = check_parity.main(["--model", BUGGY, *TINY, "--layouts", "tp2+sp,tp2,cp2,pp2,dp2", "--documents"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    rows = {line.split()[0]: line for line in out.splitlines()[2:]}
+    assert set(rows) == {"tp2+sp", "tp2", "cp2", "pp2", "dp2"}, out
+    assert "FAIL" in rows["tp2+sp"] and ".mlp.gain" in rows["tp2+sp"], out  # the worst gradient's name
+    assert all(rows[name].endswith("ok") for name in ("tp2", "cp2", "pp2", "dp2")), out
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--model", "qwen3", "--layouts", "tp3"], "tp3 cannot run this model"),
+        (["--model", "qwen3", "--layouts", "xx2"], "not a dimension"),
+        (["--model", "nope.py:SPEC"], "there is no file nope.py"),
+        (["--model", "llama", "--num-query-groups", "3"], "num_query_groups"),
+    ],
+)
+def test_flags_it_cannot_run_exit_2(flags, needle, capsys):
+    assert check_parity.main([*TINY, *flags]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1, err
