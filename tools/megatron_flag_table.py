@@ -106,9 +106,9 @@ def readme_table(readme=README) -> str:
 def write(readme=README) -> None:
     with open(readme) as f:
         text = f.read()
-    old = readme_table(readme)
+    old, new = readme_table(readme), table()  # computed before the file is opened for writing
     with open(readme, "w") as f:
-        f.write(text.replace(BEGIN + "\n" + old + "\n", BEGIN + "\n" + table() + "\n", 1))
+        f.write(text.replace(BEGIN + "\n" + old + "\n", BEGIN + "\n" + new + "\n", 1))
 
 
 def main(argv=None) -> int:
