@@ -1,6 +1,7 @@
 """The families users start from, against transformers' own classes (fp32, randomly initialised tiny
-models): Qwen2 (q/k/v biases only, RoPE theta from the config; tied, as Qwen2.5's small models) and
-Qwen3 (per-head q/k RMSNorm, head_dim != hidden / heads). tools/convert_hf.py imports each (the
+models): Qwen2 (q/k/v biases only, RoPE theta from the config; tied, as Qwen2.5's small models),
+Qwen3 (per-head q/k RMSNorm, head_dim != hidden / heads) and Mistral (a sliding window shorter than
+the documents). tools/convert_hf.py imports each (the
 printed flags name the family) and exports it back (transformers loads the class, the same logits),
 to_hf / from_hf round-trip bit for bit, and what the class cannot say is refused. At TP1, TP2+SP,
 CP2 and PP2 the parallel model of the imported weights computes transformers' logits, loss and
@@ -29,8 +30,12 @@ CONFIGS = {
     "qwen3": lambda: transformers.Qwen3Config(
         **SMALL, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-5
     ),
+    # a window shorter than the documents (5, 5 and 6 tokens): sliding_window 4 = --window-size 3,0
+    "mistral": lambda: transformers.MistralConfig(
+        **SMALL, num_key_value_heads=2, max_position_embeddings=64, sliding_window=4
+    ),
 }
-CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
 
 
 def _hf_model(family):
@@ -74,6 +79,8 @@ def test_import_and_export_through_transformers(family, tmp_path, capsys, monkey
         (dict(model="qwen3", kv_channels=16), "Qwen3ForCausalLM"),
         (dict(model="llama", add_qkv_bias=True), "Qwen2ForCausalLM"),  # what LlamaForCausalLM cannot say
         (dict(model="llama", qk_layernorm=True), "Qwen3ForCausalLM"),
+        (dict(model="mistral", window_size=(7, 0)), "MistralForCausalLM"),
+        (dict(model="llama", window_size=(7, 0)), "MistralForCausalLM"),  # what LlamaForCausalLM cannot say
     ],
 )
 def test_round_trip_is_exact_and_picks_the_architecture(fields, architecture):
@@ -87,6 +94,7 @@ def test_round_trip_is_exact_and_picks_the_architecture(fields, architecture):
     back, read = from_hf(tensors, json.loads(json.dumps(config)))
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
     assert read["kv_channels"] == cfg.kv_channels and read["model"] == config["model_type"]
+    assert read.get("window_size") == cfg.window_size  # (Mistral's sliding_window 8 = --window-size 7,0)
 
 
 @pytest.mark.parametrize(
@@ -95,6 +103,7 @@ def test_round_trip_is_exact_and_picks_the_architecture(fields, architecture):
         ("qwen3", {"attention_bias": True}, "attention_bias"),
         ("qwen3", {"use_sliding_window": True}, "use_sliding_window"),
         ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
+        ("mistral", {"sliding_window": 0}, "sliding_window must be a positive integer"),
     ],
 )
 def test_what_the_families_cannot_express_is_refused(family, change, needle):
@@ -104,13 +113,21 @@ def test_what_the_families_cannot_express_is_refused(family, change, needle):
         from_hf({k: v.detach() for k, v in hf.state_dict().items()}, config)
 
 
-def test_export_refuses_biases_qwen3_has_no_place_for():
+@pytest.mark.parametrize(
+    "fields,needle",
+    [
+        (dict(model="qwen3", add_bias_linear=True), "no biases in its MLP"),
+        (dict(model="mistral", window_size=(7, 0), add_bias_linear=True), "MistralForCausalLM has no biases"),
+        (dict(model="mistral", window_size=(7, 0), window_attn_skip_freq=2), "--window-attn-skip-freq"),
+    ],
+)
+def test_export_refuses_what_the_class_has_no_place_for(fields, needle):
     from megatron_sp.config import GPTConfig
     from megatron_sp.models.reference import ReferenceGPT
 
-    shape = dict(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, seq_length=16)
-    cfg = GPTConfig(model="qwen3", add_bias_linear=True, **shape)
-    with pytest.raises(ConversionError, match="no biases in its MLP"):
+    shape = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, seq_length=16)
+    cfg = GPTConfig(**shape, **fields)
+    with pytest.raises(ConversionError, match=needle):
         to_hf(ReferenceGPT(cfg).state_dict(), cfg)
 
 
