@@ -251,7 +251,7 @@ def test_import_refuses_other_rope_scalings_and_unknown_models(tmp_path, capsys)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     capsys.readouterr()  # transformers' own progress output
     for rope, needle in [
-        ({"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}, "rope_type 'yarn'"),
+        ({"rope_type": "dynamic", "rope_theta": 5e5, "factor": 8.0}, "rope_type 'dynamic'"),
         ({"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}, "low_freq_factor"),
     ]:
         config["rope_parameters"] = rope
