@@ -29,6 +29,7 @@ from megatron_sp.layer_options import (
     normalised_list,
     window_size_type,
 )
+from megatron_sp.moe_config import MoEFields, check_moe, fill_moe_defaults
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 # gelu: erf; openai_gelu: tanh approximation (GPT-2); squared_relu: relu(x)² (Primer, Nemotron)
@@ -45,7 +46,7 @@ _PRECISION = "mixed precision"  # the --help group of --bf16, --fp16 and the los
 
 
 @dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(MoEFields):
     """A decoder-only transformer. Defaults follow Megatron-LM where it has one; fields left at None
     take the model family's value (`model`, see megatron_sp/families.py), which are GPT-2's where the
     family does not set them."""
@@ -363,7 +364,13 @@ class GPTConfig:
     )
 
     def __post_init__(self):
-        for name in ("cp_comm_type", "hierarchical_context_parallel_sizes", "window_size", "window_attn_skip_freq"):
+        for name in (
+            "cp_comm_type",
+            "hierarchical_context_parallel_sizes",
+            "window_size",
+            "window_attn_skip_freq",
+            "moe_layer_freq",
+        ):
             self._set(name, normalised_list(name, getattr(self, name)))
         self._fill_family_defaults()
         if self.ffn_hidden_size is None:
@@ -389,6 +396,8 @@ class GPTConfig:
             )
             self._set("sequence_parallel", False)
         checks.check_comm_overlap(self)
+        fill_moe_defaults(self)
+        check_moe(self)
 
     def _set(self, name, value):
         """Fills a derived field during construction (the config is frozen afterwards)."""
@@ -470,6 +479,8 @@ def config_from_dict(config: dict, **overrides) -> GPTConfig:
         sequence_parallel=False,
         tp_comm_overlap=False,
         params_dtype="fp32",
+        expert_model_parallel_size=1,
+        expert_tensor_parallel_size=None,
     )
     fields.update(serial, **overrides)
     return GPTConfig(**fields)

@@ -64,12 +64,25 @@ class ParallelState:
     embedding_group: Optional[object] = None  # first and last stage of this pipeline (None at pp 1)
     hierarchical_cp_sizes: tuple = ()  # (A, P) of --hierarchical-context-parallel-sizes, or ()
     hierarchical_cp_groups: tuple = ()  # (A adjacent CP ranks: a2a, the P ranks of my place: p2p), or ()
+    # The expert grid over the same ranks (Megatron's): expert-TP fastest, then EP, then expert-DP.
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep_group: Optional[object] = None  # ranks holding the other experts (tokens are exchanged there)
+    etp_size: int = 1
+    etp_rank: int = 0
+    etp_group: Optional[object] = None  # ranks holding the other shards of the same experts
+    edp_size: int = 1
+    edp_rank: int = 0
+    edp_group: Optional[object] = None  # expert-DP: ranks holding the same expert shards
+    expert_group: Optional[object] = None  # EP × expert-TP (the all-gather dispatcher's), by expert-grid rank
+    tp_cp_group: Optional[object] = None  # TP × CP: the ranks holding one micro-batch's samples
+    stage_group: Optional[object] = None  # TP × CP × DP: every rank of this pipeline stage
 
     def __post_init__(self):
-        for name in ("tp_size", "cp_size", "dp_size", "pp_size"):
+        for name in ("tp_size", "cp_size", "dp_size", "pp_size", "ep_size", "etp_size", "edp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ParallelState.{name} must be >= 1, got {getattr(self, name)}.")
-        for axis in ("tp", "cp", "dp", "pp"):
+        for axis in ("tp", "cp", "dp", "pp", "ep", "etp", "edp"):
             rank, size = getattr(self, f"{axis}_rank"), getattr(self, f"{axis}_size")
             if not 0 <= rank < size:
                 raise ValueError(f"ParallelState.{axis}_rank={rank} is outside [0, {axis}_size={size}).")
@@ -120,9 +133,15 @@ class ParallelState:
 
 TENSOR = "tp"
 REPLICAS = "replicas"
+EXPERT = "ep"
+EXPERT_TP = "expert_tp"
+EXPERT_REPLICAS = "expert_replicas"
 ROLES = {  # role -> ParallelState's (group, size, rank) names
     TENSOR: ("tp_group", "tp_size", "tp_rank"),
     REPLICAS: ("replica_group", "replicas", "replica_rank"),
+    EXPERT: ("ep_group", "ep_size", "ep_rank"),
+    EXPERT_TP: ("etp_group", "etp_size", "etp_rank"),
+    EXPERT_REPLICAS: ("edp_group", "edp_size", "edp_rank"),
 }
 
 

@@ -194,7 +194,7 @@ def test_the_fixture_is_what_the_issue_lists():
     assert all(s["source"] and len(s["commit"]) == 40 for s in SETS.values())
     refused = {n for n, s in SETS.items() if s["expect"] != "train"}
     trains_eventually = {n for n in refused if any(v["expect"] == "train" for v in SETS[n]["variants"])}
-    assert refused - trains_eventually == {"mixtral_8x7b", "gpt_oss"}  # mixture of experts only
+    assert refused - trains_eventually == {"mixtral_8x7b", "gpt_oss"}  # expert parallelism, gpt-oss MLPs
 
 
 @pytest.mark.parametrize(
@@ -216,7 +216,7 @@ def test_legacy_position_flags_read_as_megatron_lm(flags, position):
     "flags,needle",
     [
         (["--lr-decay"], "unrecognized arguments: --lr-decay"),  # no abbreviations (--lr-decay-style)
-        (["--moe-router-topk", "2", "--bogus"], "mixture of experts"),  # the feature first
+        (["--moe-use-upcycling", "--bogus"], "mixture-of-experts option is not implemented"),  # the feature first
         (["--pipeline-model-parallel-size", "3"], "× --pipeline-model-parallel-size 3."),
         (["--pipeline-model-parallel-size", "2", "--num-layers", "3"], "does not split evenly over 2 ranks"),
         (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv", "--torch-compile"], "zero-bubble"),

@@ -15,6 +15,12 @@ A model spec's slots (models/blocks.py, models/attention.py) create their layers
                                                                (p2p), all-gathered keys (allgather), a2a
                                                                within and the ring across groups (a2a+p2p)
     sequence_context(cfg, ...)   the whole sequence            this rank's tokens (CP) and SP-region rows
+    expert_linear(in, out, ...)  Linear [out, in]              this rank's expert-TP shard (no collective:
+                                                               the dispatcher moves the tokens)
+    local_experts(cfg)           every expert                  the experts of this rank's EP rank
+    token_dispatcher(cfg)        permute, experts, unpermute   the same around the EP exchange
+                                                               (--moe-token-dispatcher-type)
+    moe_groups()                 no groups                     the ranks routing statistics sum over
 """
 
 from __future__ import annotations
@@ -23,11 +29,14 @@ from megatron_sp.context_parallel.allgather import AllGatherAttention
 from megatron_sp.context_parallel.hierarchical import HierarchicalAttention
 from megatron_sp.context_parallel.ring import RingAttention
 from megatron_sp.context_parallel.ulysses import UlyssesAttention
+from megatron_sp.expert_parallel.permute import LocalDispatcher
 from megatron_sp.layer_options import layer_cp_comm_type
 from megatron_sp.models.attention import CausalAttention
 from megatron_sp.models.lm_head import OutputLayer, ParallelLMHead, SerialLMHead
+from megatron_sp.models.moe.losses import MoEGroups
 from megatron_sp.models.sequence_context import sequence_context
 from megatron_sp.models.serial_layers import Linear, WordEmbedding
+from megatron_sp.parallel_state import EXPERT_TP
 from megatron_sp.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megatron_sp.tensor_parallel.sharding import ShardSpec
 
@@ -36,6 +45,9 @@ class SerialBuilder:
     """Plain torch.nn layers on whole tensors: the oracle that defines the function."""
 
     tp_size, tp_rank, sequence_parallel = 1, 0, False
+
+    def __init__(self, cfg=None):
+        self.expert_bias = bool(cfg is not None and cfg.add_bias_linear)
 
     def column(self, in_features, out_features, *, init, bias, segments=(), units=()):
         return Linear(in_features, out_features, init=init, bias=bias, shard_spec=ShardSpec(0, segments, units))
@@ -59,11 +71,26 @@ class SerialBuilder:
         """batch: labels, loss_mask, position_ids, attention_mask, sample_ids, training."""
         return sequence_context(cfg, tokens, **batch, sp_rows=slice(0, tokens.shape[1]))
 
+    def expert_linear(self, in_features, out_features, *, split, init, segments=()):
+        spec = ShardSpec(split, segments, group=EXPERT_TP)
+        return Linear(in_features, out_features, init=init, bias=self.expert_bias, shard_spec=spec)
+
+    def local_experts(self, cfg):
+        return range(cfg.num_experts)
+
+    def token_dispatcher(self, cfg):
+        return LocalDispatcher()
+
+    def moe_groups(self):
+        return MoEGroups()
+
 
 class ParallelBuilder:
     """Megatron's layers on this rank's shards; `ps` gives the TP and CP groups and coordinates."""
 
     def __init__(self, cfg, ps):
+        if cfg.num_experts is not None:
+            raise ValueError("the parallel model has no mixture-of-experts layers yet; run MoE models serially.")
         self.ps, self.group = ps, ps.tp_group
         self.tp_size, self.tp_rank, self.sequence_parallel = ps.tp_size, ps.tp_rank, cfg.sequence_parallel
         self.tp_comm_overlap = cfg.tp_comm_overlap

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron_sp.models.init import check_init_tags, initialise_, torch_dtype
+from megatron_sp.models.moe import losses as moe_losses
 from megatron_sp.models.registry import get_spec
 
 
@@ -95,7 +96,8 @@ class LanguageModel(nn.Module):
         x = self.embedding(seq.tokens, seq)  # [s_sp, b, h]
         x = self._layers(x, seq)
         weight = (self.output_layer if self.output_layer is not None else self.embedding.word_embeddings).weight
-        return self.head(self.final_ln(x), weight, seq)
+        out = self.head(self.final_ln(x), weight, seq)
+        return moe_losses.attach(out, seq) if labels is not None else out
 
     def _layers(self, x, seq):
         return run_layers(self.cfg, list(self.layers), x, seq)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import math
 
-from megatron_sp.training import megatron_flags
 from megatron_sp.training.batch_schedule import BatchSchedule
 
 OUR_TOKENIZERS = ("ByteLevelTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
@@ -214,7 +213,10 @@ def _check_features(args) -> None:
     """Flags whose value asks for a feature megatron_sp lacks (pipeline, experts, other checkpoint
     formats) or for another flag (Megatron-LM's own rules), and the older recompute spelling."""
     if args.expert_model_parallel_size != 1:
-        raise ArgumentError(f"--expert-model-parallel-size {args.expert_model_parallel_size}: {megatron_flags.MOE}.")
+        raise ArgumentError(
+            f"--expert-model-parallel-size {args.expert_model_parallel_size}: expert parallelism is not built "
+            f"yet (the mixture of experts runs at --expert-model-parallel-size 1)."
+        )
     if args.ckpt_format != "torch_dist":
         raise ArgumentError(
             f"--ckpt-format {args.ckpt_format} is not supported: checkpoints are torch.distributed.checkpoint "

@@ -1,0 +1,105 @@
+"""The experts: E small MLPs, each on the tokens routed to it (Megatron's SequentialMLP / GroupedMLP).
+
+One expert, width f (--moe-ffn-hidden-size), on its tokens x [N_e, h] with routing weights p [N_e]:
+
+    y = fc2(p · act(fc1 x + b1)) + b2        fc1 [f, h] ([2f, h]: SwiGLU gate rows, then up rows), fc2 [h, f]
+
+(the weights scale the activation, as Megatron's experts apply the probabilities). A rank holds the
+experts of its expert-parallel rank, each under its global index (`experts.{e}.fc1.weight`: the same
+names, values and initial draws at any EP), its fc1 rows and fc2 columns split over expert-TP.
+--moe-grouped-gemm runs every local expert in one torch._grouped_mm per projection; the per-expert
+loop is the reference, and both give the same numbers (tests/test_moe.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_sp.models.blocks import _activation
+
+
+class ExpertMLP(nn.Module):
+    """One expert's fc1 and fc2 (this rank's expert-TP shard of them)."""
+
+    def __init__(self, cfg, *, builder):
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.moe_ffn_hidden_size
+        self.swiglu = cfg.activation == "swiglu"
+        rows = 2 * f if self.swiglu else f
+        self.fc1 = builder.expert_linear(h, rows, split=0, segments=(f, f) if self.swiglu else (), init="normal")
+        self.fc2 = builder.expert_linear(f, h, split=1, init="scaled_normal")
+
+
+class Experts(nn.Module):
+    """forward(x [N, h], counts, probs [N]) -> [N, h]: rows grouped by local expert, `counts` rows each."""
+
+    def __init__(self, cfg, *, builder, expert_ids):
+        super().__init__()
+        self.cfg, self.expert_ids = cfg, tuple(expert_ids)
+        self.local_experts = nn.ModuleDict({str(e): ExpertMLP(cfg, builder=builder) for e in self.expert_ids})
+        self.act = _activation(cfg)
+
+    def _activate(self, a, probs):
+        if self.cfg.activation == "swiglu":
+            gate, up = a.chunk(2, dim=-1)
+            a = F.silu(gate) * up
+        else:
+            a = self.act(a)
+        return a * probs.unsqueeze(-1).to(a.dtype)
+
+    def forward(self, x, counts, probs):
+        if self.cfg.moe_grouped_gemm and _grouped_mm_runs(x, self):
+            return self._grouped(x, counts, probs)
+        return self._loop(x, counts, probs)
+
+    def _loop(self, x, counts, probs):
+        outs = []
+        for expert, xs, ps in zip(self.local_experts.values(), x.split(counts), probs.split(counts)):
+            a = self._activate(expert.fc1(xs), ps)  # [N_e, f(×2)/etp]
+            outs.append(expert.fc2(a))  # [N_e, h]
+        return torch.cat(outs) if outs else x.new_zeros((0, self.cfg.hidden_size))
+
+    def _grouped(self, x, counts, probs):
+        experts = list(self.local_experts.values())
+        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        w1 = torch.stack([e.fc1.weight.t() for e in experts]).to(x.dtype)  # [E_l, h, f(×2)]
+        w2 = torch.stack([e.fc2.weight.t() for e in experts]).to(x.dtype)  # [E_l, f, h]
+        a = _GroupedMM.apply(x, w1, offs) + self._bias_rows(experts, "fc1", counts, x)
+        a = self._activate(a, probs)
+        return _GroupedMM.apply(a, w2, offs) + self._bias_rows(experts, "fc2", counts, x)
+
+    @staticmethod
+    def _bias_rows(experts, name, counts, x):
+        if getattr(experts[0], name).bias is None:
+            return 0.0
+        biases = torch.stack([getattr(e, name).bias for e in experts]).to(x.dtype)
+        return biases.repeat_interleave(torch.tensor(counts, device=x.device), dim=0)
+
+
+def _grouped_mm_runs(x, experts) -> bool:
+    """torch._grouped_mm needs 16-byte aligned rows; the loop runs otherwise."""
+    if not hasattr(torch, "_grouped_mm") or not len(experts.local_experts):
+        return False
+    first = next(iter(experts.local_experts.values()))
+    widths = (first.fc1.weight.shape[0], first.fc1.weight.shape[1], first.fc2.weight.shape[0])
+    return all((w * x.element_size()) % 16 == 0 for w in widths)
+
+
+class _GroupedMM(torch.autograd.Function):
+    """x [N, k] @ w [E, k, m] by row groups (offs: cumulative rows); backward with contiguous grads
+    (torch._grouped_mm refuses broadcast strides)."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs):
+        ctx.save_for_backward(x, w, offs)
+        return torch._grouped_mm(x, w, offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, offs = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = torch._grouped_mm(grad, w.transpose(1, 2).contiguous(), offs=offs)
+        grad_w = torch._grouped_mm(x.t().contiguous(), grad, offs=offs)  # [E, k, m]
+        return grad_x, grad_w, None
