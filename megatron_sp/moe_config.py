@@ -285,6 +285,11 @@ def _check_expert_layout(cfg, e):
             f"GPTConfig.moe_ffn_hidden_size ({f}) must be divisible by expert_tensor_parallel_size ({etp}), and "
             f"the shared expert's size by tensor_model_parallel_size ({tp})."
         )
+    if etp > 1 and cfg.add_bias_linear:
+        raise ValueError(
+            "expert biases need expert_tensor_parallel_size 1 (fc2's bias would be added on every expert-TP "
+            "rank); use --disable-bias-linear or expert-TP 1."
+        )
     if tp > 1 and not cfg.sequence_parallel:
         raise ValueError("mixture of experts with tensor_model_parallel_size > 1 needs sequence_parallel (Megatron's).")
     if cfg.moe_token_dispatcher_type == "flex":

@@ -88,18 +88,19 @@ def _grouped_mm_runs(x, experts) -> bool:
 
 
 class _GroupedMM(torch.autograd.Function):
-    """x [N, k] @ w [E, k, m] by row groups (offs: cumulative rows); backward with contiguous grads
-    (torch._grouped_mm refuses broadcast strides)."""
+    """x [N, k] @ w [E, k, m] by row groups (offs: cumulative rows), torch's own backward given a
+    contiguous gradient (torch._grouped_mm refuses broadcast strides such as sum()'s)."""
 
     @staticmethod
     def forward(ctx, x, w, offs):
-        ctx.save_for_backward(x, w, offs)
-        return torch._grouped_mm(x, w, offs=offs)
+        with torch.enable_grad():
+            x_, w_ = x.detach().requires_grad_(), w.detach().requires_grad_()
+            y = torch._grouped_mm(x_, w_, offs=offs)
+        ctx.graph = (x_, w_, y)
+        return y.detach()
 
     @staticmethod
     def backward(ctx, grad):
-        x, w, offs = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_x = torch._grouped_mm(grad, w.transpose(1, 2).contiguous(), offs=offs)
-        grad_w = torch._grouped_mm(x.t().contiguous(), grad, offs=offs)  # [E, k, m]
+        x_, w_, y = ctx.graph
+        grad_x, grad_w = torch.autograd.grad(y, (x_, w_), grad.contiguous())
         return grad_x, grad_w, None
