@@ -207,8 +207,8 @@ def _global_sum(params, tensor_of, measure, ps: ParallelState, partition) -> tor
     params = [p for p in params if not getattr(p, "pipeline_copy", False)]  # a tied copy: counted once
     experts = [tensor_of(p) for p in params if replica_role(p) == EXPERT_REPLICAS]  # this rank's shards
     params = [p for p in params if replica_role(p) != EXPERT_REPLICAS]
-    if partition is not None and experts:
-        raise ValueError("the distributed optimizer does not shard expert parameters yet.")
+    if partition is not None:  # each expert shard has one owner in the world, as every TP shard
+        split, experts = split + experts, []
     for p in params:
         if not getattr(p, "norm_counted", True):  # a copy that other ranks count (distributed/fsdp.py)
             continue

@@ -109,6 +109,9 @@ def _record(seq, router, name: str, share, attached) -> None:
     lm loss's backward."""
     seq.moe_losses[(router.layer, name)] = attached
     router.last_losses[name] = share.detach()
+    if torch._C._current_graph_task_id() == -1:  # not a recomputation inside the backward
+        total, count = router.step_losses.get(name, (0.0, 0))
+        router.step_losses[name] = (total + attached.detach().float(), count + 1)
 
 
 class _Attach(torch.autograd.Function):

@@ -49,6 +49,7 @@ class Router(nn.Module):
             self.register_buffer("global_tokens", torch.zeros(e, dtype=torch.float32, device="cpu"), persistent=False)
             self.register_buffer("ga_steps", torch.zeros((), dtype=torch.float32, device="cpu"), persistent=False)
         self.last_losses = {}  # name -> this rank's share of the last forward's loss (detached)
+        self.step_losses = {}  # name -> (sum of the step's attached shares, micro-batches): the logged losses
 
     def gating(self, x):
         dtype = _ROUTER_DTYPES.get(self.cfg.moe_router_dtype, x.dtype)
@@ -77,6 +78,7 @@ class Router(nn.Module):
 
     def reset_step(self) -> None:
         """A new step: global_aux_loss's averaged counts restart (Megatron's reset_global_aux_loss_tracker)."""
+        self.step_losses = {}
         if hasattr(self, "global_tokens"):
             self.global_tokens.zero_()
             self.ga_steps.zero_()
