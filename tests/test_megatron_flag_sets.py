@@ -7,7 +7,8 @@ set has GQA), 32 tokens, 2 iterations, micro batch 1 and 2 micro-batches per ste
 becomes 0:DP then 2·DP, times PP); TP 8 becomes 4; PP becomes 2 (one layer per stage, TP shrunk to
 fit; 1 with experts, which have no pipeline stages yet); EP becomes 2; data and tokenizer files (none
 exist here) become mock data with NullTokenizer --vocab-size 512; paths go to a temporary directory;
-nccl becomes gloo. Sets whose TP × CP × EP is 1 train in this process; the others in one 4-rank gloo world shared by the module.
+nccl becomes gloo. Sets whose TP × CP × EP is 1 train in this process; the others in one 4-rank gloo
+world shared by the module.
 
 Precision flags of the scale issue (W2-17) that this tree does not know yet are dropped after checking
 that the refusal names them; once they exist they stay in and the sets train with them.
