@@ -54,6 +54,16 @@ def reduce_data_parallel_grads(buffers: GradBuffers, ps: ParallelState, partitio
         if _replicated(bucket, ps):
             _start(bucket, ps, partition)
             _finish(bucket, ps, partition)
+    _mean_of_unreplicated(buffers, ps)
+
+
+def _mean_of_unreplicated(buffers: GradBuffers, ps: ParallelState) -> None:
+    """Buckets with no replicas but DP > 1 (experts whose EP group spans the DP ranks: each already
+    holds the sum over them) still take the DP mean."""
+    if ps.dp_size > 1:
+        for bucket in buffers.buckets:
+            if not _replicated(bucket, ps):
+                bucket.buffer.div_(ps.dp_size)
 
 
 class OverlappedGradSync:
@@ -105,6 +115,7 @@ class OverlappedGradSync:
         for bucket, handle in self.launched.values():
             handle.wait()
             _finish(bucket, self.ps, self.partition)
+        _mean_of_unreplicated(self.buffers, self.ps)
         self._reset()
 
     def remove(self):

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron_sp.models.init import check_init_tags, initialise_, torch_dtype
+from megatron_sp.models.moe import losses as moe_losses
 from megatron_sp.models.registry import get_spec
 
 
@@ -56,10 +57,12 @@ class LanguageModel(nn.Module):
         check_init_tags(self)
 
     @torch.no_grad()
-    def materialise(self, device, *, tp_rank: int = 0, tp_size: int = 1, draw: bool = True):
+    def materialise(self, device, *, tp_rank: int = 0, tp_size: int = 1, draw: bool = True, coords=None):
         """Replaces every meta parameter by a tensor of cfg.params_dtype on `device` holding this rank's
         slice of the serial initial value (draw=False: uninitialised, to be loaded); parameter
-        attributes (shard_spec, init tag, ...) are kept. Buffers move to `device` (their dtype kept)."""
+        attributes (shard_spec, init tag, ...) are kept. Buffers move to `device` (their dtype kept).
+        coords(role) -> (rank, size) of the group a ShardSpec names (default: tp_rank, tp_size)."""
+        coords = coords if coords is not None else (lambda role: (tp_rank, tp_size))
         dtype, on_meta = torch_dtype(self.cfg.params_dtype), torch.device(device).type == "meta"
         made = {}  # id(meta parameter) -> its real one: a parameter shared by two modules stays shared
         for prefix, module in self.named_modules(remove_duplicate=False):
@@ -71,7 +74,8 @@ class LanguageModel(nn.Module):
                     real.__dict__.update(meta.__dict__)  # shard_spec, sequence_parallel, init_tag
                     name = f"{prefix}.{key}" if prefix else key
                     if draw and not on_meta:
-                        initialise_(real.data, name, real.init_tag, real.shard_spec, self.cfg, tp_rank, tp_size)
+                        rank, size = coords(real.shard_spec.group)
+                        initialise_(real.data, name, real.init_tag, real.shard_spec, self.cfg, rank, size)
                     made[id(meta)] = (meta, real)  # (meta kept alive: its id stays unique)
                 module._parameters[key] = made[id(meta)][1]
             for key, buffer in list(module._buffers.items()):
@@ -95,7 +99,8 @@ class LanguageModel(nn.Module):
         x = self.embedding(seq.tokens, seq)  # [s_sp, b, h]
         x = self._layers(x, seq)
         weight = (self.output_layer if self.output_layer is not None else self.embedding.word_embeddings).weight
-        return self.head(self.final_ln(x), weight, seq)
+        out = self.head(self.final_ln(x), weight, seq)
+        return moe_losses.attach(out, seq) if labels is not None else out
 
     def _layers(self, x, seq):
         return run_layers(self.cfg, list(self.layers), x, seq)

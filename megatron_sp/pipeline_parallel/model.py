@@ -85,6 +85,10 @@ class PipelineGPT(nn.Module):
         super().__init__()
         ps = ps if ps is not None else parallel_state.get()
         _check_parallel_sizes(cfg, ps)
+        if cfg.num_experts is not None:
+            raise ValueError(
+                "mixture of experts under pipeline parallelism is not built yet; use pipeline_model_parallel_size 1."
+            )
         if layout.pp_size != ps.pp_size:
             raise ValueError(f"the layout's pp_size ({layout.pp_size}) is not the PP group size ({ps.pp_size}).")
         layout.check(cfg.num_layers)
@@ -299,7 +303,7 @@ class PipelineGPT(nn.Module):
         if missing:
             raise KeyError(f"state dict mismatch: missing {missing[:5]}")
         for name, p in params.items():
-            want = _full_shape(p, self.ps.tp_size)
+            want = _full_shape(p, self.ps)
             if tuple(state_dict[name].shape) != want:
                 raise ValueError(f"{name}: full tensor {tuple(state_dict[name].shape)} is not the model's {want}.")
             full = state_dict[name].to(p.device)
