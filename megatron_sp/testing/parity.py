@@ -220,8 +220,7 @@ def _reduce_grads(model, ps) -> None:
     import torch.distributed as dist
 
     model.partial_grads.reduce(model.parameters())
-    if hasattr(model, "finalize_embedding_grads"):  # PipelineGPT
-        model.finalize_embedding_grads()
+    model.finalize_embedding_grads()  # (PipelineGPT's tied copies; nothing on GPTModel)
     if ps.dp_size > 1:
         for p in model.parameters():
             if p.grad is not None:
