@@ -220,6 +220,12 @@ TOOL_CASES = {
     ),
     ".metadata claims 2^40 elements": (lambda c: _forge_size(c, 2**40), "declares tensors of"),
     "marker is a FIFO": (lambda c: (os.remove(c / LATEST), os.mkfifo(c / LATEST)), "regular file"),
+    # issue 39: every value checked against the schema before use (was: a TypeError)
+    "config num_layers a string": (
+        lambda c: _edit_meta(c, config={**_edit_meta(c)["config"], "num_layers": "2"}),
+        "metadata.json has config.num_layers = '2', which must be an integer",
+    ),
+    "iteration null": (lambda c: _edit_meta(c, iteration=None), "lacks iteration/train_state"),
 }
 
 

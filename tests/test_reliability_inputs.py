@@ -216,6 +216,11 @@ def _edit_meta(ckpt, **changes):
     meta_path.write_text(json.dumps(meta))
 
 
+def _edit_config(ckpt, **changes):
+    meta = json.loads((ckpt / "iter_0000004" / "metadata.json").read_text())
+    _edit_meta(ckpt, config={**meta["config"], **changes})
+
+
 def _plant_metadata(ckpt, marker):
     (ckpt / "iter_0000004" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
     _rewrite_record(ckpt, ".metadata")
@@ -316,6 +321,31 @@ CHECKPOINT_CASES = {
         2,
     ),
     "checkpoint linked outside": (lambda c, m: _link_out(c / I4, m), ["--load", "{ckpt}"], "leads outside", 2),
+    # issue 39: each value read from metadata.json is checked for type and range (was: a TypeError on rank 0)
+    "pp size a string": (
+        lambda c, m: _edit_meta(c, pipeline_model_parallel_size="2"),
+        ["--load", "{ckpt}"],
+        "metadata.json has pipeline_model_parallel_size = '2', which must be a positive integer",
+        2,
+    ),
+    "dp size null": (
+        lambda c, m: _edit_meta(c, data_parallel_size=None),
+        ["--load", "{ckpt}"],
+        "has data_parallel_size = None, which must be a positive integer",
+        2,
+    ),
+    "loss scale nan": (
+        lambda c, m: _edit_meta(c, loss_scale={"scale": float("nan")}),
+        ["--load", "{ckpt}"],
+        "has loss_scale.scale = nan, which must be a finite positive number",
+        2,
+    ),
+    "config field a string": (
+        lambda c, m: _edit_config(c, hidden_size="32"),
+        ["--load", "{ckpt}"],
+        "has config.hidden_size = '32', which must be an integer",
+        2,
+    ),
 }
 
 

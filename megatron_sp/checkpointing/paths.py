@@ -20,7 +20,7 @@ import os
 import shutil
 from typing import Optional
 
-from megatron_sp.checkpointing import files, safe_dcp
+from megatron_sp.checkpointing import files, safe_dcp, schema
 from megatron_sp.checkpointing.states import TrainState
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -162,7 +162,7 @@ def _schema_problem(meta) -> Optional[str]:
     outside = [name for name in record or {} if not files.is_plain_name(name)]
     if outside:
         return f"names a file outside its directory ({outside[0]!r}) in its integrity record"
-    return None
+    return schema.problem(meta)
 
 
 def check_files_present(path: str, meta: dict) -> None:
