@@ -378,6 +378,18 @@ def test_load_equal_to_save_may_be_missing_or_leftovers(saved, tmp_path, capsys)
     assert code == 0 and "starting from scratch" in out, err
 
 
+def test_every_file_of_a_save_has_one_mode(saved):
+    """The marker, metadata.json, DCP's shards and index, the RNG files: all 0o666 less the umask (was: the
+    marker 0600 while the rest were 0644, so a group that reads the checkpoint could not tell it is a run's)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {}
+    for directory, _, names in os.walk(saved / "ckpt"):
+        modes.update({os.path.join(directory, n): os.stat(os.path.join(directory, n)).st_mode & 0o777 for n in names})
+    assert any(p.endswith("latest_checkpointed_iteration.txt") for p in modes) and len(modes) > 4
+    assert {oct(m) for m in modes.values()} == {oct(0o666 & ~umask)}, {p: oct(m) for p, m in modes.items()}
+
+
 def test_mfu_only_against_a_known_peak(saved):
     """On CPU without --peak-tflops there is no MFU (it read 244% against a peak measured under load)."""
     rows = [json.loads(line) for line in open(saved / "log.jsonl")]
