@@ -509,6 +509,23 @@ def test_fp16_underflow_grows_the_scale_instead_of_training_on_zeros(tmp_path, c
     assert rows[-1]["mfu"] == pytest.approx(rows[-1]["tflops"] / 2)  # MFU against the stated peak
 
 
+def test_loss_scale_starvation_is_said(tmp_path, capsys):
+    """fp16 whose gradients overflow every step (a static scale of 1e30): Megatron's meaning kept (skip,
+    go on, exit 0), but a warning each --loss-scale-window skipped steps in a row, the skipped count in
+    the iteration line, and a last word that nothing trained (was: exit 0 and no word)."""
+    log = tmp_path / "log.jsonl"
+    argv = ["--train-iters", "4", "--fp16", "--loss-scale", "1e30", "--loss-scale-window", "2", "--log-interval", "2"]
+    code, err, out = run(capsys, argv + ["--log-jsonl", str(log)])
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if line.startswith("pretrain_gpt_sp.py: warning:")]
+    assert len(warnings) == 3 and "the last 2 steps (to iteration 2) were all skipped" in warnings[0], err
+    assert "the last 4 steps (to iteration 4)" in warnings[1] and "nothing trained" in warnings[2], err
+    assert "Traceback" not in err
+    rows = [json.loads(line) for line in open(log)]
+    assert [r["skipped_iterations"] for r in rows] == [1, 1, 2]  # iterations 1, 2 (since 1), 4 (since 2)
+    assert "number of skipped iterations:   2 |" in out
+
+
 def test_fp16_underflow_at_the_largest_scale_stops():
     from megatron_sp.distributed.loss_scale import DynamicLossScaler
 

@@ -23,7 +23,7 @@ from megatron_sp import checkpointing, failures, parallel_state
 from megatron_sp.config import GPTConfig
 from megatron_sp.data.errors import DataError
 from megatron_sp.distributed.grad_sync import OverlappedGradSync
-from megatron_sp.distributed.loss_scale import build_loss_scaler
+from megatron_sp.distributed.loss_scale import SkippedSteps, build_loss_scaler
 from megatron_sp.distributed.optimizer import build_optimizer
 from megatron_sp.training import trainer_report
 from megatron_sp.training.arguments import ArgumentError, parse_args
@@ -260,6 +260,7 @@ class Trainer:
         else:
             self.optimizer = build_optimizer(self.model, args, args.device, self.ps)
         self.scaler = build_loss_scaler(args)
+        self.skipped = SkippedSteps(args.loss_scale_window)
         self.grad_sync = (
             OverlappedGradSync(self.optimizer.grad_buffers, self.ps, partition=self.optimizer.partition)
             if args.overlap_grad_reduce and self.ps.replicas > 1 and not args.use_torch_fsdp2
@@ -365,6 +366,8 @@ class Trainer:
             )
         else:
             self._train_loop(train_iter, signals)
+            if self.skipped.summary():
+                self.log.warning(self.skipped.summary())
         self.runtime.close()
         checkpointing.wait_for_saves()
         write_exit_status(finished=state.iteration >= args.train_iters, iteration=state.iteration)
@@ -436,6 +439,10 @@ class Trainer:
             )
         state.iteration += 1
         state.consumed_train_samples += batch
+        if self.scaler is not None:
+            warning = self.skipped.count(result.skipped, state.iteration, self.scaler.scale)
+            if warning:
+                self.log.warning(warning)
         self.log.step(trainer_report.record(self, result, lr, batch, elapsed))
         self.runtime.after_step(state.iteration)
         if args.async_save:
