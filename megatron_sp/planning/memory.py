@@ -66,7 +66,7 @@ def _layer_parameters(cfg, t: int, i: int):
     nq = cfg.num_attention_heads // t
     nkv = cfg.num_query_groups // t if cfg.num_query_groups >= t else 1  # a copy of one head when t > g
     qkv = (nq + 2 * nkv) * d
-    fc1 = (2 * f if cfg.activation == "swiglu" else f) // t
+    fc1 = (2 * f if cfg.gated_linear_unit else f) // t
     norm = [("weight", (h,))] + ([("bias", (h,))] if cfg.normalization == "LayerNorm" else [])
     out = [(f"layers.{i}.ln1.{n}", s) for n, s in norm] + [(f"layers.{i}.attn.qkv.weight", (qkv, h))]
     out += [(f"layers.{i}.attn.qkv.bias", (qkv,))] if cfg.add_qkv_bias else []
