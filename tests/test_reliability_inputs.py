@@ -390,6 +390,54 @@ def test_every_file_of_a_save_has_one_mode(saved):
     assert {oct(m) for m in modes.values()} == {oct(0o666 & ~umask)}, {p: oct(m) for p, m in modes.items()}
 
 
+# ---- one run per --save (issue 39) -------------------------------------------------------------------
+HOLD_LOCK = """
+import fcntl, json, os, socket, sys, time
+fd = os.open(os.path.join(sys.argv[1], ".megatron_sp.lock"), os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as checkpointing/locks.py's RunLock, without importing torch
+os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}).encode())
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_second_run_on_the_same_save_is_refused_naming_the_holder(tmp_path, capsys):
+    """Was: both runs trained and exited 0, each iter_N of one silently replacing the other's."""
+    save = tmp_path / "save"
+    save.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(save)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        code, err, _ = run(capsys, ["--train-iters", "1", "--save", str(save)])
+        assert_one_sentence(code, err, 2, f"--save {save} is in use by another run (pid {holder.pid} on host")
+        assert not [n for n in os.listdir(save) if n.startswith("iter_")]
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder was killed: its lock died with it; its note is said to be stale, and the run trains
+    code, err, out = run(capsys, ["--train-iters", "1", "--save", str(save)])
+    assert code == 0, err
+    assert f"took over the stale lock of a run that ended without releasing it (pid {holder.pid}" in out
+    assert (save / ".megatron_sp.lock").read_text() == ""  # a clean exit leaves no note
+
+
+def test_retention_keeps_the_checkpoint_being_read(tmp_path):
+    """Was: a reader of iter_N while its run retired N failed with DCP's tracebacks and "damaged"."""
+    from megatron_sp.checkpointing import locks, paths
+
+    for it in (2, 3, 4):
+        (tmp_path / f"iter_000000{it}").mkdir()
+        (tmp_path / f"iter_000000{it}" / "metadata.json").write_text("{}")
+    reading = locks.Reading(str(tmp_path / "iter_0000003"))
+    assert reading.acquire()
+    assert paths.drop_unretained(str(tmp_path), latest=4, interval=100) == [3]  # 2 retired, 3 being read
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000003", "iter_0000004"]
+    reading.release()
+    assert paths.drop_unretained(str(tmp_path), latest=4, interval=100) == []
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000004"]  # the latest always stays
+    assert not locks.Reading(str(tmp_path / "iter_0000003")).acquire()  # retired: the reader re-reads the marker
+
+
 def test_mfu_only_against_a_known_peak(saved):
     """On CPU without --peak-tflops there is no MFU (it read 244% against a peak measured under load)."""
     rows = [json.loads(line) for line in open(saved / "log.jsonl")]
@@ -439,7 +487,10 @@ def test_disk_full_during_save_stops_with_previous_checkpoint_intact(tmpfs, caps
     assert_one_sentence(code, err, 1, "No space left on device")
     assert "the previous checkpoint and latest_checkpointed_iteration.txt are intact" in err
     assert checkpointing.read_latest(str(save)) == 1
-    assert sorted(os.listdir(save)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]  # .tmp removed
+    assert sorted(set(os.listdir(save)) - {".megatron_sp.lock"}) == [
+        "iter_0000001",
+        "latest_checkpointed_iteration.txt",
+    ]
     code, err, out = run(capsys, ["--train-iters", "1", "--load", str(save)])  # and it still loads
     assert code == 0 and "training already finished" in out, err
 

@@ -195,7 +195,14 @@ def _main(argv, signals) -> int:
     except (ValueError, RuntimeError) as err:  # a wrong launch or a rendezvous that failed
         failures.print_error(failures.one_sentence(err))
         return 2 if isinstance(err, ValueError) else 1
+    run_lock = None
     try:
+        if (
+            input_error is None
+            and args.save
+            and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0)
+        ):
+            run_lock, input_error = _lock_save_dir(args.save)
         failed = failures.agree(input_error)
         if failed:
             return failures.report_agreed(failed, 2)
@@ -218,6 +225,24 @@ def _main(argv, signals) -> int:
         return failures.report_once(failures.describe_collective_failure(err, args.distributed_timeout_minutes), 1)
     finally:
         destroy_distributed()
+        if run_lock is not None:
+            run_lock.release()
+
+
+def _lock_save_dir(root):
+    """(rank 0's lock on --save, or None; the one sentence that refuses the run, or None)."""
+    from megatron_sp.checkpointing.locks import RunLock, SaveDirInUse
+
+    lock = RunLock(root)
+    try:
+        note = lock.acquire()
+    except SaveDirInUse as err:
+        return None, str(err) + "."
+    except OSError as err:
+        return None, f"--save {root}: its lock file cannot be opened ({err.strerror or err})."
+    if note:
+        print(note, flush=True)
+    return lock, None
 
 
 def build_model(cfg, args, ps):
