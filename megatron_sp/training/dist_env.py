@@ -82,9 +82,19 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
         world_size=1,
         local_rank=0,
         master_addr="127.0.0.1",
-        master_port=int(environ.get("MASTER_PORT", 29500)),
+        master_port=_port(environ),
         launcher="single",
     )
+
+
+def _port(environ: Mapping[str, str], default: int = 29500) -> int:
+    """MASTER_PORT, a port number 1..65535 (the variable named when it is not one)."""
+    if not environ.get("MASTER_PORT"):
+        return default
+    text = environ["MASTER_PORT"]
+    if not (text.isascii() and text.isdigit() and len(text) <= 5 and 1 <= int(text) <= 65535):
+        raise ValueError(f"MASTER_PORT={text!r} is not a port number (1 to 65535)")
+    return int(text)
 
 
 def _int(environ: Mapping[str, str], name: str) -> int:
@@ -111,7 +121,7 @@ def _from_torchrun(environ: Mapping[str, str]) -> DistEnv:
         world_size=world,
         local_rank=_int(environ, "LOCAL_RANK"),
         master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=int(environ.get("MASTER_PORT", 29500)),
+        master_port=_port(environ),
         launcher="torchrun",
     )
 
@@ -149,7 +159,7 @@ def _slurm_head_node(environ: Mapping[str, str]) -> str:
 
 def _slurm_port(environ: Mapping[str, str]) -> int:
     if environ.get("MASTER_PORT"):
-        return _int(environ, "MASTER_PORT")
+        return _port(environ)
     job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
     if not job_id:
         raise ValueError("Slurm environment without SLURM_JOB_ID: set MASTER_PORT")
