@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping
 
+from megatron_sp import heartbeat
+
 LAUNCHERS = ("torchrun", "slurm", "single")
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -279,6 +281,7 @@ def init_distributed(backend: str, device: str, timeout_s: float = 600) -> DistE
             f"rank {env.rank}/{env.world_size} ({env.launcher}) could not join the process group at "
             f"{env.master_addr}:{env.master_port} within {timeout_s:.0f} s: {e}"
         ) from e
+    heartbeat.start(env.master_addr, env.master_port, env.rank)  # names a hung peer (megatron_sp/heartbeat.py)
     return env
 
 
@@ -358,6 +361,7 @@ def destroy_distributed(wait_for_peers: bool = False, wait_s: float = 60.0) -> N
     """
     import torch.distributed as dist
 
+    heartbeat.stop()
     if dist.is_available() and dist.is_initialized():
         store = _default_store() if wait_for_peers else None
         rank, world = dist.get_rank(), dist.get_world_size()

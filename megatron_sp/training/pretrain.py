@@ -222,7 +222,10 @@ def _main(argv, signals) -> int:
             return failures.report_once(describe_out_of_memory(err, setup.cfg, args, rank), 1)
         if not failures.is_collective_failure(err):
             raise
-        return failures.report_once(failures.describe_collective_failure(err, args.distributed_timeout_minutes), 1)
+        words = failures.describe_collective_failure(
+            err, args.distributed_timeout_minutes, args.pipeline_model_parallel_size
+        )
+        return failures.report_once(words, 1)
     finally:
         destroy_distributed()
         if run_lock is not None:
