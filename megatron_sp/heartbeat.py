@@ -64,10 +64,9 @@ def stop() -> None:
 def silent_ranks(world: int, host: Optional[str] = None, port: Optional[int] = None) -> Optional[list]:
     """The ranks whose heartbeat did not move over a few intervals; [] when all beat; None when the
     store does not answer (its host, rank 0, is then the silent one) or there is no heartbeat."""
-    host = host or os.environ.get("MASTER_ADDR")
-    port = port or (int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT", "").isdigit() else None)
-    if not host or not port or not _THREAD:
+    if not _THREAD:
         return None
+    host, port = host or _THREAD[-1].where[0], port or _THREAD[-1].where[1]  # the store this process beats in
     try:
         store = _client(host, port, timeout_s=3)
 

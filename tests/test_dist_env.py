@@ -291,3 +291,31 @@ def test_store_host_leaves_after_every_peer_has_torn_down(clean_launch_env):
         p.join(timeout=60)
         assert p.exitcode == 0
     assert times[0][1] >= times[1][0], "rank 0 (the store's host) left before rank 1 began to leave"
+
+
+def test_heartbeat_names_the_rank_that_stopped():
+    """A rank whose counter does not move is named, with its pipeline stage (issue 39)."""
+    from megatron_sp import heartbeat
+
+    port = _free_port()
+    master = torch_dist().TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    try:
+        heartbeat.start("127.0.0.1", port, 0)  # rank 1 never beats (SIGSTOPped, killed)
+        assert heartbeat.silent_ranks(2, "127.0.0.1", port) == [1]
+        assert heartbeat.describe(2, 0, pp_size=2).startswith("rank 1 (pipeline stage 1, this rank's next stage)")
+        assert heartbeat.describe(2, 0).startswith("rank 1 stopped responding")
+    finally:
+        heartbeat.stop()
+        del master
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torch_dist():
+    import torch.distributed as dist
+
+    return dist

@@ -160,6 +160,21 @@ def test_sigstopped_pipeline_stage_during_async_save_is_named_and_the_exit_bound
     assert "rank 1 (pipeline stage 1, this rank's next stage) stopped responding" in err, err
 
 
+def test_async_save_worker_fails_within_the_world_timeout_when_a_peer_never_joins(tmp_path):
+    """Issue 39: --async-save's group had torch's 30-minute default, and the process's exit waits for
+    its thread: a survivor printed its sentence and then never exited (still alive at 120 s)."""
+    script = os.path.join(REPO, "tests", "async_save_peer.py")
+    procs = start_ranks(tmp_path, [script, str(tmp_path)])
+    try:
+        procs[0].wait(timeout=150)
+    finally:
+        stop_all(procs)
+    out = (tmp_path / "rank0.out").read_text()
+    print(f"\nasync-save worker, peer absent, world timeout 3 s: {out.strip()}")
+    assert procs[0].returncode == 0 and out.startswith("failed after"), out + (tmp_path / "rank0.err").read_text()
+    assert float(out.split()[2]) <= 30, out
+
+
 # ---- signals --------------------------------------------------------------------------------------
 def test_sigint_to_torchrun_saves_and_exits_like_sigterm(tmp_path):
     log, save = tmp_path / "log.jsonl", tmp_path / "ckpt"

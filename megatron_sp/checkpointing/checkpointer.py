@@ -38,7 +38,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from megatron_sp import failures
+from megatron_sp import failures, heartbeat
 from megatron_sp.checkpointing import async_save as async_save_module
 from megatron_sp.checkpointing import files, locks, metadata, safe_dcp
 from megatron_sp.checkpointing.paths import (
@@ -179,6 +179,9 @@ class _SaveJob:
 
     def fail(self, err):
         reason = _save_failure(err, self.root, checkpoint_bytes(self.cfg))
+        if dist.is_initialized() and "timed out" in reason.lower():  # the background save's peer hung or died
+            named = heartbeat.describe(dist.get_world_size(), dist.get_rank())
+            reason += f"; {named}" if named else ""
         if _rank() == 0:
             files.remove_tree(self.tmp)  # give the space back
         raise CheckpointSaveError(
