@@ -14,7 +14,6 @@ loop is the reference, and both give the same numbers (tests/test_moe.py).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_sp.models.blocks import _activation
@@ -26,9 +25,9 @@ class ExpertMLP(nn.Module):
     def __init__(self, cfg, *, builder):
         super().__init__()
         h, f = cfg.hidden_size, cfg.moe_ffn_hidden_size
-        self.swiglu = cfg.activation == "swiglu"
-        rows = 2 * f if self.swiglu else f
-        self.fc1 = builder.expert_linear(h, rows, split=0, segments=(f, f) if self.swiglu else (), init="normal")
+        gated = cfg.gated_linear_unit  # [gate; up] rows, as the dense MLP's (--swiglu, --quick-geglu)
+        rows = 2 * f if gated else f
+        self.fc1 = builder.expert_linear(h, rows, split=0, segments=(f, f) if gated else (), init="normal")
         self.fc2 = builder.expert_linear(f, h, split=1, init="scaled_normal")
 
 
@@ -42,9 +41,13 @@ class Experts(nn.Module):
         self.act = _activation(cfg)
 
     def _activate(self, a, probs):
-        if self.cfg.activation == "swiglu":
+        """The dense MLP's activation (models/blocks.py MLP), gated ones with their offset and clamp."""
+        if self.cfg.gated_linear_unit:
             gate, up = a.chunk(2, dim=-1)
-            a = F.silu(gate) * up
+            clamp, offset = self.cfg.activation_func_clamp_value, self.cfg.glu_linear_offset
+            if clamp is not None:
+                gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
+            a = self.act(gate) * (up + offset if offset else up)
         else:
             a = self.act(a)
         return a * probs.unsqueeze(-1).to(a.dtype)
