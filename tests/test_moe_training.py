@@ -96,6 +96,21 @@ def test_expert_parallel_program_logs_the_serial_losses(world, serial, tmp_path,
         steps = _steps(resumed)
         assert [r["iteration"] for r in steps] == [3, 4]
         _close(steps, serial[2:])
+    _generates_from(tmp_path / "ckpt")
+
+
+def _generates_from(ckpt):
+    """tools/generate.py's model from the EP2 checkpoint: every expert and expert bias, the serial model."""
+    import torch
+
+    from tools.generate import load_model
+
+    model, cfg = load_model(str(ckpt))
+    names = dict(model.named_parameters())
+    assert sum(".experts.local_experts." in n and n.endswith("fc1.weight") for n in names) == 2 * 4
+    assert model.layers[0].mlp.router.expert_bias.abs().sum() > 0  # moved by two updates, restored
+    with torch.no_grad():
+        assert model(torch.tensor([[1, 2, 3]])).shape == (1, 3, 512)
 
 
 @pytest.mark.parametrize(
