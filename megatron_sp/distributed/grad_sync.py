@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp.distributed.grad_buffers import GradBuffers
+from megatron_sp.models.trainable import TrainableModel
 from megatron_sp.parallel_state import ParallelState
 
 
@@ -128,14 +129,17 @@ def _main_grad(p):
 
 @torch.no_grad()
 def finalize_model_grads(
-    model, ps: ParallelState, buffers: GradBuffers, overlapped: OverlappedGradSync | None = None, partition=None
+    model: TrainableModel,
+    ps: ParallelState,
+    buffers: GradBuffers,
+    overlapped: OverlappedGradSync | None = None,
+    partition=None,
 ):
     """Everything between the last backward and the optimizer step, except clipping: under pipeline
     parallelism the tied embedding's copies summed, the DP average (summing over CP too), then the
     partial sums over TP (model.partial_grads), on the main_grads of the parameters this rank steps
     (all of them without a partition)."""
-    if hasattr(model, "finalize_embedding_grads"):  # (before finish(): the embedding's bucket waits)
-        model.finalize_embedding_grads(grad=_main_grad)
+    model.finalize_embedding_grads(grad=_main_grad)  # (before finish(): the embedding's bucket waits)
     if overlapped is not None:
         overlapped.finish()
     else:

@@ -172,7 +172,10 @@ class Embedding(nn.Module):
         self.word_embeddings = builder.word_embedding(cfg)
         self.position_embeddings = None
         if cfg.position_embedding_type == "learned_absolute":
-            self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+            # (_weight: nn.Embedding's own normal_ init would run on the meta device, whose first call imports
+            # sympy, ~70 MiB resident; the values are drawn by models/init.py anyway)
+            shape = (cfg.max_position_embeddings, cfg.hidden_size)
+            self.position_embeddings = nn.Embedding(*shape, _weight=torch.empty(shape))
             mark(self.position_embeddings.weight, sequence_parallel=builder.sequence_parallel, init="embedding")
 
     def forward(self, tokens, seq):

@@ -16,6 +16,9 @@ Parameters are created on the meta device and materialised on `device` in cfg.pa
 rank drawing only its shard of the serial initial tensors (models/init.py): building a TP=t model
 allocates a rank's shard, never the whole model.
 
+Built with `stages` (models/language_model.py), it is a pipeline rank's share of the model
+(pipeline_parallel/model.py: PipelineGPT), loading and gathering only what it holds.
+
 Gradients that a backward leaves as partial sums (over TP: parameters marked `sequence_parallel`,
 key/value heads held in copies; over CP: all of them) are summed by `partial_grads`
 (tensor_parallel/partial_grads.py), which full_grad_dict and the training loop both call.
@@ -35,12 +38,13 @@ from megatron_sp.tensor_parallel.sharding import full_dim_size, gather_full, sha
 
 class GPTModel(LanguageModel):
     """The parallel model of cfg.model's family (or of `spec`); see DESIGN.md for the API.
-    device: where the parameters are materialised (default: torch's default device, the CPU)."""
+    device: where the parameters are materialised (default: torch's default device, the CPU); stages:
+    the shares built here (default: the whole model). A models.trainable.TrainableModel."""
 
-    def __init__(self, cfg, ps: parallel_state.ParallelState | None = None, spec=None, *, device=None):
+    def __init__(self, cfg, ps: parallel_state.ParallelState | None = None, spec=None, *, device=None, stages=None):
         ps = ps if ps is not None else parallel_state.get()
-        _check_parallel_sizes(cfg, ps)
-        super().__init__(cfg, ParallelBuilder(cfg, ps), spec)
+        check_parallel_sizes(cfg, ps)
+        super().__init__(cfg, ParallelBuilder(cfg, ps), spec, stages=stages)
         self.ps = ps
         self.partial_grads = PartialGrads(ps)
         self.materialise(device if device is not None else torch.get_default_device(), coords=ps.coords)
@@ -54,9 +58,10 @@ class GPTModel(LanguageModel):
     # ---- full <-> sharded state ---------------------------------------------------------------
     @torch.no_grad()
     def load_full_state_dict(self, state_dict):
-        """Loads a ReferenceGPT-shaped state dict, keeping this rank's shards."""
+        """Loads a ReferenceGPT-shaped state dict, keeping this rank's shards (of its stages: the other
+        stages' tensors are ignored)."""
         params = dict(self.named_parameters())
-        check_full_keys(params, state_dict, self.cfg)
+        check_full_keys(params, state_dict, self.cfg, whole=self.is_whole)
         for name, p in params.items():
             want = _full_shape(p, self.ps)
             if tuple(state_dict[name].shape) != want:
@@ -66,8 +71,8 @@ class GPTModel(LanguageModel):
 
     @torch.no_grad()
     def full_state_dict(self):
-        """Collective over the TP group (and the expert groups): unsharded parameters, ReferenceGPT keys
-        and shapes, every expert's."""
+        """Collective over the TP group (and the expert groups): unsharded parameters (of this model's
+        stages), ReferenceGPT keys and shapes, every expert's."""
         full = {
             name: gather_full(p.detach(), p.shard_spec, self.ps.group(p.shard_spec.group))
             for name, p in self.named_parameters()
@@ -76,18 +81,25 @@ class GPTModel(LanguageModel):
 
     @torch.no_grad()
     def full_grad_dict(self):
-        """Collective: unsharded gradients (partial sums reduced first if still pending); a parameter's
-        gradient is its `.grad`, or its `main_grad` when gradient buffers hold it (distributed/grad_buffers.py)."""
-        self.partial_grads.reduce(self.parameters(), grad=_gradient)
+        """Collective: unsharded gradients (partial sums reduced first if still pending, then the tied
+        embedding's copies); a parameter's gradient is its `.grad`, or its `main_grad` when gradient
+        buffers hold it (distributed/grad_buffers.py)."""
+        self.partial_grads.reduce(self.parameters(), grad=gradient_of)
+        self.finalize_embedding_grads()
         full = {
-            name: gather_full(_gradient(p), p.shard_spec, self.ps.group(p.shard_spec.group))
+            name: gather_full(gradient_of(p), p.shard_spec, self.ps.group(p.shard_spec.group))
             for name, p in self.named_parameters()
-            if _gradient(p) is not None
+            if gradient_of(p) is not None
         }
         return gather_experts(full, self.ps, self.cfg.num_experts)
 
+    def finalize_embedding_grads(self, grad=None) -> None:
+        """Sums the tied word embedding's gradient over the ranks that hold a copy of it: none here, the
+        one model holds both ends (PipelineGPT's stages sum theirs)."""
 
-def _gradient(p):
+
+def gradient_of(p):
+    """A parameter's gradient: `.grad`, else the gradient buffers' `main_grad` (None: no gradient)."""
     return p.grad if p.grad is not None else getattr(p, "main_grad", None)
 
 
@@ -100,15 +112,17 @@ def _full_shape(p, ps):
     return tuple(shape)
 
 
-def check_full_keys(params: dict, state_dict: dict, cfg) -> None:
-    """A full state dict has this model's keys, and every other expert's (held by other EP ranks)."""
+def check_full_keys(params: dict, state_dict: dict, cfg, *, whole: bool = True) -> None:
+    """A full state dict has this model's keys, and every other expert's (held by other EP ranks); a
+    model of some stages (whole=False) ignores the other stages' keys."""
     missing = sorted(set(params) - set(state_dict))
     unexpected = sorted(k for k in set(state_dict) - set(params) if expert_of(k) is None or cfg.num_experts is None)
-    if missing or unexpected:
+    if missing or (unexpected and whole):
         raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
-def _check_parallel_sizes(cfg, ps: parallel_state.ParallelState):
+def check_parallel_sizes(cfg, ps: parallel_state.ParallelState):
+    """The config's TP, CP and expert sizes are the initialised groups' (one sentence otherwise)."""
     if cfg.tensor_model_parallel_size != ps.tp_size:
         raise ValueError(
             f"GPTConfig.tensor_model_parallel_size ({cfg.tensor_model_parallel_size}) does not "

@@ -224,8 +224,7 @@ def _reduce_grads(model, ps) -> None:
     from megatron_sp.parallel_state import REPLICAS, replica_role
 
     model.partial_grads.reduce(model.parameters())
-    if hasattr(model, "finalize_embedding_grads"):  # PipelineGPT
-        model.finalize_embedding_grads()
+    model.finalize_embedding_grads()  # (PipelineGPT's tied copies; nothing on GPTModel)
     if ps.dp_size > 1:  # (experts': taken by partial_grads, over the expert-DP group)
         for p in model.parameters():
             if p.grad is not None and replica_role(p) == REPLICAS:
