@@ -4,7 +4,8 @@ harness (megatron_sp/testing/parity.py) in one 4-rank gloo world.
 
 Layouts: EP 2 and 4 with both dispatchers, EP2 × TP2+SP with expert-TP 1 and 2, EP2 × CP2, EP2 × DP2,
 capacity with drops (both policies), top-1, group-limited sigmoid routing, a shared expert, seq_aux_loss,
-Llama-style and GPT-style (biases, GELU) blocks. A layout smaller than the world runs its remaining
+full recomputation (the dispatch runs again in the backward), Llama-style and GPT-style (biases, GELU)
+blocks. A layout smaller than the world runs its remaining
 ranks as further data-parallel replicas (repeating the asked parts of the batch).
 """
 
@@ -84,6 +85,7 @@ CASES = {  # name: (family, MoE fields, layout, ep, etp, dispatcher)
         "alltoall",
     ),
     "gpt-ep2": (GPT, dict(moe_grouped_gemm=True), Layout(dp=2), 2, 1, "alltoall"),
+    "tp2+sp/ep2-recompute": (LLAMA, dict(recompute_granularity="full"), Layout(tp=2, sp=True), 2, 1, "alltoall"),
 }
 
 

@@ -2,8 +2,8 @@
 (lm loss, load-balancing loss and z-loss) at EP2 (× DP 4) and EP2 × TP2+SP equal a single process's
 within 1e-5, with dropout, sigmoid routing and the expert bias (aux-loss-free balancing, updated after
 every step) on; the EP2 run's checkpoint (per-expert entries, expert biases, the distributed
-optimizer's state) resumes at EP4 and at EP1 on the uninterrupted curve; --moe-per-layer-logging
-writes each layer's losses; the FLOPs count the active experts only.
+optimizer's state) resumes at EP4, at EP1 and at EP2 × expert-TP 2 (TP2+SP) on the uninterrupted
+curve; --moe-per-layer-logging writes each layer's losses; the FLOPs count the active experts only.
 
 The aux loss is that of the micro-batch of every DP rank together (docs/models.md), so the single
 process takes one micro-batch of the global batch of 4 where the DP ranks each take their share."""
@@ -31,7 +31,7 @@ RUN = [
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512",
     "--distributed-backend", "gloo", "--use-distributed-optimizer",
 ]  # fmt: skip
-NAMES = ("lm_loss", "load_balancing_loss", "z_loss")
+NAMES = ("lm_loss", "load_balancing_loss", "z_loss", "grad_norm")  # (the norm: each expert shard once)
 
 
 @pytest.fixture(scope="module")
@@ -82,18 +82,35 @@ def test_serial_run_logs_the_losses_per_layer(serial):
 )  # fmt: skip
 def test_expert_parallel_program_logs_the_serial_losses(world, serial, tmp_path, layout, micro):
     log = tmp_path / "log.jsonl"
-    argv = RUN + layout + ["--micro-batch-size", micro, "--log-jsonl", str(log), "--save", str(tmp_path / "ckpt")]
-    assert world.run(_in_world, argv + ["--exit-interval", "2"]) == [0] * WORLD
+    argv = RUN + layout + ["--micro-batch-size", micro, "--log-jsonl", str(log), "--exit-interval", "2"]
+    resumes = "--sequence-parallel" not in layout
+    assert world.run(_in_world, argv + (["--save", str(tmp_path / "ckpt")] if resumes else [])) == [0] * WORLD
     _close(_steps(log), serial[:2])
-    if "--sequence-parallel" in layout:
+    if not resumes:
         return
-    for ep in ("4", "1"):  # the EP2 checkpoint at another EP: the rest of the serial curve
-        resumed = tmp_path / f"ep{ep}.jsonl"
-        again = RUN + ["--expert-model-parallel-size", ep, "--micro-batch-size", "1", "--log-jsonl", str(resumed)]
-        assert world.run(_in_world, again + ["--load", str(tmp_path / "ckpt")]) == [0] * WORLD
+    etp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "2"]
+    for name, other in (("ep4", ["4", "1"]), ("ep1", ["1", "1"]), ("ep2-etp2", ["2", "2"] + etp2)):
+        resumed = tmp_path / f"{name}.jsonl"  # the EP2 checkpoint at another EP / expert-TP: the serial curve
+        again = RUN + ["--expert-model-parallel-size", other[0], "--micro-batch-size", other[1], *other[2:]]
+        assert world.run(_in_world, again + ["--log-jsonl", str(resumed), "--load", str(tmp_path / "ckpt")]) == [0] * 4
         steps = _steps(resumed)
         assert [r["iteration"] for r in steps] == [3, 4]
         _close(steps, serial[2:])
+    _generates_from(tmp_path / "ckpt")
+
+
+def _generates_from(ckpt):
+    """tools/generate.py's model from the EP2 checkpoint: every expert and expert bias, the serial model."""
+    import torch
+
+    from tools.generate import load_model
+
+    model, cfg = load_model(str(ckpt))
+    names = dict(model.named_parameters())
+    assert sum(".experts.local_experts." in n and n.endswith("fc1.weight") for n in names) == 2 * 4
+    assert model.layers[0].mlp.router.expert_bias.abs().sum() > 0  # moved by two updates, restored
+    with torch.no_grad():
+        assert model(torch.tensor([[1, 2, 3]])).shape == (1, 3, 512)
 
 
 @pytest.mark.parametrize(

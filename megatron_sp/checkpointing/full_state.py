@@ -28,7 +28,7 @@ from megatron_sp.checkpointing.paths import (
     read_latest,
     verified_metadata,
 )
-from megatron_sp.checkpointing.states import TrainState
+from megatron_sp.checkpointing.states import TrainState, kept_buffers
 from megatron_sp.config import GPTConfig, config_from_dict
 
 
@@ -139,6 +139,7 @@ def check_shapes(shapes: dict, cfg: GPTConfig, path: str) -> dict:
     model = _meta_model(check_layers(shapes, cfg, f"checkpoint {path}"))
     specs = model_specs(cfg, model)
     expected = _flat(full_to_canonical(dict(model.named_parameters()), specs))
+    expected.update({name: tuple(b.shape) for name, b in kept_buffers(model)})  # the expert biases
     for name in sorted(set(expected) | set(shapes)):
         want, got = expected.get(name), shapes.get(name)
         if want != got:

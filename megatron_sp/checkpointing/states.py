@@ -64,15 +64,15 @@ class ModelState:
 
     def state_dict(self) -> dict:
         saved = {n: to_dcp_tensor(t.detach().float(), t, self.ps) for n, t in self._saved()}
-        return {**saved, **{n: b.detach().clone() for n, b in _kept_buffers(self.model)}}
+        return {**saved, **{n: b.detach().clone() for n, b in kept_buffers(self.model)}}
 
     def load_target(self) -> dict:
         target = {n: empty_dcp_target(p, self.ps) for n, p in self.model.named_parameters()}
-        return {**target, **{n: torch.zeros_like(b) for n, b in _kept_buffers(self.model)}}
+        return {**target, **{n: torch.zeros_like(b) for n, b in kept_buffers(self.model)}}
 
     @torch.no_grad()
     def load_state_dict(self, loaded: dict) -> None:
-        for name, b in _kept_buffers(self.model):
+        for name, b in kept_buffers(self.model):
             b.copy_(loaded[name])
         for name, p in self.model.named_parameters():
             value = from_canonical_local(loaded[name], p, self.ps)
@@ -82,7 +82,7 @@ class ModelState:
                 main.copy_(value)
 
 
-def _kept_buffers(model) -> list:
+def kept_buffers(model) -> list:
     """Buffers a checkpoint keeps: the routers' expert biases (aux-loss-free balancing's state), the
     same on every rank."""
     return [(n, b) for n, b in model.named_buffers() if n.endswith(".expert_bias")]

@@ -1,5 +1,5 @@
 """The all-to-all token dispatcher (--moe-token-dispatcher-type alltoall; Megatron's
-MoEAlltoAllTokenDispatcher) on torch.distributed's uneven all_to_all_single, which has autograd.
+MoEAlltoAllTokenDispatcher) on torch.distributed's uneven all_to_all_single (its backward the reverse exchange).
 
 On a rank of an EP group of size P (E experts, E_l = E / P each) and an expert-TP group of size T:
 
@@ -17,15 +17,33 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 
 from megatron_sp.expert_parallel.permute import permute, unpermute
 
 
-def _a2a(x, out_splits, in_splits, group):
-    """Uneven all-to-all of rows (autograd: the backward is the reverse exchange)."""
+def _a2a_once(x, out_splits, in_splits, group):
+    """One uneven all-to-all of rows: in_splits[r] of x's rows to rank r, out_splits[r] from it."""
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    return dist_fn.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """forward: the exchange; backward: the reverse exchange of the gradients."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits = (out_splits, in_splits, group)
+        return _a2a_once(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits, group = ctx.splits
+        return _a2a_once(grad, in_splits, out_splits, group), None, None, None
+
+
+def _a2a(x, out_splits, in_splits, group):
+    return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
 def _counts_a2a(send, group):
