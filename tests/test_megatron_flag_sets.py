@@ -276,7 +276,40 @@ def test_defaults_a_script_relies_on_are_megatron_lms():
     args = parse_args(["--mock-data"])
     defaults = (args.min_lr, args.lr_decay_style, args.adam_beta2, args.eval_iters, args.log_interval)
     assert defaults == (0.0, "linear", 0.999, 100, 100)
-    assert args.lr_warmup_iters in (None, 0) and args.lr_warmup_fraction is None and args.lr_warmup_samples is None
+    assert args.lr_warmup_iters == 0 and args.lr_warmup_fraction is None and args.lr_warmup_samples == 0
     evaluates = [pretrain.evaluates(parse_args(["--mock-data"] + f)) for f in ([], ["--eval-interval", "5"])]
     assert evaluates == [False, True]  # evaluation only with --eval-interval ...
     assert not pretrain.evaluates(parse_args(["--mock-data", "--eval-interval", "5", "--eval-iters", "0"]))  # ... > 0
+
+
+def test_fsdp2_saves_right_after_an_evaluation(world, tmp_path):
+    """--use-torch-fsdp2 with an evaluation and a save at the same iteration (TP2 × FSDP2 over DP2): the
+    root's weights, left gathered by the forward-only evaluation, are sharded again before the save (it
+    crashed on `full_tensor`), and the checkpoint resumes."""
+    ckpt = tmp_path / "ckpt"
+    argv = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--device", "cpu"]
+    argv += ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
+    argv += ["--tensor-model-parallel-size", "2", "--micro-batch-size", "1", "--global-batch-size", "4"]
+    argv += ["--use-torch-fsdp2", "--eval-interval", "2", "--eval-iters", "1", "--save", str(ckpt)]
+    argv += ["--save-interval", "2", "--log-jsonl", str(tmp_path / "log.jsonl"), "--no-progress-bar"]
+    assert world.run(_train_in_world, argv + ["--train-iters", "2"]) == [0] * WORLD
+    assert (ckpt / "iter_0000002").is_dir()
+    assert world.run(_train_in_world, argv + ["--train-iters", "3", "--load", str(ckpt)]) == [0] * WORLD
+    assert [r["iteration"] for r in records(tmp_path / "log.jsonl") if "lm_loss" in r] == [1, 2, 3]
+
+
+def test_query_key_layer_scaling_turns_the_fp32_softmax_on():
+    """Megatron-LM's TransformerConfig: --apply-query-key-layer-scaling sets attention_softmax_in_fp32
+    (else layer 1, whose scale is 1, ran its softmax in bf16)."""
+    cfg = pretrain.build_config(parse_args(["--mock-data", "--apply-query-key-layer-scaling", "--bf16"]), 512)
+    assert cfg.apply_query_key_layer_scaling and cfg.attention_softmax_in_fp32
+
+
+def test_model_refusals_name_the_flags():
+    """A GPTConfig error reached from the command line names the flags, not the config's fields."""
+    args = parse_args(["--mock-data", "--num-attention-heads", "4", "--num-query-groups", "3"])
+    with pytest.raises(ValueError) as err:
+        pretrain.build_config(args, 512)
+    message = str(err.value)
+    assert "--num-query-groups (3)" in message and "--num-attention-heads (4)" in message, message
+    assert "GPTConfig" not in message and "num_query_groups" not in message

@@ -120,6 +120,16 @@ def model_problem(cfg, layout) -> str | None:
 # ---- wrapping --------------------------------------------------------------------------------------
 
 
+def reshard(model) -> None:
+    """Frees the weights an FSDP2 root keeps gathered after a forward that no backward follows (an
+    evaluation): its parameters are this rank's DTensor shards again, as the checkpoint reads them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def replica_mesh(ps: ParallelState, device: str):
     """The 1-D DeviceMesh of this rank's DP×CP group (the ranks holding the same TP shards)."""
     from torch.distributed.device_mesh import DeviceMesh

@@ -22,7 +22,6 @@ def validate(args) -> None:
     """Checks that need no data and no devices; fills derived defaults (dp size, batch sizes...)."""
     _check_features(args)
     _train_length(args)
-    _train_length(args)
     for name in (
         "micro_batch_size",
         "train_iters",
@@ -72,6 +71,8 @@ def validate(args) -> None:
     _schedule_units(args)
     if args.min_lr > args.lr:
         raise ArgumentError("--min-lr must not exceed --lr.")
+    if args.lr_warmup_init > args.lr:
+        raise ArgumentError("--lr-warmup-init must not exceed --lr (the warmup climbs from it to --lr).")
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:
         raise ArgumentError("--decoupled-min-lr needs --decoupled-lr.")
     if args.decoupled_lr is not None and (args.decoupled_min_lr or args.min_lr) > args.decoupled_lr:
@@ -83,53 +84,80 @@ def validate(args) -> None:
 
 
 def _train_length(args) -> None:
-    """--train-iters or --train-samples (Megatron: one of them; samples make the LR flags sample-based)."""
+    """--train-iters or --train-samples (Megatron: one of them; samples make the LR flags sample-based).
+    Megatron's defaults: --lr-warmup-iters 0 and --lr-warmup-samples 0, so an explicit 0 of the other
+    unit is fine."""
     if args.train_samples is not None and args.train_iters is not None:
         raise ArgumentError("give --train-iters or --train-samples, not both.")
+    by_samples = args.train_samples is not None
+    unit, other = ("iters", "samples") if by_samples else ("samples", "iters")
+    for name, default in ((f"lr_decay_{unit}", None), (f"lr_warmup_{unit}", 0), (f"lr_wsd_decay_{unit}", None)):
+        value = getattr(args, name)
+        if value not in (None, default):
+            flag = f"--{name.replace('_', '-')}"
+            raise ArgumentError(
+                f"{flag} {value} needs --train-{unit}; with --train-{other} use {flag.replace(unit, other)}."
+            )
     if args.train_samples is None:
-        for flag in ("lr_decay_samples", "lr_warmup_samples"):
-            if getattr(args, flag) is not None:
-                raise ArgumentError(
-                    f"--{flag.replace('_', '-')} needs --train-samples (with --train-iters use "
-                    f"--{flag.replace('_samples', '_iters').replace('_', '-')})."
-                )
         if args.train_iters is None:
             args.train_iters = 300
         return
-    for flag in ("lr_decay_iters", "lr_warmup_iters"):
-        if getattr(args, flag) is not None:
-            raise ArgumentError(
-                f"--{flag.replace('_', '-')} does not go with --train-samples; use "
-                f"--{flag.replace('_iters', '_samples').replace('_', '-')}."
-            )
     if args.train_samples <= 0:
         raise ArgumentError(f"--train-samples must be positive, got {args.train_samples}.")
     args.train_iters = None  # set once the global batch size is known (_schedule_units)
 
 
 def _schedule_units(args) -> None:
-    """LR schedule span in iterations or samples: args.lr_unit, args.lr_warmup, args.lr_decay."""
-    samples = args.train_samples is not None
-    if samples:
+    """The schedules' spans in samples, as Megatron's get_optimizer_param_scheduler computes them
+    (--train-iters: iterations × the final --global-batch-size): args.lr_warmup_steps (a float with
+    --lr-warmup-fraction), lr_decay_steps, wsd_decay_steps, wd_incr_steps; and the weight-decay range."""
+    gbs = args.global_batch_size
+    if args.train_samples is not None:
         args.train_iters = max(1, args.batch_schedule.iterations(args.train_samples))
         decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
-        warmup = args.lr_warmup_samples
+        warmup, wsd, wd_incr = args.lr_warmup_samples, args.lr_wsd_decay_samples, args.train_samples
     else:
-        decay = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
-        warmup = args.lr_warmup_iters
+        decay = (args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters) * gbs
+        wsd = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters is not None else None
+        warmup, wd_incr = args.lr_warmup_iters * gbs, args.train_iters * gbs
     if args.lr_warmup_fraction is not None:
-        if warmup is not None:
+        if warmup != 0:
             raise ArgumentError("give --lr-warmup-fraction or --lr-warmup-iters/--lr-warmup-samples, not both.")
         if not 0.0 <= args.lr_warmup_fraction <= 1.0:
             raise ArgumentError(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}.")
-        warmup = int(args.lr_warmup_fraction * decay)
-    if warmup is None:
-        warmup = 0
+        warmup = args.lr_warmup_fraction * decay  # fractional, as Megatron keeps it
     if warmup < 0 or decay <= 0:
-        raise ArgumentError("the LR warmup must be >= 0 and the decay span positive.")
-    args.lr_unit, args.lr_warmup, args.lr_decay = ("samples" if samples else "iterations"), warmup, decay
-    args.lr_decay_iters = decay if not samples else args.lr_decay_iters
-    args.lr_warmup_iters = warmup if not samples else args.lr_warmup_iters
+        raise ArgumentError("the LR warmup must be >= 0 and the decay span (--lr-decay-iters/-samples) positive.")
+    if args.lr_decay_style == "WSD" and wsd is None:
+        raise ArgumentError(
+            "--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples with --train-samples)."
+        )
+    if args.use_checkpoint_opt_param_scheduler and args.override_opt_param_scheduler:
+        raise ArgumentError(
+            "--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler contradict each other; give one."
+        )
+    args.lr_warmup_steps, args.lr_decay_steps, args.wsd_decay_steps, args.wd_incr_steps = warmup, decay, wsd, wd_incr
+    _weight_decay_range(args)
+
+
+def _weight_decay_range(args) -> None:
+    """--start/--end-weight-decay: Megatron's rule (constant: both from --weight-decay)."""
+    start, end = args.start_weight_decay, args.end_weight_decay
+    if args.weight_decay_incr_style == "constant":
+        if start is not None or end is not None:
+            raise ArgumentError(
+                "--start-weight-decay / --end-weight-decay need --weight-decay-incr-style linear or cosine "
+                "(constant decay is --weight-decay)."
+            )
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+        return
+    if start is None or end is None:
+        raise ArgumentError(
+            f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay and "
+            f"--end-weight-decay."
+        )
+    if not 0.0 <= start <= end:
+        raise ArgumentError(f"need 0 <= --start-weight-decay ({start}) <= --end-weight-decay ({end}).")
 
 
 # (flag, attribute, predicate on a finite value, what it must be); None values (unset) are skipped.
@@ -144,6 +172,8 @@ _NUMBER_RULES = (
     ("--decoupled-lr", "decoupled_lr", lambda v: v >= 0, "a finite number >= 0"),
     ("--decoupled-min-lr", "decoupled_min_lr", lambda v: v >= 0, "a finite number >= 0"),
     ("--lr-warmup-init", "lr_warmup_init", lambda v: v >= 0, "a finite number >= 0"),
+    ("--start-weight-decay", "start_weight_decay", lambda v: v >= 0, "a finite number >= 0"),
+    ("--end-weight-decay", "end_weight_decay", lambda v: v >= 0, "a finite number >= 0"),
     ("--exit-duration-in-mins", "exit_duration_in_mins", lambda v: v > 0, "a finite number > 0"),
     ("--initial-loss-scale", "initial_loss_scale", lambda v: v > 0, "a finite number > 0, e.g. 65536"),
     ("--loss-scale", "loss_scale", lambda v: v > 0, "a finite number > 0, e.g. 4096 (omit it for dynamic scaling)"),

@@ -13,6 +13,7 @@ import argparse
 from megatron_sp.training import megatron_flags
 from megatron_sp.training.argument_checks import ArgumentError, validate
 from megatron_sp.training.config_flags import add_config_flags
+from megatron_sp.training.schedules import LR_STYLES, WD_STYLES, WSD_STYLES
 
 __all__ = ["ArgumentError", "build_parser", "parse_args"]
 
@@ -152,23 +153,7 @@ def _training_args(p):
     g.add_argument(
         "--exit-duration-in-mins", type=float, default=None, help="save and exit before this many minutes of training"
     )
-    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    g.add_argument("--min-lr", type=float, default=0.0, help="the LR decays to this")
-    g.add_argument("--decoupled-lr", type=float, default=None, help="LR of the embedding and output layer")
-    g.add_argument("--decoupled-min-lr", type=float, default=None, help="their --min-lr (default --min-lr)")
-    g.add_argument(
-        "--lr-decay-style",
-        choices=["constant", "linear", "cosine"],
-        default="linear",
-        help="after warmup, to --min-lr over the decay span",
-    )
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default train iters")
-    g.add_argument("--lr-decay-samples", type=int, default=None, help="with --train-samples; default train samples")
-    g.add_argument("--lr-warmup-iters", type=int, default=None, help="default 0")
-    g.add_argument("--lr-warmup-samples", type=int, default=None, help="with --train-samples")
-    g.add_argument("--lr-warmup-fraction", type=float, default=None, help="warmup as a fraction of the decay span")
-    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="the LR warmup starts at this value")
-    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's (none on biases and norm weights)")
+    _schedule_args(g)
     g.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW's beta1")
     g.add_argument("--adam-beta2", type=float, default=0.999, help="AdamW's beta2")
     g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW's epsilon")
@@ -184,6 +169,46 @@ def _training_args(p):
         help="CUDA: no reduced-precision reductions in bf16 GEMMs",
     )
     _runtime_args(g)
+
+
+def _schedule_args(g):
+    """The learning-rate and weight-decay schedules (training/schedules.py: Megatron's
+    OptimizerParamScheduler, counted in samples)."""
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=0.0, help="the LR decays to this")
+    g.add_argument("--decoupled-lr", type=float, default=None, help="LR of the embedding and output layer")
+    g.add_argument("--decoupled-min-lr", type=float, default=None, help="their --min-lr (default --min-lr)")
+    g.add_argument(
+        "--lr-decay-style",
+        choices=list(LR_STYLES),
+        default="linear",
+        help="after warmup, to --min-lr over the decay span (WSD: stable, then the last --lr-wsd-decay-*)",
+    )
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default train iters")
+    g.add_argument("--lr-decay-samples", type=int, default=None, help="with --train-samples; default train samples")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warmup over this many iterations")
+    g.add_argument("--lr-warmup-samples", type=int, default=0, help="with --train-samples: warmup samples")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None, help="warmup as a fraction of the decay span")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="the LR warmup starts at this value")
+    g.add_argument(
+        "--lr-wsd-decay-style", choices=list(WSD_STYLES), default="exponential", help="WSD's annealing shape"
+    )
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD: iterations of annealing at the end")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None, help="WSD with --train-samples: samples of it")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's (none on biases and norm weights)")
+    g.add_argument(
+        "--weight-decay-incr-style",
+        choices=list(WD_STYLES),
+        default="constant",
+        help="weight decay from --start- to --end-weight-decay over the run",
+    )
+    g.add_argument("--start-weight-decay", type=float, default=None, help="with a linear/cosine incr style")
+    g.add_argument("--end-weight-decay", type=float, default=None, help="with a linear/cosine incr style")
+    for name, what in (
+        ("use-checkpoint", "on resume, the checkpoint's LR / weight-decay schedule instead of the command line's"),
+        ("override", "on resume, the command line's LR / weight-decay schedule instead of the checkpoint's"),
+    ):
+        g.add_argument(f"--{name}-opt_param-scheduler", f"--{name}-opt-param-scheduler", action="store_true", help=what)
 
 
 def _runtime_args(g):
