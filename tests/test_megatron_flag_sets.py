@@ -81,7 +81,8 @@ def shrink(argv, tmp):
     pp = min(int(_get(argv, "--pipeline-model-parallel-size", 1)), 2)
     cp = int(_get(argv, "--context-parallel-size", 1))
     tp = min(int(_get(argv, "--tensor-model-parallel-size", 1)), WORLD // (pp * cp))
-    dp = WORLD // (tp * cp * pp) if tp * cp * pp > 1 else 1
+    sharded = "--use-megatron-fsdp" in argv or "--use-torch-fsdp2" in argv  # (needs replicas: the world)
+    dp = WORLD // (tp * cp * pp) if tp * cp * pp > 1 or sharded else 1
     sizes = {"--num-layers": "2", "--hidden-size": "64", "--num-attention-heads": "4", "--seq-length": "32"}
     sizes.update({f: v for f, v in (("--ffn-hidden-size", "128"), ("--kv-channels", "16")) if f in argv})
     sizes.update({f: v for f, v in (("--num-query-groups", "2"), ("--max-position-embeddings", "32")) if f in argv})
@@ -108,7 +109,7 @@ def shrink(argv, tmp):
     paths = {"$CKPT": tmp / "ckpt", "$TB": tmp / "tb", "$CACHE": tmp / "cache", "$WANDB": tmp / "wandb"}
     for key, path in paths.items():
         argv = [a.replace(key, str(path)) for a in argv]
-    return argv, tp * cp * pp
+    return argv, WORLD if sharded else tp * cp * pp
 
 
 def _known(flag) -> bool:
@@ -313,3 +314,36 @@ def test_model_refusals_name_the_flags():
     message = str(err.value)
     assert "--num-query-groups (3)" in message and "--num-attention-heads (4)" in message, message
     assert "GPTConfig" not in message and "num_query_groups" not in message
+
+
+@pytest.mark.parametrize(
+    "strategy, fsdp2, reshard, distributed",
+    [
+        ("optim_grads_params", True, True, False),  # ZeRO-3
+        ("optim_grads", True, False, False),  # ZeRO-2: weights kept gathered from forward to backward
+        ("optim", False, True, True),  # ZeRO-1
+        ("no_shard", False, True, False),
+    ],
+)
+def test_megatron_fsdp_runs_on_fsdp2_or_the_distributed_optimizer(strategy, fsdp2, reshard, distributed):
+    """--use-megatron-fsdp's sharding strategies on our implementations (Llama-3 8B's Megatron-FSDP
+    set trains with optim_grads_params in test_megatron_flag_set; its --use-distributed-optimizer, which
+    Megatron-FSDP v1 requires, gives way to FSDP2's own sharding)."""
+    argv = ["--mock-data", "--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
+    args = parse_args(argv + ["--use-distributed-optimizer"] * (strategy != "no_shard"), world_size=2)
+    assert (args.use_torch_fsdp2, args.torch_fsdp2_reshard_after_forward) == (fsdp2, reshard)
+    assert args.use_distributed_optimizer == distributed
+    assert parse_args(argv + ["--ckpt-format", "fsdp_dtensor"], world_size=2).ckpt_format == "fsdp_dtensor"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--ckpt-format", "fsdp_dtensor"], "--ckpt-format fsdp_dtensor needs --use-megatron-fsdp"),
+        (["--use-megatron-fsdp", "--use-torch-fsdp2"], "two FSDP implementations; give one"),
+        (["--use-megatron-fsdp", "--outer-dp-sharding-strategy", "optim"], "(HSDP) is not implemented"),
+        (["--megatron-fsdp-main-params-dtype", "bf16"], "the main weights are fp32"),
+    ],
+)
+def test_megatron_fsdp_refusals_are_one_sentence(flags, message):
+    assert message in _refusal(["--mock-data"] + flags)

@@ -245,13 +245,16 @@ def _check_features(args) -> None:
     formats) or for another flag (Megatron-LM's own rules), and the older recompute spelling."""
     if args.expert_model_parallel_size != 1:
         raise ArgumentError(f"--expert-model-parallel-size {args.expert_model_parallel_size}: {megatron_flags.MOE}.")
-    if args.ckpt_format != "torch_dist":
+    _megatron_fsdp(args)
+    if args.ckpt_format not in ("torch_dist", "fsdp_dtensor"):
         raise ArgumentError(
             f"--ckpt-format {args.ckpt_format} is not supported: checkpoints are torch.distributed.checkpoint "
             f"directories (--ckpt-format torch_dist)."
         )
-    if args.overlap_param_gather and not args.use_distributed_optimizer:
-        raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer (as in Megatron-LM).")
+    if args.overlap_param_gather and not (args.use_distributed_optimizer or args.use_torch_fsdp2):
+        raise ArgumentError(
+            "--overlap-param-gather needs --use-distributed-optimizer or --use-megatron-fsdp (as in Megatron-LM)."
+        )
     if args.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ArgumentError("--wandb-project needs the wandb package, which is not installed (pip install wandb).")
     _position_flags(args)
@@ -260,6 +263,25 @@ def _check_features(args) -> None:
             raise ArgumentError("--activations-checkpoint-method means full recomputation; drop one of the two.")
         args.recompute_granularity = "full"
         args.recompute_method = args.recompute_method or args.activations_checkpoint_method
+
+
+def _megatron_fsdp(args) -> None:
+    """--use-megatron-fsdp on our implementations, with its --data-parallel-sharding-strategy's meaning:
+    optim_grads_params (ZeRO-3) is --use-torch-fsdp2, optim_grads (ZeRO-2) the same with the weights kept
+    gathered from forward to backward, optim (ZeRO-1) --use-distributed-optimizer, no_shard plain data
+    parallelism. Megatron-LM's rules: --ckpt-format fsdp_dtensor only with it (written here as torch_dist)."""
+    if args.ckpt_format == "fsdp_dtensor" and not args.use_megatron_fsdp:
+        raise ArgumentError("--ckpt-format fsdp_dtensor needs --use-megatron-fsdp (as in Megatron-LM).")
+    if not args.use_megatron_fsdp:
+        return
+    if args.use_torch_fsdp2:
+        raise ArgumentError("--use-megatron-fsdp and --use-torch-fsdp2 are two FSDP implementations; give one.")
+    strategy = args.data_parallel_sharding_strategy
+    if strategy == "optim":
+        args.use_distributed_optimizer = True
+    elif strategy in ("optim_grads", "optim_grads_params"):  # FSDP2 shards the optimizer state itself
+        args.use_torch_fsdp2, args.use_distributed_optimizer = True, False
+        args.torch_fsdp2_reshard_after_forward &= strategy == "optim_grads_params"
 
 
 def _check_fsdp2(args) -> None:

@@ -109,6 +109,25 @@ def _parallel_args(p):
         "the data- (and context-) parallel replicas, composed with TP+SP, CP and PP (distributed/fsdp.py)",
     )
     g.add_argument(
+        "--torch-fsdp2-no-reshard-after-forward",
+        dest="torch_fsdp2_reshard_after_forward",
+        action="store_false",
+        help="with --use-torch-fsdp2: each layer keeps its gathered weights from forward to backward (ZeRO-2)",
+    )
+    g.add_argument(
+        "--use-megatron-fsdp",
+        action="store_true",
+        help="Megatron-FSDP's sharding by --data-parallel-sharding-strategy, run on torch FSDP2 (optim_grads_params, "
+        "optim_grads) or the distributed optimizer (optim); its own buffers' knobs have no effect",
+    )
+    g.add_argument(
+        "--data-parallel-sharding-strategy",
+        choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+        default="optim_grads_params",
+        help="with --use-megatron-fsdp: ZeRO-3 = --use-torch-fsdp2, ZeRO-2 = the same without resharding after "
+        "forward, ZeRO-1 = --use-distributed-optimizer, or plain data parallelism",
+    )
+    g.add_argument(
         "--overlap-grad-reduce",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -357,7 +376,12 @@ def _checkpoint_args(p):
     )
     g.add_argument("--no-load-optim", action="store_true", help="with --load: a fresh optimizer")
     g.add_argument("--no-load-rng", action="store_true", help="with --load: the RNG states not restored")
-    g.add_argument("--ckpt-format", default="torch_dist", help="torch_dist: torch.distributed.checkpoint (only)")
+    g.add_argument(
+        "--ckpt-format",
+        default="torch_dist",
+        help="torch_dist: torch.distributed.checkpoint; fsdp_dtensor (with --use-megatron-fsdp, Megatron's rule) "
+        "is written as the same torch_dist checkpoint",
+    )
     g.add_argument("--async-save", action="store_true", help="write checkpoints in the background (still atomic)")
     g.add_argument(
         "--save-retain-interval",

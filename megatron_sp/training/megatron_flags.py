@@ -21,6 +21,10 @@ _KERNELS = "GPU kernel-fusion switch: the fused ops are chosen by megatron_sp (-
 _IMPL = "implementation switch: there is one implementation here"
 _LOADER = "data-loader knob: samples are read in the training process from memory-mapped files"
 _CKPT_IO = "checkpoint I/O knob: every rank writes and reads its own shards of one DCP checkpoint"
+_MFSDP_KNOB = (
+    "Megatron-FSDP's own buffers and registration: --use-megatron-fsdp runs on torch FSDP2 or the distributed "
+    "optimizer here, which allocate their own"
+)
 _ALWAYS_TB = "always written with --tensorboard-dir (older Megatron-LM flag)"
 # megatron/post_training's flags, which pretrain_gpt.py parses when ModelOpt is installed but which only
 # ModelOpt's model builder reads, and Megatron-LM builds with it only from a ModelOpt checkpoint
@@ -110,6 +114,37 @@ NO_EFFECT = (
     NoEffect(("--use-pytorch-profiler",), SWITCH, "--profile always uses the PyTorch profiler (no nsys here)"),
     NoEffect(("--log-learning-rate-to-tensorboard",), SWITCH, _ALWAYS_TB),
     NoEffect(("--log-batch-size-to-tensorboard",), SWITCH, _ALWAYS_TB),
+    NoEffect(("--use-nccl-ub",), SWITCH, _MFSDP_KNOB),
+    NoEffect(("--fsdp-double-buffer",), SWITCH, _MFSDP_KNOB),
+    NoEffect(("--fsdp-manual-registration",), SWITCH, _MFSDP_KNOB),
+    NoEffect(("--fsdp-db-use-persist-buf-on-alloc-fail",), SWITCH, _MFSDP_KNOB),
+    NoEffect(("--megatron-fsdp-max-pool-double-buffer",), SWITCH, _MFSDP_KNOB),
+    NoEffect(("--megatron-fsdp-enable-fine-grained-param-gather",), SWITCH, _MFSDP_KNOB),
+    NoEffect(("--megatron-fsdp-version",), ("1", "2"), _MFSDP_KNOB),
+    NoEffect(("--enable-full-sharding-in-hsdp",), SWITCH, "HSDP's (--outer-dp-sharding-strategy), which is refused"),
+    NoEffect(
+        ("--megatron-fsdp-main-params-dtype",),
+        ("fp32", "bf16", "fp16", "auto"),
+        "the main weights are fp32 (FSDP2's shards, the distributed optimizer's)",
+        "fp32",
+    ),
+    NoEffect(
+        ("--megatron-fsdp-main-grads-dtype",),
+        ("fp32", "bf16", "fp16", "auto"),
+        "gradients are accumulated in fp32 (auto: Megatron's choice for the run, fp32 here)",
+        "auto",
+    ),
+    NoEffect(
+        ("--megatron-fsdp-grad-comm-dtype",),
+        ("fp32", "bf16", "fp16", "auto"),
+        "FSDP2 reduce-scatters in fp32 (auto: Megatron's choice for the run, fp32 here)",
+        "auto",
+    ),
+    NoEffect(
+        ("--no-strict-fsdp-dtensor-load",),
+        SWITCH,
+        "fsdp_dtensor checkpoints are written as torch_dist ones, loaded by --dist-ckpt-strictness",
+    ),
     NoEffect(
         ("--overlap-param-gather",),
         SWITCH,
@@ -123,7 +158,6 @@ MOE = (
     "remove the MoE flags or use Megatron-LM"
 )
 _FP8 = "FP8 training needs Transformer Engine, which megatron_sp does not use; train in --bf16"
-_MFSDP = "Megatron-FSDP is not implemented; use --use-distributed-optimizer (ZeRO-1) for sharded optimizer state"
 
 # (flag, or prefix ending in "-", the missing feature): in this order, the first match is reported.
 REFUSED = (
@@ -132,10 +166,7 @@ REFUSED = (
     ("--expert-tensor-parallel-size", MOE),
     ("--fp8-", _FP8),
     ("--fp8", _FP8),
-    ("--use-megatron-fsdp", _MFSDP),
-    ("--data-parallel-sharding-strategy", _MFSDP),
-    ("--fsdp-", _MFSDP),
-    ("--use-nccl-ub", _MFSDP),
+    ("--outer-dp-sharding-strategy", "hybrid sharded data parallelism (HSDP) is not implemented"),
     ("--multi-latent-attention", "multi-latent attention (DeepSeek's MLA) is not implemented"),
 )
 
