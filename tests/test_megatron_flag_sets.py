@@ -103,6 +103,8 @@ def shrink(argv, tmp):
     if "--profile" in argv:
         sizes.update({"--profile-step-start": "1", "--profile-step-end": "2"})
     sizes.update({"--distributed-backend": "gloo", "--split": _get(argv, "--split")})
+    if "--tensorboard-dir" in argv:  # (a relative one would land in the world's working directory)
+        sizes["--tensorboard-dir"] = str(tmp / "tb")
     argv = replace(drop(argv, DATA_FLAGS + ("--mock-data",)), sizes)
     argv += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--device", "cpu"]
     argv += ["--log-jsonl", str(tmp / "log.jsonl"), "--no-progress-bar"]
@@ -347,3 +349,98 @@ def test_megatron_fsdp_runs_on_fsdp2_or_the_distributed_optimizer(strategy, fsdp
 )
 def test_megatron_fsdp_refusals_are_one_sentence(flags, message):
     assert message in _refusal(["--mock-data"] + flags)
+
+
+# Implemented options whose default differs from Megatron-LM's on purpose (README, docs/megatron_flags.md):
+# a value where Megatron-LM requires one, the model family's default (gpt2's are Megatron's), a default
+# resolved at run time to Megatron's, or the same value spelled another way.
+OUR_DEFAULTS = {
+    "--num-layers": "required by Megatron-LM",
+    "--hidden-size": "required by Megatron-LM",
+    "--num-attention-heads": "required by Megatron-LM",
+    "--seq-length": "required by Megatron-LM",
+    "--micro-batch-size": "required by Megatron-LM",
+    "--lr": "required by Megatron-LM",
+    "--tokenizer-type": "required by Megatron-LM (ours: the byte-level tokenizer of the embedded corpus)",
+    "--num-query-groups": "the family's: the head count (Megatron's 1 applies only with --group-query-attention)",
+    "--normalization": "the family's (gpt2: LayerNorm)",
+    "--position-embedding-type": "the family's (gpt2: learned_absolute)",
+    "--yarn-original-max-position-embeddings": "YaRN's values, read only with --position-embedding-type yarn",
+    "--yarn-beta-fast": "YaRN's values, read only with --position-embedding-type yarn",
+    "--yarn-beta-slow": "YaRN's values, read only with --position-embedding-type yarn",
+    "--distributed-backend": "nccl on CUDA (Megatron's), gloo on CPU",
+    "--split": "Megatron's 969,30,1, which it fills in when --split is left out",
+    "--attention-backend": "auto, Megatron's AttnBackend.auto",
+    "--cp-comm-type": "p2p, Megatron's ['p2p'] (one value for every layer)",
+}
+
+
+def _megatron_value(option):
+    """A value Megatron accepts for a value option: the accepted one, its first choice, its default, or 1."""
+    from megatron_sp.training.megatron_flags import NO_EFFECT
+    from megatron_sp.training.megatron_rules import rule_for
+
+    only = getattr(rule_for(option), "only", None)
+    only = only or next((e.only for e in NO_EFFECT if option["flags"][0] in e.flags), None)
+    only = only[0] if isinstance(only, tuple) else only
+    value = only or (option["choices"] or [None])[0] or option["default"] or 1
+    value = value[0] if isinstance(value, list) else value
+    count = option["nargs"] if isinstance(option["nargs"], int) else 1
+    return [str(value)] * count
+
+
+def test_every_megatron_option_is_implemented_accepted_or_refused():
+    """Every option of Megatron-LM's parser (megatron_arguments.json, extracted from the real parser at
+    the commit it names): implemented (all its spellings parse), accepted without effect (parses, and
+    a value other than the accepted one is refused), or refused in one sentence naming the flag."""
+    from megatron_sp.training import megatron_flags
+    from megatron_sp.training.megatron_rules import megatron_options
+    from tools import megatron_flag_table
+
+    parser = build_parser()
+    known = parser._option_string_actions
+    assert len(megatron_options()["options"]) > 800
+    for option in megatron_options()["options"]:
+        flags = option["flags"]
+        text = megatron_flag_table.describe(next((f for f in flags if f in known), flags[0]), parser)
+        if text.startswith("refused"):
+            sentence = megatron_flags.refusal([flags[0]])
+            assert sentence.startswith(f"{flags[0]}: ") and len(sentence.splitlines()) == 1, flags
+            continue
+        assert all(f in known for f in flags), flags  # every spelling
+        if text.startswith("implemented"):
+            continue
+        argv = [flags[0]] + ([] if option["kind"] == "switch" else _megatron_value(option))
+        args, unknown = parser.parse_known_args(argv)
+        assert not unknown and megatron_flags.refused_value(args) is None, argv
+
+
+def test_implemented_options_have_megatrons_defaults():
+    from megatron_sp.training.megatron_rules import megatron_options
+
+    known, differ = build_parser()._option_string_actions, {}
+    for option in megatron_options()["options"]:
+        action = next((known[f] for f in option["flags"] if f in known), None)
+        if action is None or option["kind"] == "switch" or "accepted, no effect" in (action.help or ""):
+            continue
+        ours, theirs = action.default, option["default"]
+        if ours != theirs and not (isinstance(ours, (int, float)) and isinstance(theirs, (int, float))):
+            differ[option["flags"][0]] = (theirs, ours)
+    assert set(differ) == set(OUR_DEFAULTS), differ
+
+
+def test_pipeline_split_accounting_is_megatrons_layout():
+    """--account-for-embedding/loss-in-pipeline-split: the embedding and the loss count as layers when
+    the layers are divided, so the first (last) stage holds one transformer layer fewer."""
+    base = ["--mock-data", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4", "--micro-batch-size", "1"]
+    args = parse_args(base + ["--num-layers", "3", "--account-for-embedding-in-pipeline-split"], world_size=2)
+    assert args.pipeline_model_parallel_layout == "Et|ttL" and args.pipeline_layout.stage_sizes == (1, 2)
+    both = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+    args = parse_args(base + ["--num-layers", "6", "--virtual-pipeline-model-parallel-size", "2"] + both, world_size=2)
+    assert args.pipeline_model_parallel_layout == "Et|tt|tt|tL"
+    assert "must be divisible by the 2 pipeline stages" in _refusal(
+        base + ["--num-layers", "4", "--account-for-embedding-in-pipeline-split"]
+    )
+    group = "--microbatch-group-size-per-virtual-pipeline-stage"
+    assert parse_args(base + ["--num-layers", "4", group, "2"], world_size=2).pipeline_layout is not None
+    assert "rounds of --pipeline-model-parallel-size (2)" in _refusal(base + ["--num-layers", "4", group, "4"])

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Writes tests/assets/megatron_arguments.json: every option of Megatron-LM's training parser
+"""Writes megatron_sp/training/megatron_arguments.json: every option of Megatron-LM's training parser
 (`megatron.training.arguments.add_megatron_arguments`) with its option strings, default, type,
 choices, nargs, kind (switch or value) and --help group, at one Megatron-LM commit.
 
@@ -27,7 +27,7 @@ import tempfile
 import types
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OUT = os.path.join(REPO, "tests", "assets", "megatron_arguments.json")
+OUT = os.path.join(REPO, "megatron_sp", "training", "megatron_arguments.json")
 # Modules that need a GPU stack or are absent on a CPU machine; the parser never calls into them.
 STUBBED = (
     "transformer_engine",

@@ -371,6 +371,9 @@ def _check_pipeline(args) -> None:
     pp = args.pipeline_model_parallel_size
     args.pipeline_layout = None
     layout_flags = (
+        args.microbatch_group_size_per_virtual_pipeline_stage,
+        args.account_for_embedding_in_pipeline_split or None,
+        args.account_for_loss_in_pipeline_split or None,
         args.virtual_pipeline_model_parallel_size,
         args.num_layers_per_virtual_pipeline_stage,
         args.num_virtual_stages_per_pipeline_rank,
@@ -381,7 +384,7 @@ def _check_pipeline(args) -> None:
     if pp == 1:
         if any(flag is not None for flag in layout_flags) or args.pipeline_schedule != "1f1b":
             raise ArgumentError(
-                "the virtual-stage, layout, first/last-stage and --pipeline-schedule flags need "
+                "the virtual-stage, layout, first/last-stage, split-accounting and --pipeline-schedule flags need "
                 "--pipeline-model-parallel-size > 1."
             )
         return
@@ -392,12 +395,46 @@ def _check_pipeline(args) -> None:
             f"hide; use 1f1b (interleaved with virtual stages) or gpipe."
         )
     try:
+        _accounted_split(args)
         layout = _pipeline_layout(args)
         for _, batch in args.batch_schedule.steps:
             layout.check_microbatches(batch // (args.micro_batch_size * args.data_parallel_size))
     except ValueError as err:
         raise ArgumentError(str(err)) from None
+    group = args.microbatch_group_size_per_virtual_pipeline_stage
+    if group is not None and group != pp:
+        raise ArgumentError(
+            f"--microbatch-group-size-per-virtual-pipeline-stage {group}: our interleaved schedules run rounds of "
+            f"--pipeline-model-parallel-size ({pp}) micro-batches, Megatron-LM's default; other sizes are not "
+            f"implemented."
+        )
     args.pipeline_layout = layout
+
+
+def _accounted_split(args) -> None:
+    """--account-for-embedding/loss-in-pipeline-split: the layout string they mean (layout.py)."""
+    from megatron_sp.pipeline_parallel.layout import accounted_layout
+
+    embedding, loss = args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split
+    if not (embedding or loss):
+        return
+    others = (
+        args.pipeline_model_parallel_layout,
+        args.decoder_first_pipeline_num_layers,
+        args.decoder_last_pipeline_num_layers,
+        args.num_layers_per_virtual_pipeline_stage,
+    )
+    if any(v is not None for v in others):
+        raise ValueError(
+            "--account-for-embedding/loss-in-pipeline-split divide the layers evenly; they do not go with a "
+            "layout string, --decoder-first/last-pipeline-num-layers or --num-layers-per-virtual-pipeline-stage."
+        )
+    vp = args.num_virtual_stages_per_pipeline_rank or args.virtual_pipeline_model_parallel_size or 1
+    if args.pipeline_schedule == "zbv":
+        vp = 2
+    args.pipeline_model_parallel_layout = accounted_layout(
+        args.num_layers, args.pipeline_model_parallel_size, vp, embedding, loss
+    )
 
 
 def _pipeline_layout(args):

@@ -80,6 +80,18 @@ def _pipeline_args(g):
     )
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None, help="layers of the first stage")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None, help="layers of the last stage")
+    for what in ("embedding", "loss"):
+        g.add_argument(
+            f"--account-for-{what}-in-pipeline-split",
+            action="store_true",
+            help=f"the {what} counts as one layer when the layers are divided over the stages",
+        )
+    g.add_argument(
+        "--microbatch-group-size-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="interleaved schedules: contiguous micro-batches per model chunk; only the pipeline size (the default)",
+    )
     g.add_argument(
         "--pipeline-schedule",
         choices=["1f1b", "gpipe", "interleaved-zb", "zbv"],
@@ -332,6 +344,7 @@ def _logging_args(p):
         g.add_argument(flag, action="store_true", help=what)
     g.add_argument(
         "--no-log-loss-scale-to-tensorboard",
+        "--disable-log-loss-scale-to-tensorboard",
         dest="log_loss_scale_to_tensorboard",
         action="store_false",
         default=True,
@@ -357,14 +370,16 @@ def _logging_args(p):
     g.add_argument("--profile", action="store_true", help="torch profiler trace of steps [start, end)")
     g.add_argument("--profile-step-start", type=int, default=10, help="first profiled step")
     g.add_argument("--profile-step-end", type=int, default=12, help="first step after the profiled ones")
-    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="the ranks traced")
+    g.add_argument("--profile-ranks", type=int, nargs="*", default=[], help="the ranks traced (none given: all)")
     g.add_argument("--profile-dir", default=None, help="default: <--tensorboard-dir or --save or .>/profile")
 
 
 def _checkpoint_args(p):
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None, help="checkpoint directory (DCP, one per iteration)")
-    g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+    g.add_argument(
+        "--save-interval", "--persistent-save-interval", type=int, default=None, help="iterations between checkpoints"
+    )
     g.add_argument("--no-save-optim", action="store_true", help="checkpoints without the optimizer state")
     g.add_argument("--no-save-rng", action="store_true", help="checkpoints without the RNG states")
     g.add_argument("--load", default=None, help="resume from this directory's latest checkpoint")
@@ -398,7 +413,9 @@ def _checkpoint_args(p):
 
 
 def _compat_args(p):
-    megatron_flags.add_no_effect_flags(p.add_argument_group("accepted without effect (see docs/megatron_flags.md)"))
+    group = p.add_argument_group("accepted without effect (see docs/megatron_flags.md)")
+    megatron_flags.add_no_effect_flags(group)
+    megatron_flags.add_rule_flags(p, group)  # the rest of Megatron-LM's options (megatron_rules.py)
 
 
 def build_parser() -> argparse.ArgumentParser:
