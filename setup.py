@@ -59,6 +59,7 @@ setup(
     version="0.1.0",
     description="Tensor + sequence parallel GPT pretraining that computes exactly what one device computes",
     packages=find_packages(include=["megatron_sp", "megatron_sp.*"]),
+    package_data={"megatron_sp.training": ["megatron_arguments.json"]},  # Megatron-LM's options (megatron_rules.py)
     py_modules=["pretrain_gpt_sp"],
     python_requires=">=3.10",
     ext_modules=ext_modules,

@@ -251,7 +251,8 @@ class GPTConfig(MoEFields):
     )
     apply_query_key_layer_scaling: bool = model_field(
         False,
-        help="compute Q·K^T scaled by 1/layer and undo it in the fp32 softmax (fp16 range; same function)",
+        help="compute Q·K^T scaled by 1/layer and undo it in the fp32 softmax (fp16 range; same function); "
+        "turns --attention-softmax-in-fp32 on, as in Megatron-LM",
         switches=(Switch("--apply-query-key-layer-scaling", True),),
     )
     untie_embeddings_and_output_weights: Optional[bool] = model_field(
@@ -440,6 +441,8 @@ class GPTConfig(MoEFields):
             self._set("ffn_hidden_size", swiglu if self.activation == "swiglu" else 4 * self.hidden_size)  # Megatron's
         if self.max_position_embeddings is None:
             self._set("max_position_embeddings", self.seq_length)
+        if self.apply_query_key_layer_scaling:  # Megatron-LM's TransformerConfig: the scaling needs it
+            self._set("attention_softmax_in_fp32", True)
         checks.check_choices(self)
         checks.check_positive(self)
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads == 0:

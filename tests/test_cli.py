@@ -70,11 +70,11 @@ CASES = {
         "global-batch-size",
     ),
     "world not divisible": (lambda d, t: ["--tensor-model-parallel-size", "2"], 3, "tensor-model-parallel-size"),
-    "heads vs hidden": (lambda d, t: ["--hidden-size", "66"], None, "hidden_size"),
+    "heads vs hidden": (lambda d, t: ["--hidden-size", "66"], None, "--hidden-size (66)"),
     "heads vs tp": (
         lambda d, t: ["--tensor-model-parallel-size", "8", "--global-batch-size", "2"],
         8,
-        "num_attention_heads",
+        "--num-attention-heads (4) must be divisible by --tensor-model-parallel-size",
     ),
     "seq vs tp under sp": (
         lambda d, t: [
@@ -87,14 +87,14 @@ CASES = {
             "2",
         ],
         4,
-        "seq_length",
+        "--seq-length (34)",
     ),
     "tp comm overlap without sp": (
         lambda d, t: ["--tensor-model-parallel-size", "2", "--tp-comm-overlap"],
         2,
-        "tp_comm_overlap needs sequence_parallel",
+        "--tp-comm-overlap needs --sequence-parallel",
     ),
-    "dropout range": (lambda d, t: ["--hidden-dropout", "1.5"], None, "hidden_dropout"),
+    "dropout range": (lambda d, t: ["--hidden-dropout", "1.5"], None, "--hidden-dropout must be"),
     "unknown flag": (lambda d, t: ["--no-such-flag"], None, "--no-such-flag"),
     "compile without fused ops": (lambda d, t: ["--torch-compile", "--no-fused-kernels"], None, "--torch-compile"),
     "compile with tp comm overlap": (
@@ -141,7 +141,7 @@ def test_cli_exit_code_without_traceback(tmp_path):
         env=dict(os.environ, PYTHONWARNINGS="ignore"),
     )
     assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr and "hidden_size" in proc.stderr
+    assert "Traceback" not in proc.stderr and "--hidden-size" in proc.stderr
 
 
 def test_non_finite_loss_stops_naming_iteration(capsys, monkeypatch, tmp_path):

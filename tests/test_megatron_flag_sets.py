@@ -84,7 +84,8 @@ def shrink(argv, tmp):
     cp = int(_get(argv, "--context-parallel-size", 1))
     tp = min(int(_get(argv, "--tensor-model-parallel-size", 1)), WORLD // (pp * cp))
     ep = min(int(_get(argv, "--expert-model-parallel-size", 1)), 2)
-    dp = WORLD // (tp * cp * pp) if tp * cp * pp * ep > 1 else 1
+    sharded = "--use-megatron-fsdp" in argv or "--use-torch-fsdp2" in argv  # (needs replicas: the world)
+    dp = WORLD // (tp * cp * pp) if tp * cp * pp * ep > 1 or sharded else 1
     sizes = {"--num-layers": "2", "--hidden-size": "64", "--num-attention-heads": "4", "--seq-length": "32"}
     sizes.update({f: v for f, v in (("--ffn-hidden-size", "128"), ("--kv-channels", "16")) if f in argv})
     sizes.update({f: v for f, v in (("--num-query-groups", "2"), ("--max-position-embeddings", "32")) if f in argv})
@@ -107,13 +108,15 @@ def shrink(argv, tmp):
     if "--profile" in argv:
         sizes.update({"--profile-step-start": "1", "--profile-step-end": "2"})
     sizes.update({"--distributed-backend": "gloo", "--split": _get(argv, "--split")})
+    if "--tensorboard-dir" in argv:  # (a relative one would land in the world's working directory)
+        sizes["--tensorboard-dir"] = str(tmp / "tb")
     argv = replace(drop(argv, DATA_FLAGS + ("--mock-data",)), sizes)
     argv += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--device", "cpu"]
     argv += ["--log-jsonl", str(tmp / "log.jsonl"), "--no-progress-bar"]
     paths = {"$CKPT": tmp / "ckpt", "$TB": tmp / "tb", "$CACHE": tmp / "cache", "$WANDB": tmp / "wandb"}
     for key, path in paths.items():
         argv = [a.replace(key, str(path)) for a in argv]
-    return argv, max(tp * cp * pp, ep)
+    return argv, WORLD if sharded else max(tp * cp * pp, ep)
 
 
 def _known(flag) -> bool:
@@ -281,7 +284,168 @@ def test_defaults_a_script_relies_on_are_megatron_lms():
     args = parse_args(["--mock-data"])
     defaults = (args.min_lr, args.lr_decay_style, args.adam_beta2, args.eval_iters, args.log_interval)
     assert defaults == (0.0, "linear", 0.999, 100, 100)
-    assert args.lr_warmup_iters in (None, 0) and args.lr_warmup_fraction is None and args.lr_warmup_samples is None
+    assert args.lr_warmup_iters == 0 and args.lr_warmup_fraction is None and args.lr_warmup_samples == 0
     evaluates = [pretrain.evaluates(parse_args(["--mock-data"] + f)) for f in ([], ["--eval-interval", "5"])]
     assert evaluates == [False, True]  # evaluation only with --eval-interval ...
     assert not pretrain.evaluates(parse_args(["--mock-data", "--eval-interval", "5", "--eval-iters", "0"]))  # ... > 0
+
+
+def test_fsdp2_saves_right_after_an_evaluation(world, tmp_path):
+    """--use-torch-fsdp2 with an evaluation and a save at the same iteration (TP2 × FSDP2 over DP2): the
+    root's weights, left gathered by the forward-only evaluation, are sharded again before the save (it
+    crashed on `full_tensor`), and the checkpoint resumes."""
+    ckpt = tmp_path / "ckpt"
+    argv = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--device", "cpu"]
+    argv += ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
+    argv += ["--tensor-model-parallel-size", "2", "--micro-batch-size", "1", "--global-batch-size", "4"]
+    argv += ["--use-torch-fsdp2", "--eval-interval", "2", "--eval-iters", "1", "--save", str(ckpt)]
+    argv += ["--save-interval", "2", "--log-jsonl", str(tmp_path / "log.jsonl"), "--no-progress-bar"]
+    assert world.run(_train_in_world, argv + ["--train-iters", "2"]) == [0] * WORLD
+    assert (ckpt / "iter_0000002").is_dir()
+    assert world.run(_train_in_world, argv + ["--train-iters", "3", "--load", str(ckpt)]) == [0] * WORLD
+    assert [r["iteration"] for r in records(tmp_path / "log.jsonl") if "lm_loss" in r] == [1, 2, 3]
+
+
+def test_query_key_layer_scaling_turns_the_fp32_softmax_on():
+    """Megatron-LM's TransformerConfig: --apply-query-key-layer-scaling sets attention_softmax_in_fp32
+    (else layer 1, whose scale is 1, ran its softmax in bf16)."""
+    cfg = pretrain.build_config(parse_args(["--mock-data", "--apply-query-key-layer-scaling", "--bf16"]), 512)
+    assert cfg.apply_query_key_layer_scaling and cfg.attention_softmax_in_fp32
+
+
+def test_model_refusals_name_the_flags():
+    """A GPTConfig error reached from the command line names the flags, not the config's fields."""
+    args = parse_args(["--mock-data", "--num-attention-heads", "4", "--num-query-groups", "3"])
+    with pytest.raises(ValueError) as err:
+        pretrain.build_config(args, 512)
+    message = str(err.value)
+    assert "--num-query-groups (3)" in message and "--num-attention-heads (4)" in message, message
+    assert "GPTConfig" not in message and "num_query_groups" not in message
+
+
+@pytest.mark.parametrize(
+    "strategy, fsdp2, reshard, distributed",
+    [
+        ("optim_grads_params", True, True, False),  # ZeRO-3
+        ("optim_grads", True, False, False),  # ZeRO-2: weights kept gathered from forward to backward
+        ("optim", False, True, True),  # ZeRO-1
+        ("no_shard", False, True, False),
+    ],
+)
+def test_megatron_fsdp_runs_on_fsdp2_or_the_distributed_optimizer(strategy, fsdp2, reshard, distributed):
+    """--use-megatron-fsdp's sharding strategies on our implementations (Llama-3 8B's Megatron-FSDP
+    set trains with optim_grads_params in test_megatron_flag_set; its --use-distributed-optimizer, which
+    Megatron-FSDP v1 requires, gives way to FSDP2's own sharding)."""
+    argv = ["--mock-data", "--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
+    args = parse_args(argv + ["--use-distributed-optimizer"] * (strategy != "no_shard"), world_size=2)
+    assert (args.use_torch_fsdp2, args.torch_fsdp2_reshard_after_forward) == (fsdp2, reshard)
+    assert args.use_distributed_optimizer == distributed
+    assert parse_args(argv + ["--ckpt-format", "fsdp_dtensor"], world_size=2).ckpt_format == "fsdp_dtensor"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--ckpt-format", "fsdp_dtensor"], "--ckpt-format fsdp_dtensor needs --use-megatron-fsdp"),
+        (["--use-megatron-fsdp", "--use-torch-fsdp2"], "two FSDP implementations; give one"),
+        (["--use-megatron-fsdp", "--outer-dp-sharding-strategy", "optim"], "(HSDP) is not implemented"),
+        (["--megatron-fsdp-main-params-dtype", "bf16"], "the main weights are fp32"),
+    ],
+)
+def test_megatron_fsdp_refusals_are_one_sentence(flags, message):
+    assert message in _refusal(["--mock-data"] + flags)
+
+
+# Implemented options whose default differs from Megatron-LM's on purpose (README, docs/megatron_flags.md):
+# a value where Megatron-LM requires one, the model family's default (gpt2's are Megatron's), a default
+# resolved at run time to Megatron's, or the same value spelled another way.
+OUR_DEFAULTS = {
+    "--num-layers": "required by Megatron-LM",
+    "--hidden-size": "required by Megatron-LM",
+    "--num-attention-heads": "required by Megatron-LM",
+    "--seq-length": "required by Megatron-LM",
+    "--micro-batch-size": "required by Megatron-LM",
+    "--lr": "required by Megatron-LM",
+    "--tokenizer-type": "required by Megatron-LM (ours: the byte-level tokenizer of the embedded corpus)",
+    "--num-query-groups": "the family's: the head count (Megatron's 1 applies only with --group-query-attention)",
+    "--normalization": "the family's (gpt2: LayerNorm)",
+    "--position-embedding-type": "the family's (gpt2: learned_absolute)",
+    "--yarn-original-max-position-embeddings": "YaRN's values, read only with --position-embedding-type yarn",
+    "--yarn-beta-fast": "YaRN's values, read only with --position-embedding-type yarn",
+    "--yarn-beta-slow": "YaRN's values, read only with --position-embedding-type yarn",
+    "--distributed-backend": "nccl on CUDA (Megatron's), gloo on CPU",
+    "--split": "Megatron's 969,30,1, which it fills in when --split is left out",
+    "--attention-backend": "auto, Megatron's AttnBackend.auto",
+    "--cp-comm-type": "p2p, Megatron's ['p2p'] (one value for every layer)",
+}
+
+
+def _megatron_value(option):
+    """A value Megatron accepts for a value option: the accepted one, its first choice, its default, or 1."""
+    from megatron_sp.training.megatron_flags import NO_EFFECT
+    from megatron_sp.training.megatron_rules import rule_for
+
+    only = getattr(rule_for(option), "only", None)
+    only = only or next((e.only for e in NO_EFFECT if option["flags"][0] in e.flags), None)
+    only = only[0] if isinstance(only, tuple) else only
+    value = only or (option["choices"] or [None])[0] or option["default"] or 1
+    value = value[0] if isinstance(value, list) else value
+    count = option["nargs"] if isinstance(option["nargs"], int) else 1
+    return [str(value)] * count
+
+
+def test_every_megatron_option_is_implemented_accepted_or_refused():
+    """Every option of Megatron-LM's parser (megatron_arguments.json, extracted from the real parser at
+    the commit it names): implemented (all its spellings parse), accepted without effect (parses, and
+    a value other than the accepted one is refused), or refused in one sentence naming the flag."""
+    from megatron_sp.training import megatron_flags
+    from megatron_sp.training.megatron_rules import megatron_options
+    from tools import megatron_flag_table
+
+    parser = build_parser()
+    known = parser._option_string_actions
+    assert len(megatron_options()["options"]) > 800
+    for option in megatron_options()["options"]:
+        flags = option["flags"]
+        text = megatron_flag_table.describe(next((f for f in flags if f in known), flags[0]), parser)
+        if text.startswith("refused"):
+            sentence = megatron_flags.refusal([flags[0]])
+            assert sentence.startswith(f"{flags[0]}: ") and len(sentence.splitlines()) == 1, flags
+            continue
+        assert all(f in known for f in flags), flags  # every spelling
+        if text.startswith("implemented"):
+            continue
+        argv = [flags[0]] + ([] if option["kind"] == "switch" else _megatron_value(option))
+        args, unknown = parser.parse_known_args(argv)
+        assert not unknown and megatron_flags.refused_value(args) is None, argv
+
+
+def test_implemented_options_have_megatrons_defaults():
+    from megatron_sp.training.megatron_rules import megatron_options
+
+    known, differ = build_parser()._option_string_actions, {}
+    for option in megatron_options()["options"]:
+        action = next((known[f] for f in option["flags"] if f in known), None)
+        if action is None or option["kind"] == "switch" or "accepted, no effect" in (action.help or ""):
+            continue
+        ours, theirs = action.default, option["default"]
+        if ours != theirs and not (isinstance(ours, (int, float)) and isinstance(theirs, (int, float))):
+            differ[option["flags"][0]] = (theirs, ours)
+    assert set(differ) == set(OUR_DEFAULTS), differ
+
+
+def test_pipeline_split_accounting_is_megatrons_layout():
+    """--account-for-embedding/loss-in-pipeline-split: the embedding and the loss count as layers when
+    the layers are divided, so the first (last) stage holds one transformer layer fewer."""
+    base = ["--mock-data", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4", "--micro-batch-size", "1"]
+    args = parse_args(base + ["--num-layers", "3", "--account-for-embedding-in-pipeline-split"], world_size=2)
+    assert args.pipeline_model_parallel_layout == "Et|ttL" and args.pipeline_layout.stage_sizes == (1, 2)
+    both = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+    args = parse_args(base + ["--num-layers", "6", "--virtual-pipeline-model-parallel-size", "2"] + both, world_size=2)
+    assert args.pipeline_model_parallel_layout == "Et|tt|tt|tL"
+    assert "must be divisible by the 2 pipeline stages" in _refusal(
+        base + ["--num-layers", "4", "--account-for-embedding-in-pipeline-split"]
+    )
+    group = "--microbatch-group-size-per-virtual-pipeline-stage"
+    assert parse_args(base + ["--num-layers", "4", group, "2"], world_size=2).pipeline_layout is not None
+    assert "rounds of --pipeline-model-parallel-size (2)" in _refusal(base + ["--num-layers", "4", group, "4"])

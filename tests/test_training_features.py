@@ -190,14 +190,15 @@ def test_decoupled_lr_drives_the_embedding_and_output_layer():
     from megatron_sp.config import GPTConfig
     from megatron_sp.distributed.optimizer import param_groups
     from megatron_sp.models.reference import ReferenceGPT
-    from megatron_sp.training.schedules import LRSchedule
+    from megatron_sp.training.schedules import LRSchedule, ParamScheduler, WDSchedule
 
     cfg = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=50, seq_length=8)
     model = ReferenceGPT(GPTConfig(**{**dataclass_fields(cfg), "untie_embeddings_and_output_weights": True}))
     optimizer = torch.optim.AdamW(param_groups(model.named_parameters(), 0.1, decoupled=True))
-    main = LRSchedule(1e-3, 0.0, 10, 100, "cosine", init=1e-4)
-    own = LRSchedule(5e-3, 1e-4, 10, 100, "cosine", init=1e-4)
-    main.apply(optimizer, 5, own)
+    scheduler = ParamScheduler(
+        LRSchedule(1e-3, 0.0, 10, 100, "cosine", init=1e-4), WDSchedule(0.1, 0.1, 100), decoupled=(5e-3, 1e-4)
+    )
+    scheduler.step(5, optimizer)
     decoupled = [g for g in optimizer.param_groups if g.get("decoupled")]
     names = {id(p): n for n, p in model.named_parameters()}
     assert sorted(names[id(p)] for p in decoupled[0]["params"]) == [

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""The Megatron-LM flag table of docs/megatron_flags.md: every flag of the 19 real flag sets
-(tests/assets/megatron_flag_sets.json) and every flag training/megatron_flags.py accepts without
-effect or refuses, each with what it does here.
+"""The Megatron-LM flag table of docs/megatron_flags.md: every option of Megatron-LM's training parser
+(megatron_sp/training/megatron_arguments.json, tools/extract_megatron_options.py), every flag of the 19
+real flag sets (tests/assets/megatron_flag_sets.json) and every flag training/megatron_flags.py accepts
+without effect or refuses, each with Megatron-LM's default and what it does here; above it, the counts.
 
     python tools/megatron_flag_table.py            # print the table
     python tools/megatron_flag_table.py --write    # replace docs/megatron_flags.md's table with it
@@ -72,11 +73,48 @@ def describe(flag: str, parser) -> str:
     raise ValueError(f"{flag}: no handling (implement it, or add it to training/megatron_flags.py).")
 
 
-def _table_flags(counts: dict) -> list:
-    """The sets' flags and megatron_flags.py's that no set passes (a prefix as `--moe-`), sorted."""
-    from megatron_sp.training import megatron_flags
+def _megatron_defaults() -> dict:
+    """flag -> Megatron-LM's default, for every option string of its parser."""
+    from megatron_sp.training.megatron_rules import megatron_options
 
-    flags = set(counts)
+    return {f: o["default"] for o in megatron_options()["options"] for f in o["flags"]}
+
+
+def _shown_default(option_kind: str, default) -> str:
+    if option_kind == "switch":
+        return "off" if default is False else "on" if default is True else ""
+    if default in (None, "", []):
+        return ""
+    text = " ".join(map(str, default)) if isinstance(default, list) else str(default)
+    return f"`{text}`".replace("|", "\\|")
+
+
+def _handled_flag(option: dict, parser) -> str:
+    """The option string the table shows: the first one our parser knows, else Megatron's first."""
+    return next((f for f in option["flags"] if f in parser._option_string_actions), option["flags"][0])
+
+
+def option_counts(parser=None) -> dict:
+    """How many of Megatron-LM's options are implemented, accepted without effect and refused here."""
+    from megatron_sp.training.arguments import build_parser
+    from megatron_sp.training.megatron_rules import megatron_options
+
+    parser = parser or build_parser()
+    out = {"implemented": 0, "accepted, no effect": 0, "refused": 0}
+    for option in megatron_options()["options"]:
+        text = describe(_handled_flag(option, parser), parser)
+        kind = "refused" if text.startswith("refused") else "implemented" if text.startswith("implemented") else None
+        out[kind or "accepted, no effect"] += 1
+    return out
+
+
+def _table_flags(counts: dict, parser) -> list:
+    """Megatron-LM's options, the sets' flags and megatron_flags.py's that no set passes (a prefix as
+    `--moe-`), sorted."""
+    from megatron_sp.training import megatron_flags
+    from megatron_sp.training.megatron_rules import megatron_options
+
+    flags = set(counts) | {_handled_flag(o, parser) for o in megatron_options()["options"]}
     extra = [f for entry in megatron_flags.NO_EFFECT for f in entry.flags]
     extra += [flag for flag, _ in megatron_flags.REFUSED]
     for flag in extra:
@@ -87,12 +125,24 @@ def _table_flags(counts: dict) -> list:
 
 def table(fixture=FIXTURE) -> str:
     from megatron_sp.training.arguments import build_parser
+    from megatron_sp.training.megatron_rules import megatron_options
 
     parser, counts = build_parser(), set_flags(fixture)
-    rows = ["| flag | sets | here |", "| --- | --- | --- |"]
-    for flag in _table_flags(counts):
+    kinds = {f: o["kind"] for o in megatron_options()["options"] for f in o["flags"]}
+    defaults, tally = _megatron_defaults(), option_counts(parser)
+    meta = megatron_options()
+    rows = [
+        f"Megatron-LM's training parser at `{meta['megatron_lm_commit'][:12]}` has {len(meta['options'])} options: "
+        f"{tally['implemented']} implemented, {tally['accepted, no effect']} accepted without effect, "
+        f"{tally['refused']} refused.",
+        "",
+        "| flag | sets | Megatron-LM default | here |",
+        "| --- | --- | --- | --- |",
+    ]
+    for flag in _table_flags(counts, parser):
         shown = f"{flag}*" if flag.endswith("-") else flag
-        rows.append(f"| `{shown}` | {counts.get(flag, '')} | {describe(flag, parser)} |")
+        default = _shown_default(kinds[flag], defaults[flag]) if flag in kinds else "(not Megatron-LM's)"
+        rows.append(f"| `{shown}` | {counts.get(flag, '')} | {default} | {describe(flag, parser)} |")
     return "\n".join(rows)
 
 

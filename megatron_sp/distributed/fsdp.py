@@ -90,6 +90,7 @@ def problem(args) -> str | None:
     """The one-sentence reason the command line cannot run with --use-torch-fsdp2, or None."""
     if not getattr(args, "use_torch_fsdp2", False):
         return None
+    ours = "--use-megatron-fsdp" if getattr(args, "use_megatron_fsdp", False) else FLAG  # (the user's)
     conflicts = (
         ("use_distributed_optimizer", "--use-distributed-optimizer", "FSDP2 shards the optimizer state itself"),
         ("grad_reduce_in_bf16", "--grad-reduce-in-bf16", "FSDP2 reduce-scatters its gradients in fp32"),
@@ -97,12 +98,12 @@ def problem(args) -> str | None:
     )
     for name, flag, why in conflicts:
         if getattr(args, name, False):
-            return f"{FLAG} cannot be combined with {flag}: {why}."
+            return f"{ours} cannot be combined with {flag}: {why}."
     replicas = args.data_parallel_size * args.context_parallel_size
     if replicas == 1:
         return (
-            f"{FLAG} shards over the data- and context-parallel replicas and this layout has one "
-            f"(world size {args.world_size} = --tensor-model-parallel-size); drop {FLAG} or add ranks."
+            f"{ours} shards over the data- and context-parallel replicas and this layout has one "
+            f"(world size {args.world_size} = --tensor-model-parallel-size); drop {ours} or add ranks."
         )
     return None
 
@@ -122,6 +123,16 @@ def model_problem(cfg, layout) -> str | None:
 # ---- wrapping --------------------------------------------------------------------------------------
 
 
+def reshard(model) -> None:
+    """Frees the weights an FSDP2 root keeps gathered after a forward that no backward follows (an
+    evaluation): its parameters are this rank's DTensor shards again, as the checkpoint reads them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def replica_mesh(ps: ParallelState, device: str):
     """The 1-D DeviceMesh of this rank's DP×CP group (the ranks holding the same TP shards)."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -129,9 +140,12 @@ def replica_mesh(ps: ParallelState, device: str):
     return DeviceMesh.from_group(ps.replica_group, "cuda" if device == "cuda" else "cpu")
 
 
-def shard_model(model: TrainableModel, ps: ParallelState, device: str):
+def shard_model(model: TrainableModel, ps: ParallelState, device: str, reshard_after_forward: bool = True):
     """fully_shard the model in place (see the module docstring); returns the mesh. The parameters become
-    DTensors sharded on dim 0 and keep their attributes."""
+    DTensors sharded on dim 0 and keep their attributes. reshard_after_forward=False (Megatron's
+    --torch-fsdp2-no-reshard-after-forward, and --data-parallel-sharding-strategy optim_grads): every
+    layer keeps its gathered weights from its forward to its backward (ZeRO-2's memory: gradients and
+    optimizer state sharded, weights whole during the step)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     attrs = {n: {a: getattr(p, a) for a in PARAM_ATTRS if hasattr(p, a)} for n, p in model.named_parameters()}
@@ -143,7 +157,8 @@ def shard_model(model: TrainableModel, ps: ParallelState, device: str):
     mesh = replica_mesh(ps, device)
     if not isinstance(model, PipelinedModel):  # the last layer keeps its weights: its backward follows at once
         layers = list(model.layers)
-        groups = [_shard_root(model, layers, [i < len(layers) - 1 for i in range(len(layers))], mesh, policy)]
+        again = [reshard_after_forward and i < len(layers) - 1 for i in range(len(layers))]
+        groups = [_shard_root(model, layers, again, mesh, policy)]
     else:  # each pipeline stage is a root (its forward is what the schedule calls), gathered for the step
         groups = [_shard_root(c, list(c.blocks), [False] * len(c.blocks), mesh, policy) for c in model.stage_chunks]
     for module in [m for group in groups for m in group]:  # a sum over DP×CP divided by dp: the DP mean
@@ -324,6 +339,6 @@ class FSDPOptimizer(TrainingOptimizer):
 
 def build_fsdp_optimizer(model, args, device: str, ps: ParallelState) -> FSDPOptimizer:
     """Shards the model (shard_model) and returns its optimizer (optimizer.py's AdamW factory)."""
-    shard_model(model, ps, device)
+    shard_model(model, ps, device, getattr(args, "torch_fsdp2_reshard_after_forward", True))
     decoupled = getattr(args, "decoupled_lr", None) is not None
     return FSDPOptimizer(model, ps, adamw_factory(args, device, distributed=True), args.weight_decay, decoupled)

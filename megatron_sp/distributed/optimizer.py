@@ -51,9 +51,12 @@ def param_groups(named_params, weight_decay: float, decoupled: bool = False):
     decay, no_decay, own = [], [], []
     for name, p in named_params:
         (own if decoupled and name in DECOUPLED else no_decay if p.dim() < 2 else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
+        {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},  # (the schedule's weight decay × wd_mult)
+    ]
     if own:
-        groups.append({"params": own, "weight_decay": weight_decay, "decoupled": True})
+        groups.append({"params": own, "weight_decay": weight_decay, "wd_mult": 1.0, "decoupled": True})
     return groups
 
 

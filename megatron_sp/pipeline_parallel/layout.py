@@ -117,7 +117,9 @@ class PipelineLayout:
         if interleaved and not self.v_shape and m % p != 0:
             raise ValueError(
                 f"an interleaved pipeline schedule needs a micro-batch count that is a multiple of "
-                f"--pipeline-model-parallel-size {p}, not {m} (global batch / (micro-batch × DP))."
+                f"--pipeline-model-parallel-size {p}, not {m} (global batch / (micro-batch × DP)): ours run "
+                f"rounds of {p} micro-batches (Megatron-LM's default group size; its larger "
+                f"--microbatch-group-size-per-virtual-pipeline-stage, which allows other counts, is not implemented)."
             )
         if self.schedule == "1f1b" and m < p:
             raise ValueError(
@@ -244,6 +246,23 @@ def _vp_from_layers_per_stage(pp_size, vp_size, layers_per_virtual_stage, num_la
             f"--num-layers-per-virtual-pipeline-stage {layers_per_virtual_stage}."
         )
     return num_layers // (pp_size * layers_per_virtual_stage)
+
+
+def accounted_layout(num_layers: int, pp_size: int, vp_size: int, embedding: bool, loss: bool) -> str:
+    """Megatron's --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split as a
+    layout string: the embedding and the loss count as one layer each when the layers are divided over
+    the p·v stages, so the first stage holds one transformer layer fewer (and the last, with the loss)."""
+    stages, total = pp_size * vp_size, num_layers + int(embedding) + int(loss)
+    if total % stages != 0:
+        raise ValueError(
+            f"--num-layers {num_layers} plus the embedding/loss layers accounted for ({total}) must be divisible "
+            f"by the {stages} pipeline stages (--pipeline-model-parallel-size × virtual stages)."
+        )
+    per = total // stages
+    counts = [per - int(embedding) * (s == 0) - int(loss) * (s == stages - 1) for s in range(stages)]
+    parts = ["t" * n for n in counts]
+    parts[0], parts[-1] = "E" + parts[0], parts[-1] + "L"
+    return "|".join(parts)
 
 
 def _layout_from_text(text, pp_size, vp_size, first, last, schedule, num_layers=None) -> PipelineLayout:

@@ -21,7 +21,6 @@ def validate(args) -> None:
     """Checks that need no data and no devices; fills derived defaults (dp size, batch sizes...)."""
     _check_features(args)
     _train_length(args)
-    _train_length(args)
     for name in (
         "micro_batch_size",
         "train_iters",
@@ -71,6 +70,8 @@ def validate(args) -> None:
     _schedule_units(args)
     if args.min_lr > args.lr:
         raise ArgumentError("--min-lr must not exceed --lr.")
+    if args.lr_warmup_init > args.lr:
+        raise ArgumentError("--lr-warmup-init must not exceed --lr (the warmup climbs from it to --lr).")
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:
         raise ArgumentError("--decoupled-min-lr needs --decoupled-lr.")
     if args.decoupled_lr is not None and (args.decoupled_min_lr or args.min_lr) > args.decoupled_lr:
@@ -82,53 +83,80 @@ def validate(args) -> None:
 
 
 def _train_length(args) -> None:
-    """--train-iters or --train-samples (Megatron: one of them; samples make the LR flags sample-based)."""
+    """--train-iters or --train-samples (Megatron: one of them; samples make the LR flags sample-based).
+    Megatron's defaults: --lr-warmup-iters 0 and --lr-warmup-samples 0, so an explicit 0 of the other
+    unit is fine."""
     if args.train_samples is not None and args.train_iters is not None:
         raise ArgumentError("give --train-iters or --train-samples, not both.")
+    by_samples = args.train_samples is not None
+    unit, other = ("iters", "samples") if by_samples else ("samples", "iters")
+    for name, default in ((f"lr_decay_{unit}", None), (f"lr_warmup_{unit}", 0), (f"lr_wsd_decay_{unit}", None)):
+        value = getattr(args, name)
+        if value not in (None, default):
+            flag = f"--{name.replace('_', '-')}"
+            raise ArgumentError(
+                f"{flag} {value} needs --train-{unit}; with --train-{other} use {flag.replace(unit, other)}."
+            )
     if args.train_samples is None:
-        for flag in ("lr_decay_samples", "lr_warmup_samples"):
-            if getattr(args, flag) is not None:
-                raise ArgumentError(
-                    f"--{flag.replace('_', '-')} needs --train-samples (with --train-iters use "
-                    f"--{flag.replace('_samples', '_iters').replace('_', '-')})."
-                )
         if args.train_iters is None:
             args.train_iters = 300
         return
-    for flag in ("lr_decay_iters", "lr_warmup_iters"):
-        if getattr(args, flag) is not None:
-            raise ArgumentError(
-                f"--{flag.replace('_', '-')} does not go with --train-samples; use "
-                f"--{flag.replace('_iters', '_samples').replace('_', '-')}."
-            )
     if args.train_samples <= 0:
         raise ArgumentError(f"--train-samples must be positive, got {args.train_samples}.")
     args.train_iters = None  # set once the global batch size is known (_schedule_units)
 
 
 def _schedule_units(args) -> None:
-    """LR schedule span in iterations or samples: args.lr_unit, args.lr_warmup, args.lr_decay."""
-    samples = args.train_samples is not None
-    if samples:
+    """The schedules' spans in samples, as Megatron's get_optimizer_param_scheduler computes them
+    (--train-iters: iterations × the final --global-batch-size): args.lr_warmup_steps (a float with
+    --lr-warmup-fraction), lr_decay_steps, wsd_decay_steps, wd_incr_steps; and the weight-decay range."""
+    gbs = args.global_batch_size
+    if args.train_samples is not None:
         args.train_iters = max(1, args.batch_schedule.iterations(args.train_samples))
         decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
-        warmup = args.lr_warmup_samples
+        warmup, wsd, wd_incr = args.lr_warmup_samples, args.lr_wsd_decay_samples, args.train_samples
     else:
-        decay = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
-        warmup = args.lr_warmup_iters
+        decay = (args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters) * gbs
+        wsd = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters is not None else None
+        warmup, wd_incr = args.lr_warmup_iters * gbs, args.train_iters * gbs
     if args.lr_warmup_fraction is not None:
-        if warmup is not None:
+        if warmup != 0:
             raise ArgumentError("give --lr-warmup-fraction or --lr-warmup-iters/--lr-warmup-samples, not both.")
         if not 0.0 <= args.lr_warmup_fraction <= 1.0:
             raise ArgumentError(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}.")
-        warmup = int(args.lr_warmup_fraction * decay)
-    if warmup is None:
-        warmup = 0
+        warmup = args.lr_warmup_fraction * decay  # fractional, as Megatron keeps it
     if warmup < 0 or decay <= 0:
-        raise ArgumentError("the LR warmup must be >= 0 and the decay span positive.")
-    args.lr_unit, args.lr_warmup, args.lr_decay = ("samples" if samples else "iterations"), warmup, decay
-    args.lr_decay_iters = decay if not samples else args.lr_decay_iters
-    args.lr_warmup_iters = warmup if not samples else args.lr_warmup_iters
+        raise ArgumentError("the LR warmup must be >= 0 and the decay span (--lr-decay-iters/-samples) positive.")
+    if args.lr_decay_style == "WSD" and wsd is None:
+        raise ArgumentError(
+            "--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples with --train-samples)."
+        )
+    if args.use_checkpoint_opt_param_scheduler and args.override_opt_param_scheduler:
+        raise ArgumentError(
+            "--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler contradict each other; give one."
+        )
+    args.lr_warmup_steps, args.lr_decay_steps, args.wsd_decay_steps, args.wd_incr_steps = warmup, decay, wsd, wd_incr
+    _weight_decay_range(args)
+
+
+def _weight_decay_range(args) -> None:
+    """--start/--end-weight-decay: Megatron's rule (constant: both from --weight-decay)."""
+    start, end = args.start_weight_decay, args.end_weight_decay
+    if args.weight_decay_incr_style == "constant":
+        if start is not None or end is not None:
+            raise ArgumentError(
+                "--start-weight-decay / --end-weight-decay need --weight-decay-incr-style linear or cosine "
+                "(constant decay is --weight-decay)."
+            )
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+        return
+    if start is None or end is None:
+        raise ArgumentError(
+            f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay and "
+            f"--end-weight-decay."
+        )
+    if not 0.0 <= start <= end:
+        raise ArgumentError(f"need 0 <= --start-weight-decay ({start}) <= --end-weight-decay ({end}).")
 
 
 # (flag, attribute, predicate on a finite value, what it must be); None values (unset) are skipped.
@@ -143,6 +171,8 @@ _NUMBER_RULES = (
     ("--decoupled-lr", "decoupled_lr", lambda v: v >= 0, "a finite number >= 0"),
     ("--decoupled-min-lr", "decoupled_min_lr", lambda v: v >= 0, "a finite number >= 0"),
     ("--lr-warmup-init", "lr_warmup_init", lambda v: v >= 0, "a finite number >= 0"),
+    ("--start-weight-decay", "start_weight_decay", lambda v: v >= 0, "a finite number >= 0"),
+    ("--end-weight-decay", "end_weight_decay", lambda v: v >= 0, "a finite number >= 0"),
     ("--exit-duration-in-mins", "exit_duration_in_mins", lambda v: v > 0, "a finite number > 0"),
     ("--initial-loss-scale", "initial_loss_scale", lambda v: v > 0, "a finite number > 0, e.g. 65536"),
     ("--loss-scale", "loss_scale", lambda v: v > 0, "a finite number > 0, e.g. 4096 (omit it for dynamic scaling)"),
@@ -237,13 +267,16 @@ def _check_features(args) -> None:
     """Flags whose value asks for a feature megatron_sp lacks (pipeline, experts, other checkpoint
     formats) or for another flag (Megatron-LM's own rules), and the older recompute spelling."""
     _check_experts(args)
-    if args.ckpt_format != "torch_dist":
+    _megatron_fsdp(args)
+    if args.ckpt_format not in ("torch_dist", "fsdp_dtensor"):
         raise ArgumentError(
             f"--ckpt-format {args.ckpt_format} is not supported: checkpoints are torch.distributed.checkpoint "
             f"directories (--ckpt-format torch_dist)."
         )
-    if args.overlap_param_gather and not args.use_distributed_optimizer:
-        raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer (as in Megatron-LM).")
+    if args.overlap_param_gather and not (args.use_distributed_optimizer or args.use_torch_fsdp2):
+        raise ArgumentError(
+            "--overlap-param-gather needs --use-distributed-optimizer or --use-megatron-fsdp (as in Megatron-LM)."
+        )
     if args.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ArgumentError("--wandb-project needs the wandb package, which is not installed (pip install wandb).")
     _position_flags(args)
@@ -252,6 +285,25 @@ def _check_features(args) -> None:
             raise ArgumentError("--activations-checkpoint-method means full recomputation; drop one of the two.")
         args.recompute_granularity = "full"
         args.recompute_method = args.recompute_method or args.activations_checkpoint_method
+
+
+def _megatron_fsdp(args) -> None:
+    """--use-megatron-fsdp on our implementations, with its --data-parallel-sharding-strategy's meaning:
+    optim_grads_params (ZeRO-3) is --use-torch-fsdp2, optim_grads (ZeRO-2) the same with the weights kept
+    gathered from forward to backward, optim (ZeRO-1) --use-distributed-optimizer, no_shard plain data
+    parallelism. Megatron-LM's rules: --ckpt-format fsdp_dtensor only with it (written here as torch_dist)."""
+    if args.ckpt_format == "fsdp_dtensor" and not args.use_megatron_fsdp:
+        raise ArgumentError("--ckpt-format fsdp_dtensor needs --use-megatron-fsdp (as in Megatron-LM).")
+    if not args.use_megatron_fsdp:
+        return
+    if args.use_torch_fsdp2:
+        raise ArgumentError("--use-megatron-fsdp and --use-torch-fsdp2 are two FSDP implementations; give one.")
+    strategy = args.data_parallel_sharding_strategy
+    if strategy == "optim":
+        args.use_distributed_optimizer = True
+    elif strategy in ("optim_grads", "optim_grads_params"):  # FSDP2 shards the optimizer state itself
+        args.use_torch_fsdp2, args.use_distributed_optimizer = True, False
+        args.torch_fsdp2_reshard_after_forward &= strategy == "optim_grads_params"
 
 
 def _check_fsdp2(args) -> None:
@@ -341,6 +393,9 @@ def _check_pipeline(args) -> None:
     pp = args.pipeline_model_parallel_size
     args.pipeline_layout = None
     layout_flags = (
+        args.microbatch_group_size_per_virtual_pipeline_stage,
+        args.account_for_embedding_in_pipeline_split or None,
+        args.account_for_loss_in_pipeline_split or None,
         args.virtual_pipeline_model_parallel_size,
         args.num_layers_per_virtual_pipeline_stage,
         args.num_virtual_stages_per_pipeline_rank,
@@ -351,7 +406,7 @@ def _check_pipeline(args) -> None:
     if pp == 1:
         if any(flag is not None for flag in layout_flags) or args.pipeline_schedule != "1f1b":
             raise ArgumentError(
-                "the virtual-stage, layout, first/last-stage and --pipeline-schedule flags need "
+                "the virtual-stage, layout, first/last-stage, split-accounting and --pipeline-schedule flags need "
                 "--pipeline-model-parallel-size > 1."
             )
         return
@@ -362,12 +417,46 @@ def _check_pipeline(args) -> None:
             f"hide; use 1f1b (interleaved with virtual stages) or gpipe."
         )
     try:
+        _accounted_split(args)
         layout = _pipeline_layout(args)
         for _, batch in args.batch_schedule.steps:
             layout.check_microbatches(batch // (args.micro_batch_size * args.data_parallel_size))
     except ValueError as err:
         raise ArgumentError(str(err)) from None
+    group = args.microbatch_group_size_per_virtual_pipeline_stage
+    if group is not None and group != pp:
+        raise ArgumentError(
+            f"--microbatch-group-size-per-virtual-pipeline-stage {group}: our interleaved schedules run rounds of "
+            f"--pipeline-model-parallel-size ({pp}) micro-batches, Megatron-LM's default; other sizes are not "
+            f"implemented."
+        )
     args.pipeline_layout = layout
+
+
+def _accounted_split(args) -> None:
+    """--account-for-embedding/loss-in-pipeline-split: the layout string they mean (layout.py)."""
+    from megatron_sp.pipeline_parallel.layout import accounted_layout
+
+    embedding, loss = args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split
+    if not (embedding or loss):
+        return
+    others = (
+        args.pipeline_model_parallel_layout,
+        args.decoder_first_pipeline_num_layers,
+        args.decoder_last_pipeline_num_layers,
+        args.num_layers_per_virtual_pipeline_stage,
+    )
+    if any(v is not None for v in others):
+        raise ValueError(
+            "--account-for-embedding/loss-in-pipeline-split divide the layers evenly; they do not go with a "
+            "layout string, --decoder-first/last-pipeline-num-layers or --num-layers-per-virtual-pipeline-stage."
+        )
+    vp = args.num_virtual_stages_per_pipeline_rank or args.virtual_pipeline_model_parallel_size or 1
+    if args.pipeline_schedule == "zbv":
+        vp = 2
+    args.pipeline_model_parallel_layout = accounted_layout(
+        args.num_layers, args.pipeline_model_parallel_size, vp, embedding, loss
+    )
 
 
 def _pipeline_layout(args):

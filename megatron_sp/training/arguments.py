@@ -13,6 +13,7 @@ import argparse
 from megatron_sp.training import megatron_flags
 from megatron_sp.training.argument_checks import ArgumentError, validate
 from megatron_sp.training.config_flags import add_config_flags
+from megatron_sp.training.schedules import LR_STYLES, WD_STYLES, WSD_STYLES
 
 __all__ = ["ArgumentError", "build_parser", "parse_args"]
 
@@ -79,6 +80,18 @@ def _pipeline_args(g):
     )
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None, help="layers of the first stage")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None, help="layers of the last stage")
+    for what in ("embedding", "loss"):
+        g.add_argument(
+            f"--account-for-{what}-in-pipeline-split",
+            action="store_true",
+            help=f"the {what} counts as one layer when the layers are divided over the stages",
+        )
+    g.add_argument(
+        "--microbatch-group-size-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="interleaved schedules: contiguous micro-batches per model chunk; only the pipeline size (the default)",
+    )
     g.add_argument(
         "--pipeline-schedule",
         choices=["1f1b", "gpipe", "interleaved-zb", "zbv"],
@@ -115,6 +128,25 @@ def _parallel_args(p):
         action="store_true",
         help="ZeRO-3 with torch FSDP2 (fully_shard per layer): shard weights, gradients and AdamW state over "
         "the data- (and context-) parallel replicas, composed with TP+SP, CP and PP (distributed/fsdp.py)",
+    )
+    g.add_argument(
+        "--torch-fsdp2-no-reshard-after-forward",
+        dest="torch_fsdp2_reshard_after_forward",
+        action="store_false",
+        help="with --use-torch-fsdp2: each layer keeps its gathered weights from forward to backward (ZeRO-2)",
+    )
+    g.add_argument(
+        "--use-megatron-fsdp",
+        action="store_true",
+        help="Megatron-FSDP's sharding by --data-parallel-sharding-strategy, run on torch FSDP2 (optim_grads_params, "
+        "optim_grads) or the distributed optimizer (optim); its own buffers' knobs have no effect",
+    )
+    g.add_argument(
+        "--data-parallel-sharding-strategy",
+        choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+        default="optim_grads_params",
+        help="with --use-megatron-fsdp: ZeRO-3 = --use-torch-fsdp2, ZeRO-2 = the same without resharding after "
+        "forward, ZeRO-1 = --use-distributed-optimizer, or plain data parallelism",
     )
     g.add_argument(
         "--overlap-grad-reduce",
@@ -161,23 +193,7 @@ def _training_args(p):
     g.add_argument(
         "--exit-duration-in-mins", type=float, default=None, help="save and exit before this many minutes of training"
     )
-    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    g.add_argument("--min-lr", type=float, default=0.0, help="the LR decays to this")
-    g.add_argument("--decoupled-lr", type=float, default=None, help="LR of the embedding and output layer")
-    g.add_argument("--decoupled-min-lr", type=float, default=None, help="their --min-lr (default --min-lr)")
-    g.add_argument(
-        "--lr-decay-style",
-        choices=["constant", "linear", "cosine"],
-        default="linear",
-        help="after warmup, to --min-lr over the decay span",
-    )
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default train iters")
-    g.add_argument("--lr-decay-samples", type=int, default=None, help="with --train-samples; default train samples")
-    g.add_argument("--lr-warmup-iters", type=int, default=None, help="default 0")
-    g.add_argument("--lr-warmup-samples", type=int, default=None, help="with --train-samples")
-    g.add_argument("--lr-warmup-fraction", type=float, default=None, help="warmup as a fraction of the decay span")
-    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="the LR warmup starts at this value")
-    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's (none on biases and norm weights)")
+    _schedule_args(g)
     g.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW's beta1")
     g.add_argument("--adam-beta2", type=float, default=0.999, help="AdamW's beta2")
     g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW's epsilon")
@@ -193,6 +209,46 @@ def _training_args(p):
         help="CUDA: no reduced-precision reductions in bf16 GEMMs",
     )
     _runtime_args(g)
+
+
+def _schedule_args(g):
+    """The learning-rate and weight-decay schedules (training/schedules.py: Megatron's
+    OptimizerParamScheduler, counted in samples)."""
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=0.0, help="the LR decays to this")
+    g.add_argument("--decoupled-lr", type=float, default=None, help="LR of the embedding and output layer")
+    g.add_argument("--decoupled-min-lr", type=float, default=None, help="their --min-lr (default --min-lr)")
+    g.add_argument(
+        "--lr-decay-style",
+        choices=list(LR_STYLES),
+        default="linear",
+        help="after warmup, to --min-lr over the decay span (WSD: stable, then the last --lr-wsd-decay-*)",
+    )
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default train iters")
+    g.add_argument("--lr-decay-samples", type=int, default=None, help="with --train-samples; default train samples")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warmup over this many iterations")
+    g.add_argument("--lr-warmup-samples", type=int, default=0, help="with --train-samples: warmup samples")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None, help="warmup as a fraction of the decay span")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="the LR warmup starts at this value")
+    g.add_argument(
+        "--lr-wsd-decay-style", choices=list(WSD_STYLES), default="exponential", help="WSD's annealing shape"
+    )
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD: iterations of annealing at the end")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None, help="WSD with --train-samples: samples of it")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's (none on biases and norm weights)")
+    g.add_argument(
+        "--weight-decay-incr-style",
+        choices=list(WD_STYLES),
+        default="constant",
+        help="weight decay from --start- to --end-weight-decay over the run",
+    )
+    g.add_argument("--start-weight-decay", type=float, default=None, help="with a linear/cosine incr style")
+    g.add_argument("--end-weight-decay", type=float, default=None, help="with a linear/cosine incr style")
+    for name, what in (
+        ("use-checkpoint", "on resume, the checkpoint's LR / weight-decay schedule instead of the command line's"),
+        ("override", "on resume, the command line's LR / weight-decay schedule instead of the checkpoint's"),
+    ):
+        g.add_argument(f"--{name}-opt_param-scheduler", f"--{name}-opt-param-scheduler", action="store_true", help=what)
 
 
 def _runtime_args(g):
@@ -297,6 +353,7 @@ def _logging_args(p):
         g.add_argument(flag, action="store_true", help=what)
     g.add_argument(
         "--no-log-loss-scale-to-tensorboard",
+        "--disable-log-loss-scale-to-tensorboard",
         dest="log_loss_scale_to_tensorboard",
         action="store_false",
         default=True,
@@ -322,14 +379,16 @@ def _logging_args(p):
     g.add_argument("--profile", action="store_true", help="torch profiler trace of steps [start, end)")
     g.add_argument("--profile-step-start", type=int, default=10, help="first profiled step")
     g.add_argument("--profile-step-end", type=int, default=12, help="first step after the profiled ones")
-    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="the ranks traced")
+    g.add_argument("--profile-ranks", type=int, nargs="*", default=[], help="the ranks traced (none given: all)")
     g.add_argument("--profile-dir", default=None, help="default: <--tensorboard-dir or --save or .>/profile")
 
 
 def _checkpoint_args(p):
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None, help="checkpoint directory (DCP, one per iteration)")
-    g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+    g.add_argument(
+        "--save-interval", "--persistent-save-interval", type=int, default=None, help="iterations between checkpoints"
+    )
     g.add_argument("--no-save-optim", action="store_true", help="checkpoints without the optimizer state")
     g.add_argument("--no-save-rng", action="store_true", help="checkpoints without the RNG states")
     g.add_argument("--load", default=None, help="resume from this directory's latest checkpoint")
@@ -341,7 +400,12 @@ def _checkpoint_args(p):
     )
     g.add_argument("--no-load-optim", action="store_true", help="with --load: a fresh optimizer")
     g.add_argument("--no-load-rng", action="store_true", help="with --load: the RNG states not restored")
-    g.add_argument("--ckpt-format", default="torch_dist", help="torch_dist: torch.distributed.checkpoint (only)")
+    g.add_argument(
+        "--ckpt-format",
+        default="torch_dist",
+        help="torch_dist: torch.distributed.checkpoint; fsdp_dtensor (with --use-megatron-fsdp, Megatron's rule) "
+        "is written as the same torch_dist checkpoint",
+    )
     g.add_argument("--async-save", action="store_true", help="write checkpoints in the background (still atomic)")
     g.add_argument(
         "--save-retain-interval",
@@ -358,7 +422,9 @@ def _checkpoint_args(p):
 
 
 def _compat_args(p):
-    megatron_flags.add_no_effect_flags(p.add_argument_group("accepted without effect (see docs/megatron_flags.md)"))
+    group = p.add_argument_group("accepted without effect (see docs/megatron_flags.md)")
+    megatron_flags.add_no_effect_flags(group)
+    megatron_flags.add_rule_flags(p, group)  # the rest of Megatron-LM's options (megatron_rules.py)
 
 
 def build_parser() -> argparse.ArgumentParser:

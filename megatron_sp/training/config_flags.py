@@ -2,6 +2,7 @@
 
 add_config_flags(group, title)   the flags of every GPTConfig field in that --help group
 config_kwargs(args)              the GPTConfig fields a parsed command line sets (build_config)
+in_flags(message)                a GPTConfig error with the fields named by their flags
 model_flags(cfg)                 the inverse: the flags that rebuild cfg's weights and function
                                  (tools/convert_hf.py prints them)
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import typing
 from typing import Optional
 
@@ -65,6 +67,20 @@ def _has_flags(f) -> bool:
 def config_kwargs(args) -> dict:
     """The GPTConfig fields a parsed command line sets: every field that has flags."""
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(GPTConfig) if _has_flags(f)}
+
+
+def _field_flag(f) -> Optional[str]:
+    meta = info(f)
+    return meta.flags[0] if meta.flags else meta.switches[0].flag if meta.switches else None
+
+
+def in_flags(message: str) -> str:
+    """GPTConfig's sentence (config_checks.py names fields) as the command line's user reads it:
+    "GPTConfig.num_query_groups (3) must divide num_attention_heads (4)" becomes
+    "--num-query-groups (3) must divide --num-attention-heads (4)"."""
+    flags = {f.name: _field_flag(f) for f in dataclasses.fields(GPTConfig) if _field_flag(f)}
+    pattern = r"(?:GPTConfig\.)?\b(" + "|".join(sorted(map(re.escape, flags), key=len, reverse=True)) + r")\b"
+    return re.sub(pattern, lambda m: flags[m.group(1)], message).replace("GPTConfig.", "")
 
 
 # ---- the inverse: the flags that rebuild a config (tools/convert_hf.py prints them) ---------------

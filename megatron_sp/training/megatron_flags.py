@@ -12,6 +12,7 @@ flag's treatment is written once, here; the flags that do something are in argum
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 # What a no-effect flag takes: a switch (no value), one value, or one value of a few choices.
@@ -22,6 +23,10 @@ _IMPL = "implementation switch: there is one implementation here"
 _LOADER = "data-loader knob: samples are read in the training process from memory-mapped files"
 _CKPT_IO = "checkpoint I/O knob: every rank writes and reads its own shards of one DCP checkpoint"
 _MOE_GPU = "a GPU stream / kernel optimisation of Megatron-LM's MoE: the same function runs unfused here"
+_MFSDP_KNOB = (
+    "Megatron-FSDP's own buffers and registration: --use-megatron-fsdp runs on torch FSDP2 or the distributed "
+    "optimizer here, which allocate their own"
+)
 _ALWAYS_TB = "always written with --tensorboard-dir (older Megatron-LM flag)"
 # megatron/post_training's flags, which pretrain_gpt.py parses when ModelOpt is installed but which only
 # ModelOpt's model builder reads, and Megatron-LM builds with it only from a ModelOpt checkpoint
@@ -33,7 +38,7 @@ class NoEffect:
     flags: tuple
     takes: object  # SWITCH, VALUE, or a tuple of the values accepted
     reason: str
-    only: Optional[str] = None  # of `takes`, the one value without effect; the others: refused, naming `reason`
+    only: object = None  # of `takes`, the value (or tuple of values) without effect; others: refused with `reason`
 
 
 NO_EFFECT = (
@@ -114,6 +119,37 @@ NO_EFFECT = (
     NoEffect(("--moe-shared-expert-overlap",), SWITCH, _MOE_GPU),
     NoEffect(("--moe-permute-fusion",), SWITCH, _MOE_GPU),
     NoEffect(("--moe-router-fusion",), SWITCH, _MOE_GPU),
+    NoEffect(("--use-nccl-ub",), SWITCH, _MFSDP_KNOB),
+    NoEffect(("--fsdp-double-buffer",), SWITCH, _MFSDP_KNOB),
+    NoEffect(("--fsdp-manual-registration",), SWITCH, _MFSDP_KNOB),
+    NoEffect(("--fsdp-db-use-persist-buf-on-alloc-fail",), SWITCH, _MFSDP_KNOB),
+    NoEffect(("--megatron-fsdp-max-pool-double-buffer",), SWITCH, _MFSDP_KNOB),
+    NoEffect(("--megatron-fsdp-enable-fine-grained-param-gather",), SWITCH, _MFSDP_KNOB),
+    NoEffect(("--megatron-fsdp-version",), ("1", "2"), _MFSDP_KNOB),
+    NoEffect(("--enable-full-sharding-in-hsdp",), SWITCH, "HSDP's (--outer-dp-sharding-strategy), which is refused"),
+    NoEffect(
+        ("--megatron-fsdp-main-params-dtype",),
+        ("fp32", "bf16", "fp16", "auto"),
+        "the main weights are fp32 (FSDP2's shards, the distributed optimizer's)",
+        "fp32",
+    ),
+    NoEffect(
+        ("--megatron-fsdp-main-grads-dtype",),
+        ("fp32", "bf16", "fp16", "auto"),
+        "gradients are accumulated in fp32 (auto: Megatron's choice for the run, fp32 here)",
+        ("auto", "fp32"),
+    ),
+    NoEffect(
+        ("--megatron-fsdp-grad-comm-dtype",),
+        ("fp32", "bf16", "fp16", "auto"),
+        "FSDP2 reduce-scatters in fp32 (auto: Megatron's choice for the run, fp32 here)",
+        ("auto", "fp32"),
+    ),
+    NoEffect(
+        ("--no-strict-fsdp-dtensor-load", "--disable-strict-fsdp-dtensor-load"),
+        SWITCH,
+        "fsdp_dtensor checkpoints are written as torch_dist ones, loaded by --dist-ckpt-strictness",
+    ),
     NoEffect(
         ("--overlap-param-gather",),
         SWITCH,
@@ -127,19 +163,28 @@ MOE = (
     "lists the MoE flags it takes)"
 )
 _FP8 = "FP8 training needs Transformer Engine, which megatron_sp does not use; train in --bf16"
-_MFSDP = "Megatron-FSDP is not implemented; use --use-distributed-optimizer (ZeRO-1) for sharded optimizer state"
 
 # (flag, or prefix ending in "-", the missing feature): in this order, the first match is reported.
 REFUSED = (
     ("--moe-", MOE),
     ("--fp8-", _FP8),
     ("--fp8", _FP8),
-    ("--use-megatron-fsdp", _MFSDP),
-    ("--data-parallel-sharding-strategy", _MFSDP),
-    ("--fsdp-", _MFSDP),
-    ("--use-nccl-ub", _MFSDP),
+    ("--outer-dp-sharding-strategy", "hybrid sharded data parallelism (HSDP) is not implemented"),
     ("--multi-latent-attention", "multi-latent attention (DeepSeek's MLA) is not implemented"),
 )
+
+
+@lru_cache(maxsize=1)
+def _rule_refusals() -> dict:
+    """flag -> feature, for every flag of a Megatron option that megatron_rules.py refuses."""
+    from megatron_sp.training.megatron_rules import Refuse, megatron_options, rule_for
+
+    out = {}
+    for option in megatron_options()["options"]:
+        verdict = rule_for(option)
+        if isinstance(verdict, Refuse):
+            out.update({flag: verdict.feature for flag in option["flags"]})
+    return out
 
 
 def _matches(token: str, flag: str) -> bool:
@@ -154,6 +199,10 @@ def refusal(unknown_tokens) -> Optional[str]:
         hits = [t.split("=", 1)[0] for t in flags if _matches(t, flag)]
         if hits:
             return f"{hits[0]}: {feature}."
+    by_rule = _rule_refusals()
+    for name in (t.split("=", 1)[0] for t in flags):
+        if name in by_rule:
+            return f"{name}: {by_rule[name]}."
     return None
 
 
@@ -161,9 +210,39 @@ def refused_value(args) -> Optional[str]:
     """The sentence for a no-effect flag given a value other than its `only` one, or None."""
     for entry in NO_EFFECT:
         value = getattr(args, entry.flags[0].lstrip("-").replace("-", "_"))
-        if entry.only is not None and value not in (None, entry.only):
+        allowed = entry.only if isinstance(entry.only, tuple) else (entry.only,)
+        if entry.only is not None and value not in (None, *allowed):
             return f"{entry.flags[0]} {value}: {entry.reason}."
+    for dest, (flag, only, reason) in _IGNORED_ONLY.items():
+        value = getattr(args, dest, None)
+        if value is not None and value != only:
+            return f"{flag} {value}: {reason}."
     return None
+
+
+_IGNORED_ONLY = {}  # dest -> (flag, the one value, reason) of megatron_rules.py's Ignore(..., only)
+
+
+def add_rule_flags(parser, group) -> None:
+    """Every Megatron-LM option (megatron_arguments.json) that the parser does not know and that
+    megatron_rules.py ignores: parsed into args.ignored_<Megatron's dest> and otherwise unused."""
+    from megatron_sp.training.megatron_rules import Ignore, megatron_options, rule_for
+
+    known = parser._option_string_actions
+    for option in megatron_options()["options"]:
+        verdict = rule_for(option)
+        if any(f in known for f in option["flags"]) or not isinstance(verdict, Ignore):
+            continue
+        dest = f"ignored_{option['dest']}"
+        help = f"accepted, no effect: {verdict.reason}"
+        if verdict.only is not None:
+            help = f"{verdict.only}: accepted, no effect; other values refused: {verdict.reason}"
+            _IGNORED_ONLY[dest] = (option["flags"][0], verdict.only, verdict.reason)
+        if option["kind"] == "switch":
+            group.add_argument(*option["flags"], dest=dest, action="store_true", help=help)
+            continue
+        choices = [str(c) for c in option["choices"]] if option["choices"] else None
+        group.add_argument(*option["flags"], dest=dest, default=None, nargs=option["nargs"], choices=choices, help=help)
 
 
 def add_no_effect_flags(group) -> None:
@@ -171,7 +250,8 @@ def add_no_effect_flags(group) -> None:
     for entry in NO_EFFECT:
         help = f"accepted, no effect: {entry.reason}"
         if entry.only is not None:
-            help = f"{entry.only}: accepted, no effect; other values refused: {entry.reason}"
+            only = "/".join(entry.only) if isinstance(entry.only, tuple) else entry.only
+            help = f"{only}: accepted, no effect; other values refused: {entry.reason}"
         if entry.takes == SWITCH:
             group.add_argument(*entry.flags, action="store_true", help=help)
         elif entry.takes == VALUE:

@@ -9,7 +9,6 @@ Exit codes: 0 done or stopped by a signal after saving, 1 a fault while running,
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import time
@@ -27,12 +26,12 @@ from megatron_sp.distributed.loss_scale import SkippedSteps, build_loss_scaler
 from megatron_sp.distributed.optimizer import build_optimizer
 from megatron_sp.training import trainer_report
 from megatron_sp.training.arguments import ArgumentError, parse_args
-from megatron_sp.training.config_flags import config_kwargs
+from megatron_sp.training.config_flags import config_kwargs, in_flags
 from megatron_sp.training.logger import TrainingLogger
 from megatron_sp.training.loop import GradientUnderflowError, NonFiniteError, evaluate, train_step
 from megatron_sp.training.memory import MemoryShortage, check_fits, describe_out_of_memory, is_out_of_memory
 from megatron_sp.training.runtime import Runtime
-from megatron_sp.training.schedules import LRSchedule
+from megatron_sp.training.schedules import LRSchedule, ParamScheduler, WDSchedule
 from megatron_sp.training.throughput import peak_tflops
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -106,8 +105,11 @@ def check_inputs(argv) -> Setup:
 
 def build_config(args, vocab_size: int) -> GPTConfig:
     """The model the command line describes (every GPTConfig field with flags, and the parameters'
-    dtype from --bf16 / --fp16; see config.py)."""
-    return GPTConfig(vocab_size=vocab_size, params_dtype=args.params_dtype, **config_kwargs(args))
+    dtype from --bf16 / --fp16; see config.py). Its errors name the flags, not the fields."""
+    try:
+        return GPTConfig(vocab_size=vocab_size, params_dtype=args.params_dtype, **config_kwargs(args))
+    except ValueError as err:
+        raise ValueError(in_flags(str(err))) from None
 
 
 def build_data(setup: Setup, ps):
@@ -248,6 +250,32 @@ def _lock_save_dir(root):
     return lock, None
 
 
+def build_scheduler(args, log=print) -> ParamScheduler:
+    """The LR and weight-decay schedules of the command line (spans in samples: argument_checks.py)."""
+    lr = LRSchedule(
+        args.lr,
+        args.min_lr,
+        args.lr_warmup_steps,
+        args.lr_decay_steps,
+        args.lr_decay_style,
+        init=args.lr_warmup_init,
+        wsd_decay=args.wsd_decay_steps,
+        wsd_style=args.lr_wsd_decay_style,
+    )
+    wd = WDSchedule(args.start_weight_decay, args.end_weight_decay, args.wd_incr_steps, args.weight_decay_incr_style)
+    decoupled = None
+    if args.decoupled_lr is not None:  # Megatron-LM: the embedding and output layer's own LR
+        decoupled = (args.decoupled_lr, args.decoupled_min_lr if args.decoupled_min_lr is not None else args.min_lr)
+    return ParamScheduler(
+        lr,
+        wd,
+        decoupled,
+        use_checkpoint=args.use_checkpoint_opt_param_scheduler,
+        override=args.override_opt_param_scheduler,
+        log=log,
+    )
+
+
 def build_model(cfg, args, ps):
     """GPTModel, or this rank's pipeline stages (PipelineGPT) with --pipeline-model-parallel-size > 1."""
     if ps.pp_size > 1:
@@ -296,17 +324,12 @@ class Trainer:
             if args.overlap_grad_reduce and self.ps.replicas > 1 and not args.use_torch_fsdp2
             else None
         )
-        self.schedule = LRSchedule(
-            args.lr, args.min_lr, args.lr_warmup, args.lr_decay, args.lr_decay_style, args.lr_warmup_init
-        )
-        self.decoupled = None
-        if args.decoupled_lr is not None:  # Megatron-LM: the embedding and output layer's own LR
-            min_lr = args.decoupled_min_lr if args.decoupled_min_lr is not None else args.min_lr
-            self.decoupled = dataclasses.replace(self.schedule, lr=args.decoupled_lr, min_lr=min_lr)
+        self.scheduler = build_scheduler(args, self.log.info)
         self.runtime = Runtime(args, self.ps)
         self.state = checkpointing.TrainState()
         if args.load:
             self._load()
+        self.scheduler.apply(self.optimizer)  # the rates of the first update (Megatron's step(0))
         self.train_ds, self.valid_ds = build_data(setup, self.ps)
         precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
         self.peak, self.peak_source = peak_tflops(args.device, precision, args.peak_tflops)
@@ -327,19 +350,24 @@ class Trainer:
         return {
             **tensors,
             "train_state": self.state,
+            "opt_param_scheduler": self.scheduler,  # Megatron's key and fields
             "loss_scale": self.scaler,  # None without --fp16
             "rng": checkpointing.RNGState(),
         }
 
     def _save(self):
         """--save: everything, less the optimizer or the RNG state with --no-save-optim / --no-save-rng
-        (a resume then starts them fresh, as after --no-load-optim / --no-load-rng)."""
+        (a resume then starts them fresh, as after --no-load-optim / --no-load-rng). As in Megatron-LM
+        the LR schedule goes with the optimizer: --no-save-optim records it as null."""
         a = self.args
         skip = {"optim"} if a.no_save_optim else set()
         skip |= {"rng"} if a.no_save_rng else set()
+        states = {k: v for k, v in self._checkpoint_states().items() if k not in skip}
+        if a.no_save_optim:
+            states["opt_param_scheduler"] = None
         checkpointing.save(
             a.save,
-            {k: v for k, v in self._checkpoint_states().items() if k not in skip},
+            states,
             self.cfg,
             self.ps,
             log=self.log.info,
@@ -352,8 +380,8 @@ class Trainer:
         --no-load-optim / --no-load-rng). None to load starts from scratch only when --load is also
         --save, and never with --exit-on-missing-checkpoint."""
         args = self.args
-        skip = {"optim", "train_state", "loss_scale", "rng"} if args.finetune else set()
-        skip |= {"optim"} if args.no_load_optim else set()
+        skip = {"optim", "opt_param_scheduler", "train_state", "loss_scale", "rng"} if args.finetune else set()
+        skip |= {"optim", "opt_param_scheduler"} if args.no_load_optim else set()  # (Megatron's)
         skip |= {"rng"} if args.no_load_rng else set()
         states = {k: v for k, v in self._checkpoint_states().items() if k not in skip}
         is_save_dir = checkpointing.same_path(args.load, args.save) and not args.exit_on_missing_checkpoint
@@ -365,6 +393,8 @@ class Trainer:
             log=self.log.info,
             strictness=args.dist_ckpt_strictness,
         )
+        if meta is not None and "opt_param_scheduler" in states and "opt_param_scheduler" not in meta:
+            self.scheduler.num_steps = self.state.consumed_train_samples  # (saved before the schedule was)
         if meta is not None:
             self.log.info(
                 f" loaded checkpoint {checkpointing.checkpoint_dir(args.load, meta['iteration'])} (saved at "
@@ -438,9 +468,6 @@ class Trainer:
     def _train_one(self, train_iter):
         args, state = self.args, self.state
         batch = args.batch_schedule.at(state.consumed_train_samples)
-        # Megatron's sample-based LR is a function of the samples seen once this step is done
-        units = state.consumed_train_samples + batch if args.lr_unit == "samples" else state.iteration + 1
-        lr = self.schedule.apply(self.optimizer, units, self.decoupled)
         self.runtime.before_step(state.iteration + 1)
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -468,13 +495,15 @@ class Trainer:
                 f" iteration {state.iteration + 1}: the fp16 gradients underflowed to zero; step skipped, "
                 f"loss scale raised to {self.scaler.scale:.3g}"
             )
+        if not result.skipped:  # Megatron's: only a successful update advances the schedule
+            self.scheduler.step(batch, self.optimizer)
         state.iteration += 1
         state.consumed_train_samples += batch
         if self.scaler is not None:
             warning = self.skipped.count(result.skipped, state.iteration, self.scaler.scale)
             if warning:
                 self.log.warning(warning)
-        self.log.step(trainer_report.record(self, result, lr, batch, elapsed))
+        self.log.step(trainer_report.record(self, result, batch, elapsed))
         self.runtime.after_step(state.iteration)
         if args.async_save:
             checkpointing.finalize_async_save()  # the one in flight, once every rank has written it
@@ -492,5 +521,9 @@ class Trainer:
             device=args.device,
             per_token_loss=args.calculate_per_token_loss,
         )
+        if args.use_torch_fsdp2:  # the root's weights stay gathered after a forward without backward
+            from megatron_sp.distributed.fsdp import reshard
+
+            reshard(self.model)
         self.state.consumed_valid_samples += args.eval_iters * args.global_batch_size
         self.log.evaluation(self.state.iteration, loss, math.exp(min(loss, 20.0)))

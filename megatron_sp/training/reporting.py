@@ -40,7 +40,7 @@ class StepProfiler:
     --profile-ranks; the Chrome trace goes to --profile-dir (one file per rank)."""
 
     def __init__(self, args, rank: int):
-        self.enabled = args.profile and rank in args.profile_ranks
+        self.enabled = args.profile and (not args.profile_ranks or rank in args.profile_ranks)  # [] is all ranks
         self.start, self.end, self.rank = args.profile_step_start, args.profile_step_end, rank
         base = args.tensorboard_dir or args.save or "."
         self.dir = args.profile_dir or os.path.join(base, "profile")

@@ -8,17 +8,17 @@ import torch
 from megatron_sp.training.throughput import throughput
 
 
-def record(trainer, result, lr, batch, elapsed) -> dict:
-    """The figures of one step: what the log line, the JSONL file, TensorBoard and wandb show."""
+def record(trainer, result, batch, elapsed) -> dict:
+    """The figures of one step: what the log line, the JSONL file, TensorBoard and wandb show. The
+    learning rates are Megatron's logged ones: the schedule's after this step, i.e. the next update's."""
     args, state = trainer.args, trainer.state
+    lr, decoupled_lr = trainer.scheduler.current()
     optimizer, model, ps = trainer.optimizer, trainer.model, trainer.ps
     return {
         "iteration": state.iteration,
         "lm_loss": result.loss,
         "lr": lr,
-        "decoupled_lr": trainer.decoupled.at(state.iteration)
-        if trainer.decoupled and args.lr_unit != "samples"
-        else None,
+        "decoupled_lr": decoupled_lr,
         "grad_norm": result.grad_norm,
         "consumed_samples": state.consumed_train_samples,
         "global_batch_size": batch,
