@@ -10,6 +10,7 @@ megatron/training/checkpointing.py's `generate_state_dict`):
 
     <family>/tp1_dist, tp2_dist, pp2_dist    --ckpt-format torch_dist (dist_checkpointing.save)
     <family>/tp1_torch, tp2_torch, pp2_torch --ckpt-format torch (mp_rank_TT[_PPP]/model_optim_rng.pt)
+    llama/tp2_dist_head                      torch_dist without common.pt (Megatron-LM's main branch)
     <family>/logits.pt                       {"tokens": [b, s], "logits": [b, s, padded vocab]}
 
 TP2 and PP2 models load the TP1 torch_dist checkpoint with megatron-core's own dist_checkpointing.load
@@ -230,8 +231,11 @@ def save_torch(root: str, family: str, model, tp: int, pp: int) -> None:
     _finish(root)
 
 
-def save_dist(root: str, family: str, model, tp: int, pp: int) -> None:
+def save_dist(root: str, family: str, model, tp: int, pp: int, head_style: bool = False) -> None:
+    """--ckpt-format torch_dist; head_style: the common state inside the .distcp files as the
+    "common_state" object, no common.pt (as Megatron-LM's main branch saves it)."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     path = os.path.join(root, f"iter_{ITERATION:07d}")
@@ -239,7 +243,13 @@ def save_dist(root: str, family: str, model, tp: int, pp: int) -> None:
     args = megatron_args(family, tp, pp)
     args.ckpt_format = "torch_dist"
     sd = state_dict(args, model.sharded_state_dict(), family)
+    if head_style:
+        common = {k: sd.pop(k) for k in list(sd) if k != "model"}
+        rank = torch.distributed.get_rank()
+        sd["common_state"] = ShardedObject("common_state", common, (1,), (0,), replica_id=rank)
     dist_checkpointing.save(sd, path, TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1))
+    if head_style and torch.distributed.get_rank() == 0:
+        os.remove(os.path.join(path, "common.pt"))
     _finish(root)
 
 
@@ -298,6 +308,8 @@ def make_family(out: str, family: str) -> None:
         name = f"tp{tp}" if pp == 1 else f"pp{pp}"
         save_dist(os.path.join(base, f"{name}_dist"), family, model, tp, pp)
         save_torch(os.path.join(base, f"{name}_torch"), family, model, tp, pp)
+        if family == "llama" and tp == 2:
+            save_dist(os.path.join(base, "tp2_dist_head"), family, model, tp, pp, head_style=True)
 
 
 def worker(rank: int, out: str, port: int) -> None:

@@ -1,0 +1,148 @@
+"""Megatron-LM checkpoints in (megatron_sp/checkpointing/megatron*.py), against checkpoints that
+megatron-core 0.16.1 itself wrote (tests/megatron_fixtures.py, made once per module): both formats,
+TP1 / TP2 / PP2, GPT-2- and Llama-style with every parameter perturbed; our model of the converted
+tensors gives megatron-core's logits within 1e-5; planted damage is refused in one sentence."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_sp.checkpointing.megatron import read_model
+from megatron_sp.checkpointing.megatron_model import config_fields
+from megatron_sp.checkpointing.paths import CheckpointError
+from megatron_sp.models.reference import ReferenceGPT
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LAYOUTS = ("tp1_dist", "tp2_dist", "pp2_dist", "tp1_torch", "tp2_torch", "pp2_torch")
+ITER = "iter_0000010"
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory):
+    out = tmp_path_factory.mktemp("megatron")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE), OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, os.path.join(HERE, "megatron_fixtures.py"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return str(out)
+
+
+def _logits(state, cfg, tokens):
+    model = ReferenceGPT(cfg, initialise=False)
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model.eval()(tokens)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_every_layout_gives_megatron_cores_logits(fixtures, family):
+    ref = torch.load(os.path.join(fixtures, family, "logits.pt"))
+    layouts = LAYOUTS + (("tp2_dist_head",) if family == "llama" else ())
+    first = None
+    for layout in layouts:
+        state, cfg, ckpt = read_model(os.path.join(fixtures, family, layout))
+        out = _logits(state, cfg, ref["tokens"])
+        expected = ref["logits"][..., : cfg.vocab_size]  # the padded rows are dropped (vocab 100 of 128)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5, msg=f"{family} {layout}")
+        assert ckpt.common["iteration"] == 10 and ckpt.format == ("torch" if "torch" in layout else "torch_dist")
+        if first is None:
+            first = state
+        else:  # every layout holds the same tensors, bit for bit
+            assert all(torch.equal(first[k], state[k]) for k in first), layout
+
+
+def test_config_comes_from_args(fixtures):
+    _, llama, _ = read_model(os.path.join(fixtures, "llama", "tp1_torch"))
+    assert (llama.normalization, llama.activation, llama.position_embedding_type) == ("RMSNorm", "swiglu", "rope")
+    assert (llama.num_query_groups, llama.qk_layernorm, llama.rotary_base, llama.ffn_hidden_size) == (
+        2,
+        True,
+        20000,
+        128,
+    )
+    assert llama.untie_embeddings_and_output_weights and not llama.add_bias_linear and llama.model == "llama"
+    _, gpt2, _ = read_model(os.path.join(fixtures, "gpt2", "tp2_dist"))
+    assert (gpt2.normalization, gpt2.position_embedding_type, gpt2.activation) == (
+        "LayerNorm",
+        "learned_absolute",
+        "gelu",
+    )
+    assert not gpt2.untie_embeddings_and_output_weights and gpt2.add_bias_linear and gpt2.vocab_size == 100
+
+
+def test_older_and_newer_norm_names():
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=128, max_position_embeddings=8)
+    old = config_fields(argparse.Namespace(**base, norm_epsilon=1e-6, apply_layernorm_1p=True), "old")
+    new = config_fields(argparse.Namespace(**base, layernorm_epsilon=1e-6, layernorm_zero_centered_gamma=True), "new")
+    for fields in (old, new):
+        assert fields["layernorm_epsilon"] == 1e-6 and fields["layernorm_zero_centered_gamma"] is True
+    assert config_fields(argparse.Namespace(**base), "default")["layernorm_epsilon"] == 1e-5
+
+
+def _copy(fixtures, family, layout, tmp_path):
+    dst = tmp_path / layout
+    shutil.copytree(os.path.join(fixtures, family, layout), dst)
+    return dst
+
+
+def _refused(root, match):
+    with pytest.raises(CheckpointError, match=match) as err:
+        read_model(str(root))
+    message = str(err.value)
+    assert "\n" not in message and message.endswith("."), message
+    return message
+
+
+def _rewrite(file, change):
+    data = torch.load(file, weights_only=False)
+    change(data)
+    torch.save(data, file)
+
+
+def test_planted_damage_is_refused(fixtures, tmp_path):
+    # a missing layer: the last stage's file gone, or one layer's tensors removed from it
+    root = _copy(fixtures, "llama", "pp2_torch", tmp_path)
+    stage = root / ITER / "mp_rank_00_001" / "model_optim_rng.pt"
+    _rewrite(stage, lambda d: d["model"].pop("decoder.layers.0.mlp.linear_fc2.weight"))
+    _refused(root, "lacks decoder.layers.1.mlp.linear_fc2.weight")
+    shutil.rmtree(stage.parent)
+    _refused(root, "PP 1 ranks")
+    # q/k/v rows in the order of checkpoints before version 2.0
+    root = _copy(fixtures, "gpt2", "tp1_torch", tmp_path)
+    rank = root / ITER / "mp_rank_00" / "model_optim_rng.pt"
+    _rewrite(rank, lambda d: d.update(checkpoint_version=1.0))
+    _refused(root, "checkpoint_version 1.0")
+    # a tensor the model has no place for, and a shape its args do not give
+    _rewrite(rank, lambda d: (d.update(checkpoint_version=3.0), d["model"].update(extra=torch.zeros(1))))
+    _refused(root, "holds extra")
+    _rewrite(
+        rank, lambda d: (d["model"].pop("extra"), d["model"].update({"decoder.final_layernorm.weight": torch.ones(3)}))
+    )
+    _refused(root, "decoder.final_layernorm.weight of shape")
+    # an option megatron_sp lacks
+    _rewrite(rank, lambda d: setattr(d["args"], "num_experts", 8))
+    _refused(root, "--num-experts")
+    # a truncated .distcp
+    root = _copy(fixtures, "llama", "tp2_dist", tmp_path)
+    shard = root / ITER / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    _refused(root, "truncated")
+
+
+def test_pickles_naming_other_classes_are_refused(fixtures, tmp_path):
+    root = _copy(fixtures, "gpt2", "tp1_torch", tmp_path)
+    rank = root / ITER / "mp_rank_00" / "model_optim_rng.pt"
+    _rewrite(rank, lambda d: setattr(d["args"], "hook", argparse.ArgumentParser))
+    _refused(root, "refers to argparse.ArgumentParser")
