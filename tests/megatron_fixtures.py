@@ -312,6 +312,86 @@ def make_family(out: str, family: str) -> None:
             save_dist(os.path.join(base, "tp2_dist_head"), family, model, tp, pp, head_style=True)
 
 
+EXPORTS = (("torch_dist", 2, 1), ("torch", 2, 1), ("torch", 1, 2), ("torch_dist", 1, 2))
+
+
+def export_name(fmt: str, tp: int, pp: int) -> str:
+    return f"export_{fmt}_tp{tp}pp{pp}"
+
+
+def convert_all(out: str) -> None:
+    """Each family's TP1 torch_dist checkpoint through tools/convert_megatron.py into ours, and ours out
+    again at each of EXPORTS (in a process of its own, without the fixture's process group)."""
+    from tools import convert_megatron
+
+    for family in FAMILIES:
+        base = os.path.join(out, family)
+        ours = os.path.join(base, "ours")
+        assert convert_megatron.main(["--load", os.path.join(base, "tp1_dist"), "--save", ours]) == 0
+        for fmt, tp, pp in EXPORTS:
+            argv = ["export", "--load", ours, "--save", os.path.join(base, export_name(fmt, tp, pp))]
+            argv += [
+                "--format",
+                fmt,
+                "--tensor-model-parallel-size",
+                str(tp),
+                "--pipeline-model-parallel-size",
+                str(pp),
+            ]
+            assert convert_megatron.main(argv) == 0
+
+
+def check_exports(base: str, family: str) -> None:
+    """megatron-core loads each export (dist_checkpointing.load of its sharded state dict, or
+    torch.load of its rank's file and a strict load_state_dict) into the model of that layout; its
+    tensors must equal those of the same model loaded from the original TP1 checkpoint (vocab rows
+    beyond the tokenizer's 100: zeros). Writes base/export_check.json: {export: [mismatches]}."""
+    import json
+
+    from megatron.core import parallel_state as ps
+
+    report = {}
+    source = os.path.join(base, "tp1_dist", f"iter_{ITERATION:07d}")
+    for fmt, tp, pp in EXPORTS:
+        layout(tp, pp)
+        stages = ps.is_pipeline_first_stage(ignore_virtual=True), ps.is_pipeline_last_stage(ignore_virtual=True)
+        exported, original = build_model(family, *stages), build_model(family, *stages)
+        path = os.path.join(base, export_name(fmt, tp, pp), "iter_0000000")
+        if fmt == "torch_dist":
+            load_dist(exported, path)
+        else:
+            name = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}"
+            name += f"_{ps.get_pipeline_model_parallel_rank():03d}" if pp > 1 else ""
+            exported.load_state_dict(torch.load(os.path.join(path, name, "model_optim_rng.pt"))["model"], strict=True)
+        load_dist(original, source)
+        mismatches = _compare(exported.state_dict(), original.state_dict(), tp)
+        views = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(views, mismatches)
+        report[export_name(fmt, tp, pp)] = sorted({m for view in views for m in view})
+    if torch.distributed.get_rank() == 0:
+        with open(os.path.join(base, "export_check.json"), "w") as f:
+            json.dump(report, f)
+
+
+def _compare(exported: dict, original: dict, tp: int) -> list:
+    """Names whose tensors differ (this rank's shards)."""
+    from megatron.core import parallel_state as ps
+
+    bad = sorted(set(exported) ^ set(original))
+    for name, t in original.items():
+        if not torch.is_tensor(t) or name in bad:
+            continue
+        e = exported[name]
+        if name.endswith(("word_embeddings.weight", "output_layer.weight")):  # this rank's vocab rows
+            real = max(0, min(t.shape[0], VOCAB - ps.get_tensor_model_parallel_rank() * t.shape[0]))
+            ok = torch.equal(e[:real], t[:real]) and not e[real:].any()
+        else:
+            ok = torch.equal(e, t)
+        if not ok:
+            bad.append(name)
+    return bad
+
+
 def worker(rank: int, out: str, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     warnings.simplefilter("ignore")
@@ -319,6 +399,14 @@ def worker(rank: int, out: str, port: int) -> None:
     cpu_shims()
     for family in FAMILIES:
         make_family(out, family)
+    if rank == 0:
+        import subprocess
+
+        done = subprocess.run([sys.executable, __file__, "--convert", out], capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+    torch.distributed.barrier()
+    for family in FAMILIES:
+        check_exports(os.path.join(out, family), family)
     torch.distributed.destroy_process_group()
 
 
@@ -334,4 +422,7 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1] == "--convert":
+        convert_all(sys.argv[2])
+    else:
+        main(sys.argv[1:])

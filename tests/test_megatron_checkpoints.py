@@ -6,6 +6,7 @@ tensors gives megatron-core's logits within 1e-5; planted damage is refused in o
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -146,3 +147,40 @@ def test_pickles_naming_other_classes_are_refused(fixtures, tmp_path):
     rank = root / ITER / "mp_rank_00" / "model_optim_rng.pt"
     _rewrite(rank, lambda d: setattr(d["args"], "hook", argparse.ArgumentParser))
     _refused(root, "refers to argparse.ArgumentParser")
+
+
+def test_exports_load_in_megatron_core(fixtures):
+    """tools/convert_megatron.py export at TP2 and PP2, both formats: megatron-core's own
+    dist_checkpointing.load / torch.load + strict load_state_dict give the tensors of the original
+    (tests/megatron_fixtures.py check_exports)."""
+    from megatron_fixtures import EXPORTS, export_name
+
+    for family in ("gpt2", "llama"):
+        with open(os.path.join(fixtures, family, "export_check.json")) as f:
+            report = json.load(f)
+        assert report == {export_name(*case): [] for case in EXPORTS}, family
+
+
+def test_export_round_trip_is_bit_exact(fixtures):
+    from megatron_fixtures import EXPORTS, export_name
+
+    from megatron_sp.checkpointing.full_state import checkpoint_path, read_full_state
+
+    for family in ("gpt2", "llama"):
+        ours, meta = read_full_state(checkpoint_path(os.path.join(fixtures, family, "ours")))
+        for case in EXPORTS:
+            state, cfg, ckpt = read_model(os.path.join(fixtures, family, export_name(*case)))
+            assert sorted(state) == sorted(ours) and all(torch.equal(state[k], ours[k]) for k in ours), case
+            assert ckpt.args.tensor_model_parallel_size == case[1] and cfg.vocab_size == 100
+
+
+def test_convert_tool_refuses_in_one_sentence(fixtures, tmp_path, capsys):
+    from tools import convert_megatron
+
+    assert convert_megatron.main(["--load", str(tmp_path / "none"), "--save", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("convert_megatron.py: error:") and "\n" not in err
+    ours = os.path.join(fixtures, "llama", "ours")
+    argv = ["export", "--load", ours, "--save", str(tmp_path / "e"), "--format", "torch"]
+    assert convert_megatron.main(argv + ["--tensor-model-parallel-size", "3"]) == 2
+    assert "does not divide" in capsys.readouterr().err

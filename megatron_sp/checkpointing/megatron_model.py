@@ -101,6 +101,7 @@ def config_fields(args, path: str, vocab_size=None) -> dict:
         attention_dropout=float(get("attention_dropout", 0.1)),
         init_method_std=float(get("init_method_std", 0.02)),
         seed=int(get("seed", 1234)),
+        make_vocab_size_divisible_by=int(get("make_vocab_size_divisible_by", 128)),
     )
     if get("window_size"):
         fields.update(window_size=tuple(get("window_size")), window_attn_skip_freq=get("window_attn_skip_freq"))
