@@ -18,6 +18,8 @@ gradients are partial sums that must be summed over the TP group (tensor_paralle
 
 from __future__ import annotations
 
+import enum
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -43,66 +45,71 @@ def mark(
     return param
 
 
-class _ParallelLinear(torch.autograd.Function):
-    """y = gather(x) @ w.T (+ b), where `gather` is the input-side collective of the layer.
+class InputCollective(enum.Enum):
+    """The collective on the input side of a column GEMM (forward / backward). Row-parallel layers
+    have none: their collective comes after the GEMM."""
 
-    mode "sp": forward all-gathers x along dim 0 and saves only the local shard; backward gathers
-               it again for the weight gradient and reduce-scatters the input gradient (Megatron).
-    mode "tp": forward identity, backward all-reduces the input gradient (the f mapping).
-    mode "none": plain linear (row-parallel layers: their collective comes after).
-    In backward the re-gather overlaps the input-gradient GEMM, and the input-gradient collective
-    overlaps the weight-gradient GEMM.
+    COPY = "copy"  # f: forward identity, backward all-reduce of the input gradient
+    GATHER = "gather"  # g: forward all-gather dim 0, backward reduce-scatter dim 0
+    GATHER_OVERLAP = "gather_overlap"  # g in t ring steps under the GEMM (tensor_parallel/overlap.py)
+
+
+class _ParallelLinear(torch.autograd.Function):
+    """y = collective(x) @ w.T (+ b) for collective COPY or GATHER (see InputCollective).
+
+    GATHER saves only the local shard of x; backward gathers it again for the weight gradient
+    (Megatron). In backward the re-gather overlaps the input-gradient GEMM, and the input-gradient
+    collective overlaps the weight-gradient GEMM.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, mode):
-        ctx.group, ctx.mode, ctx.has_bias = group, mode, bias is not None
+    def forward(ctx, x, weight, bias, group, collective):
+        ctx.group, ctx.gather, ctx.has_bias = group, collective is InputCollective.GATHER, bias is not None
         ctx.save_for_backward(x, weight)
-        total = mappings._all_gather_dim0(x, group) if mode == "sp" else x
+        total = mappings._all_gather_dim0(x, group) if ctx.gather else x
         out = torch.matmul(total, weight.t())  # autocast (bf16/fp16) applies here
         return out + bias.to(out.dtype) if bias is not None else out
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        group, mode = ctx.group, ctx.mode
+        group, gather = ctx.group, ctx.gather
         # Functional collectives start at once and are waited for at first use (eagerly, and as
         # torch.compile traces them: the async c10d calls would break the graph).
-        total = funcol.all_gather_tensor(x.contiguous(), 0, group) if mode == "sp" else x  # re-gather
+        total = funcol.all_gather_tensor(x.contiguous(), 0, group) if gather else x  # re-gather
         # Under autocast the GEMMs ran in grad_out's dtype; autograd casts our grads back to the
         # dtypes of x and weight (fp32 master weights).
         grad_in = torch.matmul(grad_out, weight.to(grad_out.dtype))  # overlaps the re-gather
         total = total.to(grad_out.dtype)
-        if mode == "sp":
+        if gather:
             grad_in = funcol.reduce_scatter_tensor(grad_in.contiguous(), "sum", 0, group)
-        elif mode == "tp":
+        else:
             grad_in = funcol.all_reduce(grad_in, "sum", group)
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         grad_w = torch.matmul(g2.t(), total.reshape(-1, total.shape[-1]))  # overlaps grad_in's collective
         grad_b = g2.sum(0) if ctx.has_bias else None
-        grad_in_shard = funcol.wait_tensor(grad_in) if mode != "none" else grad_in
-        return grad_in_shard, grad_w, grad_b, None, None
+        return funcol.wait_tensor(grad_in), grad_w, grad_b, None, None
 
 
-def input_mode(sequence_parallel: bool, tp_comm_overlap: bool = False) -> str:
-    """The input-side collective of a column GEMM: "sp_overlap" (g in ring steps), "sp" (g) or "tp" (f)."""
+def input_collective(sequence_parallel: bool, tp_comm_overlap: bool = False) -> InputCollective:
+    """The input-side collective of a column GEMM: GATHER_OVERLAP, GATHER (SP) or COPY."""
     if tp_comm_overlap and not sequence_parallel:
         raise ValueError(
             "tp_comm_overlap needs sequence_parallel: it overlaps the sequence all-gather and reduce-scatter."
         )
-    return "sp_overlap" if tp_comm_overlap else "sp" if sequence_parallel else "tp"
+    if tp_comm_overlap:
+        return InputCollective.GATHER_OVERLAP
+    return InputCollective.GATHER if sequence_parallel else InputCollective.COPY
 
 
-def parallel_linear(x, weight, bias, group, mode):
-    """Functional form of the column/row GEMM with its input-side collective (see _ParallelLinear;
-    mode "sp_overlap": overlap.column_linear)."""
+def parallel_linear(x, weight, bias, group, collective: InputCollective):
+    """Functional form of the column/row GEMM with its input-side collective (_ParallelLinear, or
+    overlap.column_linear for GATHER_OVERLAP); a group of one runs a plain linear."""
     if group is None or dist.get_world_size(group) == 1:
-        mode = "none"
-    if mode == "none":
         return nn.functional.linear(x, weight, bias)
-    if mode == "sp_overlap":
+    if collective is InputCollective.GATHER_OVERLAP:
         return overlap.column_linear(x, weight, bias, group)
-    return _ParallelLinear.apply(x, weight, bias, group, mode)
+    return _ParallelLinear.apply(x, weight, bias, group, collective)
 
 
 def _tp_info(group):
@@ -138,7 +145,7 @@ class ColumnParallelLinear(nn.Module):
     ):
         super().__init__()
         t, _ = _tp_info(group)
-        self.mode = input_mode(sequence_parallel, tp_comm_overlap)
+        self.collective = input_collective(sequence_parallel, tp_comm_overlap)
         if segments and sum(segments) != out_features:
             raise ValueError(f"ColumnParallelLinear: segments {segments} do not add up to {out_features}.")
         spec = ShardSpec(0, tuple(segments), tuple(units))
@@ -152,7 +159,7 @@ class ColumnParallelLinear(nn.Module):
             self.bias = mark(nn.Parameter(torch.zeros(local, dtype=dtype, device=device)), spec, init="zeros")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return parallel_linear(x, self.weight, self.bias, self.group, self.mode)
+        return parallel_linear(x, self.weight, self.bias, self.group, self.collective)
 
 
 class RowParallelLinear(nn.Module):
@@ -179,7 +186,7 @@ class RowParallelLinear(nn.Module):
         if in_features % t != 0:
             raise ValueError(f"RowParallelLinear: in_features {in_features} not divisible by {t}.")
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.overlap = input_mode(sequence_parallel, tp_comm_overlap) == "sp_overlap" and t > 1
+        self.overlap = input_collective(sequence_parallel, tp_comm_overlap) is InputCollective.GATHER_OVERLAP and t > 1
         self.weight = mark(
             nn.Parameter(torch.empty(out_features, in_features // t, dtype=dtype, device=device)),
             ShardSpec(1),
