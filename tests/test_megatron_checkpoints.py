@@ -184,3 +184,40 @@ def test_convert_tool_refuses_in_one_sentence(fixtures, tmp_path, capsys):
     argv = ["export", "--load", ours, "--save", str(tmp_path / "e"), "--format", "torch"]
     assert convert_megatron.main(argv + ["--tensor-model-parallel-size", "3"]) == 2
     assert "does not divide" in capsys.readouterr().err
+
+
+def _pretrain(argv, capsys):
+    from megatron_sp.training import pretrain
+
+    code = pretrain.main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err.strip()
+
+
+def test_pretrain_continues_a_megatron_run(fixtures, tmp_path, capsys):
+    """--load <Megatron-LM dir>: the weights, iteration 10 and 320 samples consumed; the schedule
+    and the model flags checked against the checkpoint's; the optimizer only with --no-load-optim."""
+    from megatron_sp.checkpointing.full_state import checkpoint_path, read_full_state
+    from megatron_sp.training.config_flags import model_flags
+
+    load = os.path.join(fixtures, "llama", "tp2_torch")
+    imported, cfg, _ = read_model(load)
+    run = ["--device", "cpu", "--seq-length", "16", "--micro-batch-size", "4", "--global-batch-size", "32"]
+    run += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--no-progress-bar"]
+    run += ["--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2"]
+    run += ["--train-iters", "100"]
+    run += ["--eval-iters", "0", "--exit-interval", "11", "--load", load] + model_flags(cfg)
+    code, _, err = _pretrain(run, capsys)
+    assert code == 2 and "--no-load-optim" in err and "\n" not in err
+    code, _, err = _pretrain(run + ["--no-load-optim", "--train-iters", "50"], capsys)
+    assert code == 2 and "lr_decay_steps 3200" in err
+    code, _, err = _pretrain(run + ["--no-load-optim", "--rotary-base", "10000"], capsys)
+    assert code == 2 and "rotary_base=20000.0" in err
+    save = tmp_path / "continued"
+    code, out, err = _pretrain(run + ["--no-load-optim", "--save", str(save), "--save-interval", "11"], capsys)
+    assert code == 0, err
+    assert "resuming at iteration 10, 320 samples consumed" in out
+    state, meta = read_full_state(checkpoint_path(str(save)))
+    assert meta["iteration"] == 11 and meta["train_state"]["consumed_train_samples"] == 352
+    step = max((state[k] - imported[k]).abs().max().item() for k in imported)
+    assert 0 < step < 1e-3  # one AdamW step (lr <= 3e-4) from the Megatron-LM weights

@@ -97,6 +97,19 @@ def read_megatron(root: str, iteration=None) -> MegatronCheckpoint:
     )
 
 
+def read_common(root: str, iteration=None) -> tuple[dict, str]:
+    """(args, iteration, ... of a checkpoint, its iteration directory): no tensors of torch_dist read;
+    the legacy format keeps them in the same pickle, so its first rank file is read whole."""
+    path = iteration_dir(root, iteration)
+    if os.path.lexists(os.path.join(path, safe_dcp.METADATA_FILE)):
+        return _dist_common(path, _dist_metadata(path)), path
+    ranks = _rank_files(path)
+    if not ranks:
+        raise CheckpointError(f"{path} holds neither .metadata nor mp_rank_*/{RANK_FILE}.")
+    data = load_pickle(ranks[min(ranks)], ranks[min(ranks)])
+    return {k: v for k, v in data.items() if not k.startswith("model")}, path
+
+
 # ---- the restricted unpickler ------------------------------------------------------------------
 
 
