@@ -46,6 +46,11 @@ _ALLOWED = {
     "collections": {"OrderedDict"},
 }
 
+# megatron-core's save also pickles every rank's save plan into `.metadata` (all_local_plans)
+_MEGATRON_ALLOWED = {
+    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
+}
+
 
 class UnsafeCheckpointError(ValueError):
     """A checkpoint file that is not what megatron_sp writes (and is therefore not unpickled)."""
@@ -54,10 +59,14 @@ class UnsafeCheckpointError(ValueError):
 class _MetadataUnpickler(pickle.Unpickler):
     """pickle.Unpickler resolving only the globals a DCP `.metadata` file needs."""
 
+    def __init__(self, file, megatron: bool = False):
+        super().__init__(file)
+        self.megatron = megatron
+
     def find_class(self, module, name):
         import torch
 
-        if name in _ALLOWED.get(module, ()):
+        if name in _ALLOWED.get(module, ()) or (self.megatron and name in _MEGATRON_ALLOWED.get(module, ())):
             return super().find_class(module, name)
         if module == "torch" and isinstance(
             getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout)
@@ -66,29 +75,34 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointError(f"refers to {module}.{name}, which a DCP index never needs")
 
 
-def read_metadata(checkpoint: str):
-    """DCP's Metadata of a checkpoint directory, unpickled safely and checked (UnsafeCheckpointError)."""
+def read_metadata(checkpoint: str, allow_objects: bool = False):
+    """DCP's Metadata of a checkpoint directory, unpickled safely and checked (UnsafeCheckpointError).
+    allow_objects (a Megatron-LM checkpoint): entries that are pickled objects (its `_extra_state`)
+    are listed, not refused (`load` still never unpickles them), and megatron-core's save plans are
+    admitted."""
     path = os.path.join(checkpoint, METADATA_FILE)
     try:
         data = files.read_bytes(path, checkpoint, METADATA_LIMIT)
     except files.UnreadableFile as err:
         raise UnsafeCheckpointError(str(err)) from None
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        metadata = _MetadataUnpickler(io.BytesIO(data), megatron=allow_objects).load()
     except UnsafeCheckpointError as err:
         raise UnsafeCheckpointError(f"{path} {err}; refusing to unpickle it") from None
     except Exception as err:  # noqa: BLE001 - truncated or garbled pickle: any error class
         raise UnsafeCheckpointError(f"{path} is not a readable DCP index ({type(err).__name__}: {err})") from None
-    _check_metadata(metadata, path)
+    _check_metadata(metadata, path, allow_objects)
     return metadata
 
 
-def _check_metadata(metadata, path: str) -> None:
-    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+def _check_metadata(metadata, path: str, allow_objects: bool = False) -> None:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(f"{path} holds a {type(metadata).__name__}, not a DCP Metadata")
     for key, entry in metadata.state_dict_metadata.items():
+        if allow_objects and isinstance(entry, BytesStorageMetadata):
+            continue
         if not isinstance(entry, TensorStorageMetadata):
             raise UnsafeCheckpointError(
                 f"{path} declares {key!r} as a pickled object; megatron_sp checkpoints "
@@ -120,7 +134,9 @@ def _check_storage(metadata, checkpoint: str, path: str) -> None:
                 f"{path} declares bytes {offset}..{offset + length} of {name}, which holds {sizes[name]} (truncated?)"
             )
     try:
-        declared = sum(_tensor_bytes(entry) for entry in metadata.state_dict_metadata.values())
+        declared = sum(
+            _tensor_bytes(entry) for entry in metadata.state_dict_metadata.values() if hasattr(entry, "chunks")
+        )
     except (AttributeError, TypeError, ValueError):
         raise UnsafeCheckpointError(f"{path} declares a tensor with a malformed shape or dtype") from None
     if declared > sum(sizes.values()):
@@ -154,12 +170,14 @@ def _reader_class():
     class SafeFileSystemReader(FileSystemReader):
         """FileSystemReader whose `.metadata` goes through `read_metadata` above."""
 
+        allow_objects = False  # read_metadata's (a Megatron-LM checkpoint)
+
         def read_metadata(self, *args, **kwargs):
             if kwargs.get("rank") is not None:  # per-rank metadata files: never written by us
                 raise UnsafeCheckpointError(f"{self.path} asks for per-rank DCP metadata")
             from torch.distributed.checkpoint.metadata import StorageMeta
 
-            metadata = read_metadata(str(self.path))
+            metadata = read_metadata(str(self.path), self.allow_objects)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -174,9 +192,13 @@ def _reader_class():
     return SafeFileSystemReader, SafeLoadPlanner
 
 
-def load(state_dict: dict, checkpoint: str, **kwargs) -> None:
-    """dcp.load into `state_dict` through the safe reader and planner (collective unless no_dist)."""
-    safe_module().load(state_dict, checkpoint_id=checkpoint, **kwargs)
+def load(state_dict: dict, checkpoint: str, allow_objects: bool = False, **kwargs) -> None:
+    """dcp.load into `state_dict` through the safe reader and planner (collective unless no_dist);
+    allow_objects: read_metadata's."""
+    module = safe_module()
+    reader = module.FileSystemReader(checkpoint)
+    reader.allow_objects = allow_objects
+    module.load(state_dict, storage_reader=reader, **kwargs)
 
 
 class _SafeDCP:

@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 
 from megatron_sp import checkpointing, failures, parallel_state
+from megatron_sp.checkpointing import megatron_resume
 from megatron_sp.config import GPTConfig
 from megatron_sp.data.errors import DataError
 from megatron_sp.distributed.grad_sync import OverlappedGradSync
@@ -98,7 +99,11 @@ def check_inputs(argv) -> Setup:
         prefixes, _ = parse_data_path(args.data_path)
         for prefix in prefixes:
             check_train_split(validate_indexed_prefix(prefix, vocab_size=tokenizer.vocab_size), args.split)
-    checkpointing.check_inputs(args.load, args.save, cfg)
+    if megatron_resume.is_megatron_dir(args.load):  # a Megatron-LM run's --save directory
+        megatron_resume.check_resume(args.load, cfg, args)
+        checkpointing.check_inputs(None, args.save, cfg)
+    else:
+        checkpointing.check_inputs(args.load, args.save, cfg)
     check_fits(cfg, args)
     return Setup(args, cfg, tokenizer, prefixes)
 
@@ -380,6 +385,15 @@ class Trainer:
         --no-load-optim / --no-load-rng). None to load starts from scratch only when --load is also
         --save, and never with --exit-on-missing-checkpoint."""
         args = self.args
+        if megatron_resume.is_megatron_dir(args.load):
+            it = megatron_resume.load_resume(
+                args.load, self.cfg, self.model, self.optimizer, self.state, args.finetune, self.scheduler
+            )
+            self.log.info(
+                f" loaded Megatron-LM checkpoint {args.load} (iteration {it}; weights"
+                f"{'' if args.finetune else ', iteration, data position and LR schedule'}; fresh AdamW and RNG state)"
+            )
+            return
         skip = {"optim", "opt_param_scheduler", "train_state", "loss_scale", "rng"} if args.finetune else set()
         skip |= {"optim", "opt_param_scheduler"} if args.no_load_optim else set()  # (Megatron's)
         skip |= {"rng"} if args.no_load_rng else set()

@@ -1,0 +1,181 @@
+"""A whole model of ours -> a checkpoint directory Megatron-LM loads (--ckpt-format torch or
+torch_dist, at a chosen TP/PP), model only (Megatron-LM then needs --no-load-optim --no-load-rng).
+
+    write_megatron(state, cfg, save, fmt, tp, pp, iteration=0, consumed=0)
+
+torch_dist is written with plain torch.distributed.checkpoint under megatron-core's names and
+layouts (layers stacked on a leading axis, Transformer Engine's fused norm names, one `_extra_state`
+object per layer and linear layer), plus common.pt (args, iteration, checkpoint_version) and
+metadata.json, as megatron-core 0.16 writes them; torch writes mp_rank_TT[_PPP]/model_optim_rng.pt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import warnings
+
+import torch
+
+from megatron_sp.checkpointing import files
+from megatron_sp.checkpointing.megatron_files import RANK_FILE, TRACKER
+from megatron_sp.checkpointing.megatron_model import from_ours, split_tp
+from megatron_sp.checkpointing.paths import CheckpointError
+
+CHECKPOINT_VERSION = 3.0
+_DIST_CONFIG = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
+_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+_TE_NORM = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
+}
+
+
+def padded_vocab(cfg, tp: int) -> int:
+    """Megatron-LM's padded_vocab_size at TP size tp."""
+    multiple = cfg.make_vocab_size_divisible_by * tp
+    return -(-cfg.vocab_size // multiple) * multiple
+
+
+def megatron_args(cfg, fmt: str, tp: int, pp: int, iteration: int, consumed: int) -> argparse.Namespace:
+    """The args Megatron-LM reads back from a checkpoint (both the older and newer norm names)."""
+    return argparse.Namespace(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        kv_channels=cfg.kv_channels,
+        group_query_attention=cfg.num_query_groups != cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        max_position_embeddings=cfg.max_position_embeddings,
+        seq_length=cfg.seq_length,
+        position_embedding_type=cfg.position_embedding_type,
+        add_position_embedding=cfg.position_embedding_type == "learned_absolute",
+        rotary_base=int(cfg.rotary_base) if float(cfg.rotary_base).is_integer() else cfg.rotary_base,
+        rotary_percent=cfg.rotary_percent,
+        rotary_seq_len_interpolation_factor=cfg.rotary_seq_len_interpolation_factor,
+        use_rope_scaling=cfg.rope_scaling,
+        rope_scaling_factor=cfg.rope_scaling_factor,
+        normalization=cfg.normalization,
+        layernorm_epsilon=cfg.layernorm_epsilon,
+        norm_epsilon=cfg.layernorm_epsilon,
+        layernorm_zero_centered_gamma=cfg.layernorm_zero_centered_gamma,
+        apply_layernorm_1p=cfg.layernorm_zero_centered_gamma,
+        swiglu=cfg.activation == "swiglu",
+        squared_relu=cfg.activation == "squared_relu",
+        openai_gelu=cfg.activation == "openai_gelu",
+        qk_layernorm=bool(cfg.qk_layernorm),
+        untie_embeddings_and_output_weights=bool(cfg.untie_embeddings_and_output_weights),
+        add_bias_linear=bool(cfg.add_bias_linear),
+        add_qkv_bias=bool(cfg.add_qkv_bias),
+        vocab_size=cfg.vocab_size,
+        padded_vocab_size=padded_vocab(cfg, tp),
+        make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
+        hidden_dropout=cfg.hidden_dropout,
+        attention_dropout=cfg.attention_dropout,
+        init_method_std=cfg.init_method_std,
+        seed=cfg.seed,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=torch.float32,
+        ckpt_format=fmt,
+        iteration=iteration,
+        consumed_train_samples=consumed,
+    )
+
+
+def _check(cfg, tp: int, pp: int) -> None:
+    if cfg.num_layers % pp:
+        raise CheckpointError(
+            f"--pipeline-model-parallel-size {pp} does not divide the model's {cfg.num_layers} layers."
+        )
+    for what, n in (("query groups", cfg.num_query_groups), ("FFN width", cfg.ffn_hidden_size)):
+        if n % tp:
+            raise CheckpointError(f"--tensor-model-parallel-size {tp} does not divide the model's {n} {what}.")
+    if cfg.window_size or cfg.softmax_type != "vanilla":
+        raise CheckpointError("export of --window-size or --softmax-type models is not supported yet.")
+
+
+def write_megatron(state: dict, cfg, save: str, fmt: str, tp: int, pp: int, iteration: int = 0, consumed: int = 0):
+    """Writes iter_NNNNNNN of `save` (a new directory) and its tracker; returns the iteration dir."""
+    _check(cfg, tp, pp)
+    if os.path.lexists(os.path.join(save, TRACKER)):
+        raise CheckpointError(f"--save {save} already holds a Megatron-LM checkpoint ({TRACKER}); choose a new one.")
+    mcore = from_ours(state, cfg, padded_vocab(cfg, tp))
+    args = megatron_args(cfg, fmt, tp, pp, iteration, consumed)
+    common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
+    path = os.path.join(save, f"iter_{iteration:07d}")
+    os.makedirs(path, exist_ok=False)
+    if fmt == "torch_dist":
+        _write_dist(mcore, cfg, common, path)
+    else:
+        _write_legacy(mcore, cfg, common, path, tp, pp)
+    files.write_atomic(os.path.join(save, TRACKER), str(iteration).encode())
+    return path
+
+
+def _write_dist(mcore: dict, cfg, common: dict, path: str) -> None:
+    entries, layers = {}, cfg.num_layers
+    for name, t in mcore.items():
+        if not name.startswith("decoder.layers."):
+            entries[name] = t
+            continue
+        index, _, rest = name[len("decoder.layers.") :].partition(".")
+        entries.setdefault(f"decoder.layers.{_TE_NORM.get(rest, rest)}", [None] * layers)[int(index)] = t
+    entries = {k: torch.stack(v) if isinstance(v, list) else v for k, v in entries.items()}
+    for module in _LINEARS:
+        for i in range(layers):
+            # DCP's planner torch.saves an object entry: the bytes of megatron-core's [data] list
+            entries[f"decoder.layers.{module}._extra_state/shard_{i}_{layers}"] = [None]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(entries, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+    torch.save(common, os.path.join(path, "common.pt"))
+    files.write_atomic(os.path.join(path, "metadata.json"), json.dumps(_DIST_CONFIG).encode())
+
+
+def _write_legacy(mcore: dict, cfg, common: dict, path: str, tp: int, pp: int) -> None:
+    per_stage = cfg.num_layers // pp
+    for p in range(pp):
+        stage = _stage(mcore, cfg, p, pp, per_stage)
+        for t in range(tp):
+            model = {}
+            for name, tensor in stage.items():
+                model[name] = None if tensor is None else split_tp(name, tensor, tp, cfg)[t].clone()
+            name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+            os.makedirs(os.path.join(path, name))
+            torch.save(dict(common, model=model), os.path.join(path, name, RANK_FILE))
+
+
+def _stage(mcore: dict, cfg, p: int, pp: int, per_stage: int) -> dict:
+    """Pipeline stage p's entries under its own layer numbers (None: an `_extra_state`)."""
+    first, last = p == 0, p == pp - 1
+    out = {}
+    for name, t in mcore.items():
+        if name.startswith("decoder.layers."):
+            index, _, rest = name[len("decoder.layers.") :].partition(".")
+            if p * per_stage <= int(index) < (p + 1) * per_stage:
+                local = int(index) - p * per_stage
+                out[f"decoder.layers.{local}.{rest}"] = t
+                module = rest.rpartition(".")[0]
+                if module in _LINEARS:
+                    out[f"decoder.layers.{local}.{module}._extra_state"] = None
+        elif name.startswith("embedding.") and first:
+            out[name] = t
+        elif not name.startswith("embedding.") and last:
+            out[name] = t
+    if last:
+        out["output_layer._extra_state"] = None
+        if pp > 1 and not cfg.untie_embeddings_and_output_weights:  # the tied weight's copy on the last stage
+            out["output_layer.weight"] = mcore["embedding.word_embeddings.weight"]
+    return out

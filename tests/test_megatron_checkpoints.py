@@ -1,0 +1,224 @@
+"""Megatron-LM checkpoints in (megatron_sp/checkpointing/megatron*.py), against checkpoints that
+megatron-core 0.16.1 itself wrote (tests/megatron_fixtures.py, made once per module): both formats,
+TP1 / TP2 / PP2, GPT-2- and Llama-style with every parameter perturbed; our model of the converted
+tensors gives megatron-core's logits within 1e-5; planted damage is refused in one sentence."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_sp.checkpointing.megatron import read_model
+from megatron_sp.checkpointing.megatron_model import config_fields
+from megatron_sp.checkpointing.paths import CheckpointError
+from megatron_sp.models.reference import ReferenceGPT
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LAYOUTS = ("tp1_dist", "tp2_dist", "pp2_dist", "tp1_torch", "tp2_torch", "pp2_torch")
+ITER = "iter_0000010"
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory):
+    out = tmp_path_factory.mktemp("megatron")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE), OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, os.path.join(HERE, "megatron_fixtures.py"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return str(out)
+
+
+def _logits(state, cfg, tokens):
+    model = ReferenceGPT(cfg, initialise=False)
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model.eval()(tokens)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_every_layout_gives_megatron_cores_logits(fixtures, family):
+    ref = torch.load(os.path.join(fixtures, family, "logits.pt"))
+    layouts = LAYOUTS + (("tp2_dist_head",) if family == "llama" else ())
+    first = None
+    for layout in layouts:
+        state, cfg, ckpt = read_model(os.path.join(fixtures, family, layout))
+        out = _logits(state, cfg, ref["tokens"])
+        expected = ref["logits"][..., : cfg.vocab_size]  # the padded rows are dropped (vocab 100 of 128)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5, msg=f"{family} {layout}")
+        assert ckpt.common["iteration"] == 10 and ckpt.format == ("torch" if "torch" in layout else "torch_dist")
+        if first is None:
+            first = state
+        else:  # every layout holds the same tensors, bit for bit
+            assert all(torch.equal(first[k], state[k]) for k in first), layout
+
+
+def test_config_comes_from_args(fixtures):
+    _, llama, _ = read_model(os.path.join(fixtures, "llama", "tp1_torch"))
+    assert (llama.normalization, llama.activation, llama.position_embedding_type) == ("RMSNorm", "swiglu", "rope")
+    assert (llama.num_query_groups, llama.qk_layernorm, llama.rotary_base, llama.ffn_hidden_size) == (
+        2,
+        True,
+        20000,
+        128,
+    )
+    assert llama.untie_embeddings_and_output_weights and not llama.add_bias_linear and llama.model == "llama"
+    _, gpt2, _ = read_model(os.path.join(fixtures, "gpt2", "tp2_dist"))
+    assert (gpt2.normalization, gpt2.position_embedding_type, gpt2.activation) == (
+        "LayerNorm",
+        "learned_absolute",
+        "gelu",
+    )
+    assert not gpt2.untie_embeddings_and_output_weights and gpt2.add_bias_linear and gpt2.vocab_size == 100
+
+
+def test_older_and_newer_norm_names():
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=128, max_position_embeddings=8)
+    old = config_fields(argparse.Namespace(**base, norm_epsilon=1e-6, apply_layernorm_1p=True), "old")
+    new = config_fields(argparse.Namespace(**base, layernorm_epsilon=1e-6, layernorm_zero_centered_gamma=True), "new")
+    for fields in (old, new):
+        assert fields["layernorm_epsilon"] == 1e-6 and fields["layernorm_zero_centered_gamma"] is True
+    assert config_fields(argparse.Namespace(**base), "default")["layernorm_epsilon"] == 1e-5
+
+
+def _copy(fixtures, family, layout, tmp_path):
+    dst = tmp_path / layout
+    shutil.copytree(os.path.join(fixtures, family, layout), dst)
+    return dst
+
+
+def _refused(root, match):
+    with pytest.raises(CheckpointError, match=match) as err:
+        read_model(str(root))
+    message = str(err.value)
+    assert "\n" not in message and message.endswith("."), message
+    return message
+
+
+def _rewrite(file, change):
+    data = torch.load(file, weights_only=False)
+    change(data)
+    torch.save(data, file)
+
+
+def test_planted_damage_is_refused(fixtures, tmp_path):
+    # a missing layer: the last stage's file gone, or one layer's tensors removed from it
+    root = _copy(fixtures, "llama", "pp2_torch", tmp_path)
+    stage = root / ITER / "mp_rank_00_001" / "model_optim_rng.pt"
+    _rewrite(stage, lambda d: d["model"].pop("decoder.layers.0.mlp.linear_fc2.weight"))
+    _refused(root, "lacks decoder.layers.1.mlp.linear_fc2.weight")
+    shutil.rmtree(stage.parent)
+    _refused(root, "PP 1 ranks")
+    # q/k/v rows in the order of checkpoints before version 2.0
+    root = _copy(fixtures, "gpt2", "tp1_torch", tmp_path)
+    rank = root / ITER / "mp_rank_00" / "model_optim_rng.pt"
+    _rewrite(rank, lambda d: d.update(checkpoint_version=1.0))
+    _refused(root, "checkpoint_version 1.0")
+    # a tensor the model has no place for, and a shape its args do not give
+    _rewrite(rank, lambda d: (d.update(checkpoint_version=3.0), d["model"].update(extra=torch.zeros(1))))
+    _refused(root, "holds extra")
+    _rewrite(
+        rank, lambda d: (d["model"].pop("extra"), d["model"].update({"decoder.final_layernorm.weight": torch.ones(3)}))
+    )
+    _refused(root, "decoder.final_layernorm.weight of shape")
+    # an option megatron_sp lacks
+    _rewrite(rank, lambda d: setattr(d["args"], "num_experts", 8))
+    _refused(root, "--num-experts")
+    # a truncated .distcp
+    root = _copy(fixtures, "llama", "tp2_dist", tmp_path)
+    shard = root / ITER / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    _refused(root, "truncated")
+
+
+def test_pickles_naming_other_classes_are_refused(fixtures, tmp_path):
+    root = _copy(fixtures, "gpt2", "tp1_torch", tmp_path)
+    rank = root / ITER / "mp_rank_00" / "model_optim_rng.pt"
+    _rewrite(rank, lambda d: setattr(d["args"], "hook", argparse.ArgumentParser))
+    _refused(root, "refers to argparse.ArgumentParser")
+
+
+def test_exports_load_in_megatron_core(fixtures):
+    """tools/convert_megatron.py export at TP2 and PP2, both formats: megatron-core's own
+    dist_checkpointing.load / torch.load + strict load_state_dict give the tensors of the original
+    (tests/megatron_fixtures.py check_exports)."""
+    from megatron_fixtures import EXPORTS, export_name
+
+    for family in ("gpt2", "llama"):
+        with open(os.path.join(fixtures, family, "export_check.json")) as f:
+            report = json.load(f)
+        assert report == {export_name(*case): [] for case in EXPORTS}, family
+
+
+def test_export_round_trip_is_bit_exact(fixtures):
+    from megatron_fixtures import EXPORTS, export_name
+
+    from megatron_sp.checkpointing.full_state import checkpoint_path, read_full_state
+
+    for family in ("gpt2", "llama"):
+        ours, meta = read_full_state(checkpoint_path(os.path.join(fixtures, family, "ours")))
+        for case in EXPORTS:
+            state, cfg, ckpt = read_model(os.path.join(fixtures, family, export_name(*case)))
+            assert sorted(state) == sorted(ours) and all(torch.equal(state[k], ours[k]) for k in ours), case
+            assert ckpt.args.tensor_model_parallel_size == case[1] and cfg.vocab_size == 100
+
+
+def test_convert_tool_refuses_in_one_sentence(fixtures, tmp_path, capsys):
+    from tools import convert_megatron
+
+    assert convert_megatron.main(["--load", str(tmp_path / "none"), "--save", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("convert_megatron.py: error:") and "\n" not in err
+    ours = os.path.join(fixtures, "llama", "ours")
+    argv = ["export", "--load", ours, "--save", str(tmp_path / "e"), "--format", "torch"]
+    assert convert_megatron.main(argv + ["--tensor-model-parallel-size", "3"]) == 2
+    assert "does not divide" in capsys.readouterr().err
+
+
+def _pretrain(argv, capsys):
+    from megatron_sp.training import pretrain
+
+    code = pretrain.main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err.strip()
+
+
+def test_pretrain_continues_a_megatron_run(fixtures, tmp_path, capsys):
+    """--load <Megatron-LM dir>: the weights, iteration 10 and 320 samples consumed; the schedule
+    and the model flags checked against the checkpoint's; the optimizer only with --no-load-optim."""
+    from megatron_sp.checkpointing.full_state import checkpoint_path, read_full_state
+    from megatron_sp.training.config_flags import model_flags
+
+    load = os.path.join(fixtures, "llama", "tp2_torch")
+    imported, cfg, _ = read_model(load)
+    run = ["--device", "cpu", "--seq-length", "16", "--micro-batch-size", "4", "--global-batch-size", "32"]
+    run += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--no-progress-bar"]
+    run += ["--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2"]
+    run += ["--train-iters", "100"]
+    run += ["--eval-iters", "0", "--exit-interval", "11", "--load", load] + model_flags(cfg)
+    code, _, err = _pretrain(run, capsys)
+    assert code == 2 and "--no-load-optim" in err and "\n" not in err
+    code, _, err = _pretrain(run + ["--no-load-optim", "--train-iters", "50"], capsys)
+    assert code == 2 and "lr_decay_steps 3200" in err
+    code, _, err = _pretrain(run + ["--no-load-optim", "--rotary-base", "10000"], capsys)
+    assert code == 2 and "rotary_base=20000.0" in err
+    save = tmp_path / "continued"
+    code, out, err = _pretrain(run + ["--no-load-optim", "--save", str(save), "--save-interval", "11"], capsys)
+    assert code == 0, err
+    assert "resuming at iteration 10, 320 samples consumed" in out
+    state, meta = read_full_state(checkpoint_path(str(save)))
+    assert meta["iteration"] == 11 and meta["train_state"]["consumed_train_samples"] == 352
+    assert meta["opt_param_scheduler"]["num_steps"] == 352  # the schedule went on from Megatron-LM's position
+    step = max((state[k] - imported[k]).abs().max().item() for k in imported)
+    assert 0 < step < 1e-3  # one AdamW step (lr <= 3e-4) from the Megatron-LM weights
