@@ -245,13 +245,23 @@ def _check_factors(world_size: int, tp: int, cp: int, pp: int = 1) -> int:
     return world_size // (tp * cp * pp)
 
 
-def _new_groups(rank_lists, my_rank, timeout):
-    """Creates every group of one axis (collectively, same order on all ranks); returns mine."""
+# (world process group, axis, ranks, timeout) -> its group. Initialising again in the same world (the test
+# worlds do, once per layout) reuses the groups: every gloo group keeps threads of its own for the
+# life of the process, and new ones per initialisation piled up to thousands of busy threads a rank.
+# The world's group is part of the key (and kept alive by it), so a new world gets new groups.
+_GROUPS: dict = {}
+
+
+def _new_groups(axis, rank_lists, my_rank, timeout):
+    """Creates every group of one axis (collectively, same order on all ranks); returns mine. Each axis
+    has groups of its own, as before, even where two axes hold the same ranks."""
     mine = None
     for ranks in rank_lists:
-        group = dist.new_group(ranks, timeout=timeout)
+        key = (dist.group.WORLD, axis, tuple(ranks), timeout)
+        if key not in _GROUPS:  # (the same on every rank: the keys come in the same order)
+            _GROUPS[key] = dist.new_group(ranks, timeout=timeout)
         if my_rank in ranks:
-            mine = group
+            mine = _GROUPS[key]
     return mine
 
 
@@ -293,21 +303,26 @@ def initialize_model_parallel(
     _check_expert_factors(tp * cp * dp, ep, etp)
     tp_lists, cp_lists, dp_lists, dp_cp_lists = grid_ranks(tp, cp, dp, pp)
     groups = dict(
-        tp_group=_new_groups(tp_lists, me, timeout),
-        cp_group=_new_groups(cp_lists, me, timeout),
-        dp_group=_new_groups(dp_lists, me, timeout),
-        dp_cp_group=_new_groups(dp_cp_lists, me, timeout),
+        tp_group=_new_groups("tp_group", tp_lists, me, timeout),
+        cp_group=_new_groups("cp_group", cp_lists, me, timeout),
+        dp_group=_new_groups("dp_group", dp_lists, me, timeout),
+        dp_cp_group=_new_groups("dp_cp_group", dp_cp_lists, me, timeout),
     )
     if pp > 1:
         pipelines = pipeline_ranks(tp, cp, dp, pp)
-        groups["pp_group"] = _new_groups(pipelines, me, timeout)
-        groups["embedding_group"] = _new_groups([[ranks[0], ranks[-1]] for ranks in pipelines], me, timeout)
+        groups["pp_group"] = _new_groups("pp_group", pipelines, me, timeout)
+        groups["embedding_group"] = _new_groups(
+            "embedding_group", [[ranks[0], ranks[-1]] for ranks in pipelines], me, timeout
+        )
         groups["pp_ranks"] = tuple(next(ranks for ranks in pipelines if me in ranks))
     else:
         groups["pp_ranks"] = (me,)
     if sizes:
         inner, outer = hierarchical_cp_ranks(cp_lists, sizes)
-        groups["hierarchical_cp_groups"] = (_new_groups(inner, me, timeout), _new_groups(outer, me, timeout))
+        groups["hierarchical_cp_groups"] = (
+            _new_groups("cp_inner", inner, me, timeout),
+            _new_groups("cp_outer", outer, me, timeout),
+        )
         groups["hierarchical_cp_sizes"] = sizes
     groups.update(_expert_groups(tp, cp, dp, pp, ep, etp, me, timeout))
     _STATE = ParallelState(
@@ -337,12 +352,12 @@ def _expert_groups(tp, cp, dp, pp, ep, etp, me, timeout) -> dict:
         etp_rank=local % etp,
         edp_size=stage_size // (ep * etp),
         edp_rank=local // (ep * etp),
-        etp_group=_new_groups(etp_lists, me, timeout),
-        ep_group=_new_groups(ep_lists, me, timeout),
-        edp_group=_new_groups(edp_lists, me, timeout),
-        expert_group=_new_groups(expert_lists, me, timeout),
-        tp_cp_group=_new_groups(tp_cp_lists, me, timeout),
-        stage_group=_new_groups(stage_lists, me, timeout),
+        etp_group=_new_groups("etp_group", etp_lists, me, timeout),
+        ep_group=_new_groups("ep_group", ep_lists, me, timeout),
+        edp_group=_new_groups("edp_group", edp_lists, me, timeout),
+        expert_group=_new_groups("expert_group", expert_lists, me, timeout),
+        tp_cp_group=_new_groups("tp_cp_group", tp_cp_lists, me, timeout),
+        stage_group=_new_groups("stage_group", stage_lists, me, timeout),
     )
 
 

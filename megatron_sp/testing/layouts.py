@@ -45,14 +45,17 @@ class Layout:
         return "/".join(parts) or "serial"
 
     def config_fields(self) -> dict:
-        """The GPTConfig fields of its TP and CP (PP and DP are not the model's)."""
-        return dict(
+        """The GPTConfig fields of its TP and CP (PP and DP are not the model's); the hierarchical CP
+        sizes only where the name gives them (else the model's fields keep theirs)."""
+        fields = dict(
             tensor_model_parallel_size=self.tp,
             sequence_parallel=self.sp,
             context_parallel_size=self.cp,
             cp_comm_type=self.cp_comm,
-            hierarchical_context_parallel_sizes=self.cp_levels,
         )
+        if self.cp_levels is not None:
+            fields["hierarchical_context_parallel_sizes"] = self.cp_levels
+        return fields
 
 
 def parse_layout(text: str) -> Layout:
