@@ -17,8 +17,8 @@ class GainMLP(MLP):
         super().__init__(cfg, layer=layer, builder=builder, block_spec=block_spec)
         self.gain = mark(nn.Parameter(torch.ones(cfg.hidden_size)), init="ones")  # the bug: no sequence_parallel
 
-    def forward(self, x):
-        return super().forward(x) * self.gain  # [s_sp, b, h]: this rank's tokens under SP
+    def forward(self, x, seq=None):  # (the mlp slot's forward: models/blocks.py)
+        return super().forward(x, seq) * self.gain  # [s_sp, b, h]: this rank's tokens under SP
 
 
 SPEC = ModelSpec(

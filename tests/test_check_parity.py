@@ -29,7 +29,7 @@ def test_a_planted_layout_bug_is_caught_and_named(capsys):
         (["--model", "qwen3", "--layouts", "tp3"], "tp3 cannot run this model"),
         (["--model", "qwen3", "--layouts", "xx2"], "not a dimension"),
         (["--model", "nope.py:SPEC"], "there is no file nope.py"),
-        (["--model", "llama", "--num-query-groups", "3"], "num_query_groups"),
+        (["--model", "llama", "--num-query-groups", "3"], "--num-query-groups (3) must divide"),
     ],
 )
 def test_flags_it_cannot_run_exit_2(flags, needle, capsys):
