@@ -51,15 +51,19 @@ class _ParallelLinear(torch.autograd.Function):
     mode "tp": forward identity, backward all-reduces the input gradient (the f mapping).
     mode "none": plain linear (row-parallel layers: their collective comes after).
     In backward the re-gather overlaps the input-gradient GEMM, and the input-gradient collective
-    overlaps the weight-gradient GEMM.
+    overlaps the weight-gradient GEMM. fp8: the layer's Fp8Gemms (tensor_parallel/fp8.py), which
+    runs the three GEMMs in FP8, or None.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, mode):
-        ctx.group, ctx.mode, ctx.has_bias = group, mode, bias is not None
+    def forward(ctx, x, weight, bias, group, mode, fp8=None):
+        ctx.group, ctx.mode, ctx.has_bias, ctx.fp8 = group, mode, bias is not None, fp8
         ctx.save_for_backward(x, weight)
         total = mappings._all_gather_dim0(x, group) if mode == "sp" else x
-        out = torch.matmul(total, weight.t())  # autocast (bf16/fp16) applies here
+        if fp8 is not None:
+            out, ctx.fp8_saved = fp8.fprop(total, weight)
+        else:
+            out = torch.matmul(total, weight.t())  # autocast (bf16/fp16) applies here
         return out + bias.to(out.dtype) if bias is not None else out
 
     @staticmethod
@@ -71,17 +75,24 @@ class _ParallelLinear(torch.autograd.Function):
         total = funcol.all_gather_tensor(x.contiguous(), 0, group) if mode == "sp" else x  # re-gather
         # Under autocast the GEMMs ran in grad_out's dtype; autograd casts our grads back to the
         # dtypes of x and weight (fp32 master weights).
-        grad_in = torch.matmul(grad_out, weight.to(grad_out.dtype))  # overlaps the re-gather
+        fp8 = ctx.fp8
+        if fp8 is not None:
+            grad_in = fp8.dgrad(grad_out, weight, ctx.fp8_saved)  # overlaps the re-gather
+        else:
+            grad_in = torch.matmul(grad_out, weight.to(grad_out.dtype))  # overlaps the re-gather
         total = total.to(grad_out.dtype)
         if mode == "sp":
             grad_in = funcol.reduce_scatter_tensor(grad_in.contiguous(), "sum", 0, group)
         elif mode == "tp":
             grad_in = funcol.all_reduce(grad_in, "sum", group)
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_w = torch.matmul(g2.t(), total.reshape(-1, total.shape[-1]))  # overlaps grad_in's collective
+        if fp8 is not None:
+            grad_w = fp8.wgrad(grad_out, total, ctx.fp8_saved)  # overlaps grad_in's collective
+        else:
+            grad_w = torch.matmul(g2.t(), total.reshape(-1, total.shape[-1]))  # overlaps grad_in's collective
         grad_b = g2.sum(0) if ctx.has_bias else None
         grad_in_shard = funcol.wait_tensor(grad_in) if mode != "none" else grad_in
-        return grad_in_shard, grad_w, grad_b, None, None
+        return grad_in_shard, grad_w, grad_b, None, None, None
 
 
 def input_mode(sequence_parallel: bool, tp_comm_overlap: bool = False) -> str:
@@ -93,11 +104,15 @@ def input_mode(sequence_parallel: bool, tp_comm_overlap: bool = False) -> str:
     return "sp_overlap" if tp_comm_overlap else "sp" if sequence_parallel else "tp"
 
 
-def parallel_linear(x, weight, bias, group, mode):
+def parallel_linear(x, weight, bias, group, mode, fp8=None):
     """Functional form of the column/row GEMM with its input-side collective (see _ParallelLinear;
-    mode "sp_overlap": overlap.column_linear)."""
+    mode "sp_overlap": overlap.column_linear). fp8: an Fp8Gemms, or None."""
     if group is None or dist.get_world_size(group) == 1:
         mode = "none"
+    if fp8 is not None:
+        if mode == "sp_overlap":
+            raise ValueError("FP8 GEMMs do not run under tp_comm_overlap; turn one of them off.")
+        return _ParallelLinear.apply(x, weight, bias, group, mode, fp8)
     if mode == "none":
         return nn.functional.linear(x, weight, bias)
     if mode == "sp_overlap":
@@ -119,6 +134,7 @@ class ColumnParallelLinear(nn.Module):
     segments/units: a fused layer's output parts (sizes summing to out_features) and the heads each
     is made of (see tensor_parallel/sharding.py); each part is split on its own, so the local output
     is [part0_r | part1_r | ...]. init: the weight's init tag; the bias starts at zero.
+    fp8: an Fp8Gemms (tensor_parallel/fp8.py) that runs the GEMMs in FP8, or None.
     """
 
     def __init__(
@@ -135,10 +151,11 @@ class ColumnParallelLinear(nn.Module):
         units: tuple = (),
         dtype=torch.float32,
         device=None,
+        fp8=None,
     ):
         super().__init__()
         t, _ = _tp_info(group)
-        self.mode = input_mode(sequence_parallel, tp_comm_overlap)
+        self.mode, self.fp8 = input_mode(sequence_parallel, tp_comm_overlap), fp8
         if segments and sum(segments) != out_features:
             raise ValueError(f"ColumnParallelLinear: segments {segments} do not add up to {out_features}.")
         spec = ShardSpec(0, tuple(segments), tuple(units))
@@ -152,14 +169,14 @@ class ColumnParallelLinear(nn.Module):
             self.bias = mark(nn.Parameter(torch.zeros(local, dtype=dtype, device=device)), spec, init="zeros")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return parallel_linear(x, self.weight, self.bias, self.group, self.mode)
+        return parallel_linear(x, self.weight, self.bias, self.group, self.mode, self.fp8)
 
 
 class RowParallelLinear(nn.Module):
     """Y = X A with A split by rows (input features); X arrives TP-sharded [s, b, in/t].
     The partial products are reduce-scattered along the sequence (ḡ, SP; with tp_comm_overlap chunk by
     chunk under the GEMMs) or all-reduced (f̄). The bias is added after the collective, so under SP it
-    lives in the SP region."""
+    lives in the SP region. fp8: as ColumnParallelLinear's."""
 
     def __init__(
         self,
@@ -173,9 +190,11 @@ class RowParallelLinear(nn.Module):
         bias=True,
         dtype=torch.float32,
         device=None,
+        fp8=None,
     ):
         super().__init__()
         t, _ = _tp_info(group)
+        self.fp8 = fp8
         if in_features % t != 0:
             raise ValueError(f"RowParallelLinear: in_features {in_features} not divisible by {t}.")
         self.group, self.sequence_parallel = group, sequence_parallel
@@ -202,7 +221,10 @@ class RowParallelLinear(nn.Module):
         """x @ W.T summed over the TP group: [s, b, in/t] -> [s/t, b, out] (SP) or [s, b, out]."""
         if self.overlap:
             return overlap.row_linear(x, self.weight, self.group)
-        partial = torch.matmul(x, self.weight.t())  # [s, b, out] partial sum over ranks
+        if self.fp8 is not None:
+            partial = _ParallelLinear.apply(x, self.weight, None, None, "none", self.fp8)
+        else:
+            partial = torch.matmul(x, self.weight.t())  # [s, b, out] partial sum over ranks
         if self.sequence_parallel:
             return mappings.reduce_scatter_to_sequence_parallel_region(partial, self.group)
         return mappings.reduce_from_tensor_parallel_region(partial, self.group)

@@ -110,7 +110,14 @@ MOE = (
     "remove the MoE flags or use Megatron-LM"
 )
 _GPT_OSS = "gpt-oss's MLP variants (clamped GEGLU) and its model switch are not implemented"
-_FP8 = "FP8 training needs Transformer Engine, which megatron_sp does not use; train in --bf16"
+_FP8 = (
+    "this FP8 option is not implemented: FP8 here (torchao) takes --fp8-format, --fp8-recipe, --fp8-margin, "
+    "--fp8-amax-history-len, --fp8-amax-compute-algo and --first-last-layers-bf16"
+)
+_FP8_PARAM_GATHER = (
+    "FP8 weights in the parameter all-gather are not implemented (gloo has no float8 collectives; on NCCL "
+    "torchao's FSDP2 FP8 all-gather would carry them); drop it: the FP8 GEMMs cast the weights every step"
+)
 _MFSDP = "Megatron-FSDP is not implemented; use --use-distributed-optimizer (ZeRO-1) for sharded optimizer state"
 
 # (flag, or prefix ending in "-", the missing feature): in this order, the first match is reported.
@@ -123,6 +130,7 @@ REFUSED = (
     ("--glu-linear-offset", _GPT_OSS),
     ("--activation-func-clamp-value", _GPT_OSS),
     ("--export-force-local-attention", _GPT_OSS),
+    ("--fp8-param-gather", _FP8_PARAM_GATHER),
     ("--fp8-", _FP8),
     ("--fp8", _FP8),
     ("--use-megatron-fsdp", _MFSDP),
