@@ -67,28 +67,40 @@ class Norm(nn.Module):
         return ops.layer_norm(x, weight, self.bias, self.eps, fused=self.fused)
 
 
+def quick_gelu(x):
+    """x·sigmoid(1.702 x) (Hendrycks & Gimpel's sigmoid approximation of GELU; Megatron's quick_gelu)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
 def _activation(cfg):
     if cfg.activation == "openai_gelu":
         return lambda x: F.gelu(x, approximate="tanh")
     if cfg.activation == "squared_relu":
         return lambda x: torch.square(F.relu(x))
+    if cfg.activation == "swiglu":
+        return F.silu
+    if cfg.activation == "quick_geglu":
+        return quick_gelu
     return F.gelu
 
 
 class MLP(nn.Module):
-    """fc1 (column-parallel) -> activation -> fc2 (row-parallel). SwiGLU fuses the gate and up
-    projections into fc1 ([gate; up] rows, each split on its own so a rank holds matching halves)."""
+    """fc1 (column-parallel) -> activation -> fc2 (row-parallel). A gated MLP (--swiglu, --quick-geglu)
+    fuses the gate and up projections into fc1 ([gate; up] rows, each split on its own so a rank holds
+    matching halves) and computes act(gate) * (up + --glu-linear-offset), the gate clamped to at most c
+    and up to [-c, c] first with --activation-func-clamp-value c (gpt-oss's clamped GeGLU)."""
 
     def __init__(self, cfg, *, layer, builder, block_spec):
         super().__init__()
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
-        self.swiglu = cfg.activation == "swiglu"
+        self.gated = cfg.gated_linear_unit
+        self.offset, self.clamp = cfg.glu_linear_offset, cfg.activation_func_clamp_value
         self.fc1 = builder.column(
             h,
-            2 * f if self.swiglu else f,
+            2 * f if self.gated else f,
             init="normal",
             bias=cfg.add_bias_linear,
-            segments=(f, f) if self.swiglu else (),
+            segments=(f, f) if self.gated else (),
             layer=layer,
         )
         self.fc2 = builder.row(f, h, init="scaled_normal", bias=cfg.add_bias_linear, layer=layer)
@@ -100,9 +112,11 @@ class MLP(nn.Module):
 
     def forward(self, x):
         a = self.fc1(x)  # [s, b, f(×2)/t]
-        if self.swiglu:
-            gate, up = a.chunk(2, dim=-1)
-            a = F.silu(gate) * up
+        if self.gated:
+            gate, up = a.chunk(2, dim=-1)  # [s, b, f/t] each: this rank's halves
+            if self.clamp is not None:
+                gate, up = gate.clamp(max=self.clamp), up.clamp(-self.clamp, self.clamp)
+            a = self.act(gate) * (up + self.offset if self.offset else up)
         else:
             a = self.act(a)
         return self.fc2(a, add_bias=False)  # [s_sp, b, h], no bias yet

@@ -19,7 +19,7 @@ from torch import nn
 from megatron_sp import ops
 from megatron_sp.tensor_parallel import mappings
 from megatron_sp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_sp.tensor_parallel.layers import input_mode, mark, parallel_linear
+from megatron_sp.tensor_parallel.layers import input_collective, mark, parallel_linear
 from megatron_sp.tensor_parallel.sharding import ShardSpec
 
 
@@ -55,12 +55,12 @@ class ParallelLMHead(nn.Module):
     def __init__(self, cfg, ps):
         super().__init__()
         self.vocab_size, self.group = cfg.vocab_size, ps.tp_group
-        self.mode = input_mode(cfg.sequence_parallel, cfg.tp_comm_overlap)  # the logits GEMM's gather
+        self.collective = input_collective(cfg.sequence_parallel, cfg.tp_comm_overlap)  # the logits GEMM's gather
         self.vocab_start = ps.tp_rank * (cfg.padded_vocab_size // ps.tp_size)
         self.cp_group, self.cp_size, self.fused = ps.cp_group, ps.cp_size, cfg.use_fused_kernels
 
     def forward(self, hidden, weight, seq):
-        logits_shard = parallel_linear(hidden, weight, None, self.group, self.mode)
+        logits_shard = parallel_linear(hidden, weight, None, self.group, self.collective)
         if seq.labels is None:
             return self._gathered_logits(logits_shard, seq)
         loss = vocab_parallel_cross_entropy(

@@ -18,6 +18,8 @@ gradients are partial sums that must be summed over the TP group (tensor_paralle
 
 from __future__ import annotations
 
+import enum
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -43,23 +45,30 @@ def mark(
     return param
 
 
-class _ParallelLinear(torch.autograd.Function):
-    """y = gather(x) @ w.T (+ b), where `gather` is the input-side collective of the layer.
+class InputCollective(enum.Enum):
+    """The collective on the input side of a column GEMM (forward / backward). Row-parallel layers
+    have none: their collective comes after the GEMM."""
 
-    mode "sp": forward all-gathers x along dim 0 and saves only the local shard; backward gathers
-               it again for the weight gradient and reduce-scatters the input gradient (Megatron).
-    mode "tp": forward identity, backward all-reduces the input gradient (the f mapping).
-    mode "none": plain linear (row-parallel layers: their collective comes after).
-    In backward the re-gather overlaps the input-gradient GEMM, and the input-gradient collective
-    overlaps the weight-gradient GEMM. fp8: the layer's Fp8Gemms (tensor_parallel/fp8.py), which
-    runs the three GEMMs in FP8, or None.
+    COPY = "copy"  # f: forward identity, backward all-reduce of the input gradient
+    GATHER = "gather"  # g: forward all-gather dim 0, backward reduce-scatter dim 0
+    GATHER_OVERLAP = "gather_overlap"  # g in t ring steps under the GEMM (tensor_parallel/overlap.py)
+
+
+class _ParallelLinear(torch.autograd.Function):
+    """y = collective(x) @ w.T (+ b) for collective COPY or GATHER (see InputCollective).
+
+    GATHER saves only the local shard of x; backward gathers it again for the weight gradient
+    (Megatron). In backward the re-gather overlaps the input-gradient GEMM, and the input-gradient
+    collective overlaps the weight-gradient GEMM. fp8: the layer's Fp8Gemms (tensor_parallel/fp8.py),
+    which runs the three GEMMs in FP8, or None; group None: no collective (FP8 at TP1, row layers).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, mode, fp8=None):
-        ctx.group, ctx.mode, ctx.has_bias, ctx.fp8 = group, mode, bias is not None, fp8
+    def forward(ctx, x, weight, bias, group, collective, fp8=None):
+        ctx.group, ctx.gather, ctx.has_bias = group, collective is InputCollective.GATHER, bias is not None
         ctx.save_for_backward(x, weight)
-        total = mappings._all_gather_dim0(x, group) if mode == "sp" else x
+        ctx.fp8, ctx.fp8_saved = fp8, None
+        total = mappings._all_gather_dim0(x, group) if ctx.gather else x
         if fp8 is not None:
             out, ctx.fp8_saved = fp8.fprop(total, weight)
         else:
@@ -69,10 +78,10 @@ class _ParallelLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        group, mode = ctx.group, ctx.mode
+        group, gather = ctx.group, ctx.gather
         # Functional collectives start at once and are waited for at first use (eagerly, and as
         # torch.compile traces them: the async c10d calls would break the graph).
-        total = funcol.all_gather_tensor(x.contiguous(), 0, group) if mode == "sp" else x  # re-gather
+        total = funcol.all_gather_tensor(x.contiguous(), 0, group) if gather else x  # re-gather
         # Under autocast the GEMMs ran in grad_out's dtype; autograd casts our grads back to the
         # dtypes of x and weight (fp32 master weights).
         fp8 = ctx.fp8
@@ -81,9 +90,9 @@ class _ParallelLinear(torch.autograd.Function):
         else:
             grad_in = torch.matmul(grad_out, weight.to(grad_out.dtype))  # overlaps the re-gather
         total = total.to(grad_out.dtype)
-        if mode == "sp":
+        if gather:
             grad_in = funcol.reduce_scatter_tensor(grad_in.contiguous(), "sum", 0, group)
-        elif mode == "tp":
+        elif group is not None:
             grad_in = funcol.all_reduce(grad_in, "sum", group)
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         if fp8 is not None:
@@ -91,33 +100,35 @@ class _ParallelLinear(torch.autograd.Function):
         else:
             grad_w = torch.matmul(g2.t(), total.reshape(-1, total.shape[-1]))  # overlaps grad_in's collective
         grad_b = g2.sum(0) if ctx.has_bias else None
-        grad_in_shard = funcol.wait_tensor(grad_in) if mode != "none" else grad_in
-        return grad_in_shard, grad_w, grad_b, None, None, None
+        grad_in = funcol.wait_tensor(grad_in) if group is not None else grad_in
+        return grad_in, grad_w, grad_b, None, None, None
 
 
-def input_mode(sequence_parallel: bool, tp_comm_overlap: bool = False) -> str:
-    """The input-side collective of a column GEMM: "sp_overlap" (g in ring steps), "sp" (g) or "tp" (f)."""
+def input_collective(sequence_parallel: bool, tp_comm_overlap: bool = False) -> InputCollective:
+    """The input-side collective of a column GEMM: GATHER_OVERLAP, GATHER (SP) or COPY."""
     if tp_comm_overlap and not sequence_parallel:
         raise ValueError(
             "tp_comm_overlap needs sequence_parallel: it overlaps the sequence all-gather and reduce-scatter."
         )
-    return "sp_overlap" if tp_comm_overlap else "sp" if sequence_parallel else "tp"
+    if tp_comm_overlap:
+        return InputCollective.GATHER_OVERLAP
+    return InputCollective.GATHER if sequence_parallel else InputCollective.COPY
 
 
-def parallel_linear(x, weight, bias, group, mode, fp8=None):
-    """Functional form of the column/row GEMM with its input-side collective (see _ParallelLinear;
-    mode "sp_overlap": overlap.column_linear). fp8: an Fp8Gemms, or None."""
+def parallel_linear(x, weight, bias, group, collective: InputCollective, fp8=None):
+    """Functional form of the column/row GEMM with its input-side collective (_ParallelLinear, or
+    overlap.column_linear for GATHER_OVERLAP); a group of one runs a plain linear. fp8: an Fp8Gemms."""
     if group is None or dist.get_world_size(group) == 1:
-        mode = "none"
-    if fp8 is not None:
-        if mode == "sp_overlap":
-            raise ValueError("FP8 GEMMs do not run under tp_comm_overlap; turn one of them off.")
-        return _ParallelLinear.apply(x, weight, bias, group, mode, fp8)
-    if mode == "none":
+        if fp8 is not None:
+            return _ParallelLinear.apply(x, weight, bias, None, InputCollective.COPY, fp8)
         return nn.functional.linear(x, weight, bias)
-    if mode == "sp_overlap":
+    if fp8 is not None and collective is InputCollective.GATHER_OVERLAP:
+        raise ValueError("FP8 GEMMs do not run under tp_comm_overlap; turn one of them off.")
+    if fp8 is not None:
+        return _ParallelLinear.apply(x, weight, bias, group, collective, fp8)
+    if collective is InputCollective.GATHER_OVERLAP:
         return overlap.column_linear(x, weight, bias, group)
-    return _ParallelLinear.apply(x, weight, bias, group, mode)
+    return _ParallelLinear.apply(x, weight, bias, group, collective)
 
 
 def _tp_info(group):
@@ -155,7 +166,7 @@ class ColumnParallelLinear(nn.Module):
     ):
         super().__init__()
         t, _ = _tp_info(group)
-        self.mode, self.fp8 = input_mode(sequence_parallel, tp_comm_overlap), fp8
+        self.collective, self.fp8 = input_collective(sequence_parallel, tp_comm_overlap), fp8
         if segments and sum(segments) != out_features:
             raise ValueError(f"ColumnParallelLinear: segments {segments} do not add up to {out_features}.")
         spec = ShardSpec(0, tuple(segments), tuple(units))
@@ -169,7 +180,7 @@ class ColumnParallelLinear(nn.Module):
             self.bias = mark(nn.Parameter(torch.zeros(local, dtype=dtype, device=device)), spec, init="zeros")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return parallel_linear(x, self.weight, self.bias, self.group, self.mode, self.fp8)
+        return parallel_linear(x, self.weight, self.bias, self.group, self.collective, self.fp8)
 
 
 class RowParallelLinear(nn.Module):
@@ -198,7 +209,7 @@ class RowParallelLinear(nn.Module):
         if in_features % t != 0:
             raise ValueError(f"RowParallelLinear: in_features {in_features} not divisible by {t}.")
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.overlap = input_mode(sequence_parallel, tp_comm_overlap) == "sp_overlap" and t > 1
+        self.overlap = input_collective(sequence_parallel, tp_comm_overlap) is InputCollective.GATHER_OVERLAP and t > 1
         self.weight = mark(
             nn.Parameter(torch.empty(out_features, in_features // t, dtype=dtype, device=device)),
             ShardSpec(1),
@@ -221,8 +232,8 @@ class RowParallelLinear(nn.Module):
         """x @ W.T summed over the TP group: [s, b, in/t] -> [s/t, b, out] (SP) or [s, b, out]."""
         if self.overlap:
             return overlap.row_linear(x, self.weight, self.group)
-        if self.fp8 is not None:
-            partial = _ParallelLinear.apply(x, self.weight, None, None, "none", self.fp8)
+        if self.fp8 is not None:  # (no input collective: the GEMM alone)
+            partial = _ParallelLinear.apply(x, self.weight, None, None, InputCollective.COPY, self.fp8)
         else:
             partial = torch.matmul(x, self.weight.t())  # [s, b, out] partial sum over ranks
         if self.sequence_parallel:

@@ -22,6 +22,9 @@ _IMPL = "implementation switch: there is one implementation here"
 _LOADER = "data-loader knob: samples are read in the training process from memory-mapped files"
 _CKPT_IO = "checkpoint I/O knob: every rank writes and reads its own shards of one DCP checkpoint"
 _ALWAYS_TB = "always written with --tensorboard-dir (older Megatron-LM flag)"
+# megatron/post_training's flags, which pretrain_gpt.py parses when ModelOpt is installed but which only
+# ModelOpt's model builder reads, and Megatron-LM builds with it only from a ModelOpt checkpoint
+_MODELOPT = "ModelOpt's: read only by its model builder, which Megatron-LM uses for ModelOpt checkpoints alone"
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,17 @@ NO_EFFECT = (
         SWITCH,
         "causal masks are never materialised; document masks only with --reset-attention-mask",
     ),
-    NoEffect(("--rope-type",), ("rope", "yarn"), "plain RoPE is the only kind here: YaRN is not implemented", "rope"),
+    NoEffect(
+        ("--rope-type",),
+        ("rope", "yarn"),
+        "multi-latent attention's switch; Megatron-LM's other attention takes rope only (YaRN: "
+        "--position-embedding-type yarn)",
+        "rope",
+    ),
+    NoEffect(
+        ("--enable-gpt-oss",), SWITCH, _MODELOPT + " (YaRN with gpt-oss's values: --position-embedding-type yarn)"
+    ),
+    NoEffect(("--export-force-local-attention",), SWITCH, _MODELOPT + " (its attention class)"),
     NoEffect(
         ("--optimizer",),
         ("adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"),
@@ -109,7 +122,6 @@ MOE = (
     "mixture of experts is not implemented in megatron_sp (dense GPT/Llama models only); "
     "remove the MoE flags or use Megatron-LM"
 )
-_GPT_OSS = "gpt-oss's MLP variants (clamped GEGLU) and its model switch are not implemented"
 _FP8 = (
     "this FP8 option is not implemented: FP8 here (torchao) takes --fp8-format, --fp8-recipe, --fp8-margin, "
     "--fp8-amax-history-len, --fp8-amax-compute-algo and --first-last-layers-bf16"
@@ -125,11 +137,6 @@ REFUSED = (
     ("--num-experts", MOE),
     ("--moe-", MOE),
     ("--expert-tensor-parallel-size", MOE),
-    ("--enable-gpt-oss", _GPT_OSS),
-    ("--quick-geglu", _GPT_OSS),
-    ("--glu-linear-offset", _GPT_OSS),
-    ("--activation-func-clamp-value", _GPT_OSS),
-    ("--export-force-local-attention", _GPT_OSS),
     ("--fp8-param-gather", _FP8_PARAM_GATHER),
     ("--fp8-", _FP8),
     ("--fp8", _FP8),
