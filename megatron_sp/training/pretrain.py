@@ -298,6 +298,11 @@ class Trainer:
             "train_state": self.state,
             "loss_scale": self.scaler,  # None without --fp16
             "rng": checkpointing.RNGState(),
+            **(
+                {"fp8": checkpointing.Fp8ScalingState(self.model)}
+                if self.cfg.fp8 is not None and self.cfg.fp8_recipe == "delayed"
+                else {}
+            ),
         }
 
     def _save(self):
@@ -321,7 +326,7 @@ class Trainer:
         --no-load-optim / --no-load-rng). None to load starts from scratch only when --load is also
         --save, and never with --exit-on-missing-checkpoint."""
         args = self.args
-        skip = {"optim", "train_state", "loss_scale", "rng"} if args.finetune else set()
+        skip = {"optim", "train_state", "loss_scale", "rng", "fp8"} if args.finetune else set()
         skip |= {"optim"} if args.no_load_optim else set()
         skip |= {"rng"} if args.no_load_rng else set()
         states = {k: v for k, v in self._checkpoint_states().items() if k not in skip}
