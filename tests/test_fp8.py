@@ -172,7 +172,7 @@ def train_losses(argv, iters, log) -> list:
     return losses(log)
 
 
-def test_delayed_scaling_resumes_exactly_and_drifts_within_tolerance(tmp_path, monkeypatch):
+def test_delayed_scaling_resumes_exactly_and_drifts_within_tolerance(tmp_path, monkeypatch, capsys):
     """The program with --bf16 --fp8-format hybrid (delayed, history 4, max). The amax histories are
     checkpointed (fp8_rank<r>.pt): 3 iterations, a save, 3 more from it log the losses of 6 straight,
     bit for bit; resumed without the histories the losses differ. The 6 losses stay within
@@ -195,6 +195,7 @@ def test_delayed_scaling_resumes_exactly_and_drifts_within_tolerance(tmp_path, m
         return train_losses(run + list(extra), iters, tmp_path / log)
 
     straight = train(6, "straight.jsonl")
+    assert "bf16 + FP8 GEMMs (hybrid delayed, torchao)" in capsys.readouterr().out  # the start-up line
     drift = [abs(a - b) / b for a, b in zip(straight, bf16)]
     print("fp8 vs bf16 drift", drift)
     assert 0 < max(drift) <= FP8_VS_BF16_RTOL, drift
