@@ -129,17 +129,23 @@ class Fp8Gemms:
         self.recipe, self.groups, self.row = recipe, groups, row
         self.delayed = DelayedScaling(recipe) if recipe.recipe == "delayed" else None
 
-    def fprop(self, x: torch.Tensor, w: torch.Tensor):
-        """(y [.., N], what the backward needs)."""
-        x2 = x.reshape(-1, x.shape[-1])
-        saved = {}
+    def fprop(self, x: torch.Tensor, w: torch.Tensor, gather=None):
+        """(y [.., N], what the backward needs). gather: x is this rank's sequence shard and gather(t)
+        all-gathers dim 0 (SP). Under tensor scales the shard is cast first (its amax, reduced, is the
+        tensor's) and gathered in FP8 (half of bf16's bytes), and the backward keeps that FP8 shard
+        in place of x (saved["x8"], uint8): the same values as casting the gathered x."""
         if self.recipe.recipe in ("tensorwise", "delayed"):
-            sx, sw = self._tensor_scales([INPUT, WEIGHT], [x2, w])
-            saved = {"sx": sx, "sw": sw}
-            y = _scaled_mm(x2, w.t(), sx, sw, self.recipe.dtype(INPUT), self.recipe.dtype(WEIGHT))
-        else:
-            y = self._by_contraction(x2, w.t(), INPUT, WEIGHT, self._contraction_groups("fprop"))
-        return y.view(*x.shape[:-1], w.shape[0]), saved
+            sx, sw = self._tensor_scales([INPUT, WEIGHT], [x, w])
+            x8 = _to_fp8(x, sx, self.recipe.dtype(INPUT))
+            total = x8 if gather is None else gather(x8.view(torch.uint8)).view(x8.dtype)
+            saved = {"sx": sx, "sw": sw, "x8": x8.view(torch.uint8), "dtype": x.dtype}
+            a8 = _wrap(total.reshape(-1, x.shape[-1]), sx, x.dtype, 0)
+            y = torch.mm(a8, _cast(w.t(), sw, self.recipe.dtype(WEIGHT), 1))
+            return y.view(*total.shape[:-1], w.shape[0]), saved
+        total = x if gather is None else gather(x)
+        x2 = total.reshape(-1, x.shape[-1])
+        y = self._by_contraction(x2, w.t(), INPUT, WEIGHT, self._contraction_groups("fprop"))
+        return y.view(*total.shape[:-1], w.shape[0]), {}
 
     def dgrad(self, dy: torch.Tensor, w: torch.Tensor, saved: dict) -> torch.Tensor:
         dy2 = dy.reshape(-1, dy.shape[-1])
@@ -152,9 +158,13 @@ class Fp8Gemms:
         return dx.view(*dy.shape[:-1], w.shape[1])
 
     def wgrad(self, dy: torch.Tensor, x: torch.Tensor, saved: dict) -> torch.Tensor:
-        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1]).to(dy.dtype)
+        """x: the layer's whole input, or under tensor scales the FP8 bytes fprop kept, gathered."""
+        dy2 = dy.reshape(-1, dy.shape[-1])
         if self.recipe.recipe in ("tensorwise", "delayed"):
-            return _scaled_mm(dy2.t(), x2, saved["sg"], saved["sx"], self.recipe.dtype(GRAD), self.recipe.dtype(INPUT))
+            x8 = x.view(self.recipe.dtype(INPUT)).reshape(-1, x.shape[-1])
+            g8 = _cast(dy2.t(), saved["sg"], self.recipe.dtype(GRAD), 0)
+            return torch.mm(g8, _wrap(x8, saved["sx"], saved["dtype"], 1)).to(dy.dtype)
+        x2 = x.reshape(-1, x.shape[-1]).to(dy.dtype)
         return self._by_contraction(dy2.t(), x2, GRAD, INPUT, self._contraction_groups("wgrad"))
 
     def _tensor_scales(self, roles, tensors) -> list:
@@ -201,13 +211,31 @@ def _mm_config(device):
 def _scaled_mm(a, b, scale_a, scale_b, dtype_a, dtype_b, axiswise: bool = False) -> torch.Tensor:
     """a [M, K] @ b [K, N], each cast to FP8 with its scale (a scalar, or [M, 1] and [1, N] rowwise):
     torchao's Float8TrainingTensor product (emulated off CUDA)."""
+    return torch.mm(_cast(a, scale_a, dtype_a, 0, axiswise), _cast(b, scale_b, dtype_b, 1, axiswise))
+
+
+def _cast(t, scale, dtype, operand: int, axiswise: bool = False):
+    """t as torchao's Float8TrainingTensor, operand 0 (a; rowwise scales [M, 1]) or 1 (b; [1, N])."""
     from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
 
-    config = _mm_config(a.device)
-    roles = (GemmInputRole.INPUT, GemmInputRole.WEIGHT)
-    a8 = hp_tensor_and_scale_to_float8(a, scale_a, dtype_a, config, roles[0], -1 if axiswise else None)
-    b8 = hp_tensor_and_scale_to_float8(b, scale_b, dtype_b, config, roles[1], 0 if axiswise else None)
-    return torch.mm(a8, b8)
+    role = (GemmInputRole.INPUT, GemmInputRole.WEIGHT)[operand]
+    axis = (-1 if operand == 0 else 0) if axiswise else None
+    return hp_tensor_and_scale_to_float8(t, scale, dtype, _mm_config(t.device), role, axis)
+
+
+def _to_fp8(t, scale, dtype) -> torch.Tensor:
+    """t's FP8 values under a tensor scale, cast as torchao casts (the fp32 product, saturated)."""
+    from torchao.float8.float8_utils import to_fp8_saturated
+
+    return to_fp8_saturated(t.to(torch.float32) * scale, dtype)
+
+
+def _wrap(data, scale, orig_dtype, operand: int):
+    """FP8 values cast already as the Float8TrainingTensor operand `operand` (0: a, 1: b) of a product."""
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+    role = (GemmInputRole.INPUT, GemmInputRole.WEIGHT)[operand]
+    return Float8TrainingTensor(data, scale, orig_dtype, _mm_config(data.device), role)
 
 
 def _mx_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

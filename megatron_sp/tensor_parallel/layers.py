@@ -66,12 +66,14 @@ class _ParallelLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, collective, fp8=None):
         ctx.group, ctx.gather, ctx.has_bias = group, collective is InputCollective.GATHER, bias is not None
-        ctx.save_for_backward(x, weight)
         ctx.fp8, ctx.fp8_saved = fp8, None
-        total = mappings._all_gather_dim0(x, group) if ctx.gather else x
-        if fp8 is not None:
-            out, ctx.fp8_saved = fp8.fprop(total, weight)
+        if fp8 is not None:  # it gathers x itself (in FP8 under tensor scales, keeping those bytes)
+            gather = (lambda t: mappings._all_gather_dim0(t, group)) if ctx.gather else None
+            out, ctx.fp8_saved = fp8.fprop(x, weight, gather)
+            ctx.save_for_backward(ctx.fp8_saved.pop("x8", x), weight)
         else:
+            ctx.save_for_backward(x, weight)
+            total = mappings._all_gather_dim0(x, group) if ctx.gather else x
             out = torch.matmul(total, weight.t())  # autocast (bf16/fp16) applies here
         return out + bias.to(out.dtype) if bias is not None else out
 
@@ -89,7 +91,7 @@ class _ParallelLinear(torch.autograd.Function):
             grad_in = fp8.dgrad(grad_out, weight, ctx.fp8_saved)  # overlaps the re-gather
         else:
             grad_in = torch.matmul(grad_out, weight.to(grad_out.dtype))  # overlaps the re-gather
-        total = total.to(grad_out.dtype)
+        total = total if x.dtype == torch.uint8 else total.to(grad_out.dtype)  # (uint8: FP8 bytes kept)
         if gather:
             grad_in = funcol.reduce_scatter_tensor(grad_in.contiguous(), "sum", 0, group)
         elif group is not None:
