@@ -44,6 +44,10 @@ ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 PRECISIONS = ("fp32", "bf16", "fp16")  # params_dtype values (torch.float32, bfloat16, float16)
+FP8_FORMATS = ("e4m3", "hybrid")  # hybrid: output gradients e5m2 (Megatron's --fp8-format)
+# Megatron's recipes, then rowwise (torchao's, ours); blockwise and custom are refused (config_checks)
+FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "rowwise", "blockwise", "custom")
+FP8_AMAX_ALGOS = ("most_recent", "max")
 
 _SCALED = "with --use-rope-scaling: "
 _YARN = "with --position-embedding-type yarn: "
@@ -362,6 +366,50 @@ class GPTConfig(MoEFields):
         switches=(Switch("--attention-softmax-in-fp32", True),),
         group=_PRECISION,
     )
+    fp8: Optional[str] = model_field(
+        None,
+        help="FP8 GEMMs in the transformer layers' linears (torchao): e4m3 everywhere, or hybrid (e4m3 "
+        "forward, e5m2 output gradients); the embedding and output layer stay in the model's dtype",
+        flags=("--fp8-format",),
+        choices=FP8_FORMATS,
+        group=_PRECISION,
+    )
+    fp8_recipe: str = model_field(
+        "delayed",
+        help="FP8 scaling: delayed (amax history of earlier steps), tensorwise (current amax per tensor), "
+        "mxfp8 (an e8m0 scale per 32 elements), rowwise (torchao's, ours: a scale per row)",
+        flags=("--fp8-recipe",),
+        choices=FP8_RECIPES,
+        group=_PRECISION,
+    )
+    fp8_margin: int = model_field(
+        0, help="delayed scaling: scale = fp8_max / amax / 2^margin", flags=("--fp8-margin",), group=_PRECISION
+    )
+    fp8_amax_history_len: int = model_field(
+        1, help="delayed scaling: amaxes kept per tensor", flags=("--fp8-amax-history-len",), group=_PRECISION
+    )
+    fp8_amax_compute_algo: str = model_field(
+        "most_recent",
+        help="delayed scaling: the history's max or its most recent amax",
+        flags=("--fp8-amax-compute-algo",),
+        choices=FP8_AMAX_ALGOS,
+        group=_PRECISION,
+    )
+    first_last_layers_bf16: bool = model_field(
+        False,
+        help="with --fp8-format: keep the first and last transformer layers' GEMMs in the model's dtype",
+        switches=(Switch("--first-last-layers-bf16", True),),
+        group=_PRECISION,
+    )
+    num_layers_at_start_in_bf16: int = model_field(
+        1,
+        help="--first-last-layers-bf16: layers at the start",
+        flags=("--num-layers-at-start-in-bf16",),
+        group=_PRECISION,
+    )
+    num_layers_at_end_in_bf16: int = model_field(
+        1, help="--first-last-layers-bf16: layers at the end", flags=("--num-layers-at-end-in-bf16",), group=_PRECISION
+    )
     recompute_granularity: Optional[str] = model_field(
         None,
         help="activation recomputation: whole layers (full) or the attention core (selective)",
@@ -464,6 +512,7 @@ class GPTConfig(MoEFields):
         checks.check_comm_overlap(self)
         fill_moe_defaults(self)
         check_moe(self)
+        checks.check_fp8(self)
 
     def _set(self, name, value):
         """Fills a derived field during construction (the config is frozen afterwards)."""

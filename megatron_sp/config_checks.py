@@ -256,3 +256,57 @@ def check_recompute(cfg):
     n = cfg.recompute_num_layers
     if not isinstance(n, int) or not 1 <= n <= cfg.num_layers:
         raise ValueError(f"GPTConfig.recompute_num_layers must be in [1, num_layers={cfg.num_layers}], got {n!r}.")
+
+
+_FP8_MISSING = {
+    "blockwise": "needs blockwise FP8 GEMM kernels, which torchao provides through triton only (not installed "
+    "here); use --fp8-recipe tensorwise, delayed, rowwise or mxfp8",
+    "custom": "needs Transformer Engine's --fp8-quantizer-factory, which megatron_sp does not use; use "
+    "--fp8-recipe tensorwise, delayed, rowwise or mxfp8",
+}
+
+
+def check_fp8(cfg):
+    """FP8 settings that cannot run, each refused in one sentence."""
+    if cfg.fp8 is None:
+        if cfg.first_last_layers_bf16:
+            raise ValueError("GPTConfig.first_last_layers_bf16 needs fp8 (--fp8-format): without it every layer is.")
+        return
+    if cfg.fp8_recipe in _FP8_MISSING:
+        raise ValueError(f"GPTConfig.fp8_recipe {cfg.fp8_recipe} {_FP8_MISSING[cfg.fp8_recipe]}.")
+    if cfg.fp8_amax_history_len < 1 or cfg.fp8_margin < 0:
+        raise ValueError("GPTConfig.fp8_amax_history_len must be >= 1 and fp8_margin >= 0.")
+    if cfg.tp_comm_overlap:
+        raise ValueError("GPTConfig.fp8 does not run with tp_comm_overlap (its ring GEMMs are not FP8); drop one.")
+    delayed = cfg.fp8_recipe == "delayed"
+    if delayed and cfg.first_last_layers_bf16:  # Megatron-LM's refusal
+        raise ValueError("GPTConfig.first_last_layers_bf16 does not run with fp8_recipe delayed (Megatron-LM's rule).")
+    if delayed and cfg.recompute_granularity is not None:
+        raise ValueError(
+            "GPTConfig.fp8_recipe delayed does not run with recompute_granularity: a recomputed forward would "
+            "record its amaxes twice; use fp8_recipe tensorwise or drop the recomputation."
+        )
+    if cfg.fp8_recipe == "mxfp8":
+        _check_mx_blocks(cfg)
+    for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+        if not 0 <= getattr(cfg, name) <= cfg.num_layers:
+            raise ValueError(f"GPTConfig.{name} must lie in [0, num_layers={cfg.num_layers}].")
+
+
+def _check_mx_blocks(cfg, block: int = 32):
+    """mxfp8 scales blocks of 32 along each GEMM's contraction; a block must lie within one shard of one
+    fused part (q, k, v; gate, up), or TP would group other elements than TP=1 does."""
+    t, d = cfg.tensor_model_parallel_size, cfg.kv_channels
+    kv_local = cfg.num_query_groups * d // t if cfg.num_query_groups % t == 0 else d
+    widths = dict(
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size // t,
+        query_heads=cfg.num_attention_heads * d // t,
+        key_value_heads=kv_local,
+    )
+    for name, width in widths.items():
+        if width % block:
+            raise ValueError(
+                f"GPTConfig.fp8_recipe mxfp8 needs {block} | every GEMM width on a rank, but the {name} width "
+                f"is {width} at tensor_model_parallel_size {t}; choose sizes divisible by {block} per rank."
+            )

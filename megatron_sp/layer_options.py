@@ -95,6 +95,15 @@ def layer_cp_comm_type(cfg, layer: int) -> str:
     return types if isinstance(types, str) else types[layer - 1]
 
 
+def fp8_layer(cfg, layer: int) -> bool:
+    """Whether transformer layer `layer` (1..L) runs its GEMMs in FP8."""
+    if cfg.fp8 is None:
+        return False
+    if not cfg.first_last_layers_bf16:
+        return True
+    return cfg.num_layers_at_start_in_bf16 < layer <= cfg.num_layers - cfg.num_layers_at_end_in_bf16
+
+
 def cp_comm_types(cfg) -> tuple:
     """The CP communication type of every layer, in order."""
     return tuple(layer_cp_comm_type(cfg, layer) for layer in range(1, cfg.num_layers + 1))

@@ -152,6 +152,10 @@ def train(argv, model_parallel, world, tmp):
 
 
 def check(argv, expect, model_parallel, world, tmp):
+    if expect == "train" and "--fp8-format" in argv and not _has_torchao():  # (a venv set up before it)
+        with pytest.raises(ArgumentError, match="needs the torchao package"):
+            parse_args(argv, world_size=1 if model_parallel == 1 else WORLD)
+        return None
     if expect != "train":
         message = _refusal(argv)
         assert expect in message and len(message.splitlines()) == 1, message
@@ -188,6 +192,12 @@ def test_wandb_without_the_package_is_one_sentence(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
     message = _refusal(["--mock-data", "--wandb-project", "p"])
     assert "--wandb-project needs the wandb package" in message and len(message.splitlines()) == 1
+
+
+def _has_torchao() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torchao") is not None
 
 
 def _has_wandb() -> bool:

@@ -80,6 +80,14 @@ MODEL_FLAGS = {
     "--sequence-parallel": (True,),
     "--fp32-residual-connection": (True,),
     "--attention-softmax-in-fp32": (True,),
+    "--fp8-format": None,
+    "--fp8-recipe": "delayed",
+    "--fp8-margin": 0,
+    "--fp8-amax-history-len": 1,
+    "--fp8-amax-compute-algo": "most_recent",
+    "--first-last-layers-bf16": (True,),
+    "--num-layers-at-start-in-bf16": 1,
+    "--num-layers-at-end-in-bf16": 1,
     "--tp-comm-overlap": (True,),
     # mixture of experts (megatron_sp/moe_config.py)
     "--num-experts": None,
@@ -120,6 +128,9 @@ CHOICES = {
     "--moe-router-load-balancing-type": ["aux_loss", "seq_aux_loss", "global_aux_loss", "none", "sinkhorn"],
     "--moe-token-drop-policy": ["probs", "position"],
     "--moe-token-dispatcher-type": ["allgather", "alltoall", "flex"],
+    "--fp8-format": ["e4m3", "hybrid"],
+    "--fp8-recipe": ["delayed", "tensorwise", "mxfp8", "rowwise", "blockwise", "custom"],
+    "--fp8-amax-compute-algo": ["most_recent", "max"],
 }
 FIELDS = {f.name: f for f in dataclasses.fields(GPTConfig)}
 

@@ -59,15 +59,15 @@ def describe(flag: str, parser) -> str:
     """What `flag` does here (one table cell); ValueError for a flag nothing handles."""
     from megatron_sp.training import megatron_flags
 
-    refused = megatron_flags.refusal([flag])
-    if refused is not None:
-        return "refused: " + refused.split(": ", 1)[1].rstrip(".")
-    action = parser._option_string_actions.get(flag)
+    action = parser._option_string_actions.get(flag)  # a known flag first: a refused prefix covers the rest
     if action is not None:
         text = _help(action)
         if "accepted, no effect" in text:
             return text
         return f"implemented: {text}" if text else "implemented"
+    refused = megatron_flags.refusal([flag])
+    if refused is not None:
+        return "refused: " + refused.split(": ", 1)[1].rstrip(".")
     if flag in PENDING:
         return "not yet: a precision flag of issue 17, unrecognized until that work lands"
     raise ValueError(f"{flag}: no handling (implement it, or add it to training/megatron_flags.py).")

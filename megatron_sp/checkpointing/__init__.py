@@ -14,7 +14,7 @@ from megatron_sp.checkpointing.checkpointer import (
     wait_for_saves,
 )
 from megatron_sp.checkpointing.paths import LATEST, CheckpointError, checkpoint_dir, read_latest, same_path
-from megatron_sp.checkpointing.states import ModelState, OptimizerState, RNGState, TrainState
+from megatron_sp.checkpointing.states import Fp8ScalingState, ModelState, OptimizerState, RNGState, TrainState
 
 __all__ = [
     "finalize_async_save",
@@ -22,6 +22,7 @@ __all__ = [
     "LATEST",
     "CheckpointError",
     "CheckpointSaveError",
+    "Fp8ScalingState",
     "ModelState",
     "OptimizerState",
     "RNGState",

@@ -7,6 +7,7 @@
                                        the LR schedule is a function of it, so it has no state of its own)
     loss_scale    DynamicLossScaler    metadata.json (fp16 only; None without a scaler)
     rng           RNGState             rng_rank<r>.pt, one file per rank
+    fp8           Fp8ScalingState      fp8_rank<r>.pt (--fp8-recipe delayed only: amax histories, scales)
 
 The protocol: every state has `state_dict()` and `load_state_dict(state)`, which updates the object in
 place (the caller's objects are restored, never replaced). A state with `load_target()` is tensors:
@@ -166,3 +167,31 @@ def adam_load_target(named, ps, like=lambda p: p) -> dict:
         }
         for name, p in named
     }
+
+
+class Fp8ScalingState:
+    """Delayed scaling's amax histories and scales (tensor_parallel/fp8.py), one entry per FP8 linear
+    of this rank's model by module name: what an exact resume needs besides the weights. They are the
+    same over TP, CP and DP (reduced there), so a file per rank keeps each pipeline stage's. An entry
+    the file lacks, or of another history length, starts fresh, as a run without the file does."""
+
+    label = "FP8 scaling state"
+    per_rank = True
+
+    def __init__(self, model):
+        self.model = model
+
+    def _scalings(self) -> dict:
+        found = ((name, getattr(getattr(m, "fp8", None), "delayed", None)) for name, m in self.model.named_modules())
+        return {name: scaling for name, scaling in found if scaling is not None}
+
+    def state_dict(self) -> dict:
+        return {name: scaling.state_dict() for name, scaling in self._scalings().items()}
+
+    def load_state_dict(self, state) -> None:
+        if not isinstance(state, dict):
+            raise ValueError("not an FP8 scaling state")
+        for name, scaling in self._scalings().items():
+            saved = state.get(name)
+            if saved is not None and tuple(saved["amax_history"].shape) == tuple(scaling.amax_history.shape):
+                scaling.load_state_dict(saved)

@@ -206,8 +206,9 @@ class SelfAttention(nn.Module):
             bias=cfg.add_qkv_bias,
             segments=(nq * d, nkv * d, nkv * d),
             units=(nq, nkv, nkv),
+            layer=layer,
         )
-        self.proj = builder.row(nq * d, h, init="scaled_normal", bias=cfg.add_bias_linear)
+        self.proj = builder.row(nq * d, h, init="scaled_normal", bias=cfg.add_bias_linear, layer=layer)
         self.rope = RotaryEmbedding(cfg) if cfg.rotary else None
         self.q_norm = self.k_norm = None
         if cfg.qk_layernorm:  # over the head dim; each rank sees its heads: gradients partial over TP

@@ -102,8 +102,9 @@ class MLP(nn.Module):
             init="normal",
             bias=cfg.add_bias_linear,
             segments=(f, f) if self.gated else (),
+            layer=layer,
         )
-        self.fc2 = builder.row(f, h, init="scaled_normal", bias=cfg.add_bias_linear)
+        self.fc2 = builder.row(f, h, init="scaled_normal", bias=cfg.add_bias_linear, layer=layer)
         self.act = _activation(cfg)
 
     @property

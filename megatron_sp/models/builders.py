@@ -7,6 +7,8 @@ A model spec's slots (models/blocks.py, models/attention.py) create their layers
     column(in, out, ...)         Linear [out, in]              ColumnParallelLinear [out/t, in], gathers x under SP
                                                                (in ring steps under the GEMM: tp_comm_overlap)
     row(in, out, ...)            Linear [out, in]              RowParallelLinear [out, in/t], reduce(-scatter)s
+      (layer=: the transformer layer; with --fp8-format its GEMMs run in FP8 unless
+       --first-last-layers-bf16 keeps it in the model's dtype: layer_options.fp8_layer)
     word_embedding(cfg)          [V, h] lookup                 VocabParallelEmbedding [V_pad/t, h]
     output_layer(cfg)            [V, h]                        [V_pad/t, h]
     lm_head(cfg)                 logits, F.cross_entropy       vocab-parallel logits and cross entropy (CP mean)
@@ -32,13 +34,14 @@ from megatron_sp.context_parallel.ulysses import UlyssesAttention
 from megatron_sp.expert_parallel.allgather import AllGatherDispatcher
 from megatron_sp.expert_parallel.alltoall import AllToAllDispatcher
 from megatron_sp.expert_parallel.permute import LocalDispatcher
-from megatron_sp.layer_options import layer_cp_comm_type
+from megatron_sp.layer_options import fp8_layer, layer_cp_comm_type
 from megatron_sp.models.attention import CausalAttention
 from megatron_sp.models.lm_head import OutputLayer, ParallelLMHead, SerialLMHead
 from megatron_sp.models.moe.losses import MoEGroups
 from megatron_sp.models.sequence_context import sequence_context
 from megatron_sp.models.serial_layers import Linear, WordEmbedding
 from megatron_sp.parallel_state import EXPERT_REPLICAS, EXPERT_TP
+from megatron_sp.tensor_parallel.fp8 import AmaxGroups, Fp8Gemms, Fp8Recipe
 from megatron_sp.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megatron_sp.tensor_parallel.sharding import ShardSpec, local_dim_size
 
@@ -63,10 +66,10 @@ class SerialBuilder:
     def __init__(self, cfg=None):
         self.expert_bias = bool(cfg is not None and cfg.add_bias_linear)
 
-    def column(self, in_features, out_features, *, init, bias, segments=(), units=()):
+    def column(self, in_features, out_features, *, init, bias, segments=(), units=(), layer=None):
         return Linear(in_features, out_features, init=init, bias=bias, shard_spec=ShardSpec(0, segments, units))
 
-    def row(self, in_features, out_features, *, init, bias):
+    def row(self, in_features, out_features, *, init, bias, layer=None):
         return Linear(in_features, out_features, init=init, bias=bias, shard_spec=ShardSpec(1))
 
     def word_embedding(self, cfg):
@@ -106,9 +109,17 @@ class ParallelBuilder:
         self.ps, self.group = ps, ps.tp_group
         self.expert_bias = bool(cfg.add_bias_linear)
         self.tp_size, self.tp_rank, self.sequence_parallel = ps.tp_size, ps.tp_rank, cfg.sequence_parallel
-        self.tp_comm_overlap = cfg.tp_comm_overlap
+        self.tp_comm_overlap, self.cfg = cfg.tp_comm_overlap, cfg
 
-    def column(self, in_features, out_features, *, init, bias, segments=(), units=()):
+    def fp8(self, layer, *, row: bool):
+        """The Fp8Gemms of a linear of transformer layer `layer`, or None (see the table above)."""
+        cfg = self.cfg
+        if layer is None or not fp8_layer(cfg, layer):
+            return None
+        recipe = Fp8Recipe(cfg.fp8, cfg.fp8_recipe, cfg.fp8_margin, cfg.fp8_amax_history_len, cfg.fp8_amax_compute_algo)
+        return Fp8Gemms(recipe, AmaxGroups(self.ps.tp_group, self.ps.cp_group, self.ps.dp_group), row=row)
+
+    def column(self, in_features, out_features, *, init, bias, segments=(), units=(), layer=None):
         return ColumnParallelLinear(
             in_features,
             out_features,
@@ -119,9 +130,10 @@ class ParallelBuilder:
             bias=bias,
             segments=segments,
             units=units,
+            fp8=self.fp8(layer, row=False),
         )
 
-    def row(self, in_features, out_features, *, init, bias):
+    def row(self, in_features, out_features, *, init, bias, layer=None):
         return RowParallelLinear(
             in_features,
             out_features,
@@ -130,6 +142,7 @@ class ParallelBuilder:
             sequence_parallel=self.sequence_parallel,
             tp_comm_overlap=self.tp_comm_overlap,
             bias=bias,
+            fp8=self.fp8(layer, row=True),
         )
 
     def word_embedding(self, cfg):

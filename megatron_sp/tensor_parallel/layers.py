@@ -59,15 +59,22 @@ class _ParallelLinear(torch.autograd.Function):
 
     GATHER saves only the local shard of x; backward gathers it again for the weight gradient
     (Megatron). In backward the re-gather overlaps the input-gradient GEMM, and the input-gradient
-    collective overlaps the weight-gradient GEMM.
+    collective overlaps the weight-gradient GEMM. fp8: the layer's Fp8Gemms (tensor_parallel/fp8.py),
+    which runs the three GEMMs in FP8, or None; group None: no collective (FP8 at TP1, row layers).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, collective):
+    def forward(ctx, x, weight, bias, group, collective, fp8=None):
         ctx.group, ctx.gather, ctx.has_bias = group, collective is InputCollective.GATHER, bias is not None
-        ctx.save_for_backward(x, weight)
-        total = mappings._all_gather_dim0(x, group) if ctx.gather else x
-        out = torch.matmul(total, weight.t())  # autocast (bf16/fp16) applies here
+        ctx.fp8, ctx.fp8_saved = fp8, None
+        if fp8 is not None:  # it gathers x itself (in FP8 under tensor scales, keeping those bytes)
+            gather = (lambda t: mappings._all_gather_dim0(t, group)) if ctx.gather else None
+            out, ctx.fp8_saved = fp8.fprop(x, weight, gather)
+            ctx.save_for_backward(ctx.fp8_saved.pop("x8", x), weight)
+        else:
+            ctx.save_for_backward(x, weight)
+            total = mappings._all_gather_dim0(x, group) if ctx.gather else x
+            out = torch.matmul(total, weight.t())  # autocast (bf16/fp16) applies here
         return out + bias.to(out.dtype) if bias is not None else out
 
     @staticmethod
@@ -79,16 +86,24 @@ class _ParallelLinear(torch.autograd.Function):
         total = funcol.all_gather_tensor(x.contiguous(), 0, group) if gather else x  # re-gather
         # Under autocast the GEMMs ran in grad_out's dtype; autograd casts our grads back to the
         # dtypes of x and weight (fp32 master weights).
-        grad_in = torch.matmul(grad_out, weight.to(grad_out.dtype))  # overlaps the re-gather
-        total = total.to(grad_out.dtype)
+        fp8 = ctx.fp8
+        if fp8 is not None:
+            grad_in = fp8.dgrad(grad_out, weight, ctx.fp8_saved)  # overlaps the re-gather
+        else:
+            grad_in = torch.matmul(grad_out, weight.to(grad_out.dtype))  # overlaps the re-gather
+        total = total if x.dtype == torch.uint8 else total.to(grad_out.dtype)  # (uint8: FP8 bytes kept)
         if gather:
             grad_in = funcol.reduce_scatter_tensor(grad_in.contiguous(), "sum", 0, group)
-        else:
+        elif group is not None:
             grad_in = funcol.all_reduce(grad_in, "sum", group)
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_w = torch.matmul(g2.t(), total.reshape(-1, total.shape[-1]))  # overlaps grad_in's collective
+        if fp8 is not None:
+            grad_w = fp8.wgrad(grad_out, total, ctx.fp8_saved)  # overlaps grad_in's collective
+        else:
+            grad_w = torch.matmul(g2.t(), total.reshape(-1, total.shape[-1]))  # overlaps grad_in's collective
         grad_b = g2.sum(0) if ctx.has_bias else None
-        return funcol.wait_tensor(grad_in), grad_w, grad_b, None, None
+        grad_in = funcol.wait_tensor(grad_in) if group is not None else grad_in
+        return grad_in, grad_w, grad_b, None, None, None
 
 
 def input_collective(sequence_parallel: bool, tp_comm_overlap: bool = False) -> InputCollective:
@@ -102,11 +117,17 @@ def input_collective(sequence_parallel: bool, tp_comm_overlap: bool = False) -> 
     return InputCollective.GATHER if sequence_parallel else InputCollective.COPY
 
 
-def parallel_linear(x, weight, bias, group, collective: InputCollective):
+def parallel_linear(x, weight, bias, group, collective: InputCollective, fp8=None):
     """Functional form of the column/row GEMM with its input-side collective (_ParallelLinear, or
-    overlap.column_linear for GATHER_OVERLAP); a group of one runs a plain linear."""
+    overlap.column_linear for GATHER_OVERLAP); a group of one runs a plain linear. fp8: an Fp8Gemms."""
     if group is None or dist.get_world_size(group) == 1:
+        if fp8 is not None:
+            return _ParallelLinear.apply(x, weight, bias, None, InputCollective.COPY, fp8)
         return nn.functional.linear(x, weight, bias)
+    if fp8 is not None and collective is InputCollective.GATHER_OVERLAP:
+        raise ValueError("FP8 GEMMs do not run under tp_comm_overlap; turn one of them off.")
+    if fp8 is not None:
+        return _ParallelLinear.apply(x, weight, bias, group, collective, fp8)
     if collective is InputCollective.GATHER_OVERLAP:
         return overlap.column_linear(x, weight, bias, group)
     return _ParallelLinear.apply(x, weight, bias, group, collective)
@@ -126,6 +147,7 @@ class ColumnParallelLinear(nn.Module):
     segments/units: a fused layer's output parts (sizes summing to out_features) and the heads each
     is made of (see tensor_parallel/sharding.py); each part is split on its own, so the local output
     is [part0_r | part1_r | ...]. init: the weight's init tag; the bias starts at zero.
+    fp8: an Fp8Gemms (tensor_parallel/fp8.py) that runs the GEMMs in FP8, or None.
     """
 
     def __init__(
@@ -142,10 +164,11 @@ class ColumnParallelLinear(nn.Module):
         units: tuple = (),
         dtype=torch.float32,
         device=None,
+        fp8=None,
     ):
         super().__init__()
         t, _ = _tp_info(group)
-        self.collective = input_collective(sequence_parallel, tp_comm_overlap)
+        self.collective, self.fp8 = input_collective(sequence_parallel, tp_comm_overlap), fp8
         if segments and sum(segments) != out_features:
             raise ValueError(f"ColumnParallelLinear: segments {segments} do not add up to {out_features}.")
         spec = ShardSpec(0, tuple(segments), tuple(units))
@@ -159,14 +182,14 @@ class ColumnParallelLinear(nn.Module):
             self.bias = mark(nn.Parameter(torch.zeros(local, dtype=dtype, device=device)), spec, init="zeros")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return parallel_linear(x, self.weight, self.bias, self.group, self.collective)
+        return parallel_linear(x, self.weight, self.bias, self.group, self.collective, self.fp8)
 
 
 class RowParallelLinear(nn.Module):
     """Y = X A with A split by rows (input features); X arrives TP-sharded [s, b, in/t].
     The partial products are reduce-scattered along the sequence (ḡ, SP; with tp_comm_overlap chunk by
     chunk under the GEMMs) or all-reduced (f̄). The bias is added after the collective, so under SP it
-    lives in the SP region."""
+    lives in the SP region. fp8: as ColumnParallelLinear's."""
 
     def __init__(
         self,
@@ -180,9 +203,11 @@ class RowParallelLinear(nn.Module):
         bias=True,
         dtype=torch.float32,
         device=None,
+        fp8=None,
     ):
         super().__init__()
         t, _ = _tp_info(group)
+        self.fp8 = fp8
         if in_features % t != 0:
             raise ValueError(f"RowParallelLinear: in_features {in_features} not divisible by {t}.")
         self.group, self.sequence_parallel = group, sequence_parallel
@@ -209,7 +234,10 @@ class RowParallelLinear(nn.Module):
         """x @ W.T summed over the TP group: [s, b, in/t] -> [s/t, b, out] (SP) or [s, b, out]."""
         if self.overlap:
             return overlap.row_linear(x, self.weight, self.group)
-        partial = torch.matmul(x, self.weight.t())  # [s, b, out] partial sum over ranks
+        if self.fp8 is not None:  # (no input collective: the GEMM alone)
+            partial = _ParallelLinear.apply(x, self.weight, None, None, InputCollective.COPY, self.fp8)
+        else:
+            partial = torch.matmul(x, self.weight.t())  # [s, b, out] partial sum over ranks
         if self.sequence_parallel:
             return mappings.reduce_scatter_to_sequence_parallel_region(partial, self.group)
         return mappings.reduce_from_tensor_parallel_region(partial, self.group)

@@ -78,6 +78,7 @@ def validate(args) -> None:
         raise ArgumentError("--decoupled-min-lr (default --min-lr) must not exceed --decoupled-lr.")
     _check_numbers(args)
     _check_precision(args)
+    _check_fp8(args)
     _check_intervals(args)
     _check_data_flags(args)
 
@@ -207,6 +208,18 @@ def _check_precision(args) -> None:
         raise ArgumentError(
             "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict each other; give one of them."
         )
+
+
+def _check_fp8(args) -> None:
+    """--fp8-format's needs beyond the model's (config_checks.check_fp8 refuses the recipes that cannot run)."""
+    if args.fp8 is None:
+        return
+    if importlib.util.find_spec("torchao") is None:
+        raise ArgumentError(
+            "--fp8-format needs the torchao package, which is not installed (pip install --no-deps torchao==0.18.0)."
+        )
+    if args.torch_compile:
+        raise ArgumentError("--fp8-format does not run with --torch-compile (its amax all-reduces are not traced).")
 
 
 def _check_intervals(args) -> None:

@@ -162,11 +162,19 @@ MOE = (
     "this mixture-of-experts option is not implemented in megatron_sp (docs/models.md, Mixture of experts, "
     "lists the MoE flags it takes)"
 )
-_FP8 = "FP8 training needs Transformer Engine, which megatron_sp does not use; train in --bf16"
+_FP8 = (
+    "this FP8 option is not implemented: FP8 here (torchao) takes --fp8-format, --fp8-recipe, --fp8-margin, "
+    "--fp8-amax-history-len, --fp8-amax-compute-algo and --first-last-layers-bf16"
+)
+_FP8_PARAM_GATHER = (
+    "FP8 weights in the parameter all-gather are not implemented (gloo has no float8 collectives; on NCCL "
+    "torchao's FSDP2 FP8 all-gather would carry them); drop it: the FP8 GEMMs cast the weights every step"
+)
 
 # (flag, or prefix ending in "-", the missing feature): in this order, the first match is reported.
 REFUSED = (
     ("--moe-", MOE),
+    ("--fp8-param-gather", _FP8_PARAM_GATHER),
     ("--fp8-", _FP8),
     ("--fp8", _FP8),
     ("--outer-dp-sharding-strategy", "hybrid sharded data parallelism (HSDP) is not implemented"),

@@ -358,6 +358,11 @@ class Trainer:
             "opt_param_scheduler": self.scheduler,  # Megatron's key and fields
             "loss_scale": self.scaler,  # None without --fp16
             "rng": checkpointing.RNGState(),
+            **(
+                {"fp8": checkpointing.Fp8ScalingState(self.model)}
+                if self.cfg.fp8 is not None and self.cfg.fp8_recipe == "delayed"
+                else {}
+            ),
         }
 
     def _save(self):
@@ -394,7 +399,7 @@ class Trainer:
                 f"{'' if args.finetune else ', iteration, data position and LR schedule'}; fresh AdamW and RNG state)"
             )
             return
-        skip = {"optim", "opt_param_scheduler", "train_state", "loss_scale", "rng"} if args.finetune else set()
+        skip = {"optim", "opt_param_scheduler", "train_state", "loss_scale", "rng", "fp8"} if args.finetune else set()
         skip |= {"optim", "opt_param_scheduler"} if args.no_load_optim else set()  # (Megatron's)
         skip |= {"rng"} if args.no_load_rng else set()
         states = {k: v for k, v in self._checkpoint_states().items() if k not in skip}

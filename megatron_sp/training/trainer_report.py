@@ -64,6 +64,16 @@ def _cp_words(cfg) -> str:
     return types + (f"; levels {' × '.join(map(str, sizes))}" if sizes else "")
 
 
+def _precision_words(cfg) -> str:
+    """The parameters' dtype, and FP8's format and recipe (with the layers kept out) when on."""
+    if cfg.fp8 is None:
+        return cfg.params_dtype
+    kept = ""
+    if cfg.first_last_layers_bf16:
+        kept = f", first {cfg.num_layers_at_start_in_bf16} / last {cfg.num_layers_at_end_in_bf16} layers not"
+    return f"{cfg.params_dtype} + FP8 GEMMs ({cfg.fp8} {cfg.fp8_recipe}, torchao{kept})"
+
+
 def describe(trainer) -> None:
     """The start-up line: layout, model, batch, optimizer, MFU peak (and where a resume starts)."""
     a, c = trainer.args, trainer.cfg
@@ -73,7 +83,7 @@ def describe(trainer) -> None:
         f" × DP {a.data_parallel_size}{_pipeline_words(a)}"
         f"{' + SP' if c.sequence_parallel else ''} | device {a.device} ({a.distributed_backend}) | "
         f"model {c.model}: {c.normalization}, {c.activation}, {c.position_embedding_type} positions, "
-        f"{c.num_attention_heads} heads / {c.num_query_groups} kv | "
+        f"{c.num_attention_heads} heads / {c.num_query_groups} kv | {_precision_words(c)} | "
         f"{c.num_parameters() / 1e6:.2f}M parameters | vocab {c.vocab_size} (padded {c.padded_vocab_size}) | "
         f"{a.num_micro_batches} micro-batches of {a.micro_batch_size} per DP rank | "
         f"{_optimizer_words(trainer)} | "

@@ -1,0 +1,239 @@
+"""FP8 GEMMs (--fp8-format, --fp8-recipe; megatron_sp/tensor_parallel/fp8.py) on torchao.
+
+- At TP1 our tensorwise GEMMs are torchao's own Float8Linear's, bit for bit.
+- Layout invariance: every recipe at TP2+SP (and the tensor-scaled ones at CP2) computes what it
+  computes at TP1, within FP8_LAYOUT (fp32 summation order only: the FP8 operands are the same), while a
+  planted bug that scales each shard by its own amax is off by orders of magnitude more.
+  (Data parallelism is not in this list: a rank's micro-batch is another tensor than the whole batch,
+  so its scale differs, as in Megatron-LM; bench/precision_drift.py measures FP8 at DP2.)
+- Delayed scaling follows Transformer Engine's rule (history, max / most_recent, margin).
+- What cannot run is refused in one sentence.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("torchao", reason="FP8 needs torchao (requirements.txt)")
+
+from megatron_sp.config import GPTConfig  # noqa: E402
+from megatron_sp.tensor_parallel import fp8 as fp8_gemms  # noqa: E402
+from megatron_sp.testing import LocalWorld  # noqa: E402
+from megatron_sp.testing.layouts import Layout, parse_layout  # noqa: E402
+from megatron_sp.testing.parity import compare, make_batches, run_layout  # noqa: E402
+
+FIELDS = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=97,
+    seq_length=32,
+    model="llama",
+    hidden_dropout=0.1,
+    attention_dropout=0.1,
+    fp8="hybrid",
+)
+# Relative, fp32 master weights: the first step's loss and gradients, and the loss of every step. The
+# FP8 operands are bit-identical across layouts; what is left is the GEMMs' fp32 summation order
+# (measured <= 4e-7), and a rounding flipped by it now and then in a later step.
+FP8_LAYOUT = dict(loss=1e-5, grad=1e-5)
+FP8_VS_BF16_RTOL = 2e-3  # the program's losses, --bf16 with and without FP8 (README "FP8"); measured 2.5e-4
+
+
+@pytest.fixture(scope="module")
+def world():
+    w = LocalWorld(4)
+    yield w
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def batches():
+    return make_batches(97, 32, 4, 3)
+
+
+def _run(fields, layout, batches, per_shard_scales=False):
+    """run_layout, optionally with the planted bug: every amax left as its shard's."""
+    if per_shard_scales:
+        fp8_gemms.reduce_amax = lambda amaxes, groups: amaxes
+    try:
+        return run_layout(fields, Layout() if layout == "serial" else parse_layout(layout), batches)
+    finally:
+        fp8_gemms.reduce_amax = _REDUCE_AMAX
+
+
+_REDUCE_AMAX = fp8_gemms.reduce_amax
+
+
+def _row(world, fields, layout, batches, per_shard=False):
+    base = world.run(_run, fields, "serial", batches)[0]
+    run = world.run(_run, fields, layout, batches, per_shard)[0]
+    return compare(base, run, layout)
+
+
+def _off(row) -> list:
+    return [f"{k} {getattr(row, k):.2e}" for k, tol in FP8_LAYOUT.items() if not getattr(row, k) <= tol]
+
+
+@pytest.mark.parametrize(
+    "recipe,layouts",
+    [("tensorwise", ("tp2+sp", "cp2")), ("delayed", ("tp2+sp", "cp2")), ("rowwise", ("tp2+sp",))]
+    + [("mxfp8", ("tp2+sp",))],  # (mxfp8: 4 key/value heads, so a rank's k and v are 32 wide: one block)
+)
+def test_fp8_is_layout_invariant(world, batches, recipe, layouts):
+    fields = dict(FIELDS, fp8_recipe=recipe, **({"num_query_groups": 4} if recipe == "mxfp8" else {}))
+    base = world.run(_run, fields, "serial", batches)[0]
+    for layout in layouts:
+        row = compare(base, world.run(_run, fields, layout, batches)[0], layout)
+        assert not _off(row), (layout, row)
+
+
+@pytest.mark.parametrize("recipe,layout", [("tensorwise", "tp2+sp"), ("delayed", "tp2"), ("rowwise", "tp2+sp")])
+def test_per_shard_scales_fail(world, batches, recipe, layout):
+    """The planted bug (each shard's amax instead of the tensor's) is caught by the check above (delayed
+    scaling casts the first step with scale 1 everywhere: the later steps' losses catch it)."""
+    row = _row(world, dict(FIELDS, fp8_recipe=recipe), layout, batches, per_shard=True)
+    assert max(row.loss / FP8_LAYOUT["loss"], row.grad / FP8_LAYOUT["grad"]) > 3, row
+
+
+def test_tensorwise_is_torchaos_float8_linear():
+    """At TP1 a column layer's three GEMMs are torchao's Float8Linear's (tensorwise, emulated), bitwise."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from megatron_sp.tensor_parallel.layers import ColumnParallelLinear
+
+    torch.manual_seed(0)
+    recipe = fp8_gemms.Fp8Recipe("hybrid", "tensorwise")
+    ours = ColumnParallelLinear(
+        64, 48, init="normal", bias=False, fp8=fp8_gemms.Fp8Gemms(recipe, fp8_gemms.AmaxGroups(), row=False)
+    )
+    ours.weight.data.normal_()
+    ref = torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False))
+    ref[0].weight.data.copy_(ours.weight.data)
+    convert_to_float8_training(ref, config=Float8LinearConfig(emulate=True))
+    x = torch.randn(8, 2, 64)
+    grad = torch.randn(8, 2, 48) * 1e-3
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ours(xa), ref(xb)
+    ya.backward(grad), yb.backward(grad)
+    assert torch.equal(ya, yb)
+    assert torch.equal(xa.grad, xb.grad)
+    assert torch.equal(ours.weight.grad, ref[0].weight.grad)
+
+
+@pytest.mark.parametrize("algo,margin", [("max", 0), ("most_recent", 1)])
+def test_delayed_scaling_rule(algo, margin):
+    """Transformer Engine's: cast with the scale of the history so far (1 at first), then record."""
+    state = fp8_gemms.DelayedScaling(fp8_gemms.Fp8Recipe("hybrid", "delayed", margin, 3, algo))
+    amaxes = [4.0, 0.5, 2.0, 1.0]
+    for step, amax in enumerate(amaxes):
+        seen = amaxes[max(0, step - 3) : step]  # the history holds the last 3 amaxes before this one
+        chosen = (max(seen) if algo == "max" else seen[-1]) if seen else None
+        want = 1.0 if chosen is None else 448.0 / chosen / 2**margin
+        assert state.current(fp8_gemms.INPUT, "cpu").item() == pytest.approx(want, rel=1e-6)
+        state.record([fp8_gemms.INPUT], [torch.tensor(amax)])
+    grad = fp8_gemms.DelayedScaling(fp8_gemms.Fp8Recipe("hybrid", "delayed"))
+    grad.record([fp8_gemms.GRAD], [torch.tensor(2.0)])
+    assert grad.current(fp8_gemms.GRAD, "cpu").item() == 57344.0 / 2  # e5m2's max under hybrid
+
+
+@pytest.mark.parametrize(
+    "fields,needle",
+    [
+        (dict(fp8_recipe="blockwise"), "through triton only"),
+        (dict(fp8_recipe="custom"), "--fp8-quantizer-factory"),
+        (dict(fp8_recipe="delayed", first_last_layers_bf16=True), "Megatron-LM's rule"),
+        (dict(fp8_recipe="delayed", recompute_granularity="full"), "record its amaxes twice"),
+        (dict(fp8=None, first_last_layers_bf16=True), "needs fp8"),
+        (dict(fp8_recipe="tensorwise", first_last_layers_bf16=True, num_layers_at_end_in_bf16=3), "[0, num_layers=2]"),
+    ],
+)
+def test_fp8_refusals_are_one_sentence(fields, needle):
+    with pytest.raises(ValueError) as err:
+        GPTConfig(**{**FIELDS, **fields})
+    assert needle in str(err.value) and len(str(err.value).splitlines()) == 1, str(err.value)
+
+
+def test_first_last_layers_bf16_keeps_those_layers_out_of_fp8():
+    from megatron_sp.models.gpt import GPTModel
+
+    cfg = GPTConfig(**{**FIELDS, "num_layers": 3, "fp8_recipe": "tensorwise", "first_last_layers_bf16": True})
+    model = GPTModel(cfg)
+    in_fp8 = [layer.attn.qkv.fp8 is not None and layer.mlp.fc2.fp8 is not None for layer in model.layers]
+    assert in_fp8 == [False, True, False]
+
+
+def train_losses(argv, iters, log) -> list:
+    from launch_helpers import losses
+
+    from megatron_sp.training import pretrain
+
+    assert pretrain.main(argv + ["--train-iters", str(iters), "--log-jsonl", str(log)]) == 0
+    return losses(log)
+
+
+def test_delayed_scaling_resumes_exactly_and_drifts_within_tolerance(tmp_path, monkeypatch, capsys):
+    """The program with --bf16 --fp8-format hybrid (delayed, history 4, max). The amax histories are
+    checkpointed (fp8_rank<r>.pt): 3 iterations, a save, 3 more from it log the losses of 6 straight,
+    bit for bit; resumed without the histories the losses differ. The 6 losses stay within
+    FP8_VS_BF16_RTOL of --bf16 alone (README; bench/fp8_drift.py measures 50 iterations of the
+    default job)."""
+    import glob
+    import os
+    import shutil
+
+    from launch_helpers import TINY
+
+    monkeypatch.chdir(tmp_path)
+    fp8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "4", "--fp8-amax-compute-algo", "max"]
+    run = TINY + ["--bf16", "--global-batch-size", "4", "--lr-decay-iters", "6"]
+    bf16 = train_losses(run, 6, tmp_path / "bf16.jsonl")
+    run += fp8
+    ckpt = tmp_path / "ckpt"
+
+    def train(iters, log, *extra):
+        return train_losses(run + list(extra), iters, tmp_path / log)
+
+    straight = train(6, "straight.jsonl")
+    assert "bf16 + FP8 GEMMs (hybrid delayed, torchao)" in capsys.readouterr().out  # the start-up line
+    drift = [abs(a - b) / b for a, b in zip(straight, bf16)]
+    print("fp8 vs bf16 drift", drift)
+    assert 0 < max(drift) <= FP8_VS_BF16_RTOL, drift
+    train(3, "first.jsonl", "--save", str(ckpt))
+    shutil.copytree(ckpt, tmp_path / "bare")
+    assert train(6, "resumed.jsonl", "--load", str(ckpt)) == straight[3:]
+    for f in glob.glob(str(tmp_path / "bare" / "iter_*" / "fp8_rank*.pt")):
+        os.remove(f)
+    assert train(6, "bare.jsonl", "--load", str(tmp_path / "bare")) != straight[3:]
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--fp8-param-gather"], "gloo has no float8 collectives"),
+        (["--torch-compile"], "does not run with --torch-compile"),
+        (["--fp8-dot-product-attention"], "this FP8 option is not implemented"),
+        (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"], "tp_comm_overlap"),
+    ],
+)
+def test_program_refusals_are_one_sentence(flags, needle):
+    from megatron_sp.training.arguments import ArgumentError, parse_args
+    from megatron_sp.training.pretrain import check_inputs
+
+    argv = ["--mock-data", "--device", "cpu", "--fp8-format", "hybrid"] + flags
+    with pytest.raises((ArgumentError, ValueError)) as err:
+        check_inputs(parse_args(argv, world_size=2))
+    assert needle in str(err.value) and len(str(err.value).splitlines()) == 1, str(err.value)
+
+
+def test_without_torchao_fp8_is_one_sentence(monkeypatch):
+    import importlib.util
+
+    from megatron_sp.training.arguments import ArgumentError, parse_args
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else find_spec(name, *a)
+    )
+    with pytest.raises(ArgumentError, match=r"needs the torchao package, .*torchao==0\.18\.0"):
+        parse_args(["--mock-data", "--fp8-format", "e4m3"])
