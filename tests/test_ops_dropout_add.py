@@ -260,35 +260,3 @@ def test_every_cpu_simd_variant_is_bit_identical(capability):
     env = dict(os.environ, MEGATRON_SP_CPU_CAPABILITY=capability)
     proc = subprocess.run([sys.executable, "-c", VARIANT_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr
-
-
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("shape,offset", [((5, 3, 7), 3), ((16, 2, 64), 0), ((9, 4, 130), 128)])
-def test_the_replaced_ops_are_their_formulas_and_the_new_op(dtype, shape, offset):
-    """While the replaced ops exist: their outputs are the formulas above, and the new op's, bit for bit."""
-    s, b, h = shape
-    torch.manual_seed(3)
-    index = random_index(s, b)
-    pos, samples = index.token_positions, index.sample_ids
-    keep = hidden_keep_mask(shape, P, SEED, LAYER, SITE, index, offset)
-    drop = (P, SEED, LAYER, SITE, offset)
-    x, y, bias, grad = randn(shape, dtype), randn(shape, dtype), randn((h,), dtype), torch.randn(shape)
-    for res in (randn(shape, dtype), torch.randn(shape)):
-        for b_ in (bias, None):
-            old = OPS.bias_dropout_add_fwd(x, b_, res, pos, samples, *drop)
-            assert_bit_identical(old, old_bias_dropout_add_op(x, b_, res, keep, P))
-            assert_bit_identical(old, OPS.dropout_add_fwd(x, b_, res, pos, samples, *drop))
-        g = grad.to(res.dtype)
-        old_gx, old_gb = OPS.bias_dropout_add_bwd(g, pos, samples, *drop, True, dtype)
-        new_gx, new_gb = OPS.dropout_add_bwd(g, pos, samples, *drop, True, dtype)
-        assert_bit_identical(old_gx, old_grad_x(g, keep, P, dtype))
-        assert_bit_identical(old_gx, new_gx)
-        assert_bit_identical(old_gb, new_gb)
-    for out_dtype in {dtype, torch.float32}:
-        for y_ in (y, None):
-            old = OPS.embedding_dropout_fwd(x, y_, pos, samples, *drop, out_dtype)
-            assert_bit_identical(old, old_embedding_dropout_op(x, y_, keep, P, out_dtype))
-            assert_bit_identical(old, OPS.dropout_add_fwd(x, y_, None, pos, samples, *drop, out_dtype))
-        g = grad.to(out_dtype)
-        old_gx = OPS.embedding_dropout_bwd(g, pos, samples, *drop, dtype)
-        assert_bit_identical(old_gx, OPS.dropout_add_bwd(g, pos, samples, *drop, False, dtype)[0])

@@ -807,14 +807,14 @@ def _fused_dispatch_worker(modes):
 
 @pytest.mark.extension
 def test_every_fused_op_runs_in_every_precision(pool):
-    """The fused ops (embedding dropout, LayerNorm, blockwise attention, bias-dropout-add, forward and
-    backward) run as often in the real training step under --bf16, --bf16 --fp32-residual-connection and
-    --fp16 as under fp32: no dtype sends a layer to the Python reference."""
+    """The fused ops (dropout_add at the embedding and after attention and the MLP, LayerNorm, blockwise
+    attention, forward and backward) run as often in the real training step under --bf16, --bf16
+    --fp32-residual-connection and --fp16 as under fp32: no dtype sends a layer to the Python reference."""
     results = pool.run(_fused_dispatch_worker, list(PRECISION_MODES))
     for r in results:
         fp32 = r["fp32"]["calls"]
-        for op in ("embedding_dropout_fwd", "embedding_dropout_bwd", "bias_dropout_add_fwd", "bias_dropout_add_bwd"):
-            assert fp32.get(op, 0) > 0, (op, fp32)
+        for op in ("dropout_add_fwd", "dropout_add_bwd"):  # the embedding's, and two per layer
+            assert fp32.get(op, 0) == 1 + 2 * _fields()["num_layers"], (op, fp32)
         assert any(op.startswith("layer_norm") for op in fp32) and any("flash" in op for op in fp32), fp32
         for mode, dtype in (("bf16", "bfloat16"), ("bf16_fp32_residual", "bfloat16"), ("fp16", "float16")):
             assert r[mode]["calls"] == fp32, (mode, r[mode]["calls"], fp32)
