@@ -18,34 +18,41 @@ from typing import Optional
 
 from megatron_sp import config_checks as checks
 from megatron_sp import families
-from megatron_sp.fields import ALWAYS, IF_ROPE_SCALED, IF_ROTARY, Switch, model_field
+from megatron_sp.fields import ALWAYS, IF_ROPE_SCALED, IF_ROTARY, IF_YARN, Switch, model_field
 from megatron_sp.layer_options import (
     CP_COMM_TYPES,
     SOFTMAX_TYPES,
     format_layer_freq,
     format_window_size,
     format_words,
+    is_moe_layer,
     layer_freq_type,
     normalised_list,
     window_size_type,
 )
+from megatron_sp.moe_config import MoEFields, check_moe, fill_moe_defaults
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-# gelu: erf; openai_gelu: tanh approximation (GPT-2); squared_relu: relu(x)² (Primer, Nemotron)
-ACTIVATIONS = ("gelu", "openai_gelu", "swiglu", "squared_relu")
-POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+# gelu: erf; openai_gelu: tanh approximation (GPT-2); squared_relu: relu(x)² (Primer, Nemotron);
+# quick_geglu: x·sigmoid(1.702 x) gating a linear unit (gpt-oss)
+ACTIVATIONS = ("gelu", "openai_gelu", "swiglu", "squared_relu", "quick_geglu")
+GATED = ("swiglu", "quick_geglu")  # fc1 is [gate; up]: act(gate) * (up + --glu-linear-offset)
+# yarn: RoPE with YaRN's frequencies and attention scaling (Megatron's --position-embedding-type yarn)
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "yarn", "none")
+ROTARY = ("rope", "yarn")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 PRECISIONS = ("fp32", "bf16", "fp16")  # params_dtype values (torch.float32, bfloat16, float16)
 
 _SCALED = "with --use-rope-scaling: "
+_YARN = "with --position-embedding-type yarn: "
 _PARALLEL = "parallelism"  # the --help group of the layout flags
 _PRECISION = "mixed precision"  # the --help group of --bf16, --fp16 and the loss scale
 
 
 @dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(MoEFields):
     """A decoder-only transformer. Defaults follow Megatron-LM where it has one; fields left at None
     take the model family's value (`model`, see megatron_sp/families.py), which are GPT-2's where the
     family does not set them."""
@@ -75,8 +82,8 @@ class GPTConfig:
     seq_length: int = model_field(help="tokens per sample s", flags=("--seq-length",), cli_default=128)
     model: str = model_field(
         "gpt2",
-        help="model family: gpt2, llama, qwen2, qwen3 (megatron_sp/families.py) or package.module:SPEC; sets the "
-        "defaults of the architecture flags below",
+        help="model family: gpt2, llama, qwen2, qwen3, mistral (megatron_sp/families.py) or package.module:SPEC; "
+        "sets the defaults of the architecture flags below",
         flags=("--model",),
     )
     ffn_hidden_size: Optional[int] = model_field(
@@ -107,7 +114,8 @@ class GPTConfig:
     )
     position_embedding_type: Optional[str] = model_field(
         None,
-        help="positions: learned_absolute, rope or none; default: the family's",
+        help="positions: learned_absolute, rope, yarn (RoPE with YaRN scaling, the --yarn-* flags) or none; "
+        "default: the family's",
         flags=("--position-embedding-type",),  # Megatron's older switches: training/arguments.py
         choices=POSITION_EMBEDDINGS,
         resume=ALWAYS,
@@ -149,6 +157,48 @@ class GPTConfig:
         flags=("--rope-scaling-original-max-position-embeddings",),
         resume=IF_ROPE_SCALED,
     )
+    yarn_rotary_scaling_factor: float = model_field(
+        1.0,
+        help=_YARN + "the context extension factor s (low frequencies' theta / s)",
+        flags=("--rotary-scaling-factor",),
+        resume=IF_YARN,
+    )
+    yarn_original_max_position_embeddings: int = model_field(
+        4096,
+        help=_YARN + "the context length the model was pretrained at",
+        flags=("--yarn-original-max-position-embeddings",),
+        resume=IF_YARN,
+    )
+    yarn_beta_fast: float = model_field(
+        32.0,
+        help=_YARN + "frequencies turning more than this often over the original context are kept",
+        flags=("--yarn-beta-fast",),
+        resume=IF_YARN,
+    )
+    yarn_beta_slow: float = model_field(
+        1.0,
+        help=_YARN + "frequencies turning less than this often are interpolated (theta / s)",
+        flags=("--yarn-beta-slow",),
+        resume=IF_YARN,
+    )
+    yarn_mscale: float = model_field(
+        1.0,
+        help=_YARN + "attention scaling: cos and sin times (0.1 mscale ln s + 1) / (0.1 mscale_all_dim ln s + 1)",
+        flags=("--mscale",),
+        resume=IF_YARN,
+    )
+    yarn_mscale_all_dim: float = model_field(
+        0.0, help=_YARN + "the denominator's mscale (above)", flags=("--mscale-all-dim",), resume=IF_YARN
+    )
+    yarn_correction_range_round_to_int: bool = model_field(
+        True,
+        help=_YARN + "round the ramp's ends to whole channels (HF truncate)",
+        switches=(
+            Switch("--yarn-correction-range-round-to-int", True),
+            Switch("--no-yarn-correction-range-round-to-int", False, "do not round them (gpt-oss)"),
+        ),
+        resume=IF_YARN,
+    )
     normalization: Optional[str] = model_field(
         None,
         help="LayerNorm or RMSNorm; default: the family's",
@@ -164,13 +214,26 @@ class GPTConfig:
     )
     activation: Optional[str] = model_field(
         None,
-        help="MLP activation: gelu, openai_gelu or swiglu; default: the family's",
+        help="MLP activation: gelu, openai_gelu, swiglu, squared_relu or quick_geglu; default: the family's",
         switches=(
             Switch("--swiglu", "swiglu", "SwiGLU MLP (fused gate/up projection)"),
             Switch("--openai-gelu", "openai_gelu", "GPT-2's tanh approximation of GELU"),
             Switch("--squared-relu", "squared_relu", "relu(x)² MLP activation"),
+            Switch("--quick-geglu", "quick_geglu", "gated MLP with quick GELU, x·sigmoid(1.702 x) (gpt-oss)"),
         ),
         choices=ACTIVATIONS,
+        resume=ALWAYS,
+    )
+    glu_linear_offset: float = model_field(
+        0.0,
+        help="gated MLPs (--swiglu, --quick-geglu): act(gate) * (up + offset); gpt-oss's 1",
+        flags=("--glu-linear-offset",),
+        resume=ALWAYS,
+    )
+    activation_func_clamp_value: Optional[float] = model_field(
+        None,
+        help="--quick-geglu: the gate clamped to at most c and the linear unit to [-c, c] first (gpt-oss's 7)",
+        flags=("--activation-func-clamp-value",),
         resume=ALWAYS,
     )
     layernorm_zero_centered_gamma: bool = model_field(
@@ -363,12 +426,18 @@ class GPTConfig:
     )
 
     def __post_init__(self):
-        for name in ("cp_comm_type", "hierarchical_context_parallel_sizes", "window_size", "window_attn_skip_freq"):
+        for name in (
+            "cp_comm_type",
+            "hierarchical_context_parallel_sizes",
+            "window_size",
+            "window_attn_skip_freq",
+            "moe_layer_freq",
+        ):
             self._set(name, normalised_list(name, getattr(self, name)))
         self._fill_family_defaults()
         if self.ffn_hidden_size is None:
             swiglu = int(4 * self.hidden_size * 2 / 3 / 64) * 64
-            self._set("ffn_hidden_size", swiglu if self.activation == "swiglu" else 4 * self.hidden_size)
+            self._set("ffn_hidden_size", swiglu if self.activation == "swiglu" else 4 * self.hidden_size)  # Megatron's
         if self.max_position_embeddings is None:
             self._set("max_position_embeddings", self.seq_length)
         checks.check_choices(self)
@@ -380,6 +449,7 @@ class GPTConfig:
         checks.check_divisibility(self)
         checks.check_ranges(self)
         checks.check_attention_variants(self)
+        checks.check_activation(self)
         self._fill_recompute()
         checks.check_recompute(self)
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
@@ -389,6 +459,8 @@ class GPTConfig:
             )
             self._set("sequence_parallel", False)
         checks.check_comm_overlap(self)
+        fill_moe_defaults(self)
+        check_moe(self)
 
     def _set(self, name, value):
         """Fills a derived field during construction (the config is frozen afterwards)."""
@@ -419,6 +491,16 @@ class GPTConfig:
         return self.kv_channels
 
     @property
+    def gated_linear_unit(self) -> bool:
+        """fc1 holds [gate; up] (2 × ffn rows): --swiglu, --quick-geglu."""
+        return self.activation in GATED
+
+    @property
+    def rotary(self) -> bool:
+        """Positions by rotation: rope, or yarn (RoPE with YaRN's frequencies)."""
+        return self.position_embedding_type in ROTARY
+
+    @property
     def rotary_dim(self) -> int:
         """Channels of each head that RoPE rotates (the first ones)."""
         return int(self.kv_channels * self.rotary_percent)
@@ -429,31 +511,46 @@ class GPTConfig:
         multiple = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
-    def _layer_matmul_params(self) -> tuple[int, int]:
-        """(weights, biases) of one layer's linear layers."""
-        h, f, d = self.hidden_size, self.ffn_hidden_size, self.kv_channels
+    def _layer_matmul_params(self, layer: int = 1, active: bool = False) -> tuple[int, int]:
+        """(weights, biases) of layer `layer`'s linear layers; active: an MoE layer's router, top-k experts
+        and shared expert (what one token goes through), else every expert."""
+        h, d = self.hidden_size, self.kv_channels
         q, kv = self.num_attention_heads * d, self.num_query_groups * d
-        fc1 = 2 * f if self.activation == "swiglu" else f
-        weights = h * (q + 2 * kv) + q * h + h * fc1 + f * h
-        biases = ((q + 2 * kv) if self.add_qkv_bias else 0) + ((2 * h + fc1) if self.add_bias_linear else 0)
+        weights = h * (q + 2 * kv) + q * h
+        biases = ((q + 2 * kv) if self.add_qkv_bias else 0) + (h if self.add_bias_linear else 0)
+        if not is_moe_layer(self, layer):
+            mlp_w, mlp_b = self._mlp_params(self.ffn_hidden_size)
+            return weights + mlp_w, biases + mlp_b
+        experts = self.moe_router_topk if active else self.num_experts
+        expert_w, expert_b = self._mlp_params(self.moe_ffn_hidden_size)
+        weights += h * self.num_experts + experts * expert_w
+        biases += experts * expert_b
+        if self.moe_shared_expert_intermediate_size:
+            shared_w, shared_b = self._mlp_params(self.moe_shared_expert_intermediate_size)
+            weights, biases = weights + shared_w, biases + shared_b
         return weights, biases
 
+    def _mlp_params(self, f: int) -> tuple[int, int]:
+        fc1 = 2 * f if self.gated_linear_unit else f
+        return self.hidden_size * fc1 + f * self.hidden_size, (fc1 + self.hidden_size) if self.add_bias_linear else 0
+
     def num_parameters(self) -> int:
-        """Parameters of the (unpadded) serial model, a tied embedding counted once."""
+        """Parameters of the (unpadded) serial model, a tied embedding counted once, every expert."""
         h, L = self.hidden_size, self.num_layers
         norm = (2 if self.normalization == "LayerNorm" else 1) * h
-        weights, biases = self._layer_matmul_params()
         embeddings = self.vocab_size * h * (2 if self.untie_embeddings_and_output_weights else 1)
         if self.position_embedding_type == "learned_absolute":
             embeddings += self.max_position_embeddings * h
         qk_norms = (2 * norm // h * self.kv_channels) if self.qk_layernorm else 0  # one q and one k norm of d
-        return embeddings + L * (weights + biases + 2 * norm + qk_norms) + norm
+        layers = sum(sum(self._layer_matmul_params(layer)) for layer in range(1, L + 1))
+        return embeddings + layers + L * (2 * norm + qk_norms) + norm
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token (forward + backward = 3× forward), attention scores included."""
+        """Training FLOPs per token (forward + backward = 3× forward), attention scores included; an MoE
+        layer counts the parameters a token goes through (router, top-k experts, shared expert)."""
         L, s = self.num_layers, self.seq_length
-        weights, _ = self._layer_matmul_params()
-        matmul_params = L * weights + self.vocab_size * self.hidden_size
+        weights = sum(self._layer_matmul_params(layer, active=True)[0] for layer in range(1, L + 1))
+        matmul_params = weights + self.vocab_size * self.hidden_size
         attention = L * 2 * s * self.num_attention_heads * self.kv_channels  # QK^T and PV, causal half
         return 3 * 2 * (matmul_params + attention)  # not discounted (Megatron)
 
@@ -470,6 +567,8 @@ def config_from_dict(config: dict, **overrides) -> GPTConfig:
         sequence_parallel=False,
         tp_comm_overlap=False,
         params_dtype="fp32",
+        expert_model_parallel_size=1,
+        expert_tensor_parallel_size=None,
     )
     fields.update(serial, **overrides)
     return GPTConfig(**fields)

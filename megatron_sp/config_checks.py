@@ -6,6 +6,7 @@ Called by GPTConfig.__post_init__ (config.py) once the derived fields are filled
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from megatron_sp.fields import info
 from megatron_sp.layer_options import cp_comm_types, zigzag_split
@@ -161,7 +162,7 @@ def check_ranges(cfg):
             f"GPTConfig.max_position_embeddings ({cfg.max_position_embeddings}) is smaller than "
             f"seq_length ({cfg.seq_length}); raise it or shorten the sequence."
         )
-    if cfg.position_embedding_type == "rope":
+    if cfg.rotary:
         if not 0.0 < cfg.rotary_percent <= 1.0:
             raise ValueError(f"GPTConfig.rotary_percent must be in (0, 1], got {cfg.rotary_percent}.")
         if cfg.rotary_dim % 2 != 0 or cfg.rotary_dim == 0:
@@ -172,6 +173,7 @@ def check_ranges(cfg):
         if not cfg.rotary_base > 0:
             raise ValueError(f"GPTConfig.rotary_base must be positive, got {cfg.rotary_base}.")
         _check_rope_scaling(cfg)
+        _check_yarn(cfg)
     elif cfg.rope_scaling or cfg.rotary_seq_len_interpolation_factor is not None:
         raise ValueError(
             f"GPTConfig.rope_scaling / rotary_seq_len_interpolation_factor need "
@@ -198,6 +200,41 @@ def _check_rope_scaling(cfg):
             f"GPTConfig.rope_scaling_original_max_position_embeddings must be positive, got "
             f"{cfg.rope_scaling_original_max_position_embeddings}."
         )
+
+
+def _check_yarn(cfg):
+    """YaRN is a scaling of its own over every channel (Megatron's YarnRotaryEmbedding)."""
+    if cfg.position_embedding_type != "yarn":
+        return
+    if cfg.rope_scaling or cfg.rotary_seq_len_interpolation_factor is not None or cfg.rotary_percent != 1.0:
+        raise ValueError(
+            "GPTConfig.position_embedding_type yarn scales RoPE itself over every channel; drop rope_scaling, "
+            "rotary_seq_len_interpolation_factor and rotary_percent < 1."
+        )
+    for name in ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_slow"):
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(cfg, name)}.")
+    if not cfg.yarn_beta_fast > cfg.yarn_beta_slow:
+        raise ValueError(
+            f"GPTConfig.yarn_beta_fast ({cfg.yarn_beta_fast}) must be larger than yarn_beta_slow "
+            f"({cfg.yarn_beta_slow})."
+        )
+
+
+def check_activation(cfg):
+    """--glu-linear-offset needs a gated MLP; --activation-func-clamp-value needs --quick-geglu
+    (Megatron clamps SwiGLU only inside MoE experts, which are not here yet)."""
+    if cfg.glu_linear_offset != 0.0 and not cfg.gated_linear_unit:
+        raise ValueError(
+            f"GPTConfig.glu_linear_offset needs a gated MLP (swiglu or quick_geglu), not {cfg.activation}."
+        )
+    clamp = cfg.activation_func_clamp_value
+    if clamp is None:
+        return
+    if cfg.activation != "quick_geglu":
+        raise ValueError(f"GPTConfig.activation_func_clamp_value needs activation quick_geglu, not {cfg.activation}.")
+    if not (math.isfinite(clamp) and clamp > 0):
+        raise ValueError(f"GPTConfig.activation_func_clamp_value must be finite and positive, got {clamp}.")
 
 
 def check_comm_overlap(cfg):

@@ -64,6 +64,8 @@ FAMILIES = {
     "qwen3": Family(
         "megatron_sp.models.qwen3:SPEC", dict(_QWEN, qk_layernorm=True), hf="megatron_sp.models.hf.qwen3:ADAPTER"
     ),
+    # Llama with a sliding window on every layer (--window-size L,0: from the checkpoint, none by default)
+    "mistral": Family("megatron_sp.models.mistral:SPEC", _LLAMA, hf="megatron_sp.models.hf.mistral:ADAPTER"),
 }
 BASE = "gpt2"  # the family whose defaults fill what another family does not set
 

@@ -44,7 +44,12 @@ def ALWAYS(current, saved) -> bool:
 
 def IF_ROTARY(current, saved) -> bool:
     """Not a shape, but what rotary weights were trained for: compared for RoPE models only."""
-    return current.position_embedding_type == "rope"
+    return current.rotary
+
+
+def IF_YARN(current, saved) -> bool:
+    """A YaRN parameter: unused unless one side's positions are yarn."""
+    return "yarn" in (current.position_embedding_type, saved.position_embedding_type)
 
 
 def IF_ROPE_SCALED(current, saved) -> bool:
@@ -62,7 +67,7 @@ class FieldInfo:
     cli_default: object = SAME  # the CLI's default where the field has none (required fields)
     choices: tuple = ()  # the allowed values (checked by GPTConfig, offered by the CLI)
     group: str = "model"  # the --help group of its flags
-    resume: Optional[Callable] = None  # ALWAYS / IF_ROTARY / IF_ROPE_SCALED: must match on resume
+    resume: Optional[Callable] = None  # ALWAYS / IF_ROTARY / IF_ROPE_SCALED / IF_YARN: must match on resume
     nargs: Optional[str] = None  # argparse's nargs of its flags ("+": one or more words)
     parse: Optional[Callable] = None  # a flag's word -> the value (argparse's type); default by the field's type
     format: Optional[Callable] = None  # the value -> the flag's words (model_flags); default [str(value)]

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGRAM = os.path.join(REPO, "pretrain_gpt_sp.py")
@@ -115,3 +117,19 @@ def records(jsonl_path) -> list:
 def check(proc: subprocess.CompletedProcess):
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
+
+
+@contextmanager
+def bounded(seconds=20):
+    """Fails the test (instead of hanging the suite) if the block blocks: FIFOs, huge configs."""
+
+    def hang(*_):
+        raise TimeoutError(f"blocked for more than {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

@@ -36,3 +36,18 @@ def test_flags_it_cannot_run_exit_2(flags, needle, capsys):
     assert check_parity.main([*TINY, *flags]) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_layout_names_carry_the_hierarchical_cp_sizes():
+    """`cp4:a2a+p2p=2x2` names a2a+p2p with its sizes, which reach the config (the serial oracle keeps
+    none) and print back the same way; a2a+p2p without them is refused as the model refuses it."""
+    from megatron_sp.testing.layouts import allowed_layouts, parse_layout
+
+    layout = parse_layout("tp2+sp/cp4:a2a+p2p=2x2")
+    assert (layout.size, layout.cp_levels, str(layout)) == (8, (2, 2), "tp2+sp/cp4:a2a+p2p=2x2")
+    assert layout.config_fields()["hierarchical_context_parallel_sizes"] == (2, 2)
+    fields = check_parity.model_fields(TINY)
+    assert "hierarchical_context_parallel_sizes" not in fields
+    allowed, refused = allowed_layouts(fields, 4, ["cp4:a2a+p2p=2x2", "cp4:a2a+p2p", "cp4:a2a+p2p=2x4"])
+    assert [str(a) for a in allowed] == ["cp4:a2a+p2p=2x2"]
+    assert set(refused) == {"cp4:a2a+p2p", "cp4:a2a+p2p=2x4"}, refused

@@ -126,8 +126,9 @@ def test_group_roles_name_the_replicas_and_the_tensor_shards():
     (mine,) = [g for g in parallel_state.grid_ranks(2, 2, 2)[3] if me in g]
     assert ps.rank("replicas") == ps.replica_rank == mine.index(me)
     assert parallel_state.ParallelState().replica_group is None  # one replica: nothing to reduce over
-    with pytest.raises(ValueError, match="unknown process-group role 'ep'"):
-        ps.group("ep")
+    assert (ps.size("ep"), ps.size("expert_tp"), ps.size("expert_replicas"), ps.group("ep")) == (1, 1, 1, None)
+    with pytest.raises(ValueError, match="unknown process-group role 'bogus'"):
+        ps.group("bogus")
     param = torch.nn.Parameter(torch.zeros(2))
     assert parallel_state.replica_role(param) == parallel_state.REPLICAS
     param.replica_role = "expert_replicas"

@@ -232,7 +232,8 @@ def test_round_trip_is_exact():
         (dict(model="llama", add_bias_linear=True, add_qkv_bias=False), "attention_bias"),
         (dict(model="llama", position_embedding_type="rope", rotary_percent=0.5), "rotary-percent"),
         (dict(model="llama", rope_scaling=True, rotary_seq_len_interpolation_factor=2.0), "scaled one way"),
-        (dict(model="llama", window_size=(8, 0)), "--window-size"),  # (Mistral's and gpt-oss's: issue 36)
+        # Llama's reason first; Mistral's class windows every layer alike
+        (dict(model="llama", window_size=(8, 0), window_attn_skip_freq=2), "--window-size"),
         (dict(softmax_type="learnable"), "--softmax-type"),
     ],
 )
@@ -250,7 +251,7 @@ def test_import_refuses_other_rope_scalings_and_unknown_models(tmp_path, capsys)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     capsys.readouterr()  # transformers' own progress output
     for rope, needle in [
-        ({"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}, "rope_type 'yarn'"),
+        ({"rope_type": "dynamic", "rope_theta": 5e5, "factor": 8.0}, "rope_type 'dynamic'"),
         ({"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}, "low_freq_factor"),
     ]:
         config["rope_parameters"] = rope
@@ -258,10 +259,10 @@ def test_import_refuses_other_rope_scalings_and_unknown_models(tmp_path, capsys)
         assert convert_hf.main(["import", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / "c")]) == 2
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1, err
-    config["model_type"] = "mistral"
+    config["model_type"] = "falcon"
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     assert convert_hf.main(["import", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / "c")]) == 2
-    assert "model_type 'mistral'" in capsys.readouterr().err
+    assert "model_type 'falcon'" in capsys.readouterr().err
     assert convert_hf.main(["import", "--input", str(tmp_path / "nope"), "--save", str(tmp_path / "c")]) == 2
     assert "not a Hugging Face model directory" in capsys.readouterr().err
 

@@ -1,6 +1,7 @@
 """The families users start from, against transformers' own classes (fp32, randomly initialised tiny
-models): Qwen2 (q/k/v biases only, RoPE theta from the config; tied, as Qwen2.5's small models) and
-Qwen3 (per-head q/k RMSNorm, head_dim != hidden / heads). tools/convert_hf.py imports each (the
+models): Qwen2 (q/k/v biases only, RoPE theta from the config; tied, as Qwen2.5's small models),
+Qwen3 (per-head q/k RMSNorm, head_dim != hidden / heads) and Mistral (a sliding window shorter than
+the documents). tools/convert_hf.py imports each (the
 printed flags name the family) and exports it back (transformers loads the class, the same logits),
 to_hf / from_hf round-trip bit for bit, and what the class cannot say is refused. At TP1, TP2+SP,
 CP2 and PP2 the parallel model of the imported weights computes transformers' logits, loss and
@@ -29,13 +30,30 @@ CONFIGS = {
     "qwen3": lambda: transformers.Qwen3Config(
         **SMALL, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-5
     ),
+    # a window shorter than the documents (5, 5 and 6 tokens): sliding_window 4 = --window-size 3,0
+    "mistral": lambda: transformers.MistralConfig(
+        **SMALL, num_key_value_heads=2, max_position_embeddings=64, sliding_window=4
+    ),
+    # YaRN (Qwen2.5's long-context recipe) over an original context shorter than the sequence, so that
+    # the frequencies and the attention scaling differ from plain RoPE's
+    "qwen2-yarn": lambda: transformers.Qwen2Config(
+        **SMALL,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 8},
+    ),
 }
-CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+CLASSES = {
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2-yarn": "Qwen2ForCausalLM",
+}  # case: class; the family is the case's name up to "-"
 
 
-def _hf_model(family):
+def _hf_model(case):
     torch.manual_seed(0)
-    model = getattr(transformers, CLASSES[family])(CONFIGS[family]())
+    model = getattr(transformers, CLASSES[case])(CONFIGS[case]())
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():  # non-trivial norms and biases (HF initialises them to 1 and 0)
         for p in model.parameters():
@@ -49,12 +67,12 @@ def _logits(model, tokens):
         return model.eval()(tokens).logits
 
 
-@pytest.mark.parametrize("family", sorted(CLASSES))
-def test_import_and_export_through_transformers(family, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("case", sorted(CLASSES))
+def test_import_and_export_through_transformers(case, tmp_path, capsys, monkeypatch):
     from test_hf import _our_model
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    hf = _hf_model(family)
+    hf, family = _hf_model(case), case.partition("-")[0]
     hf.save_pretrained(tmp_path / "hf")
     assert convert_hf.main(["import", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 0
     assert f"--model {family}" in capsys.readouterr().out
@@ -63,7 +81,7 @@ def test_import_and_export_through_transformers(family, tmp_path, capsys, monkey
     assert ours.cfg.model == family and (ours(tokens) - want).abs().max().item() < 1e-5
     assert convert_hf.main(["export", "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out")]) == 0
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
-    assert type(back).__name__ == CLASSES[family]
+    assert type(back).__name__ == CLASSES[case]
     assert torch.equal(_logits(back, tokens), want)
 
 
@@ -74,6 +92,8 @@ def test_import_and_export_through_transformers(family, tmp_path, capsys, monkey
         (dict(model="qwen3", kv_channels=16), "Qwen3ForCausalLM"),
         (dict(model="llama", add_qkv_bias=True), "Qwen2ForCausalLM"),  # what LlamaForCausalLM cannot say
         (dict(model="llama", qk_layernorm=True), "Qwen3ForCausalLM"),
+        (dict(model="mistral", window_size=(7, 0)), "MistralForCausalLM"),
+        (dict(model="llama", window_size=(7, 0)), "MistralForCausalLM"),  # what LlamaForCausalLM cannot say
     ],
 )
 def test_round_trip_is_exact_and_picks_the_architecture(fields, architecture):
@@ -87,6 +107,7 @@ def test_round_trip_is_exact_and_picks_the_architecture(fields, architecture):
     back, read = from_hf(tensors, json.loads(json.dumps(config)))
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
     assert read["kv_channels"] == cfg.kv_channels and read["model"] == config["model_type"]
+    assert read.get("window_size") == cfg.window_size  # (Mistral's sliding_window 8 = --window-size 7,0)
 
 
 @pytest.mark.parametrize(
@@ -95,6 +116,7 @@ def test_round_trip_is_exact_and_picks_the_architecture(fields, architecture):
         ("qwen3", {"attention_bias": True}, "attention_bias"),
         ("qwen3", {"use_sliding_window": True}, "use_sliding_window"),
         ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
+        ("mistral", {"sliding_window": 0}, "sliding_window must be a positive integer"),
     ],
 )
 def test_what_the_families_cannot_express_is_refused(family, change, needle):
@@ -104,14 +126,58 @@ def test_what_the_families_cannot_express_is_refused(family, change, needle):
         from_hf({k: v.detach() for k, v in hf.state_dict().items()}, config)
 
 
-def test_export_refuses_biases_qwen3_has_no_place_for():
+@pytest.mark.parametrize(
+    "fields,needle",
+    [
+        (dict(model="qwen3", add_bias_linear=True), "no biases in its MLP"),
+        (dict(model="mistral", window_size=(7, 0), add_bias_linear=True), "MistralForCausalLM has no biases"),
+        (dict(model="mistral", window_size=(7, 0), window_attn_skip_freq=2), "--window-attn-skip-freq"),
+    ],
+)
+def test_export_refuses_what_the_class_has_no_place_for(fields, needle):
     from megatron_sp.config import GPTConfig
     from megatron_sp.models.reference import ReferenceGPT
 
-    shape = dict(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, seq_length=16)
-    cfg = GPTConfig(model="qwen3", add_bias_linear=True, **shape)
-    with pytest.raises(ConversionError, match="no biases in its MLP"):
+    shape = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, seq_length=16)
+    cfg = GPTConfig(**shape, **fields)
+    with pytest.raises(ConversionError, match=needle):
         to_hf(ReferenceGPT(cfg).state_dict(), cfg)
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        dict(factor=32.0, original_max_position_embeddings=4096, truncate=False),  # gpt-oss's
+        dict(factor=4.0, original_max_position_embeddings=8),  # truncated (HF's default)
+        dict(
+            factor=8.0,
+            original_max_position_embeddings=64,
+            beta_fast=16.0,
+            beta_slow=2.0,
+            mscale=0.7,
+            mscale_all_dim=0.3,
+        ),
+    ],
+)
+def test_yarn_is_transformers_yarn(parameters):
+    """--position-embedding-type yarn's frequencies and attention scaling, from a config.json's
+    rope_parameters, are bit for bit transformers' own (its `yarn` RoPE initialiser)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from megatron_sp.config import GPTConfig
+    from megatron_sp.models.hf.rope import rope_config, rope_fields
+    from megatron_sp.models.rope import inverse_frequencies, yarn_attention_scale
+
+    rope = dict(rope_type="yarn", rope_theta=150000.0, **parameters)
+    hf = transformers.Qwen2Config(**SMALL, max_position_embeddings=64, rope_parameters=dict(rope))
+    fields = rope_fields(json.loads(hf.to_json_string()), "Qwen2")
+    cfg = GPTConfig(
+        model="qwen2", num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, seq_length=16, **fields
+    )
+    want, scale = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    assert torch.equal(inverse_frequencies(cfg), want) and yarn_attention_scale(cfg) == scale
+    exported, expected = rope_config(cfg)["rope_parameters"], {"truncate": True, **rope}  # (and back)
+    assert {k: exported.get(k) for k in expected} == expected
 
 
 # ---- at every layout, against transformers (one 2-rank world) ----------------------------------
@@ -130,24 +196,30 @@ def _per_document(hf, batch):
     return torch.cat([hf(batch.tokens[:, a:b]).logits for a, b in zip(starts, starts[1:])], dim=1)
 
 
-def _transformers_run(hf, batch, config):
-    """(logits, loss, gradients under our names) of transformers' model on the packed documents."""
+def _transformers_run(hf, batch, ours):
+    """(logits, loss, gradients under our names: `ours(HF gradients)`) of transformers' model on the
+    packed documents."""
     hf.train()  # no dropout in these configs: the same function, with gradients
     logits = _per_document(hf, batch)
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch.labels.reshape(-1))
     loss.backward()
-    grads, _ = from_hf({n: p.grad for n, p in hf.named_parameters()}, config)  # the same Links as the weights
-    return logits.detach(), loss.item(), grads
+    return logits.detach(), loss.item(), ours({n: p.grad for n, p in hf.named_parameters()})
 
 
-@pytest.mark.parametrize("family", sorted(CLASSES))
-def test_every_layout_computes_what_transformers_computes(world, family):
-    hf = _hf_model(family)
+@pytest.mark.parametrize("case", sorted(CLASSES))
+def test_every_layout_computes_what_transformers_computes(world, case):
+    hf = _hf_model(case)
     config = json.loads(hf.config.to_json_string())
     state, fields = from_hf({k: v.detach() for k, v in hf.state_dict().items()}, config)
     fields.update(seq_length=SEQ)
     batch = make_batches(VOCAB, SEQ, BATCH, 1, documents=True)[0]
-    logits, loss, grads = _transformers_run(hf, batch, config)
+    grads = lambda hf_grads: from_hf(hf_grads, config)[0]  # noqa: E731  (the same Links as the weights)
+    _check_layouts(world, fields, state, batch, *_transformers_run(hf, batch, grads))
+
+
+def _check_layouts(world, fields, state, batch, logits, loss, grads):
+    """The parallel model of `state` at TP1, TP2+SP, CP2 and PP2 computes transformers' logits, loss
+    and gradients within 1e-5."""
     for name in ("serial", "tp2+sp", "cp2", "pp2"):
         layout = parse_layout("dp1" if name == "serial" else name)  # serial: TP1, both ranks replicas
         run = next(r for r in world.run(run_layout, fields, layout, [batch], state=state, logits=True) if r)
@@ -157,3 +229,103 @@ def test_every_layout_computes_what_transformers_computes(world, family):
         assert run.grads0.keys() == grads.keys(), name
         worst = max((rel(run.grads0[k], g), k) for k, g in grads.items())
         assert worst[0] < 1e-5, (name, worst)
+
+
+# ---- gpt-oss's dense parts, against transformers' GptOssForCausalLM with one expert ------------
+# With one expert and top-1 routing its router's softmax is 1 for every token (and its gradient 0),
+# so the model is dense: biases everywhere, attention sinks (--softmax-type learnable), a sliding
+# window on alternate layers (--window-size W-1,0 --window-attn-skip-freq 2), YaRN (its config's),
+# and the clamped quick-GeGLU MLP (--quick-geglu --glu-linear-offset 1 --activation-func-clamp-value).
+# The clamp is 0.1 here, not gpt-oss's 7, so that it bites at these sizes. Its MoE and the
+# GptOssForCausalLM adapter wait for the MoE branch.
+
+GPT_OSS_LIMIT, GPT_OSS_WINDOW = 0.1, 4
+
+
+def _gpt_oss_one_expert():
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(
+        **SMALL,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=1,
+        num_experts_per_tok=1,
+        sliding_window=GPT_OSS_WINDOW,
+        max_position_embeddings=32 * 4096,  # YaRN's factor times its original context (GptOssConfig's)
+        swiglu_limit=GPT_OSS_LIMIT,
+    )
+    model = transformers.GptOssForCausalLM(config)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # non-trivial norms, biases and sinks; the experts' weights as large as the rest
+        for name, p in model.named_parameters():
+            if p.dim() == 1 or "bias" in name:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+            elif "experts" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _gpt_oss_as_ours(t: dict, layers: int) -> dict:
+    """Our tensors of a one-expert GptOssForCausalLM's (its router dropped; the experts' interleaved
+    gate/up columns as our fc1's [gate; up] rows)."""
+    out = {
+        "embedding.word_embeddings.weight": t["model.embed_tokens.weight"],
+        "final_ln.weight": t["model.norm.weight"],
+        "output_layer.weight": t["lm_head.weight"],
+    }
+    for i in range(layers):
+        hf, ours, attn, experts = (
+            f"model.layers.{i}",
+            f"layers.{i}",
+            f"model.layers.{i}.self_attn",
+            f"model.layers.{i}.mlp.experts",
+        )
+        out[f"{ours}.ln1.weight"] = t[f"{hf}.input_layernorm.weight"]
+        out[f"{ours}.ln2.weight"] = t[f"{hf}.post_attention_layernorm.weight"]
+        for kind in ("weight", "bias"):
+            out[f"{ours}.attn.qkv.{kind}"] = torch.cat([t[f"{attn}.{x}_proj.{kind}"] for x in "qkv"])
+            out[f"{ours}.attn.proj.{kind}"] = t[f"{attn}.o_proj.{kind}"]
+        out[f"{ours}.attn.softmax_offset"] = t[f"{attn}.sinks"]
+        gate_up, gate_up_bias = t[f"{experts}.gate_up_proj"][0], t[f"{experts}.gate_up_proj_bias"][0]  # [h, 2f], [2f]
+        out[f"{ours}.mlp.fc1.weight"] = torch.cat([gate_up[:, 0::2].t(), gate_up[:, 1::2].t()])
+        out[f"{ours}.mlp.fc1.bias"] = torch.cat([gate_up_bias[0::2], gate_up_bias[1::2]])
+        out[f"{ours}.mlp.fc2.weight"] = t[f"{experts}.down_proj"][0].t()
+        out[f"{ours}.mlp.fc2.bias"] = t[f"{experts}.down_proj_bias"][0]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def test_gpt_oss_dense_parts_compute_what_transformers_computes(world):
+    from megatron_sp.models.hf.rope import rope_fields
+
+    hf = _gpt_oss_one_expert()
+    config = json.loads(hf.config.to_json_string())
+    fields = dict(
+        model="llama",
+        num_layers=SMALL["num_hidden_layers"],
+        hidden_size=SMALL["hidden_size"],
+        num_attention_heads=SMALL["num_attention_heads"],
+        num_query_groups=2,
+        kv_channels=8,
+        ffn_hidden_size=SMALL["intermediate_size"],
+        vocab_size=VOCAB,
+        seq_length=SEQ,
+        layernorm_epsilon=config["rms_norm_eps"],
+        add_bias_linear=True,
+        activation="quick_geglu",
+        glu_linear_offset=1.0,
+        activation_func_clamp_value=GPT_OSS_LIMIT,
+        softmax_type="learnable",
+        window_size=(GPT_OSS_WINDOW - 1, 0),
+        window_attn_skip_freq=2,  # layer 1 windowed, layer 2 full: gpt-oss's layer_types
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **rope_fields(config, "gpt-oss"),  # its YaRN: factor 32 over 4096 positions, not truncated
+    )
+    assert fields["position_embedding_type"] == "yarn" and not fields["yarn_correction_range_round_to_int"]
+    assert config["layer_types"] == ["sliding_attention", "full_attention"]
+    state = _gpt_oss_as_ours({k: v.detach() for k, v in hf.state_dict().items()}, fields["num_layers"])
+    batch = make_batches(VOCAB, SEQ, BATCH, 1, documents=True)[0]
+    logits, loss, grads = _transformers_run(hf, batch, lambda g: g)
+    routers = [g for n, g in grads.items() if ".router." in n]
+    assert routers and all(not g.any() for g in routers)  # one expert: the router does nothing
+    _check_layouts(world, fields, state, batch, logits, loss, _gpt_oss_as_ours(grads, fields["num_layers"]))

@@ -78,8 +78,8 @@ RULES = [
         ("megatron_sp.training", "megatron_sp.distributed"),
     ),
     Rule(
-        "layers know no model (tensor and context parallel layers, nor the training loop or the optimizers)",
-        ("megatron_sp.tensor_parallel", "megatron_sp.context_parallel"),
+        "layers know no model (tensor, context and expert parallel layers, nor the training loop or the optimizers)",
+        ("megatron_sp.tensor_parallel", "megatron_sp.context_parallel", "megatron_sp.expert_parallel"),
         ("megatron_sp.models", "megatron_sp.training", "megatron_sp.distributed"),
     ),
     Rule(
@@ -118,7 +118,13 @@ RULES = [
 
 CONFIG_RULE = Rule(
     "config imports no model registry and does not read the current process groups: it is given its sizes",
-    ("megatron_sp.config", "megatron_sp.config_checks", "megatron_sp.fields", "megatron_sp.families"),
+    (
+        "megatron_sp.config",
+        "megatron_sp.config_checks",
+        "megatron_sp.moe_config",
+        "megatron_sp.fields",
+        "megatron_sp.families",
+    ),
     ("megatron_sp.models", "megatron_sp.parallel_state"),
 )
 

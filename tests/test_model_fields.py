@@ -34,12 +34,23 @@ MODEL_FLAGS = {
     "--rope-scaling-low-freq-factor": 1.0,
     "--rope-scaling-high-freq-factor": 4.0,
     "--rope-scaling-original-max-position-embeddings": 8192,
+    "--rotary-scaling-factor": 1.0,
+    "--yarn-original-max-position-embeddings": 4096,
+    "--yarn-beta-fast": 32.0,
+    "--yarn-beta-slow": 1.0,
+    "--mscale": 1.0,
+    "--mscale-all-dim": 0.0,
+    "--yarn-correction-range-round-to-int": (True,),
+    "--no-yarn-correction-range-round-to-int": (False,),
     "--normalization": None,
     "--norm-epsilon": 1e-05,
     "--layernorm-epsilon": 1e-05,
     "--swiglu": ("swiglu",),
     "--openai-gelu": ("openai_gelu",),
     "--squared-relu": ("squared_relu",),
+    "--quick-geglu": ("quick_geglu",),
+    "--glu-linear-offset": 0.0,
+    "--activation-func-clamp-value": None,
     "--apply-layernorm-1p": (True,),
     "--qk-layernorm": (True,),
     "--apply-query-key-layer-scaling": (True,),
@@ -70,15 +81,45 @@ MODEL_FLAGS = {
     "--fp32-residual-connection": (True,),
     "--attention-softmax-in-fp32": (True,),
     "--tp-comm-overlap": (True,),
+    # mixture of experts (megatron_sp/moe_config.py)
+    "--num-experts": None,
+    "--moe-layer-freq": 1,
+    "--moe-ffn-hidden-size": None,
+    "--moe-router-topk": 2,
+    "--moe-router-score-function": "softmax",
+    "--moe-router-pre-softmax": (True,),
+    "--moe-router-topk-scaling-factor": None,
+    "--moe-router-num-groups": None,
+    "--moe-router-group-topk": None,
+    "--moe-router-dtype": None,
+    "--moe-input-jitter-eps": None,
+    "--moe-router-load-balancing-type": "aux_loss",
+    "--moe-aux-loss-coeff": 0.0,
+    "--moe-z-loss-coeff": None,
+    "--moe-router-enable-expert-bias": (True,),
+    "--moe-router-bias-update-rate": 0.001,
+    "--moe-grouped-gemm": (True,),
+    "--moe-shared-expert-intermediate-size": None,
+    "--moe-expert-capacity-factor": None,
+    "--moe-pad-expert-input-to-capacity": (True,),
+    "--moe-token-drop-policy": "probs",
+    "--moe-token-dispatcher-type": "allgather",
+    "--expert-model-parallel-size": 1,
+    "--expert-tensor-parallel-size": None,
 }
 CHOICES = {
-    "--position-embedding-type": ["learned_absolute", "rope", "none"],
+    "--position-embedding-type": ["learned_absolute", "rope", "yarn", "none"],
     "--normalization": ["LayerNorm", "RMSNorm"],
     "--attention-backend": ["auto", "flash", "fused", "unfused", "local"],
     "--recompute-granularity": ["full", "selective"],
     "--recompute-method": ["uniform", "block"],
     "--cp-comm-type": ["p2p", "a2a", "allgather", "a2a+p2p"],
     "--softmax-type": ["vanilla", "off-by-one", "learnable"],
+    "--moe-router-score-function": ["softmax", "sigmoid"],
+    "--moe-router-dtype": ["fp32", "fp64"],
+    "--moe-router-load-balancing-type": ["aux_loss", "seq_aux_loss", "global_aux_loss", "none", "sinkhorn"],
+    "--moe-token-drop-policy": ["probs", "position"],
+    "--moe-token-dispatcher-type": ["allgather", "alltoall", "flex"],
 }
 FIELDS = {f.name: f for f in dataclasses.fields(GPTConfig)}
 
@@ -86,7 +127,9 @@ FIELDS = {f.name: f for f in dataclasses.fields(GPTConfig)}
 def _config_actions():
     """(flag, action) of every flag in the model and parallelism groups that sets a GPTConfig field."""
     parser = build_parser()
-    groups = [g for g in parser._action_groups if g.title in ("model", "parallelism", "mixed precision")]
+    groups = [
+        g for g in parser._action_groups if g.title in ("model", "mixture of experts", "parallelism", "mixed precision")
+    ]
     return [(o, a) for g in groups for a in g._group_actions if a.dest in FIELDS for o in a.option_strings]
 
 

@@ -12,9 +12,11 @@ import pytest
 import torch
 from activation_memory import SavedTensorCounter
 from comm_volume import CollectiveCounter
+from launch_helpers import bounded
 
 from megatron_sp.config import GPTConfig
 from megatron_sp.planning import activations as act
+from megatron_sp.planning import layouts as lay
 from megatron_sp.planning import memory as mem
 from tools import plan
 
@@ -270,7 +272,6 @@ def test_plan_prints_runnable_layouts_first(capsys):
 
 def test_pipeline_layouts_are_runnable_with_fsdp2_holding_the_stage_for_the_step():
     from megatron_sp.planning import cost
-    from megatron_sp.planning import layouts as lay
 
     base = dict(model="llama", num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=1000, seq_length=512)
     cluster = cost.Cluster(8, 8, 80.0, 4.0, 100.0, 0.5, 300.0, 25.0)
@@ -289,7 +290,6 @@ def test_step_time_model_compute_is_the_flops_over_every_gpu():
     """Without recomputation every layout of a cluster does the same FLOPs per GPU; full
     recomputation adds one forward of the layers; communication over IB costs more than NVLink."""
     from megatron_sp.planning import cost
-    from megatron_sp.planning import layouts as lay
 
     base = dict(model="llama", num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=1000, seq_length=512)
     cluster = cost.Cluster(16, 8, 80.0, 4.0, 100.0, 0.5, 300.0, 25.0)
@@ -309,7 +309,6 @@ def test_the_planner_chooses_among_the_cp_types():
     under the attention and a2a inside the node wins; at 128k the ring is hidden and wins; all-gather,
     never overlapped, comes after the ring; a pinned --cp-comm-type is the only one tried."""
     from megatron_sp.planning import cost
-    from megatron_sp.planning import layouts as lay
     from megatron_sp.planning.ladder import llama_fields
 
     cluster = cost.Cluster(64, 8, 80.0, 4.0, 989.0, 0.4, 360.0, 45.0)
@@ -319,7 +318,7 @@ def test_the_planner_chooses_among_the_cp_types():
     assert lay.cp_choices(cluster, 2, 16, {})[-1] == ("a2a+p2p", (4, 4)) and len(lay.cp_choices(cluster, 8, 4, {})) == 3
     order = {}
     for s in (8192, 131072):
-        fits, _ = lay.plans(dict(llama_fields({}, "8B"), seq_length=s), prec, cluster, batch, fixed, True)
+        fits = lay.plans(dict(llama_fields({}, "8B"), seq_length=s), prec, cluster, batch, fixed, True).fits
         order[s] = [p.layout.cp_comm for p in fits]
         assert set(order[s]) == {"p2p", "a2a", "allgather", "a2a+p2p"}
         assert order[s].index("p2p") < order[s].index("allgather")
@@ -327,3 +326,48 @@ def test_the_planner_chooses_among_the_cp_types():
     pinned = lay.plans(dict(llama_fields({}, "8B"), seq_length=8192), prec, cluster, batch,
                        dict(fixed, cp_comm="allgather"), True)[0]  # fmt: skip
     assert {p.layout.cp_comm for p in pinned} == {"allgather"}
+
+
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--nvlink-gbps", "0"], "--nvlink-gbps"),
+        (["--ib-gbps", "0"], "--ib-gbps"),
+        (["--gpu-peak-tflops", "0"], "--gpu-peak-tflops"),
+        (["--global-batch-size", "0"], "--global-batch-size"),
+        (["--gpu-memory-gib", "nan"], "--gpu-memory-gib"),
+        (["--gpu-memory-gib", "inf"], "--gpu-memory-gib"),
+        (["--reserved-gib", "-1"], "--reserved-gib"),
+        (["--top", "0"], "--top"),
+        (["--gpus", str(10**20)], "--gpus"),
+    ],
+)
+def test_bad_number_is_one_sentence_naming_the_flag(capsys, extra, flag):
+    code, err = _plan_error(capsys, TINY + ["--gpus", "8"] + extra)
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith(f"tools/plan.py: error: {flag} must be"), err
+
+
+def test_divisors_are_every_divisor_ascending():
+    for n in (1, 2, 12, 36, 97, 8192, 7 * 11 * 13 * 13):
+        assert lay.divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+
+
+def test_a_trillion_gpus_is_answered_and_the_cap_said(capsys, monkeypatch):
+    """The enumeration depends on the model's sizes (gcds), not on the GPU count, and stops at MAX_LAYOUTS
+    with a note (was: a scan of 10^12 candidate divisors, then a list per replica)."""
+    monkeypatch.setattr(lay, "MAX_LAYOUTS", 200)
+    with bounded(20):
+        code = plan.main(TINY + ["--gpus", str(10**12), "--top", "2"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "only the first 200 were planned" in err and "1000000000000 GPUs" in out
+
+
+def test_largest_optimizer_share_is_the_max_of_the_shares():
+    shapes = [(97, 64), (64,), (256, 64), (64, 256), (64,), (64, 64)]
+    for sharding in mem.SHARDINGS:
+        for replicas in (1, 2, 3, 8, 13):
+            shares = mem.optimizer_shares(shapes, 12, sharding, replicas)
+            assert mem.largest_optimizer_share(shapes, 12, sharding, replicas) == max(shares)

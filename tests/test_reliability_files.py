@@ -9,13 +9,12 @@ import json
 import os
 import pickle
 import shutil
-import signal
 import struct
 import time
-from contextlib import contextmanager
 
 import pytest
 import torch
+from launch_helpers import bounded
 
 from megatron_sp.checkpointing import LATEST, files, paths, safe_dcp
 from megatron_sp.checkpointing.full_state import checkpoint_path, read_full_state, write_full_checkpoint
@@ -27,22 +26,6 @@ from tools import convert_checkpoint, convert_hf, generate
 CFG = dict(model="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2)
 CFG.update(ffn_hidden_size=48, vocab_size=64, seq_length=16, max_position_embeddings=16)
 I0 = "iter_0000000"
-
-
-@contextmanager
-def bounded(seconds=20):
-    """Fails the test (instead of hanging the suite) if the block blocks: FIFOs, huge configs."""
-
-    def hang(*_):
-        raise TimeoutError(f"blocked for more than {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, hang)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def one_sentence(capsys, code, want_code, needle, prog):

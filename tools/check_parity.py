@@ -28,7 +28,13 @@ import sys
 
 from megatron_sp import failures
 
-LAYOUT_FIELDS = ("tensor_model_parallel_size", "context_parallel_size", "cp_comm_type", "sequence_parallel")
+LAYOUT_FIELDS = (
+    "tensor_model_parallel_size",
+    "context_parallel_size",
+    "cp_comm_type",
+    "hierarchical_context_parallel_sizes",
+    "sequence_parallel",
+)
 
 
 def _tool_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Convert between a megatron_sp checkpoint and a Hugging Face model directory (model.safetensors +
 config.json, loadable offline by transformers) of any family with an adapter (megatron_sp/families.py,
-megatron_sp/models/hf/: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM).
+megatron_sp/models/hf/: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+MistralForCausalLM).
 
     # checkpoint (any TP size) -> HF directory
     python tools/convert_hf.py export --load runs/ckpt [--iteration N] --output hf/ [--dtype bf16] [--eos-token-id 256]

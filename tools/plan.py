@@ -19,6 +19,7 @@ of the step-time model are the flags of the "cluster" group.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from megatron_sp.config import GPTConfig
@@ -85,14 +86,38 @@ def _given(parser, argv) -> set:
 
 
 POSITIVE = ("gpus", "gpus_per_node", "tensor_model_parallel_size", "context_parallel_size",
-            "pipeline_model_parallel_size", "micro_batch_size", "num_layers", "num_attention_heads")  # fmt: skip
+            "pipeline_model_parallel_size", "micro_batch_size", "num_layers", "num_attention_heads",
+            "hidden_size", "seq_length", "top")  # fmt: skip
+POSITIVE_IF_GIVEN = ("global_batch_size", "ffn_hidden_size", "vocab_size", "num_query_groups")
+LARGEST_INT = 2**53  # counts beyond this lose exactness as floats in the cost model
+POSITIVE_REAL = ("gpu_memory_gib", "gpu_peak_tflops", "nvlink_gbps", "ib_gbps")  # divisors of the models
+NON_NEGATIVE_REAL = ("reserved_gib",)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _number_rules(args) -> list:
+    """Every numeric input: integers positive and at most 2^53, reals finite (and positive where the
+    models divide by them)."""
+    rules = []
+    for name in POSITIVE + tuple(n for n in POSITIVE_IF_GIVEN if getattr(args, n, None) is not None):
+        v = getattr(args, name)
+        rules.append((not 0 < v <= LARGEST_INT, f"{_flag(name)} must be a positive integer up to 2^53, got {v}."))
+    for name in POSITIVE_REAL + NON_NEGATIVE_REAL:
+        v = getattr(args, name)
+        low = "positive" if name in POSITIVE_REAL else "zero or more"
+        bad = not math.isfinite(v) or (v <= 0 if name in POSITIVE_REAL else v < 0)
+        rules.append((bad, f"{_flag(name)} must be a finite number, {low}, got {v}."))
+    return rules
 
 
 def check(args, given: set) -> None:
-    """Impossible combinations: one sentence naming both flags."""
-    for name in POSITIVE:
-        if getattr(args, name) <= 0:
-            raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
+    """Bad numbers and impossible combinations: one sentence naming the flag(s)."""
+    for bad, sentence in _number_rules(args):
+        if bad:
+            raise ArgumentError(sentence)
     for bad, sentence in _cluster_rules(args) + _layout_rules(args, given):
         if bad:
             raise ArgumentError(sentence)
@@ -322,7 +347,7 @@ def largest_llama(args, base, prec, cluster, fixed) -> None:
         ):
             fits = []
             for s in sharding:
-                found, _ = lay.plans(fields, prec, cluster, batch, dict(fixed, **pins, sharding=s), True)
+                found = lay.plans(fields, prec, cluster, batch, dict(fixed, **pins, sharding=s), True).fits
                 fits += found
             fits.sort(key=lambda p: p.time.total)
             row += [f"{fits[0].layout.describe()} ({_gib(fits[0].memory.total)} GiB)" if fits else "does not fit"]
@@ -344,7 +369,15 @@ def longest_sequence(args, base, prec, cluster, fixed, sizes) -> None:
             rows.append([size, "under 8192", "does not fit", "", ""])
             continue
         tokens = best.micro_batches * args.micro_batch_size * best.layout.dp * s
-        rows.append([size, s, best.layout.describe(), _gib(best.memory.total), f"{tokens / best.time.total:,.0f}"])
+        rows.append(
+            [
+                size,
+                f"{s} or more" if s >= ladder.LONGEST_SEQUENCE else s,
+                best.layout.describe(),
+                _gib(best.memory.total),
+                f"{tokens / best.time.total:,.0f}",
+            ]
+        )
     print(
         f"Longest sequence on {cluster.gpus} x {cluster.gpu_memory_gib:g} GiB GPUs ({cluster.gpus_per_node} per node), "
         f"micro batch {args.micro_batch_size}, global batch {args.global_batch_size}, precision {prec.name}:"
@@ -390,7 +423,13 @@ def main(argv=None) -> int:
         longest_sequence(args, base, prec, cluster, fixed, args.longest_sequence.split(","))
         return 0
     batch = lay.Batch(args.micro_batch_size, args.global_batch_size)
-    fits, too_big = lay.plans(base, prec, cluster, batch, fixed, "--use-torch-fsdp2" in offered)
+    fits, too_big, capped = lay.plans(base, prec, cluster, batch, fixed, "--use-torch-fsdp2" in offered)
+    if capped:
+        print(
+            f"note: more than {lay.MAX_LAYOUTS:,} layouts; only the first {lay.MAX_LAYOUTS:,} were planned "
+            "(pin a dimension, e.g. --tensor-model-parallel-size, to search the rest).",
+            file=sys.stderr,
+        )
     if not fits:
         why = (
             f"{too_big} layouts split it but exceed the memory; add GPUs or shrink the model or batch"

@@ -208,7 +208,7 @@ class SelfAttention(nn.Module):
             units=(nq, nkv, nkv),
         )
         self.proj = builder.row(nq * d, h, init="scaled_normal", bias=cfg.add_bias_linear)
-        self.rope = RotaryEmbedding(cfg) if cfg.position_embedding_type == "rope" else None
+        self.rope = RotaryEmbedding(cfg) if cfg.rotary else None
         self.q_norm = self.k_norm = None
         if cfg.qk_layernorm:  # over the head dim; each rank sees its heads: gradients partial over TP
             norm = dict(layer=layer, builder=builder, block_spec=block_spec, size=d, partial_tp=tp > 1)

@@ -18,7 +18,8 @@ SequenceContext of the micro-batch):
     norm, final_norm    forward(x) -> x's shape
     attention           forward(x, seq) -> [s_sp, b, h] before `output_bias`
     core_attention      forward(q, k, v, seq, head_offset) -> [b, n_q, s, d] (models/attention.py)
-    mlp                 forward(x) -> [s_sp, b, h] before `output_bias`
+    mlp, moe            forward(x, seq) -> [s_sp, b, h] before `output_bias` (moe: the MLP of the layers
+                        --moe-layer-freq chooses, models/moe/; BlockSpec.mlp_class picks)
     bias_dropout_add    forward(out, bias, residual, site, seq) -> residual + dropout(out + bias)
     wiring              forward(x, seq) -> x: how one layer wires the above
     embedding           forward(tokens [b, s_tp], seq) -> [s_sp, b, h] (dropout applied)
@@ -67,28 +68,40 @@ class Norm(nn.Module):
         return ops.layer_norm(x, weight, self.bias, self.eps, fused=self.fused)
 
 
+def quick_gelu(x):
+    """x·sigmoid(1.702 x) (Hendrycks & Gimpel's sigmoid approximation of GELU; Megatron's quick_gelu)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
 def _activation(cfg):
     if cfg.activation == "openai_gelu":
         return lambda x: F.gelu(x, approximate="tanh")
     if cfg.activation == "squared_relu":
         return lambda x: torch.square(F.relu(x))
+    if cfg.activation == "swiglu":
+        return F.silu
+    if cfg.activation == "quick_geglu":
+        return quick_gelu
     return F.gelu
 
 
 class MLP(nn.Module):
-    """fc1 (column-parallel) -> activation -> fc2 (row-parallel). SwiGLU fuses the gate and up
-    projections into fc1 ([gate; up] rows, each split on its own so a rank holds matching halves)."""
+    """fc1 (column-parallel) -> activation -> fc2 (row-parallel). A gated MLP (--swiglu, --quick-geglu)
+    fuses the gate and up projections into fc1 ([gate; up] rows, each split on its own so a rank holds
+    matching halves) and computes act(gate) * (up + --glu-linear-offset), the gate clamped to at most c
+    and up to [-c, c] first with --activation-func-clamp-value c (gpt-oss's clamped GeGLU)."""
 
-    def __init__(self, cfg, *, layer, builder, block_spec):
+    def __init__(self, cfg, *, layer, builder, block_spec, ffn_hidden_size=None):
         super().__init__()
-        h, f = cfg.hidden_size, cfg.ffn_hidden_size
-        self.swiglu = cfg.activation == "swiglu"
+        h, f = cfg.hidden_size, ffn_hidden_size or cfg.ffn_hidden_size
+        self.gated = cfg.gated_linear_unit
+        self.offset, self.clamp = cfg.glu_linear_offset, cfg.activation_func_clamp_value
         self.fc1 = builder.column(
             h,
-            2 * f if self.swiglu else f,
+            2 * f if self.gated else f,
             init="normal",
             bias=cfg.add_bias_linear,
-            segments=(f, f) if self.swiglu else (),
+            segments=(f, f) if self.gated else (),
         )
         self.fc2 = builder.row(f, h, init="scaled_normal", bias=cfg.add_bias_linear)
         self.act = _activation(cfg)
@@ -97,11 +110,13 @@ class MLP(nn.Module):
     def output_bias(self):
         return self.fc2.bias
 
-    def forward(self, x):
+    def forward(self, x, seq=None):
         a = self.fc1(x)  # [s, b, f(×2)/t]
-        if self.swiglu:
-            gate, up = a.chunk(2, dim=-1)
-            a = F.silu(gate) * up
+        if self.gated:
+            gate, up = a.chunk(2, dim=-1)  # [s, b, f/t] each: this rank's halves
+            if self.clamp is not None:
+                gate, up = gate.clamp(max=self.clamp), up.clamp(-self.clamp, self.clamp)
+            a = self.act(gate) * (up + self.offset if self.offset else up)
         else:
             a = self.act(a)
         return self.fc2(a, add_bias=False)  # [s_sp, b, h], no bias yet
@@ -138,13 +153,13 @@ class PreNormBlock(nn.Module):
         self.ln1 = block_spec.norm(cfg, **slot)
         self.attn = block_spec.attention(cfg, **slot)
         self.ln2 = block_spec.norm(cfg, **slot)
-        self.mlp = block_spec.mlp(cfg, **slot)
+        self.mlp = block_spec.mlp_class(cfg, layer)(cfg, **slot)
         self.bda = block_spec.bias_dropout_add(cfg, **slot)
 
     def forward(self, x, seq):
         a = self.attn(self.ln1(x), seq)
         x = self.bda(a, self.attn.output_bias, x, philox.SITE_ATTENTION_OUT, seq)
-        m = self.mlp(self.ln2(x))
+        m = self.mlp(self.ln2(x), seq)
         return self.bda(m, self.mlp.output_bias, x, philox.SITE_MLP_OUT, seq)
 
 
@@ -157,7 +172,10 @@ class Embedding(nn.Module):
         self.word_embeddings = builder.word_embedding(cfg)
         self.position_embeddings = None
         if cfg.position_embedding_type == "learned_absolute":
-            self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+            # (_weight: nn.Embedding's own normal_ init would run on the meta device, whose first call imports
+            # sympy, ~70 MiB resident; the values are drawn by models/init.py anyway)
+            shape = (cfg.max_position_embeddings, cfg.hidden_size)
+            self.position_embeddings = nn.Embedding(*shape, _weight=torch.empty(shape))
             mark(self.position_embeddings.weight, sequence_parallel=builder.sequence_parallel, init="embedding")
 
     def forward(self, tokens, seq):

@@ -41,18 +41,24 @@ def llama_fields(base: dict, size: str) -> dict:
 
 def fastest(fields, prec, cluster, batch, fixed):
     """The fastest runnable plan of the model `fields` on the cluster (any layout `fixed` allows), or None."""
-    fits, _ = lay.plans(fields, prec, cluster, batch, fixed, True)
+    fits = lay.plans(fields, prec, cluster, batch, fixed, True).fits
     runnable = [p for p in fits if p.runnable]
     return runnable[0] if runnable else None
 
 
+LONGEST_SEQUENCE = 2**24  # the search stops doubling here (a huge cluster fits any length)
+
+
 def longest_sequence(fields, prec, cluster, batch, fixed, step: int = 8192):
     """(s, plan): the longest sequence, a multiple of `step` found by doubling then bisection, whose
-    fastest layout fits, and that plan; (0, None) when not even `step` tokens fit."""
+    fastest layout fits, and that plan; (0, None) when not even `step` tokens fit; LONGEST_SEQUENCE
+    when that fits (the answer is then "at least")."""
     fields = dict(fields, max_position_embeddings=None)
     lo, hi, best = 0, step, None
     while (found := fastest(dict(fields, seq_length=hi), prec, cluster, batch, fixed)) is not None:
         lo, hi, best = hi, 2 * hi, found
+        if lo >= LONGEST_SEQUENCE:
+            return lo, best
     while hi - lo > step:
         mid = (lo + hi) // 2 // step * step
         found = fastest(dict(fields, seq_length=mid), prec, cluster, batch, fixed)

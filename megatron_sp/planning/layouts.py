@@ -10,7 +10,10 @@ accepts --use-torch-fsdp2 (with pipeline stages too).
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from megatron_sp.config import RECOMPUTE_GRANULARITIES, GPTConfig
 from megatron_sp.layer_options import CP_COMM_TYPES
@@ -58,8 +61,14 @@ class Batch:
     global_: int | None  # None: one micro-batch per DP rank
 
 
-def divisors(n: int):
-    return [d for d in range(1, n + 1) if n % d == 0]
+MAX_LAYOUTS = 10_000  # layouts planned per search (~1 ms each); the search says when it stopped there
+
+
+def divisors(n: int) -> list:
+    """The divisors of n, ascending, by trial division up to sqrt(n). Callers pass a gcd with a model
+    size (layers, sequence, node width), never a bare GPU count, so n stays small."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def layout_config(base: dict, layout: Layout) -> GPTConfig | None:
@@ -93,12 +102,14 @@ def cp_choices(cluster: cost.Cluster, tp: int, cp: int, fixed: dict) -> list:
     return [(t, levels if "a2a+p2p" in (t if isinstance(t, tuple) else (t,)) else None) for t in types]
 
 
-def candidate_layouts(cluster: cost.Cluster, num_layers: int, fixed: dict):
-    """Every (tp, cp, dp, pp, sp, recompute, sharding, CP type) the cluster allows; `fixed` pins dimensions."""
+def candidate_layouts(cluster: cost.Cluster, num_layers: int, fixed: dict, seq_length: int):
+    """Every (tp, cp, dp, pp, sp, recompute, sharding, CP type) the cluster allows; `fixed` pins dimensions.
+    pp divides the layers and cp the sequence, so both come from a gcd with those: the work depends on
+    the model's sizes, not on the GPU count."""
     pinned = {k: v for k, v in fixed.items() if k not in ("cp_comm", "levels")}
-    for tp in divisors(min(cluster.gpus_per_node, cluster.gpus)):
-        for pp in [p for p in divisors(cluster.gpus // tp) if num_layers % p == 0]:
-            for cp in divisors(cluster.gpus // (tp * pp)):
+    for tp in divisors(math.gcd(cluster.gpus_per_node, cluster.gpus)):
+        for pp in divisors(math.gcd(num_layers, cluster.gpus // tp)):
+            for cp in divisors(math.gcd(seq_length, cluster.gpus // (tp * pp))):
                 dp = cluster.gpus // (tp * pp * cp)
                 for sp in (False, True) if tp > 1 else (False,):
                     for recompute in RECOMPUTE:
@@ -151,11 +162,19 @@ def memory_split(cfg, layout: Layout, prec, micro_batch: int, micro_batches: int
     return mem.MemorySplit(weights, grads, optimizer, saved, buffers), sum(mem.numel(s) for s in shapes)
 
 
-def plans(base: dict, prec, cluster: cost.Cluster, batch: Batch, fixed: dict, runnable_fsdp2: bool):
-    """(feasible plans sorted by step time, the number of layouts that split but do not fit)."""
+class Search(NamedTuple):
+    fits: list  # feasible plans, runnable first, then by step time
+    too_big: int  # layouts that split the model but exceed the memory
+    capped: bool  # the search stopped at MAX_LAYOUTS candidates (more exist)
+
+
+def plans(base: dict, prec, cluster: cost.Cluster, batch: Batch, fixed: dict, runnable_fsdp2: bool) -> Search:
+    """The feasible plans among the first MAX_LAYOUTS candidates."""
     budget = (cluster.gpu_memory_gib - cluster.reserved_gib) * mem.GIB
     fits, too_big = [], 0
-    for layout in candidate_layouts(cluster, base["num_layers"], fixed):
+    candidates = candidate_layouts(cluster, base["num_layers"], fixed, base["seq_length"])
+    layouts = list(itertools.islice(candidates, MAX_LAYOUTS + 1))
+    for layout in layouts[:MAX_LAYOUTS]:
         plan = plan_layout(base, layout, prec, cluster, batch, runnable_fsdp2)
         if plan is None:
             continue
@@ -164,4 +183,4 @@ def plans(base: dict, prec, cluster: cost.Cluster, batch: Batch, fixed: dict, ru
         else:
             too_big += 1
     fits.sort(key=lambda p: (not p.runnable, p.time.total, p.memory.total))  # runnable ones first
-    return fits, too_big
+    return Search(fits, too_big, len(layouts) > MAX_LAYOUTS)

@@ -66,7 +66,7 @@ def _layer_parameters(cfg, t: int, i: int):
     nq = cfg.num_attention_heads // t
     nkv = cfg.num_query_groups // t if cfg.num_query_groups >= t else 1  # a copy of one head when t > g
     qkv = (nq + 2 * nkv) * d
-    fc1 = (2 * f if cfg.activation == "swiglu" else f) // t
+    fc1 = (2 * f if cfg.gated_linear_unit else f) // t
     norm = [("weight", (h,))] + ([("bias", (h,))] if cfg.normalization == "LayerNorm" else [])
     out = [(f"layers.{i}.ln1.{n}", s) for n, s in norm] + [(f"layers.{i}.attn.qkv.weight", (qkv, h))]
     out += [(f"layers.{i}.attn.qkv.bias", (qkv,))] if cfg.add_qkv_bias else []
@@ -117,6 +117,19 @@ def optimizer_shares(shapes, opt_bytes: int, sharding: str, replicas: int) -> li
     return shares
 
 
+def largest_optimizer_share(shapes, opt_bytes: int, sharding: str, replicas: int) -> int:
+    """max(optimizer_shares(...)) without a list per replica (a cluster may have 10^12 of them)."""
+    if sharding == "replicated" or replicas == 1:
+        return opt_bytes * sum(numel(s) for s in shapes)
+    if sharding == "fsdp2":
+        return opt_bytes * _fsdp_shard(shapes, replicas)
+    sizes = list(reversed([numel(s) for s in shapes]))
+    shares = {}
+    for owner, n in zip(share_owners(sizes, replicas), sizes):
+        shares[owner] = shares.get(owner, 0) + opt_bytes * n
+    return max(shares.values())
+
+
 def _fsdp_shard(shapes, replicas: int) -> int:
     """Elements of one FSDP2 shard: each parameter's dim 0 padded to a multiple of the replicas."""
     return sum(math.ceil(s[0] / replicas) * numel(s[1:]) for s in shapes)
@@ -146,7 +159,7 @@ def states_bytes(shapes, prec: Precision, sharding: str, replicas: int) -> tuple
     if sharding == "fsdp2" and replicas > 1:  # distributed/fsdp.py: fp32 shards and gradients in every mode
         shard = _fsdp_shard(shapes, replicas)
         return act.FP32 * shard, act.FP32 * shard, prec.moments * shard
-    return prec.weight * n, prec.grad * n, max(optimizer_shares(shapes, prec.optimizer, sharding, replicas))
+    return prec.weight * n, prec.grad * n, largest_optimizer_share(shapes, prec.optimizer, sharding, replicas)
 
 
 def activation_bytes(cfg, micro_batch: int, act_bytes: int, layers=None, in_flight: int = 1, head: bool = True):

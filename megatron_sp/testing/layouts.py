@@ -2,6 +2,7 @@
 
     tp2        tensor parallelism over 2 ranks          tp2+sp   with sequence parallelism
     cp2        context parallelism, ring (p2p)           cp2:a2a  Ulysses (any --cp-comm-type after ':')
+    cp4:a2a+p2p=2x2   a2a+p2p with its hierarchical sizes (a2a over the first, the ring over the second)
     pp2        pipeline parallelism, 2 stages (1F1B)     dp2      data parallelism, the batch split in 2
     tp2+sp/cp2 dimensions combined with '/'
 
@@ -13,8 +14,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from typing import Optional
 
-_DIMENSION = re.compile(r"^(tp|cp|pp|dp)(\d+)(\+sp|:[\w+]+)?$")
+_DIMENSION = re.compile(r"^(tp|cp|pp|dp)(\d+)(\+sp|:[\w+]+(?:=\d+x\d+)?)?$")
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,7 @@ class Layout:
     sp: bool = False
     cp: int = 1
     cp_comm: str = "p2p"
+    cp_levels: Optional[tuple] = None  # a2a+p2p's hierarchical sizes (inner a2a, outer ring)
     pp: int = 1
     dp: int = 1
 
@@ -36,7 +39,8 @@ class Layout:
     def __str__(self) -> str:
         parts = [f"tp{self.tp}" + ("+sp" if self.sp else "")] if self.tp > 1 else []
         if self.cp > 1:
-            parts.append(f"cp{self.cp}" + ("" if self.cp_comm == "p2p" else f":{self.cp_comm}"))
+            levels = "" if self.cp_levels is None else "=" + "x".join(map(str, self.cp_levels))
+            parts.append(f"cp{self.cp}" + ("" if self.cp_comm == "p2p" else f":{self.cp_comm}") + levels)
         parts += [f"{name}{n}" for name, n in (("pp", self.pp), ("dp", self.dp)) if n > 1]
         return "/".join(parts) or "serial"
 
@@ -47,6 +51,7 @@ class Layout:
             sequence_parallel=self.sp,
             context_parallel_size=self.cp,
             cp_comm_type=self.cp_comm,
+            hierarchical_context_parallel_sizes=self.cp_levels,
         )
 
 
@@ -68,7 +73,9 @@ def parse_layout(text: str) -> Layout:
         if suffix == "+sp":
             layout = replace(layout, sp=True)
         elif suffix:
-            layout = replace(layout, cp_comm=suffix[1:])
+            comm, _, levels = suffix[1:].partition("=")
+            cp_levels = tuple(int(n) for n in levels.split("x")) if levels else None
+            layout = replace(layout, cp_comm=comm, cp_levels=cp_levels)
     return layout
 
 

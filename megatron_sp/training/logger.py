@@ -86,6 +86,8 @@ class TrainingLogger:
             values.update(record.get("memory") or {})
         if a.log_timers_to_tensorboard:
             values.update({f"{k}-time": v for k, v in (record.get("timers") or {}).items()})
+        values.update({k: record.get(k) for k in MOE_LOSSES})  # Megatron's names
+        values.update(record.get("moe_layers") or {})
         values = {k: v for k, v in values.items() if v is not None}
         if self._tb is not None:
             for key, value in values.items():
@@ -141,6 +143,7 @@ class TrainingLogger:
 
 
 # TensorBoard / wandb scalars: ours (train/<record key>) and Megatron-LM's names (name -> record key).
+MOE_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss", "z_loss")
 _OURS = ("lm_loss", "lr", "grad_norm", "tokens_per_sec", "tflops", "mfu", "loss_scale")
 _MEGATRON = {
     "lm loss": "lm_loss",
@@ -174,6 +177,7 @@ def _megatron_line(r: dict, total: int, timing_level: int = 0) -> str:
         for key, label, fmt in (("num_zeros", "num zeros", "{:d}"), ("params_norm", "params norm", "{:.3f}"))
         if r.get(key) is not None
     )
+    extras += "".join(f" {name}: {r[name]:.6E} |" for name in MOE_LOSSES if r.get(name) is not None)
     if timing_level >= 1 and r.get("timers"):
         extras += "".join(f" {k} (ms): {1000 * v:.1f} |" for k, v in r["timers"].items())
     return (

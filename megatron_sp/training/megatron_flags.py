@@ -21,7 +21,11 @@ _KERNELS = "GPU kernel-fusion switch: the fused ops are chosen by megatron_sp (-
 _IMPL = "implementation switch: there is one implementation here"
 _LOADER = "data-loader knob: samples are read in the training process from memory-mapped files"
 _CKPT_IO = "checkpoint I/O knob: every rank writes and reads its own shards of one DCP checkpoint"
+_MOE_GPU = "a GPU stream / kernel optimisation of Megatron-LM's MoE: the same function runs unfused here"
 _ALWAYS_TB = "always written with --tensorboard-dir (older Megatron-LM flag)"
+# megatron/post_training's flags, which pretrain_gpt.py parses when ModelOpt is installed but which only
+# ModelOpt's model builder reads, and Megatron-LM builds with it only from a ModelOpt checkpoint
+_MODELOPT = "ModelOpt's: read only by its model builder, which Megatron-LM uses for ModelOpt checkpoints alone"
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,17 @@ NO_EFFECT = (
         SWITCH,
         "causal masks are never materialised; document masks only with --reset-attention-mask",
     ),
-    NoEffect(("--rope-type",), ("rope", "yarn"), "plain RoPE is the only kind here: YaRN is not implemented", "rope"),
+    NoEffect(
+        ("--rope-type",),
+        ("rope", "yarn"),
+        "multi-latent attention's switch; Megatron-LM's other attention takes rope only (YaRN: "
+        "--position-embedding-type yarn)",
+        "rope",
+    ),
+    NoEffect(
+        ("--enable-gpt-oss",), SWITCH, _MODELOPT + " (YaRN with gpt-oss's values: --position-embedding-type yarn)"
+    ),
+    NoEffect(("--export-force-local-attention",), SWITCH, _MODELOPT + " (its attention class)"),
     NoEffect(
         ("--optimizer",),
         ("adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"),
@@ -97,6 +111,9 @@ NO_EFFECT = (
     NoEffect(("--use-pytorch-profiler",), SWITCH, "--profile always uses the PyTorch profiler (no nsys here)"),
     NoEffect(("--log-learning-rate-to-tensorboard",), SWITCH, _ALWAYS_TB),
     NoEffect(("--log-batch-size-to-tensorboard",), SWITCH, _ALWAYS_TB),
+    NoEffect(("--moe-shared-expert-overlap",), SWITCH, _MOE_GPU),
+    NoEffect(("--moe-permute-fusion",), SWITCH, _MOE_GPU),
+    NoEffect(("--moe-router-fusion",), SWITCH, _MOE_GPU),
     NoEffect(
         ("--overlap-param-gather",),
         SWITCH,
@@ -106,23 +123,15 @@ NO_EFFECT = (
 )
 
 MOE = (
-    "mixture of experts is not implemented in megatron_sp (dense GPT/Llama models only); "
-    "remove the MoE flags or use Megatron-LM"
+    "this mixture-of-experts option is not implemented in megatron_sp (docs/models.md, Mixture of experts, "
+    "lists the MoE flags it takes)"
 )
-_GPT_OSS = "gpt-oss's MLP variants (clamped GEGLU) and its model switch are not implemented"
 _FP8 = "FP8 training needs Transformer Engine, which megatron_sp does not use; train in --bf16"
 _MFSDP = "Megatron-FSDP is not implemented; use --use-distributed-optimizer (ZeRO-1) for sharded optimizer state"
 
 # (flag, or prefix ending in "-", the missing feature): in this order, the first match is reported.
 REFUSED = (
-    ("--num-experts", MOE),
     ("--moe-", MOE),
-    ("--expert-tensor-parallel-size", MOE),
-    ("--enable-gpt-oss", _GPT_OSS),
-    ("--quick-geglu", _GPT_OSS),
-    ("--glu-linear-offset", _GPT_OSS),
-    ("--activation-func-clamp-value", _GPT_OSS),
-    ("--export-force-local-attention", _GPT_OSS),
     ("--fp8-", _FP8),
     ("--fp8", _FP8),
     ("--use-megatron-fsdp", _MFSDP),

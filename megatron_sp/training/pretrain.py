@@ -244,6 +244,8 @@ class Trainer:
             timeout=timedelta(minutes=args.distributed_timeout_minutes),  # the world's (init_distributed)
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
             hierarchical_context_parallel_sizes=self.cfg.hierarchical_context_parallel_sizes,
+            expert_model_parallel_size=self.cfg.expert_model_parallel_size,
+            expert_tensor_parallel_size=self.cfg.expert_tensor_parallel_size,
         )
         self.log = TrainingLogger(
             args, enabled=torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True
@@ -425,6 +427,7 @@ class Trainer:
             grad_sync=self.grad_sync,
             per_token_loss=args.calculate_per_token_loss,
             empty_cache=args.empty_unused_memory_level >= 2,
+            moe_per_layer=args.moe_per_layer_logging,
         )
         if args.device == "cuda":
             torch.cuda.synchronize()

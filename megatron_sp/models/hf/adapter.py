@@ -110,6 +110,7 @@ class CausalLMAdapter:
         "layernorm_zero_centered_gamma": "--apply-layernorm-1p",
         "window_size": "--window-size",
         "softmax_type": "--softmax-type off-by-one / learnable",
+        "glu_linear_offset": "--glu-linear-offset",
     }
 
     def named_fields(self, config: dict) -> dict:

@@ -48,7 +48,7 @@ class LlamaAdapter(CausalLMAdapter):
     }
 
     def matches(self, cfg) -> bool:
-        return (cfg.normalization, cfg.activation, cfg.position_embedding_type) == ("RMSNorm", "swiglu", "rope")
+        return (cfg.normalization, cfg.activation, cfg.rotary) == ("RMSNorm", "swiglu", True)
 
     def check(self, cfg) -> None:
         refuse_fields(cfg, self.architecture, self.unsupported)

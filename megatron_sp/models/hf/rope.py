@@ -1,11 +1,24 @@
 """RoPE in a Hugging Face config.json <-> GPTConfig's RoPE fields, for every rotary family's adapter:
 `rope_parameters` (transformers 5) and, for a scaled RoPE, `rope_scaling` as Llama 3.1's config.json
-spells it (transformers 4; version 5 reads it too and prefers it). Scalings: Llama 3.1's (`llama3`)
-and linear; others are refused in one sentence."""
+spells it (transformers 4; version 5 reads it too and prefers it). Scalings: Llama 3.1's (`llama3`),
+linear and YaRN (`yarn`, = `--position-embedding-type yarn`: Qwen2.5's long-context recipe,
+gpt-oss); others are refused in one sentence.
+
+YaRN's attention scaling: transformers uses mscale / mscale_all_dim only when both are set and
+non-zero, else 0.1 ln(factor) + 1, which is Megatron's defaults (mscale 1, mscale_all_dim 0); an
+explicit `attention_factor` has no Megatron flag and is refused."""
 
 from __future__ import annotations
 
 from megatron_sp.models.hf.adapter import ConversionError
+
+_YARN_KEYS = {  # HF rope parameter: (our field, transformers' default)
+    "factor": ("yarn_rotary_scaling_factor", None),
+    "original_max_position_embeddings": ("yarn_original_max_position_embeddings", None),
+    "beta_fast": ("yarn_beta_fast", 32.0),
+    "beta_slow": ("yarn_beta_slow", 1.0),
+    "truncate": ("yarn_correction_range_round_to_int", True),
+}
 
 _LLAMA3_KEYS = {
     "factor": "rope_scaling_factor",
@@ -18,6 +31,11 @@ _LLAMA3_KEYS = {
 def check_rope(cfg, architecture: str) -> None:
     if cfg.rotary_percent != 1.0:
         raise ConversionError(f"{architecture} rotates every channel; --rotary-percent must be 1.")
+    if cfg.position_embedding_type == "yarn" and cfg.yarn_mscale_all_dim == 0 and cfg.yarn_mscale != 1.0:
+        raise ConversionError(
+            "Hugging Face's YaRN reads --mscale only with a non-zero --mscale-all-dim; this model has "
+            f"--mscale {cfg.yarn_mscale} alone."
+        )
     if cfg.rope_scaling and cfg.rotary_seq_len_interpolation_factor is not None:
         raise ConversionError(
             "Hugging Face RoPE is scaled one way (rope_type llama3 or linear); this model "
@@ -28,7 +46,11 @@ def check_rope(cfg, architecture: str) -> None:
 def rope_config(cfg) -> dict:
     """rope_theta, rope_parameters and (scaled) rope_scaling of a config.json."""
     theta = float(cfg.rotary_base)
-    if cfg.rope_scaling:
+    if cfg.position_embedding_type == "yarn":
+        scaling = {"rope_type": "yarn", **{hf: getattr(cfg, ours) for hf, (ours, _) in _YARN_KEYS.items()}}
+        if cfg.yarn_mscale_all_dim:
+            scaling.update(mscale=cfg.yarn_mscale, mscale_all_dim=cfg.yarn_mscale_all_dim)
+    elif cfg.rope_scaling:
         scaling = {"rope_type": "llama3", **{hf: getattr(cfg, ours) for hf, ours in _LLAMA3_KEYS.items()}}
     elif cfg.rotary_seq_len_interpolation_factor is not None:
         scaling = {"rope_type": "linear", "factor": float(cfg.rotary_seq_len_interpolation_factor)}
@@ -54,6 +76,20 @@ def rope_fields(c: dict, name: str) -> dict:
         if "factor" not in rope:
             raise ConversionError(f"{name} rope_type 'linear' needs a factor in its RoPE parameters.")
         fields["rotary_seq_len_interpolation_factor"] = float(rope["factor"])
+    elif kind == "yarn":
+        fields.update(_yarn_fields(rope, name))
     elif kind not in ("default", None):
-        raise ConversionError(f"{name} rope_type {kind!r} is not supported; default, linear and llama3 are.")
+        raise ConversionError(f"{name} rope_type {kind!r} is not supported; default, linear, llama3 and yarn are.")
     return fields
+
+
+def _yarn_fields(rope: dict, name: str) -> dict:
+    if rope.get("attention_factor") is not None:
+        raise ConversionError(f"{name} rope_type 'yarn' with an explicit attention_factor is not supported.")
+    missing = [k for k, (_, default) in _YARN_KEYS.items() if default is None and rope.get(k) is None]
+    if missing:
+        raise ConversionError(f"{name} rope_type 'yarn' needs {', '.join(missing)} in its RoPE parameters.")
+    fields = {ours: default if rope.get(hf) is None else rope[hf] for hf, (ours, default) in _YARN_KEYS.items()}
+    if rope.get("mscale") and rope.get("mscale_all_dim"):  # transformers reads them only together
+        fields.update(yarn_mscale=rope["mscale"], yarn_mscale_all_dim=rope["mscale_all_dim"])
+    return dict(fields, position_embedding_type="yarn")
