@@ -69,12 +69,18 @@ FUNCTIONAL = OrderedDict(
     [
         ("all_reduce", "all_reduce"),
         ("all_gather_tensor", "all_gather"),
+        ("all_gather_single", "all_gather"),
         ("reduce_scatter_tensor", "reduce_scatter"),
+        ("reduce_scatter_single", "reduce_scatter"),
         ("all_to_all_single", "all_to_all"),
     ]
 )
 # mappings' raw helpers are skipped when naming the call site (the caller of interest is above them)
 _HELPERS = {
+    "all_gather_into",
+    "reduce_scatter_into",
+    "all_gather_start",
+    "reduce_scatter_start",
     "_all_reduce",
     "_all_gather_dim0",
     "_reduce_scatter_dim0",
@@ -172,7 +178,9 @@ class CollectiveCounter:
             self._saved[name] = orig
             setattr(dist, name, self._wrap(name, kind, orig))
         for name, kind in FUNCTIONAL.items():
-            orig = getattr(self._funcol, name)
+            orig = getattr(self._funcol, name, None)
+            if orig is None:
+                continue
             self._saved["funcol." + name] = orig
             setattr(self._funcol, name, self._wrap("funcol." + name, kind, orig))
         return self

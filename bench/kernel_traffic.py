@@ -77,18 +77,25 @@ def run_ops(E, dtype, s, b, h, heads, head_dim):
         results.append((op, compulsory, counts))
         return result
 
-    bda_in = {"x": x, "residual": res, "bias": bias, "positions": pos, "sample ids": samples}
+    index_in = {"positions": pos, "sample ids": samples}
     run(
-        "bias_dropout_add fwd",
+        "dropout_add fwd",
         nbytes(x) * 3 + nbytes(bias),
-        lambda: E.bias_dropout_add_fwd(x, bias, res, pos, samples, *drop),
-        bda_in,
+        lambda: E.dropout_add_fwd(x, bias, res, pos, samples, *drop),
+        {"x": x, "residual": res, "bias": bias, **index_in},
         ("out",),
     )
     run(
-        "bias_dropout_add bwd",
+        "dropout_add fwd (embedding)",
+        nbytes(x) * 3,
+        lambda: E.dropout_add_fwd(x, res, None, pos, samples, *drop),
+        {"x": x, "position embeddings": res, **index_in},
+        ("out",),
+    )
+    run(
+        "dropout_add bwd",
         nbytes(grad) * 2 + h * 4,
-        lambda: E.bias_dropout_add_bwd(grad, pos, samples, *drop, True),
+        lambda: E.dropout_add_bwd(grad, pos, samples, *drop, True),
         {"grad": grad, "positions": pos, "sample ids": samples},
         ("grad_x", "grad_bias"),
     )

@@ -74,27 +74,27 @@ def _bda_cases(s, b, h, dtype, dev, compile_):
     bias = torch.randn(h, device=dev, dtype=dtype)
     index = DropoutIndex(torch.arange(s, device=dev), torch.arange(b, device=dev))
     pos, smp, p = index.token_positions, index.sample_ids, 0.1
-    fused = lambda: MSP.bias_dropout_add_fwd(x, bias, res, pos, smp, p, 1234, 3, 2, 0)
-    ref = lambda: ops.bias_dropout_add_reference(x, bias, res, p, 1234, 3, 2, index)
+    fused = lambda: MSP.dropout_add_fwd(x, bias, res, pos, smp, p, 1234, 3, 2, 0)
+    ref = lambda: ops.dropout_add_reference(x, bias, res, p, 1234, 3, 2, index)
     native = lambda: res + F.dropout(x + bias, p, training=True)
 
     def check():
         assert_close_dtype(fused(), ref(), dtype)
-        keep = MSP.bias_dropout_add_fwd(torch.ones_like(x), None, torch.zeros_like(x), pos, smp, p, 1234, 3, 2, 0) != 0
-        ones = ops.bias_dropout_add_reference(torch.ones_like(x), None, torch.zeros_like(x), p, 1234, 3, 2, index) != 0
+        keep = MSP.dropout_add_fwd(torch.ones_like(x), None, torch.zeros_like(x), pos, smp, p, 1234, 3, 2, 0) != 0
+        ones = ops.dropout_add_reference(torch.ones_like(x), None, torch.zeros_like(x), p, 1234, 3, 2, index) != 0
         assert torch.equal(keep, ones), "dropout mask differs from ops/philox.py"
 
     fwd = Case(
-        f"bias_dropout_add fwd [{s},{b},{h}]",
+        f"dropout_add fwd [{s},{b},{h}]",
         3 * x.numel() * x.element_size(),
         fused,
         {"reference": ref, "native": native},
         check,
     )
     grad = torch.randn_like(x)
-    fused_bwd = lambda: MSP.bias_dropout_add_bwd(grad, pos, smp, p, 1234, 3, 2, 0, True)
+    fused_bwd = lambda: MSP.dropout_add_bwd(grad, pos, smp, p, 1234, 3, 2, 0, True)
     xr, br = x.clone().requires_grad_(), bias.clone().requires_grad_()
-    out_ref = ops.bias_dropout_add_reference(xr, br, res, p, 1234, 3, 2, index)
+    out_ref = ops.dropout_add_reference(xr, br, res, p, 1234, 3, 2, index)
     ref_bwd = lambda: torch.autograd.grad(out_ref, (xr, br), grad, retain_graph=True)
 
     def check_bwd():
@@ -104,7 +104,7 @@ def _bda_cases(s, b, h, dtype, dev, compile_):
         assert_close_dtype(gb, rb, dtype, scale=(s * b) ** 0.5)
 
     bwd = Case(
-        f"bias_dropout_add bwd [{s},{b},{h}]",
+        f"dropout_add bwd [{s},{b},{h}]",
         2 * x.numel() * x.element_size(),
         fused_bwd,
         {"reference": ref_bwd},
@@ -287,7 +287,7 @@ def build_cases(device, dtype, compile_, scale):
 
 
 def saved_bytes_lines(s, b, h, dtype, dev) -> List[str]:
-    """Bytes autograd keeps for the backward of one bias_dropout_add site, reference vs fused."""
+    """Bytes autograd keeps for the backward of one dropout_add site (a bias and a residual), reference vs fused."""
     index = DropoutIndex(torch.arange(s, device=dev), torch.arange(b, device=dev))
 
     def saved(fused):
@@ -297,12 +297,12 @@ def saved_bytes_lines(s, b, h, dtype, dev) -> List[str]:
         with torch.autograd.graph.saved_tensors_hooks(
             lambda t: sizes.append(t.numel() * t.element_size()) or t, lambda t: t
         ):
-            ops.bias_dropout_add(x, bias, torch.randn_like(x), 0.1, 1, 0, 2, index, fused=fused)
+            ops.dropout_add(x, bias, torch.randn_like(x), 0.1, 1, 0, 2, index, fused=fused)
         return sum(sizes)
 
     ref, fused = saved(False), saved(True)
     return [
-        f"saved for backward by one bias_dropout_add [{s},{b},{h}] {str(dtype)[6:]}: "
+        f"saved for backward by one dropout_add [{s},{b},{h}] {str(dtype)[6:]}: "
         f"reference {ref} B (its bool keep mask: {s * b * h} B at 1 byte), fused {fused} B "
         f"(positions + sample ids)",
         "",

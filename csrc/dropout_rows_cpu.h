@@ -1,5 +1,5 @@
-// The dropout words of [s, b, h] rows on the CPU, shared by the hidden-dropout ops (bias_dropout_add.cpp,
-// embedding_dropout.cpp): row r of the slab is token r / b, sample r % b.
+// The dropout words of [s, b, h] rows on the CPU, for the hidden-dropout op (dropout_add.cpp): row r of the
+// slab is token r / b, sample r % b.
 #pragma once
 
 #include <cstdint>

@@ -7,9 +7,10 @@ compile time)."""
 
 import pytest
 import torch
-from test_parity import _batch, _config, _rel, check_parity
 
 from megatron_sp.testing import LocalWorld
+from megatron_sp.testing.parity import rel
+from megatron_sp.testing.tiny import check_parity, pipeline_batch, pipeline_config, tiny_batch, tiny_config
 
 SEQ, BATCH = 32, 2
 pytestmark = pytest.mark.extension  # --torch-compile runs with the fused ops (compile.py says why)
@@ -35,7 +36,7 @@ def _explain_layer(tp, cp, comm, family, dropout, documents):
     from megatron_sp.models.gpt import GPTModel
 
     ps = parallel_state.initialize_model_parallel(tp, cp)
-    cfg = _config(tp, tp > 1, dropout, True, family, cp, comm)
+    cfg = tiny_config(tp, tp > 1, dropout, True, family, cp, comm)
     model = GPTModel(cfg, ps)
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     mask = _documents_mask() if documents else None
@@ -72,13 +73,13 @@ def test_compiled_serial_model_keeps_parity():
     from megatron_sp.models.gpt import GPTModel
     from megatron_sp.models.reference import ReferenceGPT
 
-    cfg = _config(dropout=0.1, fused=True)
+    cfg = tiny_config(dropout=0.1, fused=True)
     ref = ReferenceGPT(cfg)
     model = compile_layers(GPTModel(cfg))
     model.load_full_state_dict(ref.state_dict())
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, model)]
     for step in range(2):
-        tokens, labels, ids = _batch(step)
+        tokens, labels, ids = tiny_batch(step)
         losses = []
         for m, opt in zip((ref, model), opts):
             opt.zero_grad()
@@ -88,7 +89,7 @@ def test_compiled_serial_model_keeps_parity():
         assert abs(losses[1] - losses[0]) <= 1e-5 * abs(losses[0]), losses
         grads = model.full_grad_dict()
         for name, p in ref.named_parameters():
-            assert _rel(grads[name], p.grad) < 1e-5, name
+            assert rel(grads[name], p.grad) < 1e-5, name
         for opt in opts:
             opt.step()
 
@@ -104,9 +105,6 @@ def _compiled_pipeline(vp):
     batch losses and gathered gradients of the pipeline whose layers compile_layers compiled (dynamo +
     AOTAutograd), against the same pipeline eager; and against the serial model."""
     import dataclasses
-
-    from test_pipeline import _batch as pipeline_batch
-    from test_pipeline import _config as pipeline_config
 
     from megatron_sp import parallel_state
     from megatron_sp.models.compile import compile_layers
@@ -126,7 +124,7 @@ def _compiled_pipeline(vp):
             compile_layers(pipe, backend="aot_eager")
         runs.append((pipe.step(tokens, labels, num_microbatches=4).tolist(), pipe.full_grad_dict()))
     (eager, eager_grads), (losses, grads) = runs
-    worst = max(_rel(grads[k], p.grad) for k, p in reference.named_parameters())
+    worst = max(rel(grads[k], p.grad) for k, p in reference.named_parameters())
     return losses == eager and all(torch.equal(grads[k], eager_grads[k]) for k in grads), worst
 
 

@@ -126,7 +126,7 @@ def test_planted_missing_barrier_is_caught(tmp_path, object_cache):
         "column_sum.cu",
         "  __syncthreads();\n  if (threadIdx.y == 0",
         "  if (threadIdx.y == 0",
-        "bda-5x3x7-off3-fp32-sm1",
+        "da-5x3x7-off3-fp32-sm1",
     )
     assert rc != 0 and "ThreadSanitizer: data race" in log, log[-3000:]
 
@@ -137,14 +137,14 @@ def test_planted_launch_over_launch_bounds_is_caught(tmp_path, object_cache):
         tmp_path,
         object_cache,
         "asan",
-        "bias_dropout_add.cu",
-        "__launch_bounds__(kThreads)\n    bda_fwd_kernel",
-        "__launch_bounds__(kThreads / 2)\n    bda_fwd_kernel",
-        "bda-33x3x256-off512-fp32-sm132",
+        "dropout_add.cu",
+        "__launch_bounds__(kThreads)\n    da_fwd_kernel",
+        "__launch_bounds__(kThreads / 2)\n    da_fwd_kernel",
+        "da-33x3x256-off512-fp32-sm132",
     )
     results = _results(tmp_path / "results.json")
-    assert rc == 0 and not results["bda-33x3x256-off512-fp32-sm132"]["ok"], log[-3000:]
-    assert "too many resources requested for launch" in results["bda-33x3x256-off512-fp32-sm132"]["detail"]
+    assert rc == 0 and not results["da-33x3x256-off512-fp32-sm132"]["ok"], log[-3000:]
+    assert "too many resources requested for launch" in results["da-33x3x256-off512-fp32-sm132"]["detail"]
 
 
 def test_planted_dropout_word_swap_is_caught(tmp_path, object_cache):
@@ -187,8 +187,9 @@ def test_kernel_traffic(tmp_path, object_cache):
     }
     full = s * b * h * 2  # bytes of one [s, b, h] bf16 activation
     once = {
-        "bias_dropout_add fwd": (("x", "residual"), ("out",)),
-        "bias_dropout_add bwd": (("grad",), ("grad_x",)),
+        "dropout_add fwd": (("x", "residual"), ("out",)),
+        "dropout_add fwd (embedding)": (("x", "position embeddings"), ("out",)),
+        "dropout_add bwd": (("grad",), ("grad_x",)),
         "layer_norm fwd": (("x",), ("y",)),
         "layer_norm bwd": ((), ("grad_x",)),
         "rms_norm fwd": (("x",), ("y",)),
@@ -200,7 +201,7 @@ def test_kernel_traffic(tmp_path, object_cache):
             assert counts[name] == (full, 0, full, 0), (op, name, counts[name])
         for name in outputs:
             assert counts[name] == (0, full, 0, full), (op, name, counts[name])
-    for op in ("bias_dropout_add bwd", "layer_norm bwd", "rms_norm bwd"):
+    for op in ("dropout_add bwd", "layer_norm bwd", "rms_norm bwd"):
         compulsory, counts = results[op]
         scratch = counts["scratch (partial sums)"]
         assert scratch[2] == scratch[3] > 0  # each partial written once and read once

@@ -11,7 +11,7 @@ from cuda_cases import CASES, gpu_target, run
 
 from megatron_sp import ops
 from megatron_sp.ops._extension import BUILT_DEVICES
-from megatron_sp.ops.bias_dropout_add import bias_dropout_add, bias_dropout_add_reference
+from megatron_sp.ops.dropout_add import dropout_add, dropout_add_reference
 from megatron_sp.ops.layer_norm import layer_norm, layer_norm_reference
 from megatron_sp.ops.philox import DropoutIndex
 from megatron_sp.ops.rms_norm import rms_norm, rms_norm_reference
@@ -41,14 +41,14 @@ def test_kernel_case(case):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_bda_autograd_matches_reference(dtype):
+def test_dropout_add_autograd_matches_reference(dtype):
     s, b, h = 48, 2, 264
     index = _index(s, b, "cuda")
     leaves = [torch.randn(shape, device="cuda").to(dtype).requires_grad_() for shape in ((s, b, h), (h,), (s, b, h))]
     twins = [t.detach().clone().requires_grad_() for t in leaves]
     grad = torch.randn(s, b, h, device="cuda").to(dtype)
-    bias_dropout_add(*leaves, 0.1, 5, 1, 2, index, 8).backward(grad)
-    bias_dropout_add_reference(*twins, 0.1, 5, 1, 2, index, 8).backward(grad)
+    dropout_add(*leaves, 0.1, 5, 1, 2, index, 8).backward(grad)
+    dropout_add_reference(*twins, 0.1, 5, 1, 2, index, 8).backward(grad)
     for a, e, scale in zip(leaves, twins, (1.0, s * b, 1.0)):
         assert_close_dtype(a.grad, e.grad, dtype, scale=scale)
 
@@ -79,9 +79,7 @@ def test_opcheck_cuda():
     index = _index(s, b, "cuda")
     x = torch.randn(s, b, h, device="cuda", requires_grad=True)
     res, bias = torch.randn_like(x, requires_grad=True), torch.randn(h, device="cuda", requires_grad=True)
-    torch.library.opcheck(
-        MSP.bias_dropout_add_fwd, (x, bias, res, index.token_positions, index.sample_ids, 0.2, 3, 1, 2, 4)
-    )
+    torch.library.opcheck(MSP.dropout_add_fwd, (x, bias, res, index.token_positions, index.sample_ids, 0.2, 3, 1, 2, 4))
     w, bb = torch.randn(h, device="cuda", requires_grad=True), torch.randn(h, device="cuda", requires_grad=True)
     torch.library.opcheck(MSP.layer_norm_fwd, (x, w, bb, 1e-5))
     torch.library.opcheck(MSP.rms_norm_fwd, (x, w, 1e-6))
@@ -90,14 +88,14 @@ def test_opcheck_cuda():
 
 
 def test_torch_compile_inductor_block():
-    """LayerNorm -> bias_dropout_add through inductor, fullgraph, forward and backward."""
+    """LayerNorm -> dropout_add (a bias and a residual) through inductor, fullgraph, forward and backward."""
     s, b, h = 32, 2, 256
     index = _index(s, b, "cuda")
     x = torch.randn(s, b, h, device="cuda", requires_grad=True)
     w, bias = torch.ones(h, device="cuda", requires_grad=True), torch.zeros(h, device="cuda", requires_grad=True)
 
     def block(x, w, bias):
-        return bias_dropout_add(layer_norm(x, w, bias, 1e-5), bias, x, 0.1, 1, 0, 2, index)
+        return dropout_add(layer_norm(x, w, bias, 1e-5), bias, x, 0.1, 1, 0, 2, index)
 
     compiled = torch.compile(block, fullgraph=True)
     out = compiled(x, w, bias)

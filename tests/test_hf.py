@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from megatron_sp.checkpointing.full_state import checkpoint_path, read_full_state, write_full_checkpoint
-from megatron_sp.config import config_from_dict
+from megatron_sp.checkpointing.full_state import write_full_checkpoint
 from megatron_sp.models.hf import ConversionError, from_hf, to_hf
 from megatron_sp.models.reference import ReferenceGPT
+from megatron_sp.testing.tiny import reference_from_checkpoint
 from tools import convert_hf
 
 transformers = pytest.importorskip("transformers")
@@ -121,18 +121,6 @@ def _hf_logits(model, tokens):
         return model.eval()(tokens).logits
 
 
-def _our_model(save, **overrides):
-    state, meta = read_full_state(checkpoint_path(save))
-    model = ReferenceGPT(
-        config_from_dict(
-            meta["config"], hidden_dropout=0.0, attention_dropout=0.0, use_fused_kernels=False, **overrides
-        ),
-        initialise=False,
-    )
-    model.load_state_dict(state)
-    return model.eval()
-
-
 def _randomise(model):
     """Non-trivial norms and biases (HF initialises them to 1 and 0)."""
     g = torch.Generator().manual_seed(7)
@@ -151,11 +139,13 @@ def test_import_matches_transformers_logits(name, tmp_path, capsys):
     assert convert_hf.main(["import", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 0
     assert "--model" in capsys.readouterr().out  # the flags to train it
     tokens = _tokens()
-    ours = _our_model(tmp_path / "ckpt")(tokens)
+    ours = reference_from_checkpoint(tmp_path / "ckpt")(tokens)
     want = _hf_logits(hf, tokens)
     assert (ours - want).abs().max().item() < 1e-4, (ours - want).abs().max().item()
     if name in SCALED:  # the scaling is what makes them equal
-        unscaled = _our_model(tmp_path / "ckpt", **{SCALED[name]: None if "factor" in SCALED[name] else False})
+        unscaled = reference_from_checkpoint(
+            tmp_path / "ckpt", **{SCALED[name]: None if "factor" in SCALED[name] else False}
+        )
         assert (unscaled(tokens) - want).abs().max().item() > 1e-3  # 10× the tolerance
 
 

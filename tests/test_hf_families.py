@@ -17,6 +17,7 @@ from megatron_sp.models.hf import ConversionError, from_hf, to_hf
 from megatron_sp.testing import LocalWorld
 from megatron_sp.testing.layouts import parse_layout
 from megatron_sp.testing.parity import make_batches, rel, run_layout
+from megatron_sp.testing.tiny import reference_from_checkpoint
 from tools import convert_hf
 
 transformers = pytest.importorskip("transformers")
@@ -69,14 +70,12 @@ def _logits(model, tokens):
 
 @pytest.mark.parametrize("case", sorted(CLASSES))
 def test_import_and_export_through_transformers(case, tmp_path, capsys, monkeypatch):
-    from test_hf import _our_model
-
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     hf, family = _hf_model(case), case.partition("-")[0]
     hf.save_pretrained(tmp_path / "hf")
     assert convert_hf.main(["import", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 0
     assert f"--model {family}" in capsys.readouterr().out
-    ours, tokens = _our_model(tmp_path / "ckpt"), make_batches(VOCAB, SEQ, BATCH, 1)[0].tokens
+    ours, tokens = reference_from_checkpoint(tmp_path / "ckpt"), make_batches(VOCAB, SEQ, BATCH, 1)[0].tokens
     want = _logits(hf, tokens)
     assert ours.cfg.model == family and (ours(tokens) - want).abs().max().item() < 1e-5
     assert convert_hf.main(["export", "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out")]) == 0

@@ -20,7 +20,7 @@ from megatron_sp.ops.philox import default_index
 assert not ops.extension_available()
 x, w, b = torch.randn(4, 2, 8), torch.ones(8), torch.zeros(8)
 ops.layer_norm(x, w, b, 1e-5)
-ops.bias_dropout_add(x, b, x, 0.1, 1, 0, 2, default_index(4, 2))
+ops.dropout_add(x, b, x, 0.1, 1, 0, 2, default_index(4, 2))
 ops.zigzag_reorder(x, 2)
 w = torch.randn(8)
 assert torch.equal(ops.rms_norm(x, w, 1e-6), ops.rms_norm_reference(x, w, 1e-6))
@@ -42,7 +42,7 @@ def test_extension_builds_cpu_kernels():
     from megatron_sp.ops._extension import BUILT_DEVICES
 
     assert "cpu" in BUILT_DEVICES
-    for name in ("bias_dropout_add_fwd", "layer_norm_bwd", "rms_norm_fwd", "zigzag_reorder", "flash_attention_bwd"):
+    for name in ("dropout_add_fwd", "layer_norm_bwd", "rms_norm_fwd", "zigzag_reorder", "flash_attention_bwd"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"megatron_sp::{name}", "CPU"), name
 
 

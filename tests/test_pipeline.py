@@ -17,8 +17,9 @@ from megatron_sp.pipeline_parallel.layout import (
     stage_layers,
 )
 from megatron_sp.testing import LocalWorld
+from megatron_sp.testing.tiny import PIPELINE_SEQ, PIPELINE_VOCAB, pipeline_batch, pipeline_config
 
-VOCAB, SEQ = 61, 8
+VOCAB, SEQ = PIPELINE_VOCAB, PIPELINE_SEQ
 
 
 # ---- layouts and the grid (no world) -----------------------------------------------------------
@@ -74,7 +75,7 @@ def test_stages_of_the_ordinary_model_are_the_serial_model_in_pieces():
     from megatron_sp.models.language_model import LanguageModel, Stage
     from megatron_sp.models.reference import ReferenceGPT
 
-    cfg = _config("gpt2", 1, 1, False)
+    cfg = pipeline_config("gpt2", 1, 1, False)
     whole = ReferenceGPT(cfg).train()
     stages = [Stage(range(0, 2), first=True, last=False), Stage(range(2, 4), first=False, last=True)]
     pieces = [LanguageModel(cfg, SerialBuilder(), stages=[s]).materialise("cpu").train() for s in stages]
@@ -85,7 +86,7 @@ def test_stages_of_the_ordinary_model_are_the_serial_model_in_pieces():
         got = piece.state_dict()
         assert set(got) == names and all(torch.equal(got[k], want[k]) for k in names)
     assert pieces[1].embedding.word_embeddings.weight.pipeline_copy
-    tokens, labels = _batch(2)
+    tokens, labels = pipeline_batch(2)
     batch = dict(labels=labels, loss_mask=None, position_ids=None, attention_mask=None, sample_ids=None)
     seqs = [p.builder.sequence_context(cfg, tokens, training=True, **batch) for p in pieces]
     hidden = pieces[0].run_stage(stages[0], tokens, seqs[0])
@@ -102,31 +103,6 @@ def world():
     w.close()
 
 
-def _config(model, tp, cp, sp, layers=4):
-    from megatron_sp.config import GPTConfig
-
-    extra = dict(num_query_groups=2, ffn_hidden_size=32) if model == "llama" else {}
-    return GPTConfig(
-        model=model,
-        num_layers=layers,
-        hidden_size=16,
-        num_attention_heads=4,
-        vocab_size=VOCAB,
-        seq_length=SEQ,
-        tensor_model_parallel_size=tp,
-        context_parallel_size=cp,
-        sequence_parallel=sp,
-        **extra,
-    )  # dropout 0.1 / 0.1: on
-
-
-def _batch(samples, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (samples, SEQ), generator=g)
-    labels = torch.randint(0, VOCAB, (samples, SEQ), generator=g)
-    return tokens, labels
-
-
 def _parity(model, layout_kw, tp=1, cp=1, sp=False, m=2, micro=2, layers=4):
     """On every rank: (max relative gradient error, micro-batch losses, reference losses, keys match).
     layout_kw: PipelineLayout's keywords, or layout_from_string's (text=..., pp_size=...)."""
@@ -138,9 +114,9 @@ def _parity(model, layout_kw, tp=1, cp=1, sp=False, m=2, micro=2, layers=4):
 
     layout = layout_from_string(**layout_kw) if "text" in layout_kw else PipelineLayout(**layout_kw)
     ps = parallel_state.initialize_model_parallel(tp, cp, pipeline_model_parallel_size=layout.pp_size)
-    cfg = _config(model, tp, cp, sp, layers)
+    cfg = pipeline_config(model, tp, cp, sp, layers)
     samples = ps.dp_size * m * micro
-    tokens, labels = _batch(samples)
+    tokens, labels = pipeline_batch(samples)
     reference = ReferenceGPT(cfg).train()
     reference(tokens, labels).backward()
     with torch.no_grad():  # each micro-batch's loss, as the reference computes it (global sample ids)
@@ -200,8 +176,8 @@ def _per_token_and_eval(schedule):
 
     m, micro, scale = 4, 1, 2.0
     ps = parallel_state.initialize_model_parallel(2, 1, pipeline_model_parallel_size=2)
-    cfg = _config("gpt2", 2, 1, True)
-    tokens, labels = _batch(m * micro, seed=1)
+    cfg = pipeline_config("gpt2", 2, 1, True)
+    tokens, labels = pipeline_batch(m * micro, seed=1)
     mask = (torch.rand(tokens.shape, generator=torch.Generator().manual_seed(2)) > 0.3).float()
     ids = torch.arange(m * micro)
     reference = ReferenceGPT(cfg).train()
@@ -242,7 +218,7 @@ def _checkpoint_across_stages(root):
     from megatron_sp.models.reference import ReferenceGPT
     from megatron_sp.pipeline_parallel.model import PipelineGPT
 
-    cfg = _config("gpt2", 2, 1, True)
+    cfg = pipeline_config("gpt2", 2, 1, True)
     g = torch.Generator().manual_seed(3)
     state = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in ReferenceGPT(cfg).state_dict().items()}
     quiet = lambda *a: None  # noqa: E731
@@ -285,7 +261,7 @@ def _overlapped_dp_sync(layout_kw, distributed):
 
     layout = PipelineLayout(**layout_kw)
     ps = parallel_state.initialize_model_parallel(1, 1, pipeline_model_parallel_size=2)
-    cfg = _config("gpt2", 1, 1, False)
+    cfg = pipeline_config("gpt2", 1, 1, False)
     args = SimpleNamespace(weight_decay=0.1, lr=1e-2, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
     args.use_distributed_optimizer = distributed
     m, micro, out = 4, 1, []
@@ -295,7 +271,7 @@ def _overlapped_dp_sync(layout_kw, distributed):
         sync = Probe(opt.grad_buffers, ps, partition=opt.partition) if overlap else None
         results = []
         for step in range(2):
-            tokens, labels = _batch(ps.dp_size * m * micro, seed=10 + step)
+            tokens, labels = pipeline_batch(ps.dp_size * m * micro, seed=10 + step)
             ids = torch.arange(len(tokens))
             mine = slice(ps.dp_rank * m * micro, (ps.dp_rank + 1) * m * micro)
             data = iter(
@@ -353,12 +329,12 @@ def _fsdp2_under_the_pipeline(layout_kw, model, cp, dtype, root):
 
     layout = PipelineLayout(**layout_kw)
     ps = parallel_state.initialize_model_parallel(1, cp, pipeline_model_parallel_size=2)
-    cfg = dataclasses.replace(_config(model, 1, cp, False), params_dtype=dtype)
+    cfg = dataclasses.replace(pipeline_config(model, 1, cp, False), params_dtype=dtype)
     args = SimpleNamespace(weight_decay=0.1, lr=1e-2, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
     m, runs, quiet = 4, [], lambda *a: None
 
     def data(seed):
-        tokens, labels = _batch(ps.dp_size * m, seed=seed)
+        tokens, labels = pipeline_batch(ps.dp_size * m, seed=seed)
         ids, mine = torch.arange(len(tokens)), range(ps.dp_rank * m, (ps.dp_rank + 1) * m)
         return iter(
             {"tokens": tokens[i : i + 1], "labels": labels[i : i + 1], "sample_ids": ids[i : i + 1]} for i in mine
@@ -477,7 +453,7 @@ def _exact_resume(root, schedule):
     from megatron_sp.training.loop import train_step
 
     ps = parallel_state.initialize_model_parallel(1, 1, pipeline_model_parallel_size=2)
-    cfg, layout, m = _config("gpt2", 1, 1, False), PipelineLayout(2, 2, schedule=schedule), 4
+    cfg, layout, m = pipeline_config("gpt2", 1, 1, False), PipelineLayout(2, 2, schedule=schedule), 4
     args = SimpleNamespace(weight_decay=0.1, lr=1e-2, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
     args.use_distributed_optimizer = True
     quiet = lambda *a: None  # noqa: E731
@@ -493,7 +469,7 @@ def _exact_resume(root, schedule):
         return pipe, opt, OverlappedGradSync(opt.grad_buffers, ps, partition=opt.partition), states
 
     def step(pipe, opt, sync, i):
-        tokens, labels = _batch(ps.dp_size * m, seed=30 + i)
+        tokens, labels = pipeline_batch(ps.dp_size * m, seed=30 + i)
         ids, mine = torch.arange(len(tokens)) + 100 * i, range(ps.dp_rank * m, (ps.dp_rank + 1) * m)
         data = iter(
             {"tokens": tokens[j : j + 1], "labels": labels[j : j + 1], "sample_ids": ids[j : j + 1]} for j in mine

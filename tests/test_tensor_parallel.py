@@ -119,7 +119,9 @@ def test_all_to_all(pool, tp):
 
 def _linear_worker(tp, sp, overlap=False):
     """Column then row parallel linear (an MLP without activation) against nn.Linear on the full tensor
-    (overlap: --tp-comm-overlap's ring steps)."""
+    (overlap: --tp-comm-overlap's ring steps); no collective warns (torch 2.13's deprecated names)."""
+    import warnings
+
     from megatron_sp import parallel_state
     from megatron_sp.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron_sp.tensor_parallel.sharding import gather_full, shard_full
@@ -139,8 +141,10 @@ def _linear_worker(tp, sp, overlap=False):
         for p, full in ((col.weight, W1), (col.bias, b1), (row.weight, W2), (row.bias, b2)):
             p.copy_(shard_full(full, p.shard_spec, tuple(p.shape), r, t))
     x = (_chunk(X, t, r, 0) if sp else X).clone().requires_grad_()
-    out = row(col(x))
-    out.backward(_chunk(G, t, r, 0) if sp else G)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        out = row(col(x))
+        out.backward(_chunk(G, t, r, 0) if sp else G)
     bias_grad = row.bias.grad.clone()
     if sp:
         torch.distributed.all_reduce(bias_grad, group=g)  # SP-region parameter: sum over TP

@@ -1,6 +1,6 @@
-// What the hidden-dropout kernels (bias_dropout_add.cu, embedding_dropout.cu) share: the keep factors of
-// a thread's column vector of one [s, b, h] row (row r is token r / b, sample r % b), the row index,
-// and the launch geometry of their elementwise kernels. Torch-free (see dtype.h).
+// The row machinery of the hidden-dropout kernels (dropout_add.cu): the keep factors of a thread's column
+// vector of one [s, b, h] row (row r is token r / b, sample r % b), the row index, and the launch geometry
+// of the elementwise kernels. Torch-free (see dtype.h).
 #pragma once
 
 #include "../philox.h"

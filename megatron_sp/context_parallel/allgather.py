@@ -18,7 +18,6 @@ once per query) and the dropout (keyed by global positions) are the blocks'.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megatron_sp import ops
@@ -34,13 +33,14 @@ from megatron_sp.ops.attention_runs import (
     sink_grad,
 )
 from megatron_sp.ops.flash_attention import AttentionDropout
+from megatron_sp.tensor_parallel import mappings
 
 
 def _gather(t, group, p: int, fused: bool):
     """[b, n, s/p, d] this rank's zigzag chunks -> [b, n, s, d] the whole sequence, in position order."""
     x = t.permute(2, 0, 1, 3).contiguous()  # [s/p, b, n, d]
     gathered = x.new_empty((p * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(gathered, x, group=group)  # the ranks' chunks in turn
+    mappings.all_gather_into(gathered, x, group)  # the ranks' chunks in turn
     return ops.zigzag_reorder(gathered, p, dim=0, inverse=True, fused=fused).permute(1, 2, 0, 3)
 
 
@@ -48,7 +48,7 @@ def _reduce_scatter(grad, group, p: int, fused: bool):
     """_gather's adjoint on an fp32 gradient [b, n, s, d]: summed over the ranks, this rank's chunks."""
     laid = ops.zigzag_reorder(grad.permute(2, 0, 1, 3).contiguous(), p, dim=0, fused=fused)
     mine = laid.new_empty((laid.shape[0] // p, *laid.shape[1:]))
-    dist.reduce_scatter_tensor(mine, laid, group=group)
+    mappings.reduce_scatter_into(mine, laid, group)
     return mine.permute(1, 2, 0, 3)
 
 

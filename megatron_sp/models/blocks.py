@@ -131,7 +131,7 @@ class BiasDropoutAdd(nn.Module):
         self.cfg, self.layer = cfg, layer
 
     def forward(self, out, bias, residual, site, seq):
-        return ops.bias_dropout_add(
+        return ops.dropout_add(
             out,
             bias,
             residual,
@@ -184,9 +184,10 @@ class Embedding(nn.Module):
         positions = None
         if self.position_embeddings is not None:
             positions = self.position_embeddings(seq.sp_position_ids)  # [s_sp, b, h]
-        return ops.embedding_dropout(
+        return ops.dropout_add(
             x,
             positions,
+            None,
             self.cfg.hidden_dropout,
             self.cfg.seed,
             self.layer,

@@ -7,8 +7,7 @@ otherwise to the reference, so importing never fails without the extension.
 """
 
 from megatron_sp.ops._extension import extension_available
-from megatron_sp.ops.bias_dropout_add import bias_dropout_add, bias_dropout_add_reference
-from megatron_sp.ops.embedding_dropout import embedding_dropout, embedding_dropout_reference
+from megatron_sp.ops.dropout_add import dropout_add, dropout_add_reference
 from megatron_sp.ops.flash_attention import (
     AttentionDropout,
     flash_attention,
@@ -37,10 +36,8 @@ from megatron_sp.ops.rms_norm import rms_norm, rms_norm_reference
 
 __all__ = [
     "extension_available",
-    "bias_dropout_add",
-    "bias_dropout_add_reference",
-    "embedding_dropout",
-    "embedding_dropout_reference",
+    "dropout_add",
+    "dropout_add_reference",
     "AttentionDropout",
     "flash_attention",
     "flash_attention_fwd",

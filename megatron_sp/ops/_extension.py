@@ -66,3 +66,15 @@ def use_fused(fused: bool, x: torch.Tensor) -> bool:
         _notice_once()
         return False
     return x.device.type in BUILT_DEVICES
+
+
+def register_op(name: str, fake_fwd, fake_bwd, backward, setup_context) -> bool:
+    """Registers megatron_sp::{name}_fwd/_bwd's fake (meta) kernels and _fwd's autograd formula; returns
+    whether the op is built. False without the extension, or with one built before the op existed
+    (rebuild it): the op's reference runs then."""
+    if not (extension_available() and hasattr(torch.ops.megatron_sp, f"{name}_fwd")):
+        return False
+    torch.library.register_fake(f"megatron_sp::{name}_fwd")(fake_fwd)
+    torch.library.register_fake(f"megatron_sp::{name}_bwd")(fake_bwd)
+    torch.library.register_autograd(f"megatron_sp::{name}_fwd", backward, setup_context=setup_context)
+    return True

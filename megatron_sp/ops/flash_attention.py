@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from megatron_sp.ops._extension import register_op, use_fused
 from megatron_sp.ops.philox import DropoutIndex, attention_keep_mask
 
 BLOCK = 64  # query and key rows per block
@@ -179,14 +180,7 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
 
 
 def _use_kernel(fused, q):
-    from megatron_sp.ops._extension import extension_available, use_fused
-
-    return (
-        use_fused(fused, q)
-        and extension_available()
-        and hasattr(torch.ops.megatron_sp, "flash_attention_fwd")
-        and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    )
+    return use_fused(fused, q) and _BUILT and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
 def flash_attention_fwd(
@@ -362,14 +356,4 @@ def _backward(ctx, dout, _dlse):
     return (dq, dk, dv) + (None,) * (5 + len(ctx.dropout_args))
 
 
-def _register():
-    from megatron_sp.ops._extension import extension_available
-
-    if not (extension_available() and hasattr(torch.ops.megatron_sp, "flash_attention_fwd")):
-        return  # an extension built before this op: the reference runs
-    torch.library.register_fake("megatron_sp::flash_attention_fwd")(_fake_fwd)
-    torch.library.register_fake("megatron_sp::flash_attention_bwd")(_fake_bwd)
-    torch.library.register_autograd("megatron_sp::flash_attention_fwd", _backward, setup_context=_setup_context)
-
-
-_register()
+_BUILT = register_op("flash_attention", _fake_fwd, _fake_bwd, _backward, _setup_context)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_sp.ops._extension import extension_available, use_fused
+from megatron_sp.ops._extension import register_op, use_fused
 
 
 def norm_output_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -43,7 +43,7 @@ def layer_norm(x, weight, bias, eps, fused=True):
     out_dtype = norm_output_dtype(x, weight)
     if out_dtype != x.dtype:  # fp32 x, low-precision weight: the fp32 op, then the weight's dtype
         weight, bias = weight.float(), bias.float()
-    if not (use_fused(fused, x) and _fusable(x, weight, bias)):
+    if not (use_fused(fused, x) and _BUILT and _fusable(x, weight, bias)):
         return layer_norm_reference(x, weight, bias, eps).to(out_dtype)
     return torch.ops.megatron_sp.layer_norm_fwd(x, weight, bias, float(eps))[0].to(out_dtype)
 
@@ -73,7 +73,4 @@ def _backward(ctx, grad_out, _grad_mean, _grad_rstd):
     return grad_x, grad_w, grad_b, None
 
 
-if extension_available():
-    torch.library.register_fake("megatron_sp::layer_norm_fwd")(_fake_fwd)
-    torch.library.register_fake("megatron_sp::layer_norm_bwd")(_fake_bwd)
-    torch.library.register_autograd("megatron_sp::layer_norm_fwd", _backward, setup_context=_setup_context)
+_BUILT = register_op("layer_norm", _fake_fwd, _fake_bwd, _backward, _setup_context)

@@ -16,7 +16,7 @@ consumed-samples offsets so that masks change every step and agree across data-p
 A TP=4+SP rank draws exactly the bits the TP=1 model draws for the same elements.
 
 This file is the reference; its C++/CUDA twin is csrc/philox.h (bit-identical), used by the fused ops
-(bias_dropout_add, flash_attention) beside this one.
+(dropout_add, flash_attention) beside this one.
 All arithmetic is on int64 tensors holding uint32 values; products of two uint32 fit the 64 bits
 (two's complement wrap keeps the low 64 bits exact), and hi/lo words are extracted with masks.
 """

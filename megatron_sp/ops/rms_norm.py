@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_sp.ops._extension import extension_available, use_fused
+from megatron_sp.ops._extension import register_op, use_fused
 from megatron_sp.ops.layer_norm import norm_output_dtype
-
-# False with a megatron_sp._C built before this op existed (rebuild it): the reference runs.
-_OP_BUILT = extension_available() and hasattr(torch.ops.megatron_sp, "rms_norm_fwd")
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -34,7 +31,7 @@ def rms_norm(x, weight, eps, fused=True):
     out_dtype = norm_output_dtype(x, weight)
     if out_dtype != x.dtype:  # fp32 x, low-precision weight: the fp32 op, then the weight's dtype
         weight = weight.float()
-    if not (use_fused(fused, x) and _OP_BUILT and _fusable(x, weight)):
+    if not (use_fused(fused, x) and _BUILT and _fusable(x, weight)):
         return rms_norm_reference(x, weight, eps).to(out_dtype)
     return torch.ops.megatron_sp.rms_norm_fwd(x, weight, float(eps))[0].to(out_dtype)
 
@@ -63,7 +60,4 @@ def _backward(ctx, grad_out, _grad_rstd):
     return grad_x, grad_w, None
 
 
-if _OP_BUILT:
-    torch.library.register_fake("megatron_sp::rms_norm_fwd")(_fake_fwd)
-    torch.library.register_fake("megatron_sp::rms_norm_bwd")(_fake_bwd)
-    torch.library.register_autograd("megatron_sp::rms_norm_fwd", _backward, setup_context=_setup_context)
+_BUILT = register_op("rms_norm", _fake_fwd, _fake_bwd, _backward, _setup_context)

@@ -83,7 +83,7 @@ class _ParallelLinear(torch.autograd.Function):
         group, gather = ctx.group, ctx.gather
         # Functional collectives start at once and are waited for at first use (eagerly, and as
         # torch.compile traces them: the async c10d calls would break the graph).
-        total = funcol.all_gather_tensor(x.contiguous(), 0, group) if gather else x  # re-gather
+        total = mappings.all_gather_start(x, group) if gather else x  # re-gather
         # Under autocast the GEMMs ran in grad_out's dtype; autograd casts our grads back to the
         # dtypes of x and weight (fp32 master weights).
         fp8 = ctx.fp8
@@ -93,7 +93,7 @@ class _ParallelLinear(torch.autograd.Function):
             grad_in = torch.matmul(grad_out, weight.to(grad_out.dtype))  # overlaps the re-gather
         total = total if x.dtype == torch.uint8 else total.to(grad_out.dtype)  # (uint8: FP8 bytes kept)
         if gather:
-            grad_in = funcol.reduce_scatter_tensor(grad_in.contiguous(), "sum", 0, group)
+            grad_in = mappings.reduce_scatter_start(grad_in, group)
         elif group is not None:
             grad_in = funcol.all_reduce(grad_in, "sum", group)
         g2 = grad_out.reshape(-1, grad_out.shape[-1])

@@ -8,15 +8,15 @@ g = gather_from_sequence_parallel_region, ḡ = reduce_scatter_to_sequence_paral
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-# torch 2.13 renames the tensor collectives (*_single), the functional ones too; the old names work
-# on every version we support (2.11 on the GPU machines), so keep them and silence the notice.
-warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\..*_single`")
+# torch 2.13 names the tensor collectives *_single (the functional ones too) and deprecates the old names
+# with a warning per call; 2.11 (the GPU machines) has only the old ones. The four functions below call
+# whichever this torch has, looked up at each call (bench/comm_volume.py's counter wraps them by name).
+_C10D_SINGLE = hasattr(dist, "all_gather_single")
+_FUNCOL_SINGLE = hasattr(funcol, "all_gather_single")
 
 
 def _size(group) -> int:
@@ -32,19 +32,43 @@ def _rank(group) -> int:
 # buffer), which is what torch.compile traces faithfully; waited for at once, as the c10d calls were.
 
 
+def all_gather_into(out, x, group, async_op=False):
+    """c10d all-gather of x along dim 0 into out (t times x's rows)."""
+    fn = dist.all_gather_single if _C10D_SINGLE else dist.all_gather_into_tensor
+    return fn(out, x, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(out, x, group):
+    """c10d reduce-scatter (sum) of x along dim 0 into out (x's rows / t)."""
+    fn = dist.reduce_scatter_single if _C10D_SINGLE else dist.reduce_scatter_tensor
+    return fn(out, x, group=group)
+
+
+def all_gather_start(x, group):
+    """Functional all-gather along dim 0, started and not waited for (funcol.wait_tensor, or first use)."""
+    fn = funcol.all_gather_single if _FUNCOL_SINGLE else funcol.all_gather_tensor
+    return fn(x.contiguous(), 0, group)
+
+
+def reduce_scatter_start(x, group):
+    """Functional reduce-scatter (sum) along dim 0, started and not waited for."""
+    fn = funcol.reduce_scatter_single if _FUNCOL_SINGLE else funcol.reduce_scatter_tensor
+    return fn(x.contiguous(), "sum", 0, group)
+
+
 def _all_reduce(x, group):
     return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
 
 
 def _all_gather_dim0(x, group):
-    return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, group))
+    return funcol.wait_tensor(all_gather_start(x, group))
 
 
 def _reduce_scatter_dim0(x, group):
     t = _size(group)
     if x.shape[0] % t != 0:
         raise ValueError(f"reduce-scatter along dim 0 needs its size ({x.shape[0]}) divisible by {t}.")
-    return funcol.wait_tensor(funcol.reduce_scatter_tensor(x.contiguous(), "sum", 0, group))
+    return funcol.wait_tensor(reduce_scatter_start(x, group))
 
 
 def _split_dim(x, dim, group):

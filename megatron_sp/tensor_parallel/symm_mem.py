@@ -21,6 +21,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from megatron_sp.tensor_parallel import mappings
+
 
 @functools.cache
 def _have_fused_ops() -> bool:
@@ -79,7 +81,7 @@ def column_backward(grad_out, x_shard, weight, group):
     grad_out = grad_out.contiguous()
     shard = x_shard.to(grad_out.dtype).contiguous()
     total = shard.new_empty((dist.get_world_size(group) * shard.shape[0],) + tuple(shard.shape[1:]))
-    gather = dist.all_gather_into_tensor(total, shard, group=group, async_op=True)
+    gather = mappings.all_gather_into(total, shard, group, async_op=True)
     grad_x = torch.ops.symm_mem.fused_matmul_reduce_scatter(
         grad_out, weight.to(grad_out.dtype), "sum", 0, _group_name(group)
     )

@@ -7,7 +7,7 @@ Each case calls the CUDA binding of one op family (csrc/cuda/<op>_binding.cpp) t
   TSan (the cases marked `race`): tests/test_cuda_emulated.py runs tests/cuda_emulator/run_cases.py.
 
 A case checks results against the references (megatron_sp/ops/) and, where the math allows, bit for
-bit against the C++ CPU kernels: dropout masks exactly, fp32 bias_dropout_add exactly, norms and
+bit against the C++ CPU kernels: dropout masks exactly, dropout_add exactly, norms and
 attention within the dtype tolerances, layouts exactly. Its SM count is the launch geometry the
 emulator reports (1 SM: persistent grids are small, so every grid-stride loop iterates; 132: an
 H200's grid); a GPU has its own. Cases too slow to emulate are `emulate=False` (GPU only).
