@@ -129,10 +129,12 @@ def _refusal(argv) -> str:
     return str(err.value)
 
 
-def _train_in_world(argv):
-    """One rank of a set's run in the shared world (pretrain_gpt_sp.py less its process-group start)."""
+def _train_in_world(argv, cwd):
+    """One rank of a set's run in the shared world (pretrain_gpt_sp.py less its process-group start),
+    in the test's directory (a set's relative paths, such as Mixtral's CKPT/tensorboard, land there)."""
     import torch.distributed as dist
 
+    os.chdir(cwd)
     args = parse_args(argv, world_size=dist.get_world_size())
     args.distributed_backend, args.data_cache_path = "gloo", args.data_cache_path or "data_cache"
     return pretrain.Trainer(pretrain.check_inputs(args)).run()
@@ -145,7 +147,7 @@ def train(argv, model_parallel, world, tmp):
     if model_parallel == 1:
         assert pretrain.main(argv) == 0
     else:
-        assert world.run(_train_in_world, argv) == [0] * WORLD
+        assert world.run(_train_in_world, argv, str(tmp)) == [0] * WORLD
     steps = [r for r in records(tmp / "log.jsonl") if "lm_loss" in r]
     assert len(steps) == 2 and all(math.isfinite(r["lm_loss"]) for r in steps), steps
     return steps
