@@ -9,13 +9,14 @@ torch_dist, any TP/PP) and a megatron_sp checkpoint.
     python tools/convert_megatron.py export --load runs/ckpt --save megatron/ckpts --format torch_dist \
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 [--iteration N]
 
-Runs in one process, no torch.distributed needed; megatron-core is needed only for reading the
-enums Megatron-LM pickles into its args. Every tensor is accounted for (a key the mapping does not
-use, a missing key, a shape that does not match the args, or an option megatron_sp does not support
+Runs in one process; neither torch.distributed nor megatron-core is needed (the enums Megatron-LM
+pickles into its args are read as inert stand-ins). Every tensor is accounted for (a key the mapping
+does not use, a missing key, a shape that does not match the args, or an option megatron_sp does not support
 is an error in one sentence: exit 2 for bad input, 1 when writing fails). The embedding and output
 rows padded beyond --vocab-size (default: the args' vocab_size, else every padded row is kept) are
 dropped on import and written back as zeros on export. Optimizer state is not converted; to continue
-a Megatron-LM run with its optimizer, pass the Megatron-LM directory to pretrain_gpt_sp.py --load.
+a Megatron-LM run (weights, iteration, data position, with a fresh AdamW), pass its directory to
+pretrain_gpt_sp.py --load with --no-load-optim.
 See docs/checkpoints.md for the mapping.
 """
 

@@ -3,7 +3,10 @@ gives: checkpointer.py (save / load), states.py (the stateful objects), metadata
 and its integrity record), paths.py (where checkpoints live; start-up checks), canonical.py (the
 layout-independent tensor layout), safe_dcp.py (reading without running code), files.py (opening files
 of an untrusted directory: nothing outside it read or written), full_state.py (whole models for the
-conversion tools, read with the trainer's checks)."""
+conversion tools, read with the trainer's checks); Megatron-LM's formats in and out: megatron.py
+(read_model), megatron_files.py (its files, read safely), megatron_model.py (args -> config, the tensor
+mapping), megatron_export.py (writing them), megatron_resume.py (pretrain_gpt_sp.py --load of a
+Megatron-LM run)."""
 
 from megatron_sp.checkpointing.checkpointer import (
     CheckpointSaveError,

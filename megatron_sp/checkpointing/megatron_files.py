@@ -19,14 +19,13 @@ Layouts on disk (megatron/training/checkpointing.py, megatron/core/dist_checkpoi
 
 Trust: the pickles (model_optim_rng.pt, common.pt, the common_state object) are read by torch's
 weights_only unpickler admitting, besides tensors and builtins, only argparse.Namespace and
-megatron-core's enums (what Megatron-LM puts in `args`); a file naming any other class is refused,
-naming it, before anything is called. DCP's `.metadata` goes through safe_dcp's unpickler.
+megatron-core's objects (the enums Megatron-LM puts in `args`), which are rebuilt as inert
+MegatronObjects; a file naming any other class is refused, naming it, before anything is called.
+DCP's `.metadata` goes through safe_dcp's unpickler.
 """
 
 from __future__ import annotations
 
-import enum
-import importlib
 import io
 import os
 import re
@@ -113,19 +112,26 @@ def read_common(root: str, iteration=None) -> tuple[dict, str]:
 # ---- the restricted unpickler ------------------------------------------------------------------
 
 
+class MegatronObject:
+    """An inert stand-in for a megatron-core object a pickle names (the enums in `args`, such as
+    AttnBackend): it keeps the arguments it was rebuilt with, and runs none of megatron's code."""
+
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+    def __repr__(self) -> str:
+        return f"{type(self).__qualname__}{self.args}"
+
+
 def _admitted(name: str):
-    """The class a Megatron-LM pickle may name: argparse.Namespace, or an enum of megatron.core."""
+    """What a Megatron-LM pickle may name: argparse.Namespace, or a megatron.core object (an inert
+    MegatronObject under that name, so megatron-core need not be installed, nor match the writer's)."""
     import argparse
 
     if name == "argparse.Namespace":
         return argparse.Namespace
-    module, _, attr = name.rpartition(".")
-    if module.startswith("megatron.core."):
-        try:
-            obj = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError):
-            return None
-        return obj if isinstance(obj, type) and issubclass(obj, enum.Enum) else None
+    if name.startswith("megatron.core.") and all(part.isidentifier() for part in name.split(".")):
+        return (type(name.rpartition(".")[2], (MegatronObject,), {"__qualname__": name}), name)
     return None
 
 
