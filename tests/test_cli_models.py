@@ -180,9 +180,9 @@ def test_gpt3_example_flags_with_a_sample_based_schedule(tmp_path):
         (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"], "not both"),
         (["--tokenizer-type", "GPT2BPETokenizer"], "--vocab-file"),
         (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json", "--merge-file", "m.txt"], "v.json"),
-        (["--model", "llama", "--group-query-attention", "--num-query-groups", "3"], "num_query_groups"),
+        (["--model", "llama", "--group-query-attention", "--num-query-groups", "3"], "--num-query-groups"),
         (["--model", "nope"], "unknown model 'nope'"),
-        (["--use-rope-scaling"], "need position_embedding_type rope"),
+        (["--use-rope-scaling"], "need --position-embedding-type rope"),
     ],
 )
 def test_unsupported_model_flags_are_one_sentence(argv, needle, capsys, tmp_path, monkeypatch):
