@@ -25,10 +25,12 @@ from megatron_sp.layer_options import (
     format_layer_freq,
     format_window_size,
     format_words,
+    is_moe_layer,
     layer_freq_type,
     normalised_list,
     window_size_type,
 )
+from megatron_sp.moe_config import MoEFields, check_moe, fill_moe_defaults
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 # gelu: erf; openai_gelu: tanh approximation (GPT-2); squared_relu: relu(x)² (Primer, Nemotron);
@@ -50,7 +52,7 @@ _PRECISION = "mixed precision"  # the --help group of --bf16, --fp16 and the los
 
 
 @dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(MoEFields):
     """A decoder-only transformer. Defaults follow Megatron-LM where it has one; fields left at None
     take the model family's value (`model`, see megatron_sp/families.py), which are GPT-2's where the
     family does not set them."""
@@ -425,7 +427,13 @@ class GPTConfig:
     )
 
     def __post_init__(self):
-        for name in ("cp_comm_type", "hierarchical_context_parallel_sizes", "window_size", "window_attn_skip_freq"):
+        for name in (
+            "cp_comm_type",
+            "hierarchical_context_parallel_sizes",
+            "window_size",
+            "window_attn_skip_freq",
+            "moe_layer_freq",
+        ):
             self._set(name, normalised_list(name, getattr(self, name)))
         self._fill_family_defaults()
         if self.ffn_hidden_size is None:
@@ -454,6 +462,8 @@ class GPTConfig:
             )
             self._set("sequence_parallel", False)
         checks.check_comm_overlap(self)
+        fill_moe_defaults(self)
+        check_moe(self)
 
     def _set(self, name, value):
         """Fills a derived field during construction (the config is frozen afterwards)."""
@@ -504,31 +514,46 @@ class GPTConfig:
         multiple = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
-    def _layer_matmul_params(self) -> tuple[int, int]:
-        """(weights, biases) of one layer's linear layers."""
-        h, f, d = self.hidden_size, self.ffn_hidden_size, self.kv_channels
+    def _layer_matmul_params(self, layer: int = 1, active: bool = False) -> tuple[int, int]:
+        """(weights, biases) of layer `layer`'s linear layers; active: an MoE layer's router, top-k experts
+        and shared expert (what one token goes through), else every expert."""
+        h, d = self.hidden_size, self.kv_channels
         q, kv = self.num_attention_heads * d, self.num_query_groups * d
-        fc1 = 2 * f if self.gated_linear_unit else f
-        weights = h * (q + 2 * kv) + q * h + h * fc1 + f * h
-        biases = ((q + 2 * kv) if self.add_qkv_bias else 0) + ((2 * h + fc1) if self.add_bias_linear else 0)
+        weights = h * (q + 2 * kv) + q * h
+        biases = ((q + 2 * kv) if self.add_qkv_bias else 0) + (h if self.add_bias_linear else 0)
+        if not is_moe_layer(self, layer):
+            mlp_w, mlp_b = self._mlp_params(self.ffn_hidden_size)
+            return weights + mlp_w, biases + mlp_b
+        experts = self.moe_router_topk if active else self.num_experts
+        expert_w, expert_b = self._mlp_params(self.moe_ffn_hidden_size)
+        weights += h * self.num_experts + experts * expert_w
+        biases += experts * expert_b
+        if self.moe_shared_expert_intermediate_size:
+            shared_w, shared_b = self._mlp_params(self.moe_shared_expert_intermediate_size)
+            weights, biases = weights + shared_w, biases + shared_b
         return weights, biases
 
+    def _mlp_params(self, f: int) -> tuple[int, int]:
+        fc1 = 2 * f if self.gated_linear_unit else f
+        return self.hidden_size * fc1 + f * self.hidden_size, (fc1 + self.hidden_size) if self.add_bias_linear else 0
+
     def num_parameters(self) -> int:
-        """Parameters of the (unpadded) serial model, a tied embedding counted once."""
+        """Parameters of the (unpadded) serial model, a tied embedding counted once, every expert."""
         h, L = self.hidden_size, self.num_layers
         norm = (2 if self.normalization == "LayerNorm" else 1) * h
-        weights, biases = self._layer_matmul_params()
         embeddings = self.vocab_size * h * (2 if self.untie_embeddings_and_output_weights else 1)
         if self.position_embedding_type == "learned_absolute":
             embeddings += self.max_position_embeddings * h
         qk_norms = (2 * norm // h * self.kv_channels) if self.qk_layernorm else 0  # one q and one k norm of d
-        return embeddings + L * (weights + biases + 2 * norm + qk_norms) + norm
+        layers = sum(sum(self._layer_matmul_params(layer)) for layer in range(1, L + 1))
+        return embeddings + layers + L * (2 * norm + qk_norms) + norm
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token (forward + backward = 3× forward), attention scores included."""
+        """Training FLOPs per token (forward + backward = 3× forward), attention scores included; an MoE
+        layer counts the parameters a token goes through (router, top-k experts, shared expert)."""
         L, s = self.num_layers, self.seq_length
-        weights, _ = self._layer_matmul_params()
-        matmul_params = L * weights + self.vocab_size * self.hidden_size
+        weights = sum(self._layer_matmul_params(layer, active=True)[0] for layer in range(1, L + 1))
+        matmul_params = weights + self.vocab_size * self.hidden_size
         attention = L * 2 * s * self.num_attention_heads * self.kv_channels  # QK^T and PV, causal half
         return 3 * 2 * (matmul_params + attention)  # not discounted (Megatron)
 
@@ -545,6 +570,8 @@ def config_from_dict(config: dict, **overrides) -> GPTConfig:
         sequence_parallel=False,
         tp_comm_overlap=False,
         params_dtype="fp32",
+        expert_model_parallel_size=1,
+        expert_tensor_parallel_size=None,
     )
     fields.update(serial, **overrides)
     return GPTConfig(**fields)

@@ -110,15 +110,21 @@ def is_collective_failure(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(marker in text for marker in _COLLECTIVE_MARKERS)
 
 
-def describe_collective_failure(err: BaseException, timeout_minutes: float) -> str:
-    """One sentence for a torch.distributed error raised by a collective (peer died or hung)."""
+def describe_collective_failure(err: BaseException, timeout_minutes: float, pp_size: int = 1) -> str:
+    """One sentence for a torch.distributed error raised by a collective (peer died or hung), naming
+    the ranks whose heartbeat stopped (megatron_sp/heartbeat.py), with their pipeline stage."""
     import torch.distributed as dist
 
+    from megatron_sp import heartbeat
+
     rank = dist.get_rank() if dist.is_initialized() else launcher_rank()
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1") or 1)
     reason = re.sub(r"^\[[^\]]*\]\s*", "", one_sentence(err))  # gloo's "[.../pair.cc:534] " prefix
     if len(reason) > 200:
         reason = reason[:200] + "..."
+    named = heartbeat.describe(world, rank, pp_size)
+    who = f"{named}, past" if named else "another rank died, or stopped responding for longer than"
     return (
-        f"rank {rank}: a collective failed ({reason}): another rank died, or stopped responding for "
-        f"longer than --distributed-timeout-minutes {timeout_minutes:g} (its own output, if any, says why)."
+        f"rank {rank}: a collective failed ({reason}): {who} --distributed-timeout-minutes {timeout_minutes:g} "
+        "(its own output, if any, says why)."
     )

@@ -51,9 +51,9 @@ def _int(node) -> int:
     raise ValueError("not an integer")
 
 
-def layer_freq_type(text: str):
-    """`--window-attn-skip-freq`: "4" -> 4, "([1]*3+[0])*2" -> (1, 1, 1, 0, 1, 1, 1, 0) (Megatron's
-    moe_freq_type, read without eval)."""
+def layer_freq_type(text: str, flag: str = "--window-attn-skip-freq"):
+    """`--window-attn-skip-freq`, `--moe-layer-freq`: "4" -> 4, "([1]*3+[0])*2" -> (1, 1, 1, 0, 1, 1,
+    1, 0) (Megatron's moe_freq_type, read without eval)."""
     text = str(text).strip()
     try:
         if "[" not in text:
@@ -61,7 +61,7 @@ def layer_freq_type(text: str):
         values = _pattern(ast.parse(text, mode="eval").body)
     except (ValueError, SyntaxError):
         raise argparse.ArgumentTypeError(
-            f"--window-attn-skip-freq takes an integer N or a list pattern such as '[1,1,1,0]*3', got {text!r}."
+            f"{flag} takes an integer N or a list pattern such as '[1,1,1,0]*3', got {text!r}."
         ) from None
     return tuple(values)
 
@@ -115,6 +115,22 @@ def is_window_layer(cfg, layer: int) -> bool:
         return True
     if isinstance(freq, int):
         return layer % freq != 0
+    return bool(freq[layer - 1])
+
+
+def moe_layer_freq_type(text: str):
+    """`--moe-layer-freq`: as layer_freq_type."""
+    return layer_freq_type(text, "--moe-layer-freq")
+
+
+def is_moe_layer(cfg, layer: int) -> bool:
+    """Whether layer `layer` (1-based) has a mixture-of-experts MLP: with N, layers 1, N + 1, 2N + 1 ...
+    (Megatron's `(layer - 1) % N == 0`); with a pattern, its 1s."""
+    if cfg.num_experts is None:
+        return False
+    freq = cfg.moe_layer_freq
+    if isinstance(freq, int):
+        return (layer - 1) % freq == 0
     return bool(freq[layer - 1])
 
 

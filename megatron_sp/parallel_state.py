@@ -64,12 +64,25 @@ class ParallelState:
     embedding_group: Optional[object] = None  # first and last stage of this pipeline (None at pp 1)
     hierarchical_cp_sizes: tuple = ()  # (A, P) of --hierarchical-context-parallel-sizes, or ()
     hierarchical_cp_groups: tuple = ()  # (A adjacent CP ranks: a2a, the P ranks of my place: p2p), or ()
+    # The expert grid over the same ranks (Megatron's): expert-TP fastest, then EP, then expert-DP.
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep_group: Optional[object] = None  # ranks holding the other experts (tokens are exchanged there)
+    etp_size: int = 1
+    etp_rank: int = 0
+    etp_group: Optional[object] = None  # ranks holding the other shards of the same experts
+    edp_size: int = 1
+    edp_rank: int = 0
+    edp_group: Optional[object] = None  # expert-DP: ranks holding the same expert shards
+    expert_group: Optional[object] = None  # EP × expert-TP (the all-gather dispatcher's), by expert-grid rank
+    tp_cp_group: Optional[object] = None  # TP × CP: the ranks holding one micro-batch's samples
+    stage_group: Optional[object] = None  # TP × CP × DP: every rank of this pipeline stage
 
     def __post_init__(self):
-        for name in ("tp_size", "cp_size", "dp_size", "pp_size"):
+        for name in ("tp_size", "cp_size", "dp_size", "pp_size", "ep_size", "etp_size", "edp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ParallelState.{name} must be >= 1, got {getattr(self, name)}.")
-        for axis in ("tp", "cp", "dp", "pp"):
+        for axis in ("tp", "cp", "dp", "pp", "ep", "etp", "edp"):
             rank, size = getattr(self, f"{axis}_rank"), getattr(self, f"{axis}_size")
             if not 0 <= rank < size:
                 raise ValueError(f"ParallelState.{axis}_rank={rank} is outside [0, {axis}_size={size}).")
@@ -105,6 +118,10 @@ class ParallelState:
     def rank(self, role: str) -> int:
         return getattr(self, _role(role)[2])
 
+    def coords(self, role: str) -> tuple:
+        """(rank, size) of this rank in the group of `role` (a ShardSpec's dim is split over it)."""
+        return self.rank(role), self.size(role)
+
     def replica_group_of(self, param):
         """The group `param`'s gradient is reduced over and its optimizer state sharded over."""
         return self.group(replica_role(param))
@@ -120,9 +137,15 @@ class ParallelState:
 
 TENSOR = "tp"
 REPLICAS = "replicas"
+EXPERT = "ep"
+EXPERT_TP = "expert_tp"
+EXPERT_REPLICAS = "expert_replicas"
 ROLES = {  # role -> ParallelState's (group, size, rank) names
     TENSOR: ("tp_group", "tp_size", "tp_rank"),
     REPLICAS: ("replica_group", "replicas", "replica_rank"),
+    EXPERT: ("ep_group", "ep_size", "ep_rank"),
+    EXPERT_TP: ("etp_group", "etp_size", "etp_rank"),
+    EXPERT_REPLICAS: ("edp_group", "edp_size", "edp_rank"),
 }
 
 
@@ -171,6 +194,42 @@ def pipeline_ranks(tp_size: int, cp_size: int, dp_size: int, pp_size: int):
     return [[r + block * p for p in range(pp_size)] for r in range(block)]
 
 
+def expert_grid_ranks(stage_size: int, etp: int, ep: int, pp_size: int = 1):
+    """(expert-TP, EP, expert-DP, EP × expert-TP) rank lists of Megatron's expert grid: within each
+    pipeline stage's block of stage_size ranks, expert-TP fastest, then EP, then expert-DP."""
+    edp = stage_size // (etp * ep)
+
+    def rank(t, e, d, p):
+        return p * stage_size + t + etp * (e + ep * d)
+
+    stages = range(pp_size)
+    etp_lists = [[rank(t, e, d, p) for t in range(etp)] for p in stages for d in range(edp) for e in range(ep)]
+    ep_lists = [[rank(t, e, d, p) for e in range(ep)] for p in stages for d in range(edp) for t in range(etp)]
+    edp_lists = [[rank(t, e, d, p) for d in range(edp)] for p in stages for e in range(ep) for t in range(etp)]
+    expert_lists = [[rank(t, e, d, p) for e in range(ep) for t in range(etp)] for p in stages for d in range(edp)]
+    return etp_lists, ep_lists, edp_lists, expert_lists
+
+
+def sample_ranks(tp_size: int, cp_size: int, dp_size: int, pp_size: int = 1):
+    """(TP × CP, TP × CP × DP) rank lists: the ranks holding one micro-batch's samples, every rank of a stage."""
+    block = tp_size * cp_size * dp_size
+    tp_cp = [
+        [p * block + d * tp_size * cp_size + r for r in range(tp_size * cp_size)]
+        for p in range(pp_size)
+        for d in range(dp_size)
+    ]
+    stage = [list(range(p * block, (p + 1) * block)) for p in range(pp_size)]
+    return tp_cp, stage
+
+
+def _check_expert_factors(stage_size: int, ep: int, etp: int) -> None:
+    if ep < 1 or etp < 1 or stage_size % (ep * etp):
+        raise ValueError(
+            f"expert_model_parallel_size ({ep}) × expert_tensor_parallel_size ({etp}) must divide the "
+            f"{stage_size} ranks of a pipeline stage (tensor × context × data parallel); choose sizes that fit."
+        )
+
+
 def _check_factors(world_size: int, tp: int, cp: int, pp: int = 1) -> int:
     if tp < 1 or cp < 1 or pp < 1:
         raise ValueError(
@@ -202,6 +261,8 @@ def initialize_model_parallel(
     timeout: Optional[timedelta] = None,
     pipeline_model_parallel_size: int = 1,
     hierarchical_context_parallel_sizes: Optional[tuple] = None,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: Optional[int] = None,
 ) -> ParallelState:
     """Builds the TP/CP/DP/PP groups (collective over the whole world) and makes them current.
 
@@ -210,6 +271,8 @@ def initialize_model_parallel(
     hung peer then fails its TP/CP/DP group as fast as the world. None: torch's default for a new
     group (30 min on gloo, 10 min on NCCL).
     hierarchical_context_parallel_sizes: (A, P) with A·P = CP size, for --cp-comm-type a2a+p2p.
+    expert_model_parallel_size, expert_tensor_parallel_size (default the TP size): the expert grid
+    (expert_grid_ranks), whose EP × expert-TP must divide a stage's ranks.
     """
     global _STATE
     tp, cp, pp = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
@@ -219,12 +282,15 @@ def initialize_model_parallel(
             f"hierarchical_context_parallel_sizes {list(sizes)} must be two sizes whose product is "
             f"context_parallel_size ({cp})."
         )
+    ep, etp = expert_model_parallel_size, expert_tensor_parallel_size or tp
     if not dist.is_initialized():
         _check_factors(1, tp, cp, pp)
+        _check_expert_factors(1, ep, etp)
         _STATE = ParallelState()
         return _STATE
     world, me = dist.get_world_size(), dist.get_rank()
     dp = _check_factors(world, tp, cp, pp)
+    _check_expert_factors(tp * cp * dp, ep, etp)
     tp_lists, cp_lists, dp_lists, dp_cp_lists = grid_ranks(tp, cp, dp, pp)
     groups = dict(
         tp_group=_new_groups(tp_lists, me, timeout),
@@ -243,6 +309,7 @@ def initialize_model_parallel(
         inner, outer = hierarchical_cp_ranks(cp_lists, sizes)
         groups["hierarchical_cp_groups"] = (_new_groups(inner, me, timeout), _new_groups(outer, me, timeout))
         groups["hierarchical_cp_sizes"] = sizes
+    groups.update(_expert_groups(tp, cp, dp, pp, ep, etp, me, timeout))
     _STATE = ParallelState(
         tp_size=tp,
         cp_size=cp,
@@ -255,6 +322,28 @@ def initialize_model_parallel(
         **groups,
     )
     return _STATE
+
+
+def _expert_groups(tp, cp, dp, pp, ep, etp, me, timeout) -> dict:
+    """The expert grid's groups and coordinates, and the sample groups (TP × CP, the stage)."""
+    stage_size = tp * cp * dp
+    etp_lists, ep_lists, edp_lists, expert_lists = expert_grid_ranks(stage_size, etp, ep, pp)
+    tp_cp_lists, stage_lists = sample_ranks(tp, cp, dp, pp)
+    local = me % stage_size
+    return dict(
+        ep_size=ep,
+        ep_rank=(local // etp) % ep,
+        etp_size=etp,
+        etp_rank=local % etp,
+        edp_size=stage_size // (ep * etp),
+        edp_rank=local // (ep * etp),
+        etp_group=_new_groups(etp_lists, me, timeout),
+        ep_group=_new_groups(ep_lists, me, timeout),
+        edp_group=_new_groups(edp_lists, me, timeout),
+        expert_group=_new_groups(expert_lists, me, timeout),
+        tp_cp_group=_new_groups(tp_cp_lists, me, timeout),
+        stage_group=_new_groups(stage_lists, me, timeout),
+    )
 
 
 def collective_device():

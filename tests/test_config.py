@@ -48,6 +48,12 @@ BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=97, 
         (dict(window_attn_skip_freq=2), "window_attn_skip_freq"),  # without a window
         (dict(window_size=(8, 0), window_attn_skip_freq=(1, 0, 1)), "window_attn_skip_freq"),
         (dict(softmax_type="sigmoid"), "softmax_type"),
+        (dict(glu_linear_offset=1.0), "glu_linear_offset"),  # GPT-2's GELU is not gated
+        (dict(activation="swiglu", activation_func_clamp_value=7.0), "activation_func_clamp_value"),  # MoE's
+        (dict(activation="quick_geglu", activation_func_clamp_value=float("inf")), "activation_func_clamp_value"),
+        (dict(position_embedding_type="yarn", rotary_percent=0.5), "position_embedding_type"),
+        (dict(position_embedding_type="yarn", yarn_beta_fast=0.5), "yarn_beta_fast"),
+        (dict(position_embedding_type="yarn", yarn_rotary_scaling_factor=0.0), "yarn_rotary_scaling_factor"),
     ],
 )
 def test_config_rejects_with_the_field_named(override, field):
@@ -126,8 +132,9 @@ def test_group_roles_name_the_replicas_and_the_tensor_shards():
     (mine,) = [g for g in parallel_state.grid_ranks(2, 2, 2)[3] if me in g]
     assert ps.rank("replicas") == ps.replica_rank == mine.index(me)
     assert parallel_state.ParallelState().replica_group is None  # one replica: nothing to reduce over
-    with pytest.raises(ValueError, match="unknown process-group role 'ep'"):
-        ps.group("ep")
+    assert (ps.size("ep"), ps.size("expert_tp"), ps.size("expert_replicas"), ps.group("ep")) == (1, 1, 1, None)
+    with pytest.raises(ValueError, match="unknown process-group role 'bogus'"):
+        ps.group("bogus")
     param = torch.nn.Parameter(torch.zeros(2))
     assert parallel_state.replica_role(param) == parallel_state.REPLICAS
     param.replica_role = "expert_replicas"

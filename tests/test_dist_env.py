@@ -2,7 +2,10 @@
 
 import os
 import shutil
+import socket
 import subprocess
+import sys
+import time
 
 import pytest
 
@@ -86,6 +89,62 @@ def test_single_process():
 def test_bad_integer_is_named():
     with pytest.raises(ValueError, match="WORLD_SIZE='two'"):
         detect_env({**TORCHRUN, "WORLD_SIZE": "two"})
+
+
+@pytest.mark.parametrize("port", ["abc", "0", "70000", "-1", "9" * 5000, " 29500"])
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm", "single"])
+def test_bad_master_port_is_named(port, launcher):
+    """Was: "invalid literal for int()" (or Python's digit limit) without naming the variable."""
+    base = {"torchrun": TORCHRUN, "slurm": {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_ID": "0"}}
+    with pytest.raises(ValueError) as err:
+        detect_env({**base.get(launcher, {}), "MASTER_PORT": port, "MASTER_ADDR": "127.0.0.1"})
+    assert str(err.value).startswith("MASTER_PORT=") and "is not a port number (1 to 65535)" in str(err.value)
+
+
+LOCAL_SH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "local.sh")
+
+
+def _local_sh(nproc, **env):
+    environ = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MAX_RESTARTS")}
+    environ.update(env, PYTHON=sys.executable, PROGRAM="/nonexistent.py")
+    return subprocess.run(["bash", LOCAL_SH, nproc], env=environ, capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.parametrize(
+    "nproc, env, words",
+    [
+        ("0", {}, "NPROC must be a number of ranks from 1 to 9999, not '0'"),
+        ("two", {}, "NPROC must be a number of ranks from 1 to 9999, not 'two'"),
+        ("99999", {}, "NPROC must be"),
+        ("1", {"MASTER_PORT": "abc"}, "MASTER_PORT must be a port number from 1 to 65535, not 'abc'"),
+        ("1", {"MASTER_PORT": "70000"}, "MASTER_PORT must be a port number from 1 to 65535, not '70000'"),
+        ("1", {"MAX_RESTARTS": "-1"}, "MAX_RESTARTS must be a whole number from 0 to 9999, not '-1'"),
+    ],
+)
+def test_local_launcher_checks_its_numbers(nproc, env, words):
+    """Was: torchrun's AssertionError (NPROC 0) or ValueError traceback (a port that is no number)."""
+    proc = _local_sh(nproc, **env)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == f"launch/local.sh: error: {words}." or words in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_local_launcher_refuses_a_port_in_use():
+    """A listener on MASTER_PORT (another program, or another job's rendezvous store): one sentence at once
+    (was: torchrun waiting past 1000 s without a word, or joining the other job's store)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    try:
+        start = time.monotonic()
+        proc = _local_sh("1", MASTER_PORT=str(port))
+        elapsed = time.monotonic() - start
+    finally:
+        listener.close()
+    assert proc.returncode == 2 and elapsed < 10, (proc.stderr, elapsed)
+    assert proc.stderr.strip().startswith(f"launch/local.sh: error: MASTER_PORT={port} on 127.0.0.1 is in use")
+    assert len(proc.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize(
@@ -232,3 +291,31 @@ def test_store_host_leaves_after_every_peer_has_torn_down(clean_launch_env):
         p.join(timeout=60)
         assert p.exitcode == 0
     assert times[0][1] >= times[1][0], "rank 0 (the store's host) left before rank 1 began to leave"
+
+
+def test_heartbeat_names_the_rank_that_stopped():
+    """A rank whose counter does not move is named, with its pipeline stage (issue 39)."""
+    from megatron_sp import heartbeat
+
+    port = _free_port()
+    master = torch_dist().TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    try:
+        heartbeat.start("127.0.0.1", port, 0)  # rank 1 never beats (SIGSTOPped, killed)
+        assert heartbeat.silent_ranks(2, "127.0.0.1", port) == [1]
+        assert heartbeat.describe(2, 0, pp_size=2).startswith("rank 1 (pipeline stage 1, this rank's next stage)")
+        assert heartbeat.describe(2, 0).startswith("rank 1 stopped responding")
+    finally:
+        heartbeat.stop()
+        del master
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torch_dist():
+    import torch.distributed as dist
+
+    return dist

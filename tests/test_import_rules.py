@@ -78,8 +78,8 @@ RULES = [
         ("megatron_sp.training", "megatron_sp.distributed"),
     ),
     Rule(
-        "layers know no model (tensor and context parallel layers, nor the training loop or the optimizers)",
-        ("megatron_sp.tensor_parallel", "megatron_sp.context_parallel"),
+        "layers know no model (tensor, context and expert parallel layers, nor the training loop or the optimizers)",
+        ("megatron_sp.tensor_parallel", "megatron_sp.context_parallel", "megatron_sp.expert_parallel"),
         ("megatron_sp.models", "megatron_sp.training", "megatron_sp.distributed"),
     ),
     Rule(
@@ -104,9 +104,11 @@ RULES = [
         ("megatron_sp.training", "megatron_sp.distributed"),
     ),
     Rule(
-        "failures knows nothing of the library (checkpointing and training share its sentences)",
-        ("megatron_sp.failures",),
+        "failures and heartbeat know nothing of the library (checkpointing and training share their sentences); "
+        "failures reads the heartbeat to name a silent rank",
+        ("megatron_sp.failures", "megatron_sp.heartbeat"),
         ("megatron_sp",),
+        allowed=("megatron_sp.heartbeat",),
     ),
     Rule(
         "layer_options knows nothing of the library (config declares its fields with it; models, context "
@@ -118,7 +120,13 @@ RULES = [
 
 CONFIG_RULE = Rule(
     "config imports no model registry and does not read the current process groups: it is given its sizes",
-    ("megatron_sp.config", "megatron_sp.config_checks", "megatron_sp.fields", "megatron_sp.families"),
+    (
+        "megatron_sp.config",
+        "megatron_sp.config_checks",
+        "megatron_sp.moe_config",
+        "megatron_sp.fields",
+        "megatron_sp.families",
+    ),
     ("megatron_sp.models", "megatron_sp.parallel_state"),
 )
 

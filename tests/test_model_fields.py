@@ -81,6 +81,31 @@ MODEL_FLAGS = {
     "--fp32-residual-connection": (True,),
     "--attention-softmax-in-fp32": (True,),
     "--tp-comm-overlap": (True,),
+    # mixture of experts (megatron_sp/moe_config.py)
+    "--num-experts": None,
+    "--moe-layer-freq": 1,
+    "--moe-ffn-hidden-size": None,
+    "--moe-router-topk": 2,
+    "--moe-router-score-function": "softmax",
+    "--moe-router-pre-softmax": (True,),
+    "--moe-router-topk-scaling-factor": None,
+    "--moe-router-num-groups": None,
+    "--moe-router-group-topk": None,
+    "--moe-router-dtype": None,
+    "--moe-input-jitter-eps": None,
+    "--moe-router-load-balancing-type": "aux_loss",
+    "--moe-aux-loss-coeff": 0.0,
+    "--moe-z-loss-coeff": None,
+    "--moe-router-enable-expert-bias": (True,),
+    "--moe-router-bias-update-rate": 0.001,
+    "--moe-grouped-gemm": (True,),
+    "--moe-shared-expert-intermediate-size": None,
+    "--moe-expert-capacity-factor": None,
+    "--moe-pad-expert-input-to-capacity": (True,),
+    "--moe-token-drop-policy": "probs",
+    "--moe-token-dispatcher-type": "allgather",
+    "--expert-model-parallel-size": 1,
+    "--expert-tensor-parallel-size": None,
 }
 CHOICES = {
     "--position-embedding-type": ["learned_absolute", "rope", "yarn", "none"],
@@ -90,6 +115,11 @@ CHOICES = {
     "--recompute-method": ["uniform", "block"],
     "--cp-comm-type": ["p2p", "a2a", "allgather", "a2a+p2p"],
     "--softmax-type": ["vanilla", "off-by-one", "learnable"],
+    "--moe-router-score-function": ["softmax", "sigmoid"],
+    "--moe-router-dtype": ["fp32", "fp64"],
+    "--moe-router-load-balancing-type": ["aux_loss", "seq_aux_loss", "global_aux_loss", "none", "sinkhorn"],
+    "--moe-token-drop-policy": ["probs", "position"],
+    "--moe-token-dispatcher-type": ["allgather", "alltoall", "flex"],
 }
 FIELDS = {f.name: f for f in dataclasses.fields(GPTConfig)}
 
@@ -97,7 +127,9 @@ FIELDS = {f.name: f for f in dataclasses.fields(GPTConfig)}
 def _config_actions():
     """(flag, action) of every flag in the model and parallelism groups that sets a GPTConfig field."""
     parser = build_parser()
-    groups = [g for g in parser._action_groups if g.title in ("model", "parallelism", "mixed precision")]
+    groups = [
+        g for g in parser._action_groups if g.title in ("model", "mixture of experts", "parallelism", "mixed precision")
+    ]
     return [(o, a) for g in groups for a in g._group_actions if a.dest in FIELDS for o in a.option_strings]
 
 

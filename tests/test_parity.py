@@ -475,22 +475,42 @@ VARIANTS = {
         "init_method_xavier_uniform": True,
         "embedding_init_method_std": 0.05,
     },
+    # gpt-oss's dense block: clamped quick-GeGLU with its +1 offset, YaRN over a context < SEQ (every
+    # band of the ramp in use), biases, sinks and a window on alternate layers
+    "gpt-oss-dense-llama": {
+        "activation": "quick_geglu",
+        "glu_linear_offset": 1.0,
+        "activation_func_clamp_value": 0.5,
+        "position_embedding_type": "yarn",
+        "yarn_rotary_scaling_factor": 4.0,
+        "yarn_original_max_position_embeddings": 16,
+        "add_bias_linear": True,
+        **SINKS,
+        **WINDOW,
+        "window_attn_skip_freq": 2,
+    },
 }
 
 
 @pytest.mark.parametrize(
     "variant,family,tp,cp",
-    [("qk-norm-1p-llama", "llama", 4, 1), ("squared-relu-qk-norm-scaling-xavier", "gpt2", 2, 2)],
+    [
+        ("qk-norm-1p-llama", "llama", 4, 1),
+        ("squared-relu-qk-norm-scaling-xavier", "gpt2", 2, 2),
+        ("gpt-oss-dense-llama", "llama", 2, 2),
+    ],
 )
 def test_megatron_model_variants_parity(pool, variant, family, tp, cp):
     """Zero-centred norm weights, squared ReLU, per-head q/k norms (RMSNorm and LayerNorm; their
     weights' gradients are partial over the TP ranks' heads, and over the key/value copies at TP=4
-    with 2 groups), query-key layer scaling, Xavier and embedding init keep the contract, dropout on.
-    Final weights after the AdamW steps: squared ReLU's gradient vanishes smoothly at 0, so AdamW's
-    first steps (sign(g)·lr for tiny g) turn 4e-7 gradient differences into 1.5e-5; a LayerNorm
+    with 2 groups), query-key layer scaling, Xavier and embedding init, and gpt-oss's dense block
+    (clamped quick-GeGLU, YaRN, sinks, alternating window) keep the contract, dropout on.
+    Final weights after the AdamW steps: squared ReLU's gradient vanishes smoothly at 0 (quick GELU's
+    for negative gates, and the clamp's is 0), so AdamW's first steps (sign(g)·lr for tiny g) turn
+    4e-7 gradient differences into 1.5e-5 (gpt-oss's block: 1e-6 into 2.9e-5, layers.0.mlp.fc2.weight); a LayerNorm
     k-norm's bias has no gradient (it shifts every key alike) but AdamW steps it by ±lr on rounding
     noise, a function-neutral change that still moves the rounding: those are held to 5e-5."""
-    rtol = 5e-5 if "squared-relu" in variant else 1e-5
+    rtol = 5e-5 if "squared-relu" in variant or "gpt-oss" in variant else 1e-5
     check_parity(pool, tp, tp > 1, 0.1, fused=False, family=family, cp=cp, shared=VARIANTS[variant], final_rtol=rtol)
 
 

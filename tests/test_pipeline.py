@@ -64,6 +64,36 @@ def test_the_pipeline_axis_is_slowest_and_leaves_pp1_as_it_was():
     assert parallel_state.grid_ranks(2, 2, 2, 1) == parallel_state.grid_ranks(2, 2, 2)
 
 
+# ---- a stage is the ordinary model (serial, no world) ------------------------------------------
+def test_stages_of_the_ordinary_model_are_the_serial_model_in_pieces():
+    """LanguageModel built as two stages (layers 0-1 with the embedding, 2-3 with the head): the
+    parameters are the whole model's under the same names, bit for bit (the last stage's tied copy too,
+    marked as a copy), and running the stages one after the other is the whole model's loss, dropout
+    on, bit for bit. A model of stages refuses the whole model's forward in one sentence."""
+    from megatron_sp.models.builders import SerialBuilder
+    from megatron_sp.models.language_model import LanguageModel, Stage
+    from megatron_sp.models.reference import ReferenceGPT
+
+    cfg = _config("gpt2", 1, 1, False)
+    whole = ReferenceGPT(cfg).train()
+    stages = [Stage(range(0, 2), first=True, last=False), Stage(range(2, 4), first=False, last=True)]
+    pieces = [LanguageModel(cfg, SerialBuilder(), stages=[s]).materialise("cpu").train() for s in stages]
+    want = whole.state_dict()
+    for piece, held in zip(pieces, (range(0, 2), range(2, 4))):
+        names = {k for k in want if not k.startswith("layers.") or int(k.split(".")[1]) in held}
+        names -= {"final_ln.weight", "final_ln.bias"} if 0 in held else {"embedding.position_embeddings.weight"}
+        got = piece.state_dict()
+        assert set(got) == names and all(torch.equal(got[k], want[k]) for k in names)
+    assert pieces[1].embedding.word_embeddings.weight.pipeline_copy
+    tokens, labels = _batch(2)
+    batch = dict(labels=labels, loss_mask=None, position_ids=None, attention_mask=None, sample_ids=None)
+    seqs = [p.builder.sequence_context(cfg, tokens, training=True, **batch) for p in pieces]
+    hidden = pieces[0].run_stage(stages[0], tokens, seqs[0])
+    assert torch.equal(pieces[1].run_stage(stages[1], hidden, seqs[1]), whole(tokens, labels))
+    with pytest.raises(ValueError, match="not the whole model: run it through its stages"):
+        pieces[0](tokens, labels)
+
+
 # ---- parity in a 4-rank world ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def world():
@@ -103,7 +133,8 @@ def _parity(model, layout_kw, tp=1, cp=1, sp=False, m=2, micro=2, layers=4):
     import torch.distributed as dist
 
     from megatron_sp.models.reference import ReferenceGPT
-    from megatron_sp.pipeline_parallel.model import PipelineGPT
+    from megatron_sp.models.trainable import TrainableModel
+    from megatron_sp.pipeline_parallel.model import PipelinedModel, PipelineGPT
 
     layout = layout_from_string(**layout_kw) if "text" in layout_kw else PipelineLayout(**layout_kw)
     ps = parallel_state.initialize_model_parallel(tp, cp, pipeline_model_parallel_size=layout.pp_size)
@@ -130,7 +161,9 @@ def _parity(model, layout_kw, tp=1, cp=1, sp=False, m=2, micro=2, layers=4):
     ref_params = reference.state_dict()
     err = max(((grads[k] - p.grad).abs().max() / p.grad.abs().max()).item() for k, p in reference.named_parameters())
     same_params = set(params) == set(ref_params) and all(torch.equal(params[k], v) for k, v in ref_params.items())
-    return err, losses.tolist(), [w.item() for w in want][mine.start // micro : mine.stop // micro], same_params
+    contract = isinstance(pipe, PipelinedModel) and isinstance(pipe, TrainableModel)  # (what the loop asks)
+    want = [w.item() for w in want][mine.start // micro : mine.stop // micro]
+    return err, losses.tolist(), want, same_params and contract
 
 
 CASES = {
@@ -153,7 +186,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipeline_matches_the_serial_model(world, case):
     for err, losses, want, same_params in world.run(_parity, **CASES[case]):
-        assert same_params  # the stages' parameters, merged, are the serial model's (init by name)
+        assert same_params  # the stages' parameters, merged, are the serial model's (init by name); the contract
         assert err < 1e-5
         assert losses == pytest.approx(want, rel=1e-5, abs=0)
 

@@ -5,6 +5,7 @@ equivalence with the older flags (the same stages, layer for layer) and the comm
 stages a string describes train like the serial model: tests/test_pipeline.py ("layout-string-uneven")."""
 
 import pytest
+from launch_helpers import bounded
 
 from megatron_sp.pipeline_parallel.layout import (
     PipelineLayout,
@@ -204,7 +205,7 @@ def test_the_command_line_builds_the_layout(flags, layout):
     [
         (BASE + ["--pipeline-model-parallel-layout", "EttttL"], "need --pipeline-model-parallel-size > 1"),
         (BASE + ["--num-virtual-stages-per-pipeline-rank", "2"], "need --pipeline-model-parallel-size > 1"),
-        (PP2 + ["--pipeline-model-parallel-layout", "Et|tmL"], "multi-token prediction layers (m)"),
+        (PP2 + ["--pipeline-model-parallel-layout", "Et|tttmL"], "multi-token prediction layers (m)"),
         (PP2 + ["--pipeline-model-parallel-layout", "Et|tttL", "--decoder-last-pipeline-num-layers", "3"], "not both"),
         (PP2 + ["--pipeline-model-parallel-layout", "Et|tL"], "but --num-layers is 4"),
         (PP2 + ["--pipeline-model-parallel-layout", "Et|t|t|tL", "--global-batch-size", "3"], "multiple of"),
@@ -222,3 +223,26 @@ def test_the_command_line_refuses_in_one_sentence(flags, words):
     with pytest.raises(ArgumentError) as err:
         parse_args(flags, world_size=2)
     assert words in str(err.value) and len(str(err.value).splitlines()) == 1, str(err.value)
+
+
+# ---- hostile strings: refused from the parse's counts, before anything is written out ----------
+HUGE = [
+    ("E(t)*999999tL", 4, "holds 1,000,000 transformer layers (t) but --num-layers is 4"),
+    ("E(|)*999999ttL", 2, "has 1,000,000 stages for 2 layers"),
+    ("E(t*999999|)*999999tL", 4, "holds 999,998,000,002 transformer layers"),
+    ("Et*99999999999999999999L", 4, "a repeat count of 20 digits is too large"),
+    ("Et*" + "9" * 5000 + "L", 4, "a repeat count of 5000 digits is too large"),
+    ("E(t*999999)*999999L", None, "unrolls to 999,998,000,003 symbols, more than 1,048,576"),
+    ("E" + "t" * 20_000 + "L", 20_000, "is 20,002 characters long; at most 10,000"),
+    ("E(t|)*999tL", 1000, "has 1,000 stages, not a multiple of --pipeline-model-parallel-size 3"),
+]
+
+
+@pytest.mark.parametrize(
+    "text, num_layers, words", HUGE, ids=[w.split(" ")[0] + str(i) for i, (_, _, w) in enumerate(HUGE)]
+)
+def test_huge_layout_strings_are_refused_before_expanding(text, num_layers, words):
+    """Was: MemoryError, OverflowError, Python's int-digit limit, or a hang past 30 s."""
+    with bounded(5):
+        message = _refused(lambda: layout_from_args(3, num_layers=num_layers, text=text))
+    assert words in message and len(message) < 400, message

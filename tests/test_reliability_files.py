@@ -115,6 +115,24 @@ def test_temporary_files_are_exclusive(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o002])
+def test_written_files_follow_the_umask(tmp_path, umask):
+    """One rule for every file a save writes (issue 39): 0o666 less the umask, as open() and DCP's shards
+    get it; was: the marker 0600 (mkstemp), metadata.json 0644 whatever the umask."""
+    previous = os.umask(umask)
+    try:
+        assert files.current_umask() == umask
+        files.write_atomic(str(tmp_path / "marker"), b"4\n")
+        with files.create_new(str(tmp_path / "metadata.json")) as f:
+            f.write("{}")
+        with open(tmp_path / "plain", "w") as f:
+            f.write("x")
+    finally:
+        os.umask(previous)
+    modes = {name: os.stat(tmp_path / name).st_mode & 0o777 for name in ("marker", "metadata.json", "plain")}
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask), {k: oct(v) for k, v in modes.items()}
+
+
 # ---- reads stay inside the checkpoint ------------------------------------------------------------
 
 
@@ -220,6 +238,12 @@ TOOL_CASES = {
     ),
     ".metadata claims 2^40 elements": (lambda c: _forge_size(c, 2**40), "declares tensors of"),
     "marker is a FIFO": (lambda c: (os.remove(c / LATEST), os.mkfifo(c / LATEST)), "regular file"),
+    # issue 39: every value checked against the schema before use (was: a TypeError)
+    "config num_layers a string": (
+        lambda c: _edit_meta(c, config={**_edit_meta(c)["config"], "num_layers": "2"}),
+        "metadata.json has config.num_layers = '2', which must be an integer",
+    ),
+    "iteration null": (lambda c: _edit_meta(c, iteration=None), "lacks iteration/train_state"),
 }
 
 

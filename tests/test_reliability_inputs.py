@@ -216,6 +216,11 @@ def _edit_meta(ckpt, **changes):
     meta_path.write_text(json.dumps(meta))
 
 
+def _edit_config(ckpt, **changes):
+    meta = json.loads((ckpt / "iter_0000004" / "metadata.json").read_text())
+    _edit_meta(ckpt, config={**meta["config"], **changes})
+
+
 def _plant_metadata(ckpt, marker):
     (ckpt / "iter_0000004" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
     _rewrite_record(ckpt, ".metadata")
@@ -316,6 +321,31 @@ CHECKPOINT_CASES = {
         2,
     ),
     "checkpoint linked outside": (lambda c, m: _link_out(c / I4, m), ["--load", "{ckpt}"], "leads outside", 2),
+    # issue 39: each value read from metadata.json is checked for type and range (was: a TypeError on rank 0)
+    "pp size a string": (
+        lambda c, m: _edit_meta(c, pipeline_model_parallel_size="2"),
+        ["--load", "{ckpt}"],
+        "metadata.json has pipeline_model_parallel_size = '2', which must be a positive integer",
+        2,
+    ),
+    "dp size null": (
+        lambda c, m: _edit_meta(c, data_parallel_size=None),
+        ["--load", "{ckpt}"],
+        "has data_parallel_size = None, which must be a positive integer",
+        2,
+    ),
+    "loss scale nan": (
+        lambda c, m: _edit_meta(c, loss_scale={"scale": float("nan")}),
+        ["--load", "{ckpt}"],
+        "has loss_scale.scale = nan, which must be a finite positive number",
+        2,
+    ),
+    "config field a string": (
+        lambda c, m: _edit_config(c, hidden_size="32"),
+        ["--load", "{ckpt}"],
+        "has config.hidden_size = '32', which must be an integer",
+        2,
+    ),
 }
 
 
@@ -346,6 +376,66 @@ def test_load_equal_to_save_may_be_missing_or_leftovers(saved, tmp_path, capsys)
     (leftovers / "iter_0000002.tmp").mkdir(parents=True)
     code, err, out = run(capsys, ["--train-iters", "1", "--save", str(leftovers), "--load", str(leftovers)])
     assert code == 0 and "starting from scratch" in out, err
+
+
+def test_every_file_of_a_save_has_one_mode(saved):
+    """The marker, metadata.json, DCP's shards and index, the RNG files: all 0o666 less the umask (was: the
+    marker 0600 while the rest were 0644, so a group that reads the checkpoint could not tell it is a run's)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {}
+    for directory, _, names in os.walk(saved / "ckpt"):
+        modes.update({os.path.join(directory, n): os.stat(os.path.join(directory, n)).st_mode & 0o777 for n in names})
+    assert any(p.endswith("latest_checkpointed_iteration.txt") for p in modes) and len(modes) > 4
+    assert {oct(m) for m in modes.values()} == {oct(0o666 & ~umask)}, {p: oct(m) for p, m in modes.items()}
+
+
+# ---- one run per --save (issue 39) -------------------------------------------------------------------
+HOLD_LOCK = """
+import fcntl, json, os, socket, sys, time
+fd = os.open(os.path.join(sys.argv[1], ".megatron_sp.lock"), os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as checkpointing/locks.py's RunLock, without importing torch
+os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}).encode())
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_second_run_on_the_same_save_is_refused_naming_the_holder(tmp_path, capsys):
+    """Was: both runs trained and exited 0, each iter_N of one silently replacing the other's."""
+    save = tmp_path / "save"
+    save.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(save)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        code, err, _ = run(capsys, ["--train-iters", "1", "--save", str(save)])
+        assert_one_sentence(code, err, 2, f"--save {save} is in use by another run (pid {holder.pid} on host")
+        assert not [n for n in os.listdir(save) if n.startswith("iter_")]
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder was killed: its lock died with it; its note is said to be stale, and the run trains
+    code, err, out = run(capsys, ["--train-iters", "1", "--save", str(save)])
+    assert code == 0, err
+    assert f"took over the stale lock of a run that ended without releasing it (pid {holder.pid}" in out
+    assert (save / ".megatron_sp.lock").read_text() == ""  # a clean exit leaves no note
+
+
+def test_retention_keeps_the_checkpoint_being_read(tmp_path):
+    """Was: a reader of iter_N while its run retired N failed with DCP's tracebacks and "damaged"."""
+    from megatron_sp.checkpointing import locks, paths
+
+    for it in (2, 3, 4):
+        (tmp_path / f"iter_000000{it}").mkdir()
+        (tmp_path / f"iter_000000{it}" / "metadata.json").write_text("{}")
+    reading = locks.Reading(str(tmp_path / "iter_0000003"))
+    assert reading.acquire()
+    assert paths.drop_unretained(str(tmp_path), latest=4, interval=100) == [3]  # 2 retired, 3 being read
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000003", "iter_0000004"]
+    reading.release()
+    assert paths.drop_unretained(str(tmp_path), latest=4, interval=100) == []
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000004"]  # the latest always stays
+    assert not locks.Reading(str(tmp_path / "iter_0000003")).acquire()  # retired: the reader re-reads the marker
 
 
 def test_mfu_only_against_a_known_peak(saved):
@@ -397,7 +487,10 @@ def test_disk_full_during_save_stops_with_previous_checkpoint_intact(tmpfs, caps
     assert_one_sentence(code, err, 1, "No space left on device")
     assert "the previous checkpoint and latest_checkpointed_iteration.txt are intact" in err
     assert checkpointing.read_latest(str(save)) == 1
-    assert sorted(os.listdir(save)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]  # .tmp removed
+    assert sorted(set(os.listdir(save)) - {".megatron_sp.lock"}) == [
+        "iter_0000001",
+        "latest_checkpointed_iteration.txt",
+    ]
     code, err, out = run(capsys, ["--train-iters", "1", "--load", str(save)])  # and it still loads
     assert code == 0 and "training already finished" in out, err
 
@@ -465,6 +558,23 @@ def test_fp16_underflow_grows_the_scale_instead_of_training_on_zeros(tmp_path, c
     assert rows[-1]["loss_scale"] == 1.0  # ... up to 1 (Megatron's minimum)
     assert not rows[-1]["skipped"] and rows[-1]["grad_norm"] > 0  # and then it trains
     assert rows[-1]["mfu"] == pytest.approx(rows[-1]["tflops"] / 2)  # MFU against the stated peak
+
+
+def test_loss_scale_starvation_is_said(tmp_path, capsys):
+    """fp16 whose gradients overflow every step (a static scale of 1e30): Megatron's meaning kept (skip,
+    go on, exit 0), but a warning each --loss-scale-window skipped steps in a row, the skipped count in
+    the iteration line, and a last word that nothing trained (was: exit 0 and no word)."""
+    log = tmp_path / "log.jsonl"
+    argv = ["--train-iters", "4", "--fp16", "--loss-scale", "1e30", "--loss-scale-window", "2", "--log-interval", "2"]
+    code, err, out = run(capsys, argv + ["--log-jsonl", str(log)])
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if line.startswith("pretrain_gpt_sp.py: warning:")]
+    assert len(warnings) == 3 and "the last 2 steps (to iteration 2) were all skipped" in warnings[0], err
+    assert "the last 4 steps (to iteration 4)" in warnings[1] and "nothing trained" in warnings[2], err
+    assert "Traceback" not in err
+    rows = [json.loads(line) for line in open(log)]
+    assert [r["skipped_iterations"] for r in rows] == [1, 1, 2]  # iterations 1, 2 (since 1), 4 (since 2)
+    assert "number of skipped iterations:   2 |" in out
 
 
 def test_fp16_underflow_at_the_largest_scale_stops():

@@ -129,6 +129,50 @@ def test_sigstopped_rank_fails_its_tp_peer_after_the_timeout(tmp_path):
     assert 2.5 <= seconds <= 15, err
     assert error_lines(tmp_path / "rank0.err") == [err.strip()], err  # one line, no traceback
     assert "rank 0: a collective failed (Timed out waiting 3000ms" in err and "Traceback" not in err
+    assert "rank 1 stopped responding (no heartbeat in 2 s)" in err  # issue 39: the hung rank named
+
+
+def test_sigstopped_pipeline_stage_during_async_save_is_named_and_the_exit_bounded(tmp_path):
+    """Issue 39: under PP with --async-save the survivor printed its sentence after 3 s and then never
+    exited (its exit waited on the background save's collective, on a group made without a timeout);
+    now the save group has the run's timeout, and the sentence names the stage that stopped."""
+    log = tmp_path / "log.jsonl"
+    flags = ["--num-layers", "2", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]
+    flags += ["--save", str(tmp_path / "ckpt"), "--save-interval", "1", "--async-save"]
+    procs = start_ranks(
+        tmp_path,
+        [PROGRAM, *TINY, *flags, "--train-iters", "100000", "--distributed-timeout-minutes", "0.05"]
+        + ["--log-jsonl", str(log)],
+    )
+    try:
+        wait_until(lambda: logged_iterations(log) >= 3 or procs[0].poll() is not None, 180, "three iterations")
+        assert procs[0].poll() is None, (tmp_path / "rank0.err").read_text()
+        procs[1].send_signal(signal.SIGSTOP)
+        start = time.monotonic()
+        procs[0].wait(timeout=90)
+        seconds = time.monotonic() - start
+    finally:
+        stop_all(procs)
+    err = (tmp_path / "rank0.err").read_text()
+    print(f"\nPP stage 1 SIGSTOPped during --async-save: rank 0 exited {procs[0].returncode} after {seconds:.2f} s")
+    assert procs[0].returncode == 1 and seconds <= 45, err
+    assert error_lines(tmp_path / "rank0.err") == [err.strip()] and "Traceback" not in err, err
+    assert "rank 1 (pipeline stage 1, this rank's next stage) stopped responding" in err, err
+
+
+def test_async_save_worker_fails_within_the_world_timeout_when_a_peer_never_joins(tmp_path):
+    """Issue 39: --async-save's group had torch's 30-minute default, and the process's exit waits for
+    its thread: a survivor printed its sentence and then never exited (still alive at 120 s)."""
+    script = os.path.join(REPO, "tests", "async_save_peer.py")
+    procs = start_ranks(tmp_path, [script, str(tmp_path)])
+    try:
+        procs[0].wait(timeout=150)
+    finally:
+        stop_all(procs)
+    out = (tmp_path / "rank0.out").read_text()
+    print(f"\nasync-save worker, peer absent, world timeout 3 s: {out.strip()}")
+    assert procs[0].returncode == 0 and out.startswith("failed after"), out + (tmp_path / "rank0.err").read_text()
+    assert float(out.split()[2]) <= 30, out
 
 
 # ---- signals --------------------------------------------------------------------------------------

@@ -52,9 +52,19 @@ _SAVE_GROUP = []
 
 def _save_group():
     """A gloo group of its own for the background writer's collectives, so they never interleave
-    with the training's on the default group (created once, by every rank at the same save)."""
+    with the training's on the default group (created once, by every rank at the same save), with
+    the world's timeout (--distributed-timeout-minutes): new_group would give it torch's 30 minutes,
+    and the process's exit waits for this thread, so a dead peer would hold the exit that long."""
     if not dist.is_initialized():
         return None
     if not _SAVE_GROUP:
-        _SAVE_GROUP.append(dist.new_group(backend="gloo"))
+        _SAVE_GROUP.append(dist.new_group(backend="gloo", timeout=world_timeout()))
     return _SAVE_GROUP[0]
+
+
+def world_timeout():
+    """The default group's collective timeout (what init_process_group was given), or None."""
+    try:
+        return dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # noqa: BLE001 - a private API: torch's default then
+        return None

@@ -32,7 +32,13 @@ def _layout(spec) -> str:
     return "grouped" if len(set(spec.segments)) == 1 else "segments"
 
 
-def _sharded(block, global_shape, offsets, include: bool, ps):
+def _coords(spec, ps) -> tuple:
+    """(rank, size, group) of the ranks `spec`'s dim is split over (TP; expert-TP for experts)."""
+    rank, size = ps.coords(spec.group)
+    return rank, size, ps.group(spec.group)
+
+
+def _sharded(block, global_shape, offsets, include: bool, group):
     from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
 
     shards = []
@@ -41,24 +47,26 @@ def _sharded(block, global_shape, offsets, include: bool, ps):
         shards = [Shard(block.contiguous(), ShardMetadata(list(offsets), list(block.shape), placement))]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return init_from_local_shards(shards, list(global_shape), process_group=ps.tp_group)
+        return init_from_local_shards(shards, list(global_shape), process_group=group)
 
 
-def _entry(block, axis, offset, full, include, ps):
+def _entry(block, axis, offset, full, include, ps, spec):
     """block: this rank's piece along `axis` at `offset` of a canonical tensor `full` rows long."""
-    if ps.tp_size == 1:
+    _, size, group = _coords(spec, ps)
+    if size == 1:
         return block.contiguous()
     shape = list(block.shape)
     shape[axis] = full
     offsets = [0] * block.dim()
     offsets[axis] = offset
-    return _sharded(block, shape, offsets, include, ps)
+    return _sharded(block, shape, offsets, include, group)
 
 
 def _single(t, spec, ps):
     """(axis, valid block, offset, full rows) of a single-segment parameter (vocab padding cut)."""
     dim = spec.dim % t.dim()
-    ((shard, view),) = split_local(t, spec, ps.tp_rank, ps.tp_size)
+    rank, size, _ = _coords(spec, ps)
+    ((shard, view),) = split_local(t, spec, rank, size)
     rows = max(0, min(shard.size, shard.full - shard.offset))
     return dim, view.narrow(dim, 0, rows), shard.offset, shard.full
 
@@ -70,7 +78,7 @@ def _grouped(t, spec, ps):
     shape = list(t.shape)
     block = t.reshape(shape[:dim] + [g, shape[dim] // g] + shape[dim + 1 :])
     local = shape[dim] // g
-    return dim + 1, block, ps.tp_rank * local, spec.segments[0]
+    return dim + 1, block, _coords(spec, ps)[0] * local, spec.segments[0]
 
 
 def to_dcp_tensor(t, p, ps):
@@ -81,14 +89,15 @@ def to_dcp_tensor(t, p, ps):
         return t
     if layout == "single":
         axis, block, offset, full = _single(t, spec, ps)
-        return _entry(block, axis, offset, full, True, ps)
+        return _entry(block, axis, offset, full, True, ps, spec)
     if layout == "grouped":
         axis, block, offset, full = _grouped(t, spec, ps)
-        return _entry(block, axis, offset, full, True, ps)
+        return _entry(block, axis, offset, full, True, ps, spec)
     dim = spec.dim % t.dim()
+    rank, size, _ = _coords(spec, ps)
     return {
-        f"segment{i}": _entry(view, dim, shard.offset, shard.full, shard.first_copy, ps)
-        for i, (shard, view) in enumerate(split_local(t, spec, ps.tp_rank, ps.tp_size))
+        f"segment{i}": _entry(view, dim, shard.offset, shard.full, shard.first_copy, ps, spec)
+        for i, (shard, view) in enumerate(split_local(t, spec, rank, size))
     }
 
 
@@ -100,13 +109,14 @@ def empty_dcp_target(p, ps):
         return to_dcp_tensor(zeros, p, ps)
     dim = spec.dim % p.dim()
     out = {}
-    for i, (shard, view) in enumerate(split_local(zeros, spec, ps.tp_rank, ps.tp_size)):
+    rank, size, _ = _coords(spec, ps)
+    for i, (shard, view) in enumerate(split_local(zeros, spec, rank, size)):
         if shard.copies > 1:
             shape = list(view.shape)
             shape[dim] = shard.full
             out[f"segment{i}"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
         else:
-            out[f"segment{i}"] = _entry(view, dim, shard.offset, shard.full, True, ps)
+            out[f"segment{i}"] = _entry(view, dim, shard.offset, shard.full, True, ps, spec)
     return out
 
 
@@ -126,7 +136,8 @@ def from_canonical_local(loaded, p, ps):
     out = torch.zeros_like(p, dtype=torch.float32)
     dim = spec.dim % p.dim()
     if layout == "segments":
-        for i, (shard, view) in enumerate(split_local(out, spec, ps.tp_rank, ps.tp_size)):
+        rank, size, _ = _coords(spec, ps)
+        for i, (shard, view) in enumerate(split_local(out, spec, rank, size)):
             piece = _local_tensor(loaded[f"segment{i}"])
             if shard.copies > 1:
                 piece = piece.narrow(dim, shard.offset, shard.size)

@@ -38,9 +38,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from megatron_sp import failures
+from megatron_sp import failures, heartbeat
 from megatron_sp.checkpointing import async_save as async_save_module
-from megatron_sp.checkpointing import files, metadata, safe_dcp
+from megatron_sp.checkpointing import files, locks, metadata, safe_dcp
 from megatron_sp.checkpointing.paths import (
     LATEST,
     CheckpointError,
@@ -179,6 +179,9 @@ class _SaveJob:
 
     def fail(self, err):
         reason = _save_failure(err, self.root, checkpoint_bytes(self.cfg))
+        if dist.is_initialized() and "timed out" in reason.lower():  # the background save's peer hung or died
+            named = heartbeat.describe(dist.get_world_size(), dist.get_rank())
+            reason += f"; {named}" if named else ""
         if _rank() == 0:
             files.remove_tree(self.tmp)  # give the space back
         raise CheckpointSaveError(
@@ -291,11 +294,41 @@ def load(root: str, states: dict, cfg, is_save_dir: bool = False, log=print, str
     missing or empty, allowed when it is also the save directory: is_save_dir). strictness
     (--dist-ckpt-strictness): entries of the checkpoint that the states do not ask for are ignored
     (assume_ok_*, ignore_all, return_*), logged (log_*) or refused (raise_*)."""
-    iteration = _agreed_iteration(root, is_save_dir)
+    iteration, reading = _reading_latest(root, is_save_dir)
     if iteration is None:
         log(f" no checkpoint in {root} (also --save): starting from scratch")
         return None
-    path = checkpoint_dir(root, iteration)
+    try:
+        return _load_from(checkpoint_dir(root, iteration), states, cfg, strictness, log)
+    finally:
+        reading.release()
+
+
+READ_TRIES = 5
+
+
+def _reading_latest(root, is_save_dir):
+    """Collective: (the iteration to load, this rank's shared lock on it), once every rank holds the
+    lock; a checkpoint retired by its run's --save-retain-interval between the marker and the lock is
+    skipped for the marker's newer one (retention keeps the latest). When the marker still names the
+    same iteration, nothing retired it: the checks that follow say what is wrong with its files."""
+    previous = None
+    for _ in range(READ_TRIES):
+        iteration = _agreed_iteration(root, is_save_dir)
+        if iteration is None:
+            return None, None
+        reading = locks.Reading(checkpoint_dir(root, iteration))
+        if not failures.agree(None if reading.acquire() else "gone") or iteration == previous:
+            return iteration, reading
+        reading.release()
+        previous = iteration
+    raise CheckpointError(
+        f"--load {root}: its latest checkpoint was removed {READ_TRIES} times while this run tried to read it; "
+        "retry, or load a copy."
+    )
+
+
+def _load_from(path, states, cfg, strictness, log) -> dict:
     meta = _verified_metadata(path, cfg)
     tensors, per_rank, rest = _kinds(states)
     stored = _collectively(_stored_keys, path)

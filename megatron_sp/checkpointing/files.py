@@ -72,10 +72,31 @@ def read_bytes(path: str, root: str, limit: int) -> bytes:
     return data
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux says it (/proc/self/status: an
+    os.umask(0) round trip would race the async-save thread's own file creation)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """The one rule for every file a save writes: what open() gives, 0o666 less the umask (DCP's
+    shards are created so; mkstemp's 0o600 is widened to it)."""
+    return 0o666 & ~current_umask()
+
+
 def create_new(path: str, mode: str = "w"):
     """A file object for a file that does not exist yet (O_EXCL | O_NOFOLLOW: a planted name or link
-    is an error, never followed)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    is an error, never followed), with the umask's mode."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
     return os.fdopen(fd, mode)
 
 
@@ -97,7 +118,10 @@ def write_via_temp(path: str, write) -> None:
     not followed, and a crash leaves the old file."""
     directory, name = os.path.split(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
-    os.close(fd)
+    try:
+        os.fchmod(fd, file_mode())  # mkstemp's 0o600 would hide the file from the checkpoint's readers
+    finally:
+        os.close(fd)
     try:
         write(tmp)
         os.replace(tmp, path)

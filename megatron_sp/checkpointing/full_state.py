@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from megatron_sp.checkpointing import checkpointer, files, safe_dcp
+from megatron_sp.checkpointing import checkpointer, files, locks, safe_dcp
 from megatron_sp.checkpointing.canonical import canonical_to_full, full_to_canonical
 from megatron_sp.checkpointing.paths import (
     LATEST,
@@ -28,7 +28,7 @@ from megatron_sp.checkpointing.paths import (
     read_latest,
     verified_metadata,
 )
-from megatron_sp.checkpointing.states import TrainState
+from megatron_sp.checkpointing.states import TrainState, kept_buffers
 from megatron_sp.config import GPTConfig, config_from_dict
 
 
@@ -63,7 +63,17 @@ def checkpoint_path(root: str, iteration=None) -> str:
 
 def read_full_state(path: str) -> tuple[dict, dict]:
     """All model tensors of one checkpoint directory in ReferenceGPT layout, and its metadata; the
-    checkpoint checked as the trainer checks it, its tensors against its config before allocation."""
+    checkpoint checked as the trainer checks it, its tensors against its config before allocation.
+    Read under a shared lock (locks.py), so its run's --save-retain-interval does not remove it meanwhile."""
+    reading = locks.Reading(path)
+    reading.acquire()  # not held (a damaged or missing metadata.json): the checks below say what is wrong
+    try:
+        return _read_full_state(path)
+    finally:
+        reading.release()
+
+
+def _read_full_state(path: str) -> tuple[dict, dict]:
     metadata = verified_metadata(path)
     cfg = saved_config(metadata, path)
     try:
@@ -129,6 +139,7 @@ def check_shapes(shapes: dict, cfg: GPTConfig, path: str) -> dict:
     model = _meta_model(check_layers(shapes, cfg, f"checkpoint {path}"))
     specs = model_specs(cfg, model)
     expected = _flat(full_to_canonical(dict(model.named_parameters()), specs))
+    expected.update({name: tuple(b.shape) for name, b in kept_buffers(model)})  # the expert biases
     for name in sorted(set(expected) | set(shapes)):
         want, got = expected.get(name), shapes.get(name)
         if want != got:

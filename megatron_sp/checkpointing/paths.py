@@ -20,7 +20,7 @@ import os
 import shutil
 from typing import Optional
 
-from megatron_sp.checkpointing import files, safe_dcp
+from megatron_sp.checkpointing import files, locks, safe_dcp, schema
 from megatron_sp.checkpointing.states import TrainState
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -73,8 +73,11 @@ def _is_single_checkpoint(path: str) -> bool:
 
 
 def _leftovers_only(root: str) -> bool:
-    """Nothing in root but what an interrupted first save or a write probe leaves behind."""
-    return all(name.endswith(".tmp") or name.startswith(".write_test") for name in os.listdir(root))
+    """Nothing in root but what an interrupted first save, a write probe or the run lock leaves behind."""
+    return all(
+        name.endswith((".tmp", ".removing")) or name.startswith(".write_test") or name == locks.RUN_LOCK
+        for name in os.listdir(root)
+    )
 
 
 def locate(root: str, is_save_dir: bool) -> Optional[int]:
@@ -162,7 +165,7 @@ def _schema_problem(meta) -> Optional[str]:
     outside = [name for name in record or {} if not files.is_plain_name(name)]
     if outside:
         return f"names a file outside its directory ({outside[0]!r}) in its integrity record"
-    return None
+    return schema.problem(meta)
 
 
 def check_files_present(path: str, meta: dict) -> None:
@@ -221,12 +224,17 @@ def check_save_dir(root: str, checkpoint_bytes: int) -> None:
         )
 
 
-def drop_unretained(root, latest: int, interval: int) -> None:
-    """Megatron's --save-retain-interval: keep checkpoints at multiples of it and the latest."""
-    for name in os.listdir(root):
+def drop_unretained(root, latest: int, interval: int) -> list:
+    """Megatron's --save-retain-interval: keep checkpoints at multiples of it and the latest, and any
+    that a rank is reading now (locks.py; removed by a later save). Returns the iterations kept so."""
+    kept = []
+    for name in sorted(os.listdir(root)):
         it = iteration_of(name)
-        if it is not None and it != latest and it % interval != 0:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        if name.startswith("iter_") and name.endswith(".removing"):
+            files.remove_tree(os.path.join(root, name))  # a removal cut short
+        elif it is not None and it != latest and it % interval != 0 and not locks.retire(os.path.join(root, name)):
+            kept.append(it)
+    return kept
 
 
 def iteration_of(name: str):

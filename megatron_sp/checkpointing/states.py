@@ -63,19 +63,29 @@ class ModelState:
         return [(n, self.main_params[n]) for n in params if n in self.main_params]
 
     def state_dict(self) -> dict:
-        return {n: to_dcp_tensor(t.detach().float(), t, self.ps) for n, t in self._saved()}
+        saved = {n: to_dcp_tensor(t.detach().float(), t, self.ps) for n, t in self._saved()}
+        return {**saved, **{n: b.detach().clone() for n, b in kept_buffers(self.model)}}
 
     def load_target(self) -> dict:
-        return {n: empty_dcp_target(p, self.ps) for n, p in self.model.named_parameters()}
+        target = {n: empty_dcp_target(p, self.ps) for n, p in self.model.named_parameters()}
+        return {**target, **{n: torch.zeros_like(b) for n, b in kept_buffers(self.model)}}
 
     @torch.no_grad()
     def load_state_dict(self, loaded: dict) -> None:
+        for name, b in kept_buffers(self.model):
+            b.copy_(loaded[name])
         for name, p in self.model.named_parameters():
             value = from_canonical_local(loaded[name], p, self.ps)
             p.copy_(value)
             main = (self.main_params or {}).get(name)
             if main is not None and main is not p:
                 main.copy_(value)
+
+
+def kept_buffers(model) -> list:
+    """Buffers a checkpoint keeps: the routers' expert biases (aux-loss-free balancing's state), the
+    same on every rank."""
+    return [(n, b) for n, b in model.named_buffers() if n.endswith(".expert_bias")]
 
 
 class OptimizerState:

@@ -58,15 +58,14 @@ class Partition:
             by_role.setdefault(replica_role(p), []).append(p)
         self.shares, self._owner = {}, {}
         for role, same in by_role.items():
-            group = ps.group(role)
-            if group is None:
-                raise ValueError(f"a Partition needs more than one replica in every group ({role!r} has one)")
-            size = dist.get_world_size(group)
+            group = ps.group(role)  # None: one replica (experts whose EP group spans the DP ranks) owns all
+            size = dist.get_world_size(group) if group is not None else 1
             backward = list(reversed(same))
             owners = _owners_agreed_over_tp(share_owners([p.numel() for p in backward], size), ps)
             self._owner.update({id(p): r for p, r in zip(backward, owners)})
             params_of = [[p for p, r in zip(backward, owners) if r == owner] for owner in range(size)]
-            self.shares[role] = ReplicaShare(group, size, dist.get_rank(group), params_of)
+            rank = dist.get_rank(group) if group is not None else 0
+            self.shares[role] = ReplicaShare(group, size, rank, params_of)
 
     @property
     def groups(self) -> dict:
@@ -81,7 +80,8 @@ class Partition:
         return self._owner[id(p)] == self.shares[replica_role(p)].rank
 
     def global_rank(self, owner: int, role: str = REPLICAS) -> int:
-        return dist.get_global_rank(self.shares[role].group, owner)
+        group = self.shares[role].group
+        return dist.get_global_rank(group, owner) if group is not None else dist.get_rank()
 
 
 def _owners_agreed_over_tp(owners: list, ps: ParallelState) -> list:
@@ -101,6 +101,8 @@ class ParamBroadcast:
         self.buffers = []  # (group, owner's global rank, flat buffer)
         with torch.no_grad():
             for role, share in partition.shares.items():
+                if share.group is None:  # one replica: nothing to broadcast
+                    continue
                 for owner, params in enumerate(share.params_of):
                     if params:
                         flat = _flatten(params)

@@ -78,7 +78,9 @@ from megatron_sp.distributed.optimizer import (  # PARAM_ATTRS: what our sums, n
     param_groups,
 )
 from megatron_sp.distributed.protocol import TrainingOptimizer
+from megatron_sp.models.trainable import TrainableModel
 from megatron_sp.parallel_state import REPLICAS, ParallelState
+from megatron_sp.pipeline_parallel.model import PipelinedModel
 from megatron_sp.tensor_parallel.sharding import ShardSpec, segment_shards
 
 FLAG = "--use-torch-fsdp2"
@@ -138,7 +140,7 @@ def replica_mesh(ps: ParallelState, device: str):
     return DeviceMesh.from_group(ps.replica_group, "cuda" if device == "cuda" else "cpu")
 
 
-def shard_model(model, ps: ParallelState, device: str, reshard_after_forward: bool = True):
+def shard_model(model: TrainableModel, ps: ParallelState, device: str, reshard_after_forward: bool = True):
     """fully_shard the model in place (see the module docstring); returns the mesh. The parameters become
     DTensors sharded on dim 0 and keep their attributes. reshard_after_forward=False (Megatron's
     --torch-fsdp2-no-reshard-after-forward, and --data-parallel-sharding-strategy optim_grads): every
@@ -153,13 +155,12 @@ def shard_model(model, ps: ParallelState, device: str, reshard_after_forward: bo
         policy = MixedPrecisionPolicy(low, torch.float32, cast_forward_inputs=False)  # (fp32 residual kept)
         model.float()  # (in place: the same Parameter objects)
     mesh = replica_mesh(ps, device)
-    chunks = getattr(model, "stage_chunks", None)
-    if chunks is None:  # the last layer keeps its weights: its backward follows at once
+    if not isinstance(model, PipelinedModel):  # the last layer keeps its weights: its backward follows at once
         layers = list(model.layers)
         again = [reshard_after_forward and i < len(layers) - 1 for i in range(len(layers))]
         groups = [_shard_root(model, layers, again, mesh, policy)]
     else:  # each pipeline stage is a root (its forward is what the schedule calls), gathered for the step
-        groups = [_shard_root(c, list(c.blocks), [False] * len(c.blocks), mesh, policy) for c in chunks]
+        groups = [_shard_root(c, list(c.blocks), [False] * len(c.blocks), mesh, policy) for c in model.stage_chunks]
     for module in [m for group in groups for m in group]:  # a sum over DP×CP divided by dp: the DP mean
         module.set_force_sum_reduction_for_comms(True)  # of the CP partial sums
         module.set_gradient_divide_factor(float(ps.dp_size))
@@ -314,8 +315,7 @@ class FSDPOptimizer(TrainingOptimizer):
         local shards, and under pipeline parallelism the tied embedding's two copies (first and last
         stage: the same chunk of rows)."""
         _reduce_partial_grads(model, self.params, self.ps)
-        if hasattr(model, "finalize_embedding_grads"):
-            model.finalize_embedding_grads(grad=_local_grad)
+        model.finalize_embedding_grads(grad=_local_grad)
 
     def local_params(self) -> list:
         """This rank's shards as plain tensors, their gradient shards as .grad and .main_grad (the norm and

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp.distributed.grad_buffers import GradBuffers
+from megatron_sp.models.trainable import TrainableModel
 from megatron_sp.parallel_state import ParallelState
 
 
@@ -54,6 +55,16 @@ def reduce_data_parallel_grads(buffers: GradBuffers, ps: ParallelState, partitio
         if _replicated(bucket, ps):
             _start(bucket, ps, partition)
             _finish(bucket, ps, partition)
+    _mean_of_unreplicated(buffers, ps)
+
+
+def _mean_of_unreplicated(buffers: GradBuffers, ps: ParallelState) -> None:
+    """Buckets with no replicas but DP > 1 (experts whose EP group spans the DP ranks: each already
+    holds the sum over them) still take the DP mean."""
+    if ps.dp_size > 1:
+        for bucket in buffers.buckets:
+            if not _replicated(bucket, ps):
+                bucket.buffer.div_(ps.dp_size)
 
 
 class OverlappedGradSync:
@@ -105,6 +116,7 @@ class OverlappedGradSync:
         for bucket, handle in self.launched.values():
             handle.wait()
             _finish(bucket, self.ps, self.partition)
+        _mean_of_unreplicated(self.buffers, self.ps)
         self._reset()
 
     def remove(self):
@@ -117,14 +129,17 @@ def _main_grad(p):
 
 @torch.no_grad()
 def finalize_model_grads(
-    model, ps: ParallelState, buffers: GradBuffers, overlapped: OverlappedGradSync | None = None, partition=None
+    model: TrainableModel,
+    ps: ParallelState,
+    buffers: GradBuffers,
+    overlapped: OverlappedGradSync | None = None,
+    partition=None,
 ):
     """Everything between the last backward and the optimizer step, except clipping: under pipeline
     parallelism the tied embedding's copies summed, the DP average (summing over CP too), then the
     partial sums over TP (model.partial_grads), on the main_grads of the parameters this rank steps
     (all of them without a partition)."""
-    if hasattr(model, "finalize_embedding_grads"):  # (before finish(): the embedding's bucket waits)
-        model.finalize_embedding_grads(grad=_main_grad)
+    model.finalize_embedding_grads(grad=_main_grad)  # (before finish(): the embedding's bucket waits)
     if overlapped is not None:
         overlapped.finish()
     else:

@@ -118,6 +118,37 @@ class DynamicLossScaler(ConstantLossScaler):
         self._hysteresis_left = state.get("hysteresis_left", self.hysteresis)  # (older checkpoints)
 
 
+class SkippedSteps:
+    """Steps skipped in a row and in all (fp16 overflow or underflow). Megatron-LM keeps skipping and
+    exits 0 without a word when nothing trained; the run still goes on (Megatron's meaning), but
+    `count` returns a warning each time `window` (--loss-scale-window) steps in a row were skipped,
+    and `summary` one for the end of the run."""
+
+    def __init__(self, window: int):
+        self.window, self.in_a_row, self.total, self.steps = max(1, int(window)), 0, 0, 0
+
+    def count(self, skipped: bool, iteration: int, scale: float) -> str | None:
+        self.steps += 1
+        self.total += bool(skipped)
+        self.in_a_row = self.in_a_row + 1 if skipped else 0
+        if not self.in_a_row or self.in_a_row % self.window:
+            return None
+        return (
+            f"the last {self.in_a_row} steps (to iteration {iteration}) were all skipped: the fp16 gradients "
+            f"overflowed or underflowed in each (loss scale now {scale:.3g}), so the weights have not "
+            "changed; check the learning rate, the data and --loss-scale / --initial-loss-scale (training goes on)."
+        )
+
+    def summary(self) -> str | None:
+        if not self.total:
+            return None
+        if self.total == self.steps:
+            return (
+                f"every one of this run's {self.steps} steps was skipped (fp16 overflow or underflow): nothing trained."
+            )
+        return None
+
+
 def build_loss_scaler(args):
     """The run's scaler: --loss-scale (fp16/bf16), dynamic for fp16, none otherwise."""
     if getattr(args, "loss_scale", None) is not None:

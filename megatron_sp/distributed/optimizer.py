@@ -30,7 +30,7 @@ from megatron_sp.distributed.distributed_optimizer import ParamBroadcast, Partit
 from megatron_sp.distributed.grad_buffers import GradBuffers
 from megatron_sp.distributed.grad_sync import finalize_model_grads
 from megatron_sp.distributed.protocol import TrainingOptimizer
-from megatron_sp.parallel_state import ParallelState, collective_device, replica_role
+from megatron_sp.parallel_state import EXPERT_REPLICAS, ParallelState, collective_device, replica_role
 from megatron_sp.tensor_parallel.sharding import split_local
 
 PARAM_ATTRS = (
@@ -208,6 +208,10 @@ def _global_sum(params, tensor_of, measure, ps: ParallelState, partition) -> tor
     device = tensor_of(params[0]).device if params else collective_device()
     split, replicated = [], {}  # replicated: {replica role: tensors}
     params = [p for p in params if not getattr(p, "pipeline_copy", False)]  # a tied copy: counted once
+    experts = [tensor_of(p) for p in params if replica_role(p) == EXPERT_REPLICAS]  # this rank's shards
+    params = [p for p in params if replica_role(p) != EXPERT_REPLICAS]
+    if partition is not None:  # each expert shard has one owner in the world, as every TP shard
+        split, experts = split + experts, []
     for p in params:
         if not getattr(p, "norm_counted", True):  # a copy that other ranks count (distributed/fsdp.py)
             continue
@@ -230,6 +234,12 @@ def _global_sum(params, tensor_of, measure, ps: ParallelState, partition) -> tor
         whole = measure([t for tensors in replicated.values() for t in tensors], device)
     if partition is None and ps.tp_size > 1:
         dist.all_reduce(sharded, group=ps.tp_group)  # TP shards: sum over the group
+    if ps.ep_size * ps.etp_size > 1:  # every expert's shard once: summed over EP × expert-TP
+        in_experts = measure(experts, device)
+        dist.all_reduce(in_experts, group=ps.expert_group)
+        sharded = sharded + in_experts
+    elif experts:
+        sharded = sharded + measure(experts, device)
     if ps.pp_size > 1:  # each stage its own parameters (the world-wide sum above already spans them)
         total = whole if partition is not None else sharded + whole
         dist.all_reduce(total, group=ps.pp_group)

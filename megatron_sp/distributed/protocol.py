@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Optional, Protocol, runtime_checkable
 
+from megatron_sp.models.trainable import TrainableModel
 from megatron_sp.parallel_state import ParallelState
 
 
@@ -44,7 +45,7 @@ class TrainingOptimizer(Protocol):
         """Before the first micro-batch of a step."""
         ...
 
-    def finalize_grads(self, model, ps: ParallelState, overlapped=None) -> None:
+    def finalize_grads(self, model: TrainableModel, ps: ParallelState, overlapped=None) -> None:
         """Everything between the last backward and clipping: the replica reductions (`overlapped`: the
         grad_sync.OverlappedGradSync that started them during the backward), the partial sums over TP,
         a pipeline's tied-embedding sum."""

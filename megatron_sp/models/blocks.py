@@ -18,7 +18,8 @@ SequenceContext of the micro-batch):
     norm, final_norm    forward(x) -> x's shape
     attention           forward(x, seq) -> [s_sp, b, h] before `output_bias`
     core_attention      forward(q, k, v, seq, head_offset) -> [b, n_q, s, d] (models/attention.py)
-    mlp                 forward(x) -> [s_sp, b, h] before `output_bias`
+    mlp, moe            forward(x, seq) -> [s_sp, b, h] before `output_bias` (moe: the MLP of the layers
+                        --moe-layer-freq chooses, models/moe/; BlockSpec.mlp_class picks)
     bias_dropout_add    forward(out, bias, residual, site, seq) -> residual + dropout(out + bias)
     wiring              forward(x, seq) -> x: how one layer wires the above
     embedding           forward(tokens [b, s_tp], seq) -> [s_sp, b, h] (dropout applied)
@@ -90,9 +91,9 @@ class MLP(nn.Module):
     matching halves) and computes act(gate) * (up + --glu-linear-offset), the gate clamped to at most c
     and up to [-c, c] first with --activation-func-clamp-value c (gpt-oss's clamped GeGLU)."""
 
-    def __init__(self, cfg, *, layer, builder, block_spec):
+    def __init__(self, cfg, *, layer, builder, block_spec, ffn_hidden_size=None):
         super().__init__()
-        h, f = cfg.hidden_size, cfg.ffn_hidden_size
+        h, f = cfg.hidden_size, ffn_hidden_size or cfg.ffn_hidden_size
         self.gated = cfg.gated_linear_unit
         self.offset, self.clamp = cfg.glu_linear_offset, cfg.activation_func_clamp_value
         self.fc1 = builder.column(
@@ -109,7 +110,7 @@ class MLP(nn.Module):
     def output_bias(self):
         return self.fc2.bias
 
-    def forward(self, x):
+    def forward(self, x, seq=None):
         a = self.fc1(x)  # [s, b, f(×2)/t]
         if self.gated:
             gate, up = a.chunk(2, dim=-1)  # [s, b, f/t] each: this rank's halves
@@ -152,13 +153,13 @@ class PreNormBlock(nn.Module):
         self.ln1 = block_spec.norm(cfg, **slot)
         self.attn = block_spec.attention(cfg, **slot)
         self.ln2 = block_spec.norm(cfg, **slot)
-        self.mlp = block_spec.mlp(cfg, **slot)
+        self.mlp = block_spec.mlp_class(cfg, layer)(cfg, **slot)
         self.bda = block_spec.bias_dropout_add(cfg, **slot)
 
     def forward(self, x, seq):
         a = self.attn(self.ln1(x), seq)
         x = self.bda(a, self.attn.output_bias, x, philox.SITE_ATTENTION_OUT, seq)
-        m = self.mlp(self.ln2(x))
+        m = self.mlp(self.ln2(x), seq)
         return self.bda(m, self.mlp.output_bias, x, philox.SITE_MLP_OUT, seq)
 
 
@@ -171,7 +172,10 @@ class Embedding(nn.Module):
         self.word_embeddings = builder.word_embedding(cfg)
         self.position_embeddings = None
         if cfg.position_embedding_type == "learned_absolute":
-            self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+            # (_weight: nn.Embedding's own normal_ init would run on the meta device, whose first call imports
+            # sympy, ~70 MiB resident; the values are drawn by models/init.py anyway)
+            shape = (cfg.max_position_embeddings, cfg.hidden_size)
+            self.position_embeddings = nn.Embedding(*shape, _weight=torch.empty(shape))
             mark(self.position_embeddings.weight, sequence_parallel=builder.sequence_parallel, init="embedding")
 
     def forward(self, tokens, seq):

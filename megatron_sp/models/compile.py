@@ -41,12 +41,12 @@ def compile_problem(use_fused_kernels: bool, device: str, tp_comm_overlap: bool 
 def compile_layers(model, **options):
     """Compiles each of `model.layers` in place (nn.Module.compile: parameter names and state-dict keys
     do not change); options go to torch.compile. Returns the model. A pipeline's stages (PipelineGPT,
-    its layers by global index) compile alike: the schedule calls the compiled layers."""
+    the layers it holds) compile alike: the schedule calls the compiled layers."""
     cfg = model.cfg
     problem = compile_problem(cfg.use_fused_kernels, next(model.parameters()).device.type, cfg.tp_comm_overlap)
     if problem:
         raise ValueError(problem)
-    layers = list(model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers)
+    layers = list(model.layers)
     _allow_one_graph_per_layer(2 * len(layers))
     for block in layers:
         block.compile(**options)

@@ -16,6 +16,9 @@ Parameters are created on the meta device and materialised on `device` in cfg.pa
 rank drawing only its shard of the serial initial tensors (models/init.py): building a TP=t model
 allocates a rank's shard, never the whole model.
 
+Built with `stages` (models/language_model.py), it is a pipeline rank's share of the model
+(pipeline_parallel/model.py: PipelineGPT), loading and gathering only what it holds.
+
 Gradients that a backward leaves as partial sums (over TP: parameters marked `sequence_parallel`,
 key/value heads held in copies; over CP: all of them) are summed by `partial_grads`
 (tensor_parallel/partial_grads.py), which full_grad_dict and the training loop both call.
@@ -28,23 +31,23 @@ import torch
 from megatron_sp import parallel_state
 from megatron_sp.models.builders import ParallelBuilder
 from megatron_sp.models.language_model import LanguageModel
+from megatron_sp.models.moe.state import expert_of, gather_experts
 from megatron_sp.tensor_parallel.partial_grads import PartialGrads
 from megatron_sp.tensor_parallel.sharding import full_dim_size, gather_full, shard_full
 
 
 class GPTModel(LanguageModel):
     """The parallel model of cfg.model's family (or of `spec`); see DESIGN.md for the API.
-    device: where the parameters are materialised (default: torch's default device, the CPU)."""
+    device: where the parameters are materialised (default: torch's default device, the CPU); stages:
+    the shares built here (default: the whole model). A models.trainable.TrainableModel."""
 
-    def __init__(self, cfg, ps: parallel_state.ParallelState | None = None, spec=None, *, device=None):
+    def __init__(self, cfg, ps: parallel_state.ParallelState | None = None, spec=None, *, device=None, stages=None):
         ps = ps if ps is not None else parallel_state.get()
-        _check_parallel_sizes(cfg, ps)
-        super().__init__(cfg, ParallelBuilder(cfg, ps), spec)
+        check_parallel_sizes(cfg, ps)
+        super().__init__(cfg, ParallelBuilder(cfg, ps), spec, stages=stages)
         self.ps = ps
         self.partial_grads = PartialGrads(ps)
-        self.materialise(
-            device if device is not None else torch.get_default_device(), tp_rank=ps.tp_rank, tp_size=ps.tp_size
-        )
+        self.materialise(device if device is not None else torch.get_default_device(), coords=ps.coords)
 
     def forward(self, tokens, labels=None, **inputs):
         """LanguageModel.forward; a forward that will have a backward leaves partial gradients."""
@@ -55,53 +58,71 @@ class GPTModel(LanguageModel):
     # ---- full <-> sharded state ---------------------------------------------------------------
     @torch.no_grad()
     def load_full_state_dict(self, state_dict):
-        """Loads a ReferenceGPT-shaped state dict, keeping this rank's shards."""
+        """Loads a ReferenceGPT-shaped state dict, keeping this rank's shards (of its stages: the other
+        stages' tensors are ignored)."""
         params = dict(self.named_parameters())
-        missing = sorted(set(params) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(params))
-        if missing or unexpected:
-            raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        check_full_keys(params, state_dict, self.cfg, whole=self.is_whole)
         for name, p in params.items():
-            want = _full_shape(p, self.ps.tp_size)
+            want = _full_shape(p, self.ps)
             if tuple(state_dict[name].shape) != want:
                 raise ValueError(f"{name}: full tensor {tuple(state_dict[name].shape)} is not the model's {want}.")
-            p.copy_(
-                shard_full(
-                    state_dict[name].to(p.device), p.shard_spec, tuple(p.shape), self.ps.tp_rank, self.ps.tp_size
-                )
-            )
+            rank, size = self.ps.coords(p.shard_spec.group)
+            p.copy_(shard_full(state_dict[name].to(p.device), p.shard_spec, tuple(p.shape), rank, size))
 
     @torch.no_grad()
     def full_state_dict(self):
-        """Collective over the TP group: unsharded parameters, ReferenceGPT keys and shapes."""
-        return {name: gather_full(p.detach(), p.shard_spec, self.ps.tp_group) for name, p in self.named_parameters()}
+        """Collective over the TP group (and the expert groups): unsharded parameters (of this model's
+        stages), ReferenceGPT keys and shapes, every expert's."""
+        full = {
+            name: gather_full(p.detach(), p.shard_spec, self.ps.group(p.shard_spec.group))
+            for name, p in self.named_parameters()
+        }
+        return gather_experts(full, self.ps, self.cfg.num_experts)
 
     @torch.no_grad()
     def full_grad_dict(self):
-        """Collective: unsharded gradients (partial sums reduced first if still pending); a parameter's
-        gradient is its `.grad`, or its `main_grad` when gradient buffers hold it (distributed/grad_buffers.py)."""
-        self.partial_grads.reduce(self.parameters(), grad=_gradient)
-        return {
-            name: gather_full(_gradient(p), p.shard_spec, self.ps.tp_group)
+        """Collective: unsharded gradients (partial sums reduced first if still pending, then the tied
+        embedding's copies); a parameter's gradient is its `.grad`, or its `main_grad` when gradient
+        buffers hold it (distributed/grad_buffers.py)."""
+        self.partial_grads.reduce(self.parameters(), grad=gradient_of)
+        self.finalize_embedding_grads()
+        full = {
+            name: gather_full(gradient_of(p), p.shard_spec, self.ps.group(p.shard_spec.group))
             for name, p in self.named_parameters()
-            if _gradient(p) is not None
+            if gradient_of(p) is not None
         }
+        return gather_experts(full, self.ps, self.cfg.num_experts)
+
+    def finalize_embedding_grads(self, grad=None) -> None:
+        """Sums the tied word embedding's gradient over the ranks that hold a copy of it: none here, the
+        one model holds both ends (PipelineGPT's stages sum theirs)."""
 
 
-def _gradient(p):
+def gradient_of(p):
+    """A parameter's gradient: `.grad`, else the gradient buffers' `main_grad` (None: no gradient)."""
     return p.grad if p.grad is not None else getattr(p, "main_grad", None)
 
 
-def _full_shape(p, tp_size):
+def _full_shape(p, ps):
     shape = list(p.shape)
     spec = p.shard_spec
     if spec.dim is not None:
         dim = spec.dim % p.dim()
-        shape[dim] = full_dim_size(spec, shape[dim], tp_size)
+        shape[dim] = full_dim_size(spec, shape[dim], ps.size(spec.group))
     return tuple(shape)
 
 
-def _check_parallel_sizes(cfg, ps: parallel_state.ParallelState):
+def check_full_keys(params: dict, state_dict: dict, cfg, *, whole: bool = True) -> None:
+    """A full state dict has this model's keys, and every other expert's (held by other EP ranks); a
+    model of some stages (whole=False) ignores the other stages' keys."""
+    missing = sorted(set(params) - set(state_dict))
+    unexpected = sorted(k for k in set(state_dict) - set(params) if expert_of(k) is None or cfg.num_experts is None)
+    if missing or (unexpected and whole):
+        raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def check_parallel_sizes(cfg, ps: parallel_state.ParallelState):
+    """The config's TP, CP and expert sizes are the initialised groups' (one sentence otherwise)."""
     if cfg.tensor_model_parallel_size != ps.tp_size:
         raise ValueError(
             f"GPTConfig.tensor_model_parallel_size ({cfg.tensor_model_parallel_size}) does not "
@@ -111,6 +132,13 @@ def _check_parallel_sizes(cfg, ps: parallel_state.ParallelState):
         raise ValueError(
             f"GPTConfig.context_parallel_size ({cfg.context_parallel_size}) does not match the "
             f"initialised CP group size ({ps.cp_size})."
+        )
+    experts = (cfg.expert_model_parallel_size, cfg.expert_tensor_parallel_size)
+    if cfg.num_experts is not None and experts != (ps.ep_size, ps.etp_size):
+        raise ValueError(
+            f"GPTConfig.expert_model_parallel_size ({cfg.expert_model_parallel_size}) and "
+            f"expert_tensor_parallel_size ({cfg.expert_tensor_parallel_size}) do not match the initialised "
+            f"expert groups ({ps.ep_size}, {ps.etp_size}); pass them to initialize_model_parallel."
         )
     wanted = tuple(cfg.hierarchical_context_parallel_sizes or ())
     if ps.cp_size > 1 and wanted and wanted != tuple(ps.hierarchical_cp_sizes):

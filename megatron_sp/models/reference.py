@@ -18,5 +18,5 @@ class ReferenceGPT(LanguageModel):
 
     def __init__(self, cfg, spec=None, *, initialise: bool = True):
         device = torch.get_default_device()
-        super().__init__(cfg, SerialBuilder(), spec)
+        super().__init__(cfg, SerialBuilder(cfg), spec)
         self.materialise(device, draw=initialise)

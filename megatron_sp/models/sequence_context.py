@@ -7,7 +7,7 @@ ParallelBuilder: this rank's tokens under CP and its SP-region rows) and every l
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -33,6 +33,7 @@ class SequenceContext:
     cp_split         CPSplit under context parallelism, else None
     whole            under context parallelism, the whole sequence's context (what Ulysses' core
                      attends over), else None
+    moe_losses       {(layer, name): this rank's share of an MoE auxiliary loss} (models/moe/losses.py)
     """
 
     tokens: torch.Tensor
@@ -47,6 +48,7 @@ class SequenceContext:
     training: bool
     cp_split: Optional[CPSplit] = None
     whole: Optional["SequenceContext"] = None
+    moe_losses: dict = field(default_factory=dict)
 
 
 def _check_length(cfg, s):

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_sp.layer_options import is_moe_layer
 from megatron_sp.models.attention import CausalAttention, SelfAttention
 from megatron_sp.models.blocks import MLP, BiasDropoutAdd, Embedding, Norm, PreNormBlock
+from megatron_sp.models.moe.moe_layer import MoELayer
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,11 @@ class BlockSpec:
     mlp: type = MLP
     bias_dropout_add: type = BiasDropoutAdd
     wiring: type = PreNormBlock
+    moe: type = MoELayer  # the mlp of the layers --moe-layer-freq makes mixture-of-experts
+
+    def mlp_class(self, cfg, layer: int) -> type:
+        """The MLP slot of layer `layer` (1-based): `moe` where cfg makes it an MoE layer."""
+        return self.moe if is_moe_layer(cfg, layer) else self.mlp
 
     def build(self, cfg, *, layer: int, builder):
         return self.wiring(cfg, layer=layer, builder=builder, block_spec=self)

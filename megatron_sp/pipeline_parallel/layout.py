@@ -21,7 +21,9 @@ separated by `|`, each a string of symbols
     E  the embedding (once, first)     t  a transformer layer      L  the loss: final norm, output layer
     m  an MTP layer (refused here)     (…)*N  the group N times    x*N  the symbol (or `|`) N times
 
-commas are cosmetic and dropped; groups do not nest. The stage count is p·v, so v follows from it, and
+commas are cosmetic and dropped; groups do not nest. The counts are read from the parse and checked
+(against --num-layers and p, and fixed caps) before the repeats are written out.
+The stage count is p·v, so v follows from it, and
 stage s sits on rank s mod p, as above; the layout keeps each stage's count of `t` (`stage_sizes`).
 "Et*3|(tt|)*2,tL" at p = 2 is four stages of 3, 2, 2, 1 layers, stages 0 and 2 on rank 0. Megatron
 allows a stage that holds nothing; here each stage holds a layer, E or L (its stage runs a schedule's
@@ -198,7 +200,7 @@ def layout_from_args(
     (text) sets everything; at most one of those three, as in Megatron-LM."""
     _check_chunk_flags(vp_size, layers_per_virtual_stage, virtual_stages, text)
     if text is not None:
-        return _layout_from_text(text, pp_size, vp_size, first, last, schedule)
+        return _layout_from_text(text, pp_size, vp_size, first, last, schedule, num_layers)
     if virtual_stages is not None:
         if vp_size not in (None, virtual_stages):
             raise ValueError(
@@ -263,11 +265,11 @@ def accounted_layout(num_layers: int, pp_size: int, vp_size: int, embedding: boo
     return "|".join(parts)
 
 
-def _layout_from_text(text, pp_size, vp_size, first, last, schedule) -> PipelineLayout:
+def _layout_from_text(text, pp_size, vp_size, first, last, schedule, num_layers=None) -> PipelineLayout:
     """A layout string with the flags it may meet: an equal --virtual-pipeline-model-parallel-size only."""
     if first is not None or last is not None:
         raise ValueError(f"give {LAYOUT_FLAG} or --decoder-first/last-pipeline-num-layers, not both.")
-    layout = layout_from_string(text, pp_size, schedule)
+    layout = layout_from_string(text, pp_size, schedule, num_layers)
     if vp_size not in (None, layout.vp_size):
         raise ValueError(
             f"{LAYOUT_FLAG} {text!r} has {layout.num_stages} stages, {layout.vp_size} per rank, but "
@@ -278,31 +280,87 @@ def _layout_from_text(text, pp_size, vp_size, first, last, schedule) -> Pipeline
 
 # ---- Megatron-LM's layout string ---------------------------------------------------------------
 # At each position: a (group)*N without nested parentheses, a symbol (or `|`) times N, or one character.
+# The counts are read from this parse before anything is written out, so a repeat of 10^12 is refused
+# in one sentence instead of being expanded (MemoryError), and a count of thousands of digits never
+# reaches int() (Python's own digit limit).
 _PIECE = re.compile(r"\(([^()]+)\)\*(\d+)|([^()*])\*(\d+)|([^()*])")
+MAX_LAYOUT_CHARS = 10_000  # the string as given
+MAX_REPEAT_DIGITS = 6  # a count up to 999,999
+MAX_EXPANDED = 1 << 20  # symbols and separators once the repeats are written out
 
 
-def _unroll(text: str, flag_value: str) -> str:
-    """The string with its repeats written out; ValueError naming the first piece that is none of these."""
-    out, pos = [], 0
+def _pieces(text: str, flag_value: str):
+    """(piece, times) for each piece: a group's text, a symbol or `|`; ValueError naming what cannot be read."""
+    pos = 0
     while pos < len(text):
         piece = _PIECE.match(text, pos)
         if piece is None:
             raise ValueError(
-                f"{LAYOUT_FLAG} {flag_value!r}: cannot read {text[pos:]!r}; a repeat is a symbol or a (group) "
+                f"{LAYOUT_FLAG} {flag_value!r}: cannot read {text[pos:][:40]!r}; a repeat is a symbol or a (group) "
                 f"followed by *N, and groups do not nest."
             )
         group, group_times, symbol, times, single = piece.groups()
-        if group is not None:
-            out.append(_unroll(group, flag_value) * int(group_times))
-        else:
-            out.append(single if single is not None else symbol * int(times))
+        count = group_times or times or "1"
+        if len(count) > MAX_REPEAT_DIGITS:
+            raise ValueError(
+                f"{LAYOUT_FLAG}: a repeat count of {len(count)} digits is too large; counts go up to "
+                f"{10**MAX_REPEAT_DIGITS - 1:,}."
+            )
+        yield (group if group is not None else single if single is not None else symbol), int(count), group is not None
         pos = piece.end()
+
+
+def _counts(text: str, flag_value: str) -> dict:
+    """How many of each character the string holds once unrolled, from the parse alone (nothing expanded)."""
+    counts = {}
+    for piece, times, is_group in _pieces(text, flag_value):
+        inner = _counts(piece, flag_value) if is_group else {piece: 1}
+        for char, n in inner.items():
+            counts[char] = counts.get(char, 0) + n * times
+    return counts
+
+
+def _unroll(text: str, flag_value: str) -> str:
+    """The string with its repeats written out (its size bounded by _check_size first)."""
+    out = []
+    for piece, times, is_group in _pieces(text, flag_value):
+        out.append((_unroll(piece, flag_value) if is_group else piece) * times)
     return "".join(out)
 
 
-def parse_layout(text: str) -> list:
+def _check_size(text: str, flag_value: str, num_layers: Optional[int], pp_size: Optional[int]) -> None:
+    """The stage and layer counts from the parse, checked against --num-layers and the pipeline's ranks
+    before expanding."""
+    if len(flag_value) > MAX_LAYOUT_CHARS:
+        raise ValueError(f"{LAYOUT_FLAG} is {len(flag_value):,} characters long; at most {MAX_LAYOUT_CHARS:,}.")
+    counts = _counts(text, flag_value)
+    layers, stages = counts.get("t", 0), counts.get("|", 0) + 1
+    if num_layers is not None and layers != num_layers:
+        raise ValueError(
+            f"{LAYOUT_FLAG} holds {layers:,} transformer layers (t) but --num-layers is {num_layers}; make them agree."
+        )
+    if num_layers is not None and stages > num_layers + 2:
+        raise ValueError(
+            f"{LAYOUT_FLAG} has {stages:,} stages for {num_layers} layers; each stage holds a layer, E or L, "
+            f"so at most {num_layers + 2}."
+        )
+    if sum(counts.values()) > MAX_EXPANDED:
+        raise ValueError(
+            f"{LAYOUT_FLAG} unrolls to {sum(counts.values()):,} symbols, more than {MAX_EXPANDED:,}; "
+            "give fewer layers or stages."
+        )
+    if pp_size is not None and stages % pp_size != 0:
+        raise ValueError(
+            f"{LAYOUT_FLAG} {flag_value[:40]!r} has {stages:,} stages, not a multiple of "
+            f"--pipeline-model-parallel-size {pp_size}; give p × (chunks per rank) stages."
+        )
+
+
+def parse_layout(text: str, num_layers: Optional[int] = None, pp_size: Optional[int] = None) -> list:
     """Megatron-LM's layout string as one string of symbols per stage, in stage order, repeats unrolled:
-    "E(t|)*2tL" -> ["Et", "t", "tL"]. ValueError (one sentence) on a character that is no symbol."""
+    "E(t|)*2tL" -> ["Et", "t", "tL"]. ValueError (one sentence) on a character that is no symbol, or a
+    string whose counts (against num_layers and pp_size when given) are too large to write out."""
+    _check_size(text.replace(",", ""), text, num_layers, pp_size)
     stages = _unroll(text.replace(",", ""), text).split("|")
     for symbol in "".join(stages):
         if symbol not in SYMBOLS:
@@ -313,10 +371,13 @@ def parse_layout(text: str) -> list:
     return stages
 
 
-def layout_from_string(text: str, pp_size: int, schedule: str = "1f1b") -> PipelineLayout:
+def layout_from_string(
+    text: str, pp_size: int, schedule: str = "1f1b", num_layers: Optional[int] = None
+) -> PipelineLayout:
     """The PipelineLayout a layout string describes at pp_size ranks (v = stages / p); the layer count
-    is checked by PipelineLayout.check. ValueError (one sentence) on what cannot serve here."""
-    stages = parse_layout(text)
+    is checked here when given, else by PipelineLayout.check. ValueError (one sentence) on what cannot
+    serve here."""
+    stages = parse_layout(text, num_layers, pp_size)
     symbols = "".join(stages)
     if "m" in symbols:
         raise ValueError(
@@ -327,10 +388,5 @@ def layout_from_string(text: str, pp_size: int, schedule: str = "1f1b") -> Pipel
         raise ValueError(f"{LAYOUT_FLAG} {text!r} must hold E (the embedding) once, at the start of the first stage.")
     if symbols.count("L") != 1 or not stages[-1].endswith("L"):
         raise ValueError(f"{LAYOUT_FLAG} {text!r} must hold L (the loss) once, at the end of the last stage.")
-    if len(stages) % pp_size != 0:
-        raise ValueError(
-            f"{LAYOUT_FLAG} {text!r} has {len(stages)} stages, not a multiple of --pipeline-model-parallel-size "
-            f"{pp_size}; give p × (chunks per rank) stages."
-        )
     sizes = tuple(stage.count("t") for stage in stages)
     return PipelineLayout(pp_size, len(stages) // pp_size, schedule=schedule, stage_sizes=sizes)

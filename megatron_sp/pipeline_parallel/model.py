@@ -1,9 +1,12 @@
 """PipelineGPT: this rank's pipeline stages of the TP+SP(+CP) model, run by a torch.distributed.pipelining
 schedule. The same function, parameter names and full state dicts as GPTModel / ReferenceGPT.
 
-A rank builds only the stages it holds (pipeline_parallel/layout.py), on the meta device, then
-materialises its shards as GPTModel does: the parameter names are the global ones (`layers.{i}.…`,
-layer ids i + 1 keying dropout), so every parameter starts bit-identical to the serial model's.
+PipelineGPT is a GPTModel built with this rank's stages (pipeline_parallel/layout.py; LanguageModel's
+`stages`, megatron-core's pre_process / post_process), on the meta device, its shards materialised as
+GPTModel's are: the parameter names are the global ones (`layers.{i}.…`, layer ids i + 1 keying
+dropout), so every parameter starts bit-identical to the serial model's. It adds no build code: each
+stage the schedule runs is a view (StageChunk) of the model's modules, whose forward is
+LanguageModel.run_stage.
 
     stage 0        tokens [mb, s] -> embedding -> its layers -> x [s_sp, mb, h]   (sent to stage 1)
     stage k        x [s_sp, mb, h] -> its layers -> x                            (s_sp = s / cp / t under SP)
@@ -25,56 +28,69 @@ gets the whole model's dict, gathered over TP and merged over the stages.
 
 from __future__ import annotations
 
+from typing import Callable, Optional, Protocol, runtime_checkable
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megatron_sp import parallel_state
 from megatron_sp.models.blocks import residual_dtype
-from megatron_sp.models.builders import ParallelBuilder
-from megatron_sp.models.gpt import _check_parallel_sizes, _full_shape, _gradient
-from megatron_sp.models.init import check_init_tags, torch_dtype
-from megatron_sp.models.language_model import LanguageModel, run_layers
-from megatron_sp.models.registry import get_spec
+from megatron_sp.models.gpt import GPTModel, check_parallel_sizes, gradient_of
+from megatron_sp.models.init import torch_dtype
+from megatron_sp.models.language_model import Stage
+from megatron_sp.models.trainable import TrainableModel
 from megatron_sp.pipeline_parallel.layout import PipelineLayout, stage_layers
-from megatron_sp.tensor_parallel.partial_grads import PartialGrads
-from megatron_sp.tensor_parallel.sharding import gather_full, shard_full
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask", "sample_ids")  # step()'s fields
 
 
-class StageChunk(nn.Module):
-    """One pipeline stage's forward (a view of the owner's modules: it holds no parameter of its own)."""
+@runtime_checkable
+class PipelinedModel(TrainableModel, Protocol):
+    """A model run by a pipeline schedule (PipelineGPT): what the training loop and FSDP2 ask beyond
+    TrainableModel's."""
 
-    def __init__(self, owner: "PipelineGPT", layers: range, *, first: bool, last: bool):
+    before_last_backward: Optional[Callable]  # hooks into the schedule's backward (see PipelineGPT)
+    after_weight_backward: Optional[Callable]
+
+    @property
+    def stage_chunks(self) -> list:
+        """This rank's stages' forward modules, in stage order."""
+        ...
+
+    def step(self, tokens, labels, *, num_microbatches: int, **inputs) -> torch.Tensor:
+        """Forward and backward of the whole batch through the schedule: the micro-batch losses [m]."""
+        ...
+
+
+class StageChunk(nn.Module):
+    """One pipeline stage's forward: LanguageModel.run_stage on a view of the model's modules (their
+    parameters are the model's; they are children here so that FSDP2 and the schedule see them)."""
+
+    def __init__(self, model: GPTModel, stage: Stage):
         super().__init__()
-        self.cfg, self.builder, self.partial_grads = owner.cfg, owner.builder, owner.partial_grads
-        self.first, self.last = first, last
-        self.embedding = owner.embedding if first else None
-        self.blocks = nn.ModuleList(owner.layers[str(i)] for i in layers)
-        if last:
-            self.final_ln, self.head = owner.final_ln, owner.head
-            self.output = owner.output_layer if owner.output_layer is not None else owner.embedding.word_embeddings
+        self.cfg, self.builder, self.partial_grads = model.cfg, model.builder, model.partial_grads
+        self.stage, self._run_stage = stage, model.run_stage  # (a bound method: not a child)
+        self.embedding = model.embedding if stage.first else None
+        self.blocks = nn.ModuleList(model.layers[i] for i in stage.layers)
+        if stage.last:
+            self.final_ln, self.head = model.final_ln, model.head
+            self.output = model.output_layer if model.output_layer is not None else model.embedding.word_embeddings
 
     def forward(self, x, *, tokens, labels=None, **batch):
         """x: the tokens [mb, s] on the first stage, else the hidden states [s_sp, mb, h]."""
         if torch.is_grad_enabled():
             self.partial_grads.expect()
         seq = self.builder.sequence_context(self.cfg, tokens, labels=labels, training=self.training, **_batch(batch))
-        if self.first:
-            x = self.embedding(seq.tokens, seq)  # [s_sp, mb, h]
-        x = run_layers(self.cfg, list(self.blocks), x, seq)
-        if not self.last:
-            return x
-        return self.head(self.final_ln(x), self.output.weight, seq)
+        return self._run_stage(self.stage, x, seq)
 
 
 def _batch(batch):
     return {k: batch.get(k) for k in ("loss_mask", "position_ids", "attention_mask", "sample_ids")}
 
 
-class PipelineGPT(nn.Module):
-    """This rank's stages of cfg's model under `layout` (see the module docstring).
+class PipelineGPT(GPTModel):
+    """This rank's stages of cfg's model under `layout` (see the module docstring); a PipelinedModel.
 
     step(tokens, labels, num_microbatches=m, ...) runs forward and backward of the whole batch [B, s]
     (B = m · micro-batch) through the schedule and returns the m micro-batch losses [m] on every rank of
@@ -82,25 +98,25 @@ class PipelineGPT(nn.Module):
     token count with per_token=True, times `scale`)."""
 
     def __init__(self, cfg, layout: PipelineLayout, ps=None, spec=None, *, device=None):
-        super().__init__()
         ps = ps if ps is not None else parallel_state.get()
-        _check_parallel_sizes(cfg, ps)
+        check_parallel_sizes(cfg, ps)  # (before the layout's checks, as GPTModel's own)
+        if cfg.num_experts is not None:
+            raise ValueError(
+                "mixture of experts under pipeline parallelism is not built yet; use pipeline_model_parallel_size 1."
+            )
         if layout.pp_size != ps.pp_size:
             raise ValueError(f"the layout's pp_size ({layout.pp_size}) is not the PP group size ({ps.pp_size}).")
         layout.check(cfg.num_layers)
-        self.cfg, self.ps, self.layout = cfg, ps, layout
-        self.builder = ParallelBuilder(cfg, ps)
-        self.partial_grads = PartialGrads(ps)
-        self.stage_ids = layout.rank_stages(ps.pp_rank)
-        self.last_stage = layout.num_stages - 1
-        ranges = stage_layers(cfg.num_layers, layout)
-        with torch.device("meta"):
-            self._build(spec if spec is not None else get_spec(cfg.model), [ranges[s] for s in self.stage_ids])
-        device = device if device is not None else torch.get_default_device()
-        self.device = torch.device(device)
-        LanguageModel.materialise(self, self.device, tp_rank=ps.tp_rank, tp_size=ps.tp_size)
-        chunks = [StageChunk(self, ranges[s], first=s == 0, last=s == self.last_stage) for s in self.stage_ids]
-        self._chunks = chunks  # a plain list: views, not children (their parameters are this module's)
+        stage_ids, last, ranges = (
+            layout.rank_stages(ps.pp_rank),
+            layout.num_stages - 1,
+            stage_layers(cfg.num_layers, layout),
+        )
+        stages = [Stage(ranges[s], first=s == 0, last=s == last) for s in stage_ids]
+        device = torch.device(device if device is not None else torch.get_default_device())
+        super().__init__(cfg, ps, spec, device=device, stages=stages)
+        self.layout, self.stage_ids, self.last_stage, self.device = layout, stage_ids, last, device
+        self._chunks = [StageChunk(self, stage) for stage in self.stages]  # a plain list: views, not children
         self._schedules = {}
         self._embedding_pending = False
         # The training loop's hooks into the schedule (gradient buffers, the overlapped DP sync):
@@ -116,28 +132,6 @@ class PipelineGPT(nn.Module):
     def stage_chunks(self) -> list:
         """This rank's stages' forward modules, in stage order (FSDP2 makes each a root: distributed/fsdp.py)."""
         return list(self._chunks)
-
-    def _build(self, spec, ranges):
-        cfg, builder, block_spec = self.cfg, self.builder, spec.block
-        holds_first, holds_last = 0 in self.stage_ids, self.last_stage in self.stage_ids
-        self.spec = spec
-        self.embedding = self.final_ln = self.output_layer = self.head = None
-        if holds_first:
-            self.embedding = spec.embedding(cfg, layer=0, builder=builder, block_spec=block_spec)
-        elif holds_last and not cfg.untie_embeddings_and_output_weights:  # the tied copy, same name
-            self.embedding = nn.Module()
-            self.embedding.word_embeddings = builder.word_embedding(cfg)
-            self.embedding.word_embeddings.weight.pipeline_copy = True  # norms count the first stage's
-        self.layers = nn.ModuleDict(
-            {str(i): block_spec.build(cfg, layer=i + 1, builder=builder) for layers in ranges for i in layers}
-        )
-        if holds_last:
-            n = cfg.num_layers
-            self.final_ln = spec.final_norm(cfg, layer=n + 1, builder=builder, block_spec=block_spec)
-            if cfg.untie_embeddings_and_output_weights:
-                self.output_layer = builder.output_layer(cfg)
-            self.head = builder.lm_head(cfg)
-        check_init_tags(self)
 
     def _tied_across_ranks(self) -> bool:
         layout = self.layout
@@ -284,44 +278,22 @@ class PipelineGPT(nn.Module):
             return
         if layout.stage_rank(0) == layout.stage_rank(self.last_stage) or self.embedding is None:
             return
-        g = (grad or _gradient)(self.embedding.word_embeddings.weight)
+        g = (grad or gradient_of)(self.embedding.word_embeddings.weight)
         if g is None:
             g = torch.zeros_like(self.embedding.word_embeddings.weight)
             self.embedding.word_embeddings.weight.grad = g
         dist.all_reduce(g, group=self.ps.embedding_group)
 
-    # ---- full <-> sharded state --------------------------------------------------------------
-    @torch.no_grad()
-    def load_full_state_dict(self, state_dict):
-        """Loads a ReferenceGPT-shaped state dict, keeping this rank's stages and shards."""
-        params = dict(self.named_parameters())
-        missing = sorted(set(params) - set(state_dict))
-        if missing:
-            raise KeyError(f"state dict mismatch: missing {missing[:5]}")
-        for name, p in params.items():
-            want = _full_shape(p, self.ps.tp_size)
-            if tuple(state_dict[name].shape) != want:
-                raise ValueError(f"{name}: full tensor {tuple(state_dict[name].shape)} is not the model's {want}.")
-            full = state_dict[name].to(p.device)
-            p.copy_(shard_full(full, p.shard_spec, tuple(p.shape), self.ps.tp_rank, self.ps.tp_size))
-
+    # ---- full state ----------------------------------------------------------------------------
     @torch.no_grad()
     def full_state_dict(self):
         """Collective over the TP and PP groups: the whole model's unsharded parameters, ReferenceGPT keys."""
-        local = {name: gather_full(p.detach(), p.shard_spec, self.ps.tp_group) for name, p in self.named_parameters()}
-        return self._merge_stages(local)
+        return self._merge_stages(super().full_state_dict())
 
     @torch.no_grad()
     def full_grad_dict(self):
         """Collective: the whole model's unsharded gradients (partial sums and tied copies summed first)."""
-        self.partial_grads.reduce(self.parameters(), grad=_gradient)
-        self.finalize_embedding_grads()
-        local = {
-            name: gather_full(_gradient(p), p.shard_spec, self.ps.tp_group)
-            for name, p in self.named_parameters()
-            if _gradient(p) is not None
-        }
-        return self._merge_stages(local)
+        return self._merge_stages(super().full_grad_dict())
 
     def _merge_stages(self, local: dict) -> dict:
         if self.ps.pp_size == 1:

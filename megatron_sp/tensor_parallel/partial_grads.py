@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_sp.parallel_state import ParallelState
+from megatron_sp.parallel_state import EXPERT_REPLICAS, ParallelState, replica_role
 from megatron_sp.tensor_parallel.sharding import split_local
 
 
@@ -47,15 +47,28 @@ class PartialGrads:
         grad = grad if grad is not None else _grad
         pairs = [(p, grad(p)) for p in params]
         pairs = [(p, g) for p, g in pairs if g is not None]
+        experts = [g for p, g in pairs if replica_role(p) == EXPERT_REPLICAS]
+        pairs = [(p, g) for p, g in pairs if replica_role(p) != EXPERT_REPLICAS]
         if self.cp_pending and not cp_summed and pairs:
             _sum_flat([g for _, g in pairs], self.ps.cp_group)
         if self.tp_pending:
             _sum_over_tp(pairs, self.ps)
+        if self.tp_pending and not cp_summed and experts:
+            _reduce_experts(experts, self.ps)
         self.tp_pending = self.cp_pending = False
 
 
 def _grad(p):
     return p.grad
+
+
+def _reduce_experts(grads, ps: ParallelState) -> None:
+    """Expert gradients: summed over the expert-DP ranks (the other token sets routed to the same
+    experts), divided by DP (the data-parallel mean, which the dense gradients take afterwards)."""
+    if ps.edp_size > 1:
+        _sum_flat(grads, ps.edp_group)
+    if ps.dp_size > 1:
+        torch._foreach_div_(grads, float(ps.dp_size))
 
 
 def _sum_flat(tensors, group) -> None:

@@ -160,6 +160,8 @@ def run_layout(
         layout.tp,
         layout.cp,
         pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
         **({} if levels is None else {"hierarchical_context_parallel_sizes": levels}),
     )
     if ps.dp_size % layout.dp:
@@ -219,12 +221,13 @@ def _reduce_grads(model, ps) -> None:
     pipeline copy, and the data-parallel mean."""
     import torch.distributed as dist
 
+    from megatron_sp.parallel_state import REPLICAS, replica_role
+
     model.partial_grads.reduce(model.parameters())
-    if hasattr(model, "finalize_embedding_grads"):  # PipelineGPT
-        model.finalize_embedding_grads()
-    if ps.dp_size > 1:
+    model.finalize_embedding_grads()  # (PipelineGPT's tied copies; nothing on GPTModel)
+    if ps.dp_size > 1:  # (experts': taken by partial_grads, over the expert-DP group)
         for p in model.parameters():
-            if p.grad is not None:
+            if p.grad is not None and replica_role(p) == REPLICAS:
                 dist.all_reduce(p.grad, group=ps.dp_group)
                 p.grad /= ps.dp_size
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import math
 
-from megatron_sp.training import megatron_flags
 from megatron_sp.training.batch_schedule import BatchSchedule
 
 OUR_TOKENIZERS = ("ByteLevelTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
@@ -240,11 +239,34 @@ def _check_data_flags(args) -> None:
         raise ArgumentError(str(err)) from None
 
 
+def _check_experts(args) -> None:
+    """Mixture-of-experts flags the layout cannot take (the model's own checks are GPTConfig's)."""
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    if args.num_experts is None:
+        return
+    stage = args.world_size // max(1, args.pipeline_model_parallel_size)
+    if stage % (ep * etp):
+        raise ArgumentError(
+            f"--expert-model-parallel-size {ep} × --expert-tensor-parallel-size {etp} must divide the {stage} ranks "
+            f"of a pipeline stage (world {args.world_size} / --pipeline-model-parallel-size "
+            f"{args.pipeline_model_parallel_size})."
+        )
+    if args.pipeline_model_parallel_size > 1:
+        raise ArgumentError(
+            "--num-experts with --pipeline-model-parallel-size > 1: mixture of experts under pipeline "
+            "parallelism is not built yet; use --pipeline-model-parallel-size 1."
+        )
+    if args.use_torch_fsdp2:
+        raise ArgumentError(
+            "--num-experts with --use-torch-fsdp2: expert layers need an expert-data-parallel mesh, which is not "
+            "built; use --use-distributed-optimizer."
+        )
+
+
 def _check_features(args) -> None:
     """Flags whose value asks for a feature megatron_sp lacks (pipeline, experts, other checkpoint
     formats) or for another flag (Megatron-LM's own rules), and the older recompute spelling."""
-    if args.expert_model_parallel_size != 1:
-        raise ArgumentError(f"--expert-model-parallel-size {args.expert_model_parallel_size}: {megatron_flags.MOE}.")
+    _check_experts(args)
     _megatron_fsdp(args)
     if args.ckpt_format not in ("torch_dist", "fsdp_dtensor"):
         raise ArgumentError(

@@ -100,12 +100,21 @@ def _pipeline_args(g):
     )
 
 
+def _moe_args(p):
+    g = p.add_argument_group("mixture of experts")
+    add_config_flags(g, "mixture of experts")
+    g.add_argument(
+        "--moe-per-layer-logging",
+        action="store_true",
+        help="log (and write to TensorBoard) each MoE layer's auxiliary losses besides their mean",
+    )
+
+
 def _parallel_args(p):
     g = p.add_argument_group("parallelism")
     add_config_flags(g, "parallelism")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="pipeline stages (docs/parallelism.md)")
     _pipeline_args(g)
-    g.add_argument("--expert-model-parallel-size", type=int, default=1, help="only 1 (no mixture of experts)")
     g.add_argument(
         "--distributed-backend", choices=["nccl", "gloo"], default=None, help="default: nccl on cuda, gloo on cpu"
     )
@@ -426,6 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for add in (
         _model_args,
+        _moe_args,
         _parallel_args,
         _training_args,
         _precision_args,

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping
 
+from megatron_sp import heartbeat
+
 LAUNCHERS = ("torchrun", "slurm", "single")
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -82,9 +84,19 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
         world_size=1,
         local_rank=0,
         master_addr="127.0.0.1",
-        master_port=int(environ.get("MASTER_PORT", 29500)),
+        master_port=_port(environ),
         launcher="single",
     )
+
+
+def _port(environ: Mapping[str, str], default: int = 29500) -> int:
+    """MASTER_PORT, a port number 1..65535 (the variable named when it is not one)."""
+    if not environ.get("MASTER_PORT"):
+        return default
+    text = environ["MASTER_PORT"]
+    if not (text.isascii() and text.isdigit() and len(text) <= 5 and 1 <= int(text) <= 65535):
+        raise ValueError(f"MASTER_PORT={text!r} is not a port number (1 to 65535)")
+    return int(text)
 
 
 def _int(environ: Mapping[str, str], name: str) -> int:
@@ -111,7 +123,7 @@ def _from_torchrun(environ: Mapping[str, str]) -> DistEnv:
         world_size=world,
         local_rank=_int(environ, "LOCAL_RANK"),
         master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=int(environ.get("MASTER_PORT", 29500)),
+        master_port=_port(environ),
         launcher="torchrun",
     )
 
@@ -149,7 +161,7 @@ def _slurm_head_node(environ: Mapping[str, str]) -> str:
 
 def _slurm_port(environ: Mapping[str, str]) -> int:
     if environ.get("MASTER_PORT"):
-        return _int(environ, "MASTER_PORT")
+        return _port(environ)
     job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
     if not job_id:
         raise ValueError("Slurm environment without SLURM_JOB_ID: set MASTER_PORT")
@@ -269,6 +281,7 @@ def init_distributed(backend: str, device: str, timeout_s: float = 600) -> DistE
             f"rank {env.rank}/{env.world_size} ({env.launcher}) could not join the process group at "
             f"{env.master_addr}:{env.master_port} within {timeout_s:.0f} s: {e}"
         ) from e
+    heartbeat.start(env.master_addr, env.master_port, env.rank)  # names a hung peer (megatron_sp/heartbeat.py)
     return env
 
 
@@ -348,6 +361,7 @@ def destroy_distributed(wait_for_peers: bool = False, wait_s: float = 60.0) -> N
     """
     import torch.distributed as dist
 
+    heartbeat.stop()
     if dist.is_available() and dist.is_initialized():
         store = _default_store() if wait_for_peers else None
         rank, world = dist.get_rank(), dist.get_world_size()

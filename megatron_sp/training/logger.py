@@ -17,6 +17,7 @@ class TrainingLogger:
     def __init__(self, args, enabled: bool):
         self.enabled, self.args = enabled, args
         self.records, self.eval_records = [], []
+        self._skipped = 0  # steps skipped since the last printed line (Megatron's "number of skipped iterations")
         self._tb = self._jsonl = self._bar = self._wandb = None
         if not enabled:
             return
@@ -43,6 +44,11 @@ class TrainingLogger:
         if self.enabled:
             self._write(message)
 
+    def warning(self, message: str):
+        """A problem the run goes on with: on stderr, one sentence, as the errors are."""
+        if self.enabled:
+            print(f"pretrain_gpt_sp.py: warning: {message}", file=sys.stderr, flush=True)
+
     def _write(self, message: str):
         if self._bar is not None:
             self._bar.write(message)
@@ -65,8 +71,10 @@ class TrainingLogger:
         it = record["iteration"]
         if it % self.args.tensorboard_log_interval == 0:
             self._scalars(record, it)
+        self._skipped += bool(record.get("skipped"))
         if it % self.args.log_interval != 0 and it not in (1, self.args.train_iters):
             return
+        record, self._skipped = dict(record, skipped_iterations=self._skipped), 0  # since the last line
         self.records.append(record)
         self._write(_megatron_line(record, self.args.train_iters, self.args.timing_log_level))
         if self._jsonl is not None:
@@ -86,6 +94,8 @@ class TrainingLogger:
             values.update(record.get("memory") or {})
         if a.log_timers_to_tensorboard:
             values.update({f"{k}-time": v for k, v in (record.get("timers") or {}).items()})
+        values.update({k: record.get(k) for k in MOE_LOSSES})  # Megatron's names
+        values.update(record.get("moe_layers") or {})
         values = {k: v for k, v in values.items() if v is not None}
         if self._tb is not None:
             for key, value in values.items():
@@ -141,6 +151,7 @@ class TrainingLogger:
 
 
 # TensorBoard / wandb scalars: ours (train/<record key>) and Megatron-LM's names (name -> record key).
+MOE_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss", "z_loss")
 _OURS = ("lm_loss", "lr", "grad_norm", "tokens_per_sec", "tflops", "mfu", "loss_scale")
 _MEGATRON = {
     "lm loss": "lm_loss",
@@ -174,13 +185,15 @@ def _megatron_line(r: dict, total: int, timing_level: int = 0) -> str:
         for key, label, fmt in (("num_zeros", "num zeros", "{:d}"), ("params_norm", "params norm", "{:.3f}"))
         if r.get(key) is not None
     )
+    extras += "".join(f" {name}: {r[name]:.6E} |" for name in MOE_LOSSES if r.get(name) is not None)
+    skipped = f" number of skipped iterations: {r['skipped_iterations']:3d} |" if "skipped_iterations" in r else ""
     if timing_level >= 1 and r.get("timers"):
         extras += "".join(f" {k} (ms): {1000 * v:.1f} |" for k, v in r["timers"].items())
     return (
         f" [{stamp}] iteration {r['iteration']:8d}/{total:8d} | consumed samples: {r['consumed_samples']:12d}"
         f" | elapsed time per iteration (ms): {r['elapsed_ms']:.1f} | learning rate: {r['lr']:.6E}"
         f" | global batch size: {r['global_batch_size']:5d} | lm loss: {r['lm_loss']:.6E} |{scale}"
-        f" grad norm: {r['grad_norm']:.3f} |{extras} tokens/s: {r['tokens_per_sec']:.1f}"
+        f" grad norm: {r['grad_norm']:.3f} |{extras}{skipped} tokens/s: {r['tokens_per_sec']:.1f}"
         f" | TFLOP/s/device: {r['tflops']:.3f} | {mfu} |"
     )
 

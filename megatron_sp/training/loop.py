@@ -19,7 +19,7 @@ from megatron_sp.distributed.grad_sync import OverlappedGradSync
 from megatron_sp.distributed.loss_scale import DynamicLossScaler
 from megatron_sp.distributed.optimizer import clip_grads
 from megatron_sp.parallel_state import ParallelState
-from megatron_sp.training import pipeline_step
+from megatron_sp.training import moe_metrics, pipeline_step
 
 
 class NonFiniteError(RuntimeError):
@@ -37,6 +37,7 @@ class StepResult:
     skipped: bool  # fp16 overflow or underflow: no update this step
     underflow: bool = False  # fp16: every gradient was zero (the loss scale was raised)
     timers: dict = field(default_factory=dict)  # seconds: forward-backward, grads-all-reduce, optimizer
+    moe: dict = field(default_factory=dict)  # the MoE auxiliary losses (training/moe_metrics.py)
 
 
 def to_device(batch: dict, device: str) -> dict:
@@ -131,6 +132,7 @@ def train_step(
     grad_sync: Optional[OverlappedGradSync] = None,
     per_token_loss: bool = False,
     empty_cache: bool = False,
+    moe_per_layer: bool = False,
 ) -> StepResult:
     """Accumulates gradients over the micro-batches (into optimizer.grad_buffers), syncs them, clips
     and steps. scaler: a distributed/loss_scale.py scaler (fp16, --loss-scale), or None.
@@ -138,6 +140,7 @@ def train_step(
     its token count (over micro-batches and DP ranks), not the mean of the micro-batch means.
     empty_cache (--empty-unused-memory-level 2): empty the CUDA cache after the backward."""
     optimizer.zero_grad(set_to_none=True)
+    moe_metrics.start_step(model)
     watch = _Stopwatch(device)
     scale = scaler.scale if scaler is not None else 1.0
     losses, counts = _accumulate(
@@ -163,6 +166,7 @@ def train_step(
         torch._foreach_mul_([p.grad for p in params], ps.dp_size / tokens)
     watch.lap("grads-all-reduce")
     result = _update(optimizer, params, scaler, clip_grad, ps, partition, loss_value, iteration)
+    result.moe = moe_metrics.finish_step(model, ps, moe_per_layer)
     watch.lap("optimizer")
     result.timers = watch.times
     return result

@@ -22,6 +22,7 @@ _KERNELS = "GPU kernel-fusion switch: the fused ops are chosen by megatron_sp (-
 _IMPL = "implementation switch: there is one implementation here"
 _LOADER = "data-loader knob: samples are read in the training process from memory-mapped files"
 _CKPT_IO = "checkpoint I/O knob: every rank writes and reads its own shards of one DCP checkpoint"
+_MOE_GPU = "a GPU stream / kernel optimisation of Megatron-LM's MoE: the same function runs unfused here"
 _MFSDP_KNOB = (
     "Megatron-FSDP's own buffers and registration: --use-megatron-fsdp runs on torch FSDP2 or the distributed "
     "optimizer here, which allocate their own"
@@ -115,6 +116,9 @@ NO_EFFECT = (
     NoEffect(("--use-pytorch-profiler",), SWITCH, "--profile always uses the PyTorch profiler (no nsys here)"),
     NoEffect(("--log-learning-rate-to-tensorboard",), SWITCH, _ALWAYS_TB),
     NoEffect(("--log-batch-size-to-tensorboard",), SWITCH, _ALWAYS_TB),
+    NoEffect(("--moe-shared-expert-overlap",), SWITCH, _MOE_GPU),
+    NoEffect(("--moe-permute-fusion",), SWITCH, _MOE_GPU),
+    NoEffect(("--moe-router-fusion",), SWITCH, _MOE_GPU),
     NoEffect(("--use-nccl-ub",), SWITCH, _MFSDP_KNOB),
     NoEffect(("--fsdp-double-buffer",), SWITCH, _MFSDP_KNOB),
     NoEffect(("--fsdp-manual-registration",), SWITCH, _MFSDP_KNOB),
@@ -155,14 +159,13 @@ NO_EFFECT = (
 )
 
 MOE = (
-    "mixture of experts is not implemented in megatron_sp (dense GPT/Llama models only); "
-    "remove the MoE flags or use Megatron-LM"
+    "this mixture-of-experts option is not implemented in megatron_sp (docs/models.md, Mixture of experts, "
+    "lists the MoE flags it takes)"
 )
 _FP8 = "FP8 training needs Transformer Engine, which megatron_sp does not use; train in --bf16"
 
 # (flag, or prefix ending in "-", the missing feature): in this order, the first match is reported.
 REFUSED = (
-    ("--num-experts", MOE),
     ("--moe-", MOE),
     ("--fp8-", _FP8),
     ("--fp8", _FP8),

@@ -18,11 +18,12 @@ from functools import partial
 
 import torch
 
-from megatron_sp.pipeline_parallel.model import BATCH_KEYS
+from megatron_sp.pipeline_parallel.model import BATCH_KEYS, PipelinedModel
 
 
 def is_pipeline(model) -> bool:
-    return hasattr(model, "step") and hasattr(model, "finalize_embedding_grads")
+    """Whether a pipeline schedule runs the model (its contract: pipeline_parallel.model.PipelinedModel)."""
+    return isinstance(model, PipelinedModel)
 
 
 def read_global_batch(data_iter, num_micro_batches, device, to_device):

@@ -22,7 +22,7 @@ from megatron_sp import checkpointing, failures, parallel_state
 from megatron_sp.config import GPTConfig
 from megatron_sp.data.errors import DataError
 from megatron_sp.distributed.grad_sync import OverlappedGradSync
-from megatron_sp.distributed.loss_scale import build_loss_scaler
+from megatron_sp.distributed.loss_scale import SkippedSteps, build_loss_scaler
 from megatron_sp.distributed.optimizer import build_optimizer
 from megatron_sp.training import trainer_report
 from megatron_sp.training.arguments import ArgumentError, parse_args
@@ -197,7 +197,14 @@ def _main(argv, signals) -> int:
     except (ValueError, RuntimeError) as err:  # a wrong launch or a rendezvous that failed
         failures.print_error(failures.one_sentence(err))
         return 2 if isinstance(err, ValueError) else 1
+    run_lock = None
     try:
+        if (
+            input_error is None
+            and args.save
+            and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0)
+        ):
+            run_lock, input_error = _lock_save_dir(args.save)
         failed = failures.agree(input_error)
         if failed:
             return failures.report_agreed(failed, 2)
@@ -217,9 +224,30 @@ def _main(argv, signals) -> int:
             return failures.report_once(describe_out_of_memory(err, setup.cfg, args, rank), 1)
         if not failures.is_collective_failure(err):
             raise
-        return failures.report_once(failures.describe_collective_failure(err, args.distributed_timeout_minutes), 1)
+        words = failures.describe_collective_failure(
+            err, args.distributed_timeout_minutes, args.pipeline_model_parallel_size
+        )
+        return failures.report_once(words, 1)
     finally:
         destroy_distributed()
+        if run_lock is not None:
+            run_lock.release()
+
+
+def _lock_save_dir(root):
+    """(rank 0's lock on --save, or None; the one sentence that refuses the run, or None)."""
+    from megatron_sp.checkpointing.locks import RunLock, SaveDirInUse
+
+    lock = RunLock(root)
+    try:
+        note = lock.acquire()
+    except SaveDirInUse as err:
+        return None, str(err) + "."
+    except OSError as err:
+        return None, f"--save {root}: its lock file cannot be opened ({err.strerror or err})."
+    if note:
+        print(note, flush=True)
+    return lock, None
 
 
 def build_scheduler(args, log=print) -> ParamScheduler:
@@ -272,6 +300,8 @@ class Trainer:
             timeout=timedelta(minutes=args.distributed_timeout_minutes),  # the world's (init_distributed)
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
             hierarchical_context_parallel_sizes=self.cfg.hierarchical_context_parallel_sizes,
+            expert_model_parallel_size=self.cfg.expert_model_parallel_size,
+            expert_tensor_parallel_size=self.cfg.expert_tensor_parallel_size,
         )
         self.log = TrainingLogger(
             args, enabled=torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True
@@ -288,6 +318,7 @@ class Trainer:
         else:
             self.optimizer = build_optimizer(self.model, args, args.device, self.ps)
         self.scaler = build_loss_scaler(args)
+        self.skipped = SkippedSteps(args.loss_scale_window)
         self.grad_sync = (
             OverlappedGradSync(self.optimizer.grad_buffers, self.ps, partition=self.optimizer.partition)
             if args.overlap_grad_reduce and self.ps.replicas > 1 and not args.use_torch_fsdp2
@@ -395,6 +426,8 @@ class Trainer:
             )
         else:
             self._train_loop(train_iter, signals)
+            if self.skipped.summary():
+                self.log.warning(self.skipped.summary())
         self.runtime.close()
         checkpointing.wait_for_saves()
         write_exit_status(finished=state.iteration >= args.train_iters, iteration=state.iteration)
@@ -452,6 +485,7 @@ class Trainer:
             grad_sync=self.grad_sync,
             per_token_loss=args.calculate_per_token_loss,
             empty_cache=args.empty_unused_memory_level >= 2,
+            moe_per_layer=args.moe_per_layer_logging,
         )
         if args.device == "cuda":
             torch.cuda.synchronize()
@@ -465,6 +499,10 @@ class Trainer:
             self.scheduler.step(batch, self.optimizer)
         state.iteration += 1
         state.consumed_train_samples += batch
+        if self.scaler is not None:
+            warning = self.skipped.count(result.skipped, state.iteration, self.scaler.scale)
+            if warning:
+                self.log.warning(warning)
         self.log.step(trainer_report.record(self, result, batch, elapsed))
         self.runtime.after_step(state.iteration)
         if args.async_save:

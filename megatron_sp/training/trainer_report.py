@@ -30,6 +30,7 @@ def record(trainer, result, batch, elapsed) -> dict:
         "params_norm": optimizer.params_norm(model, ps) if args.log_params_norm else None,
         "num_zeros": optimizer.zero_grads_count(model, ps) if args.log_num_zeros_in_grad else None,
         "timers": result.timers,
+        **result.moe,
         "memory": trainer.runtime.memory() if args.log_memory_to_tensorboard else None,
         # this step's peak of allocated GPU memory (bench/gpu_check.sh reports it per run)
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None,

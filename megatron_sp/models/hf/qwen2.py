@@ -1,6 +1,6 @@
 """Qwen2's Hugging Face adapter: Qwen2ForCausalLM (model_type qwen2; Qwen2.5 checkpoints are the same
 class). Llama's adapter with what differs: biases on q/k/v and nowhere else, always (config.json has
-no bias keys), and a sliding-window option that is refused until the model has one.
+no bias keys), and a sliding-window option that is refused (off in every release).
 
 Its tensors follow from the config (`linear_kinds(cfg.add_qkv_bias)` in LlamaAdapter.layer_links),
 so a plain `--model llama --add-qkv-bias` run, which LlamaForCausalLM cannot express, exports as Qwen2.
@@ -13,7 +13,8 @@ from megatron_sp.models.hf.llama import LlamaAdapter
 
 
 def refuse_sliding_window(c: dict, name: str) -> None:
-    """Qwen configs may turn on a sliding window over their upper layers; ours attends to everything."""
+    """Qwen configs may turn on a sliding window over their upper layers (from max_window_layers on),
+    which no release does; not read yet (it would be a --window-attn-skip-freq pattern)."""
     if c.get("use_sliding_window"):
         raise ConversionError(f"{name} configs with use_sliding_window are not supported.")
 

@@ -1,7 +1,7 @@
 """Qwen3's Hugging Face adapter: Qwen3ForCausalLM (model_type qwen3, the dense models). Llama's
 adapter with what differs: the per-head q/k RMSNorm weights (`self_attn.q_norm` / `k_norm`, our
 `attn.q_norm` / `k_norm` of `--qk-layernorm`), an explicit head_dim (Qwen3Config's default 128, not
-hidden / heads), no biases, and a sliding-window option that is refused until the model has one.
+hidden / heads), no biases, and a sliding-window option that is refused (off in every release).
 
 Qwen3's `attention_bias` puts biases on q, k, v and the output projection but never on the MLP, which
 our fields cannot express (`--add-bias-linear` covers the MLP too): refused. Every released Qwen3
