@@ -178,8 +178,8 @@ def test_resume_with_a_changed_schedule():
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--lr-warmup-samples", "8"], "--lr-warmup-samples 8 needs --train-samples; with --train-iters use"),
-        (["--train-samples", "8", "--lr-warmup-iters", "2"], "--lr-warmup-iters 2 needs --train-iters"),
+        (["--lr-warmup-samples", "8"], "--lr-warmup-samples needs --train-samples \\(with --train-iters use"),
+        (["--train-samples", "8", "--lr-warmup-iters", "2"], "--lr-warmup-iters needs --train-iters"),
         (["--lr-decay-style", "WSD"], "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
         (["--start-weight-decay", "0.1"], "need --weight-decay-incr-style linear or cosine"),
         (["--weight-decay-incr-style", "linear"], "needs --start-weight-decay and --end-weight-decay"),

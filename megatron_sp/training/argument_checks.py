@@ -96,7 +96,7 @@ def _train_length(args) -> None:
         if value not in (None, default):
             flag = f"--{name.replace('_', '-')}"
             raise ArgumentError(
-                f"{flag} {value} needs --train-{unit}; with --train-{other} use {flag.replace(unit, other)}."
+                f"{flag} needs --train-{unit} (with --train-{other} use {flag.replace(unit, other)}; got {value})."
             )
     if args.train_samples is None:
         if args.train_iters is None:

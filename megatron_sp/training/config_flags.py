@@ -79,8 +79,13 @@ def in_flags(message: str) -> str:
     "GPTConfig.num_query_groups (3) must divide num_attention_heads (4)" becomes
     "--num-query-groups (3) must divide --num-attention-heads (4)"."""
     flags = {f.name: _field_flag(f) for f in dataclasses.fields(GPTConfig) if _field_flag(f)}
-    pattern = r"(?:GPTConfig\.)?\b(" + "|".join(sorted(map(re.escape, flags), key=len, reverse=True)) + r")\b"
-    return re.sub(pattern, lambda m: flags[m.group(1)], message).replace("GPTConfig.", "")
+    names = "|".join(sorted(map(re.escape, flags), key=len, reverse=True))
+
+    def flag(m):  # a bare one-word name ("model") is left as a word; GPTConfig.model is the flag
+        name = m.group(2)
+        return flags[name] if m.group(1) or "_" in name else m.group(0)
+
+    return re.sub(r"(GPTConfig\.)?\b(" + names + r")\b", flag, message).replace("GPTConfig.", "")
 
 
 # ---- the inverse: the flags that rebuild a config (tools/convert_hf.py prints them) ---------------
