@@ -213,7 +213,7 @@ def test_delayed_scaling_resumes_exactly_and_drifts_within_tolerance(tmp_path, m
         (["--fp8-param-gather"], "gloo has no float8 collectives"),
         (["--torch-compile"], "does not run with --torch-compile"),
         (["--fp8-dot-product-attention"], "this FP8 option is not implemented"),
-        (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"], "tp_comm_overlap"),
+        (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"], "with --tp-comm-overlap"),
     ],
 )
 def test_program_refusals_are_one_sentence(flags, needle):
