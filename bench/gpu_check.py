@@ -11,7 +11,7 @@ should learn, most important first, inside one deadline that cannot be overrun.
     tests            tests/test_cuda_ops.py, test_ops_attention_lse.py, test_cuda_tp_overlap.py  build
     speed_fused_p0   the speed-goal config, fused ops, dropout 0, 12 iterations       build
     speed_fused_p01  the same at dropout 0.1, 6 iterations                           build
-    kernels          bench/kernels.py --no-compile (per case, SDPA baseline, TFLOP/s) build
+    kernels          bench/op_speed.py --no-compile (per case, SDPA baseline, TFLOP/s) build
 
 A stage starts only when the time left covers its minimum and runs at most min(its cap, time left);
 past that its process group is killed. The summary ($OUT/summary.md) is rewritten after every stage
@@ -339,7 +339,7 @@ def _tests():
 
 
 def _kernels(device, out):
-    cmd = [PY, "bench/kernels.py", "--device", device, "--no-compile", "--markdown", os.path.join(out, "kernels.md")]
+    cmd = [PY, "bench/op_speed.py", "--device", device, "--no-compile", "--markdown", os.path.join(out, "kernels.md")]
     if device == "cpu":
         cmd += ["--scale", "16", "--repeats", "3"]
     return Stage("kernels", [cmd], needs=("build",), figures=kernels_figures)

@@ -13,7 +13,7 @@ buffer counted once per direction: the DRAM traffic if every re-read hit a cache
 bytes (every access counted: an upper bound, as if no re-read hit a cache; per-thread loads of the
 row indices count once per thread although a GPU broadcasts them within a warp), and the buffers
 that make the difference. These are byte counts, not speed: the share of the H200's copy bandwidth
-an op reaches is measured only by bench/kernels.py --device cuda on a GPU.
+an op reaches is measured only by bench/op_speed.py --device cuda on a GPU.
 """
 
 from __future__ import annotations

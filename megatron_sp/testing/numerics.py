@@ -1,4 +1,4 @@
-"""Shared by the op tests (tests/test_ops_*.py, tests/test_cuda_*.py) and bench/kernels.py:
+"""Shared by the op tests (tests/test_ops_*.py, tests/test_cuda_*.py) and bench/op_speed.py:
 dtype-based tolerances and random inputs. Tolerances follow torch.testing's per-dtype defaults,
 loosened where the fused op rounds once in fp32 and the reference rounds after every step.
 """

@@ -1,10 +1,10 @@
 """Fused megatron_sp ops against PyTorch on the same inputs, in the same run.
 
-    python bench/kernels.py --device cpu     # C++ op vs its PyTorch reference: time, ratio
-    python bench/kernels.py --device cuda    # + bandwidth vs device copy, eager, torch.compile
-    python bench/kernels.py --device cuda --no-compile --dtype float32 --markdown out.md
-    python bench/kernels.py --device cpu --only rms_norm     # the cases whose name contains it
-    python bench/kernels.py --device cpu --only flash_attention --repeats 5
+    python bench/op_speed.py --device cpu     # C++ op vs its PyTorch reference: time, ratio
+    python bench/op_speed.py --device cuda    # + bandwidth vs device copy, eager, torch.compile
+    python bench/op_speed.py --device cuda --no-compile --dtype float32 --markdown out.md
+    python bench/op_speed.py --device cpu --only rms_norm     # the cases whose name contains it
+    python bench/op_speed.py --device cpu --only flash_attention --repeats 5
 
 Every case is validated before it is timed (fused vs reference: masks bit-identical, values within
 the dtype's tolerance); a case that fails (its check, or any error) is reported as FAILED and the
