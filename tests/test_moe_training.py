@@ -118,8 +118,8 @@ def _generates_from(ckpt):
     [
         (["--num-experts", "4", "--expert-model-parallel-size", "3"], "must divide the 4 ranks of a pipeline stage"),
         (["--num-experts", "6", "--expert-model-parallel-size", "4"], "divisible by expert_model_parallel_size"),
-        (["--moe-router-topk", "3", "--num-experts", "2"], "must not exceed num_experts"),
-        (["--moe-expert-capacity-factor", "1.0"], "needs num_experts"),
+        (["--moe-router-topk", "3", "--num-experts", "2"], "must not exceed --num-experts"),
+        (["--moe-expert-capacity-factor", "1.0"], "needs --num-experts"),
         (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], "need moe_expert_capacity_factor"),
         (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], "needs DeepEP"),
         (["--num-experts", "4", "--pipeline-model-parallel-size", "2", "--num-layers", "2"], "pipeline parallelism"),
