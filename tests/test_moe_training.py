@@ -117,10 +117,10 @@ def _generates_from(ckpt):
     "flags,needle",
     [
         (["--num-experts", "4", "--expert-model-parallel-size", "3"], "must divide the 4 ranks of a pipeline stage"),
-        (["--num-experts", "6", "--expert-model-parallel-size", "4"], "divisible by expert_model_parallel_size"),
+        (["--num-experts", "6", "--expert-model-parallel-size", "4"], "divisible by --expert-model-parallel-size"),
         (["--moe-router-topk", "3", "--num-experts", "2"], "must not exceed --num-experts"),
         (["--moe-expert-capacity-factor", "1.0"], "needs --num-experts"),
-        (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], "need moe_expert_capacity_factor"),
+        (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], "need --moe-expert-capacity-factor"),
         (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], "needs DeepEP"),
         (["--num-experts", "4", "--pipeline-model-parallel-size", "2", "--num-layers", "2"], "pipeline parallelism"),
     ],
