@@ -312,9 +312,9 @@ def test_fsdp2_saves_right_after_an_evaluation(world, tmp_path):
     argv += ["--tensor-model-parallel-size", "2", "--micro-batch-size", "1", "--global-batch-size", "4"]
     argv += ["--use-torch-fsdp2", "--eval-interval", "2", "--eval-iters", "1", "--save", str(ckpt)]
     argv += ["--save-interval", "2", "--log-jsonl", str(tmp_path / "log.jsonl"), "--no-progress-bar"]
-    assert world.run(_train_in_world, argv + ["--train-iters", "2"]) == [0] * WORLD
+    assert world.run(_train_in_world, argv + ["--train-iters", "2"], str(tmp_path)) == [0] * WORLD
     assert (ckpt / "iter_0000002").is_dir()
-    assert world.run(_train_in_world, argv + ["--train-iters", "3", "--load", str(ckpt)]) == [0] * WORLD
+    assert world.run(_train_in_world, argv + ["--train-iters", "3", "--load", str(ckpt)], str(tmp_path)) == [0] * WORLD
     assert [r["iteration"] for r in records(tmp_path / "log.jsonl") if "lm_loss" in r] == [1, 2, 3]
 
 
