@@ -66,7 +66,11 @@ def test_cpu_dry_run_within_a_small_deadline(tmp_path):
     names = ["environment", "speed_reference", "build", "tests", "speed_fused_p0", "speed_fused_p01", "kernels"]
     assert [n for n in rows if n != "stage"] == names
     assert rows["environment"] == "passed", summary
-    assert any(re.match(r"skipped: \d+ s left, needs \d+ s", s) for s in rows.values()), summary
+    if rows["build"] == "passed":  # then some later stage must have been cut for time
+        assert any(re.match(r"skipped: \d+ s left, needs \d+ s", s) for s in rows.values()), summary
+    else:  # the build itself was cut (a loaded machine): what needs it says so, nothing ran without it
+        assert rows["build"].startswith(("timed out", "skipped:")), summary
+        assert all(rows[n] == "skipped: needs build" for n in names[3:]), summary
     assert rows["kernels"].startswith("skipped:"), summary
     assert not any(s.startswith("failed") for s in rows.values()), summary
     assert "summary.md" in os.listdir(out) and len(os.listdir(out)) <= gpu_check.MAX_OUT_FILES
