@@ -39,6 +39,7 @@ from megatron_sp.models.blocks import residual_dtype
 from megatron_sp.models.gpt import GPTModel, check_parallel_sizes, gradient_of
 from megatron_sp.models.init import torch_dtype
 from megatron_sp.models.language_model import Stage
+from megatron_sp.models.moe import losses as moe_losses
 from megatron_sp.models.trainable import TrainableModel
 from megatron_sp.pipeline_parallel.layout import PipelineLayout, stage_layers
 
@@ -67,10 +68,11 @@ class StageChunk(nn.Module):
     """One pipeline stage's forward: LanguageModel.run_stage on a view of the model's modules (their
     parameters are the model's; they are children here so that FSDP2 and the schedule see them)."""
 
-    def __init__(self, model: GPTModel, stage: Stage):
+    def __init__(self, model: "PipelineGPT", stage: Stage):
         super().__init__()
         self.cfg, self.builder, self.partial_grads = model.cfg, model.builder, model.partial_grads
-        self.stage, self._run_stage = stage, model.run_stage  # (a bound method: not a child)
+        self.stage, self._run_stage = stage, model.run_stage  # (bound methods: not children)
+        self._loss_weight = model.loss_weight
         self.embedding = model.embedding if stage.first else None
         self.blocks = nn.ModuleList(model.layers[i] for i in stage.layers)
         if stage.last:
@@ -82,7 +84,11 @@ class StageChunk(nn.Module):
         if torch.is_grad_enabled():
             self.partial_grads.expect()
         seq = self.builder.sequence_context(self.cfg, tokens, labels=labels, training=self.training, **_batch(batch))
-        return self._run_stage(self.stage, x, seq)
+        out = self._run_stage(self.stage, x, seq)
+        if self.stage.last:  # (its MoE losses ride on the loss: LanguageModel.run_stage)
+            return out
+        target = batch.get("loss_mask") if batch.get("loss_mask") is not None else labels
+        return moe_losses.attach_to_output(out, seq, self._loss_weight(target))
 
 
 def _batch(batch):
@@ -100,10 +106,6 @@ class PipelineGPT(GPTModel):
     def __init__(self, cfg, layout: PipelineLayout, ps=None, spec=None, *, device=None):
         ps = ps if ps is not None else parallel_state.get()
         check_parallel_sizes(cfg, ps)  # (before the layout's checks, as GPTModel's own)
-        if cfg.num_experts is not None:
-            raise ValueError(
-                "mixture of experts under pipeline parallelism is not built yet; use pipeline_model_parallel_size 1."
-            )
         if layout.pp_size != ps.pp_size:
             raise ValueError(f"the layout's pp_size ({layout.pp_size}) is not the PP group size ({ps.pp_size}).")
         layout.check(cfg.num_layers)
@@ -119,6 +121,7 @@ class PipelineGPT(GPTModel):
         self._chunks = [StageChunk(self, stage) for stage in self.stages]  # a plain list: views, not children
         self._schedules = {}
         self._embedding_pending = False
+        self._scale, self._per_token, self._num_microbatches = 1.0, False, 1
         # The training loop's hooks into the schedule (gradient buffers, the overlapped DP sync):
         # before_last_backward(params) just before a stage's final backward of the step (its weight pass
         # under a zero-bubble schedule), with the parameters whose gradients it completes;
@@ -210,9 +213,16 @@ class PipelineGPT(GPTModel):
     def _loss(self, output, target):
         """The schedule's loss_fn: the last stage's micro-batch loss, weighted (the backward's seed)."""
         self._micro_losses.append(output.detach())
-        count = target.sum() if target.dtype.is_floating_point else torch.tensor(float(target.numel()))
-        weight = count.to(output.dtype) if self._per_token else 1.0 / self._num_microbatches
-        return output * (self._scale * weight)
+        return output * self.loss_weight(target)
+
+    def loss_weight(self, target) -> float:
+        """The gradient a micro-batch's loss receives (target: its loss mask, else its labels): the loss
+        scale times 1 / m, or times its token count with per_token. The MoE auxiliary losses of the
+        stages before the last take the same (StageChunk)."""
+        if not self._per_token:
+            return self._scale / self._num_microbatches
+        count = target.sum() if target.dtype.is_floating_point else target.numel()
+        return self._scale * float(count)
 
     def step(
         self,

@@ -4,10 +4,14 @@
     cp2        context parallelism, ring (p2p)           cp2:a2a  Ulysses (any --cp-comm-type after ':')
     cp4:a2a+p2p=2x2   a2a+p2p with its hierarchical sizes (a2a over the first, the ring over the second)
     pp2        pipeline parallelism, 2 stages (1F1B)     dp2      data parallelism, the batch split in 2
+    pp2:zbv    another schedule: gpipe, interleaved (1F1B, 2 chunks per rank), zbv, interleaved-zb
+               (2 chunks per rank each); pp micro-batches per step
+    ep2        expert parallelism over 2 of a stage's ranks (MoE models)   etp2  expert-TP 2 (default: tp)
     tp2+sp/cp2 dimensions combined with '/'
 
-A layout runs on tp·cp·pp·dp ranks. In a larger world the remaining ranks are further data-parallel
-replicas that repeat the asked parts of the batch (testing/parity.py), so the function is the same.
+A layout runs on tp·cp·pp·dp ranks (EP and expert-TP lie over a stage's tp·cp·dp ranks, Megatron's
+expert grid). In a larger world the remaining ranks are further data-parallel replicas that repeat the
+asked parts of the batch (testing/parity.py), so the function is the same.
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ import re
 from dataclasses import dataclass, replace
 from typing import Optional
 
-_DIMENSION = re.compile(r"^(tp|cp|pp|dp)(\d+)(\+sp|:[\w+]+(?:=\d+x\d+)?)?$")
+_DIMENSION = re.compile(r"^(tp|cp|pp|dp|ep|etp)(\d+)(\+sp|:[\w+-]+(?:=\d+x\d+)?)?$")
+# a pp suffix -> (--pipeline-schedule, chunks per rank)
+PIPELINE_SCHEDULES = {"1f1b": ("1f1b", 1), "gpipe": ("gpipe", 1), "interleaved": ("1f1b", 2)}
+PIPELINE_SCHEDULES.update({"zbv": ("zbv", 2), "interleaved-zb": ("interleaved-zb", 2)})
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,9 @@ class Layout:
     cp_levels: Optional[tuple] = None  # a2a+p2p's hierarchical sizes (inner a2a, outer ring)
     pp: int = 1
     dp: int = 1
+    pp_schedule: str = "1f1b"  # a PIPELINE_SCHEDULES key
+    ep: int = 1
+    etp: Optional[int] = None  # None: the TP size (Megatron's default)
 
     @property
     def size(self) -> int:
@@ -41,8 +51,18 @@ class Layout:
         if self.cp > 1:
             levels = "" if self.cp_levels is None else "=" + "x".join(map(str, self.cp_levels))
             parts.append(f"cp{self.cp}" + ("" if self.cp_comm == "p2p" else f":{self.cp_comm}") + levels)
-        parts += [f"{name}{n}" for name, n in (("pp", self.pp), ("dp", self.dp)) if n > 1]
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}" + ("" if self.pp_schedule == "1f1b" else f":{self.pp_schedule}"))
+        parts += [f"{name}{n}" for name, n in (("dp", self.dp), ("ep", self.ep)) if n > 1]
+        parts += [f"etp{self.etp}"] if self.etp is not None else []
         return "/".join(parts) or "serial"
+
+    def pipeline_layout(self):
+        """The PipelineLayout of its pp dimension (even stages)."""
+        from megatron_sp.pipeline_parallel.layout import PipelineLayout
+
+        schedule, chunks = PIPELINE_SCHEDULES[self.pp_schedule]
+        return PipelineLayout(self.pp, chunks, schedule=schedule)
 
     def config_fields(self) -> dict:
         """The GPTConfig fields of its TP and CP (PP and DP are not the model's); the hierarchical CP
@@ -55,6 +75,8 @@ class Layout:
         )
         if self.cp_levels is not None:
             fields["hierarchical_context_parallel_sizes"] = self.cp_levels
+        if self.ep > 1 or self.etp is not None:  # (only where given: a dense model has none)
+            fields.update(expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp)
         return fields
 
 
@@ -65,16 +87,22 @@ def parse_layout(text: str) -> Layout:
         match = _DIMENSION.match(part)
         if not match or match.group(1) in seen or int(match.group(2)) < 1:
             raise ValueError(
-                f"layout {text!r}: {part!r} is not a dimension (tp2, tp2+sp, cp2, cp2:a2a, pp2, dp2; "
-                f"each at most once, joined by '/')."
+                f"layout {text!r}: {part!r} is not a dimension (tp2, tp2+sp, cp2, cp2:a2a, pp2, pp2:zbv, dp2, ep2, "
+                f"etp2; each at most once, joined by '/')."
             )
         name, size, suffix = match.group(1), int(match.group(2)), match.group(3) or ""
         seen.add(name)
-        if suffix == "+sp" and name != "tp" or suffix.startswith(":") and name != "cp":
-            raise ValueError(f"layout {text!r}: {suffix!r} belongs to {'tp' if suffix == '+sp' else 'cp'}, not {name}.")
+        if suffix == "+sp" and name != "tp" or suffix.startswith(":") and name not in ("cp", "pp"):
+            raise ValueError(
+                f"layout {text!r}: {suffix!r} belongs to {'tp' if suffix == '+sp' else 'cp or pp'}, not {name}."
+            )
         layout = replace(layout, **{name: size})
         if suffix == "+sp":
             layout = replace(layout, sp=True)
+        elif suffix and name == "pp":
+            if suffix[1:] not in PIPELINE_SCHEDULES:
+                raise ValueError(f"layout {text!r}: pp's schedule is one of {', '.join(PIPELINE_SCHEDULES)}.")
+            layout = replace(layout, pp_schedule=suffix[1:])
         elif suffix:
             comm, _, levels = suffix[1:].partition("=")
             cp_levels = tuple(int(n) for n in levels.split("x")) if levels else None
@@ -94,7 +122,6 @@ def allowed_layouts(fields: dict, batch: int, candidates=CANDIDATES) -> tuple[li
     """([Layout] of `candidates` that the model of GPTConfig `fields` allows with `batch` samples,
     {name: why not} of the others)."""
     from megatron_sp.config import GPTConfig
-    from megatron_sp.pipeline_parallel.layout import PipelineLayout
 
     allowed, refused = [], {}
     for name in candidates:
@@ -102,7 +129,7 @@ def allowed_layouts(fields: dict, batch: int, candidates=CANDIDATES) -> tuple[li
         try:
             cfg = GPTConfig(**{**fields, **layout.config_fields()})
             if layout.pp > 1:
-                PipelineLayout(layout.pp).check(cfg.num_layers)
+                layout.pipeline_layout().check(cfg.num_layers)
             if batch % (layout.dp * layout.pp):
                 raise ValueError(f"the batch of {batch} samples does not split into {layout.dp * layout.pp} parts.")
         except ValueError as err:

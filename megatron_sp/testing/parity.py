@@ -99,8 +99,18 @@ def _adamw(params, lr: float):
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
 
 
-def run_serial(fields: dict, batches: list, *, state: Optional[dict] = None, lr: float = 1e-3, logits=False) -> Run:
-    """ReferenceGPT of `fields` (its own seeded init, or `state`) through the batches."""
+def run_serial(
+    fields: dict,
+    batches: list,
+    *,
+    state: Optional[dict] = None,
+    lr: float = 1e-3,
+    logits=False,
+    micro_batches: int = 1,
+) -> Run:
+    """ReferenceGPT of `fields` (its own seeded init, or `state`) through the batches; micro_batches:
+    each batch's gradient accumulated over that many equal parts, each loss weighted 1 / m (a pipeline
+    layout's micro-batches: an MoE load-balancing loss is the micro-batch's, as Megatron's)."""
     from megatron_sp.config import GPTConfig
     from megatron_sp.models.reference import ReferenceGPT
 
@@ -113,8 +123,11 @@ def run_serial(fields: dict, batches: list, *, state: Optional[dict] = None, lr:
     opt, losses, grads0, norm0 = _adamw(model.parameters(), lr), [], None, None
     for step, batch in enumerate(batches):
         opt.zero_grad()
-        loss = model(batch.tokens, batch.labels, **batch.inputs())
-        loss.backward()
+        loss = 0.0
+        for micro in (batch.part(i, micro_batches) for i in range(micro_batches)):
+            micro_loss = model(micro.tokens, micro.labels, **micro.inputs()) / micro_batches
+            micro_loss.backward()
+            loss = loss + micro_loss.detach()
         if step == 0:
             grads0 = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
             norm0 = torch.stack([g.norm() for g in grads0.values()]).norm().item()
@@ -200,10 +213,9 @@ def _build(cfg, layout: Layout, ps):
         from megatron_sp.models.gpt import GPTModel
 
         return GPTModel(cfg, ps)
-    from megatron_sp.pipeline_parallel.layout import PipelineLayout
     from megatron_sp.pipeline_parallel.model import PipelineGPT
 
-    return PipelineGPT(cfg, PipelineLayout(layout.pp), ps)
+    return PipelineGPT(cfg, layout.pipeline_layout(), ps)
 
 
 def _forward_backward(model, batch: Batch, layout: Layout) -> torch.Tensor:

@@ -14,7 +14,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_sp.layer_options import is_moe_layer
+from megatron_sp.models.moe.losses import recorded_losses
 from megatron_sp.models.moe.router import Router
+from megatron_sp.parallel_state import collective_device
 
 
 def routers(model) -> list:
@@ -27,27 +30,51 @@ def start_step(model) -> None:
 
 
 def finish_step(model, ps, per_layer: bool = False) -> dict:
-    """After the optimizer step: the expert biases' update, and the step's losses for the record."""
+    """After the optimizer step: the expert biases' update, and the step's losses for the record (the
+    same on every rank: under pipeline parallelism each stage's layers' are summed over the pipeline,
+    as Megatron's track_moe_metrics reduces them over its pipeline group)."""
     found = routers(model)
     for router in found:
         if router.expert_bias is not None:
             router.update_expert_bias()
-    entries = [(r, name) for r in found for name in sorted(r.step_losses)]
+    entries = _entries(model.cfg)
     if not entries:
         return {}
-    values = torch.stack([r.step_losses[n][0] / r.step_losses[n][1] for r, n in entries])
-    if ps.stage_group is not None:
-        dist.all_reduce(values, group=ps.stage_group)
-    values = (values / ps.dp_size).tolist()
+    sums = _reduced_sums(found, entries, ps)
     by_name, layers = {}, {}
-    for (router, name), value in zip(entries, values):
-        plain = value / _coeff(router.cfg, name)
+    for (layer, name), (value, seen) in zip(entries, sums.tolist()):
+        if not seen:  # (a router that recorded nothing this step: none in training)
+            continue
+        plain = value / ps.dp_size / _coeff(model.cfg, name)
         by_name.setdefault(name, []).append(plain)
-        layers[f"moe/{name}_layer_{router.layer}"] = plain
+        layers[f"moe/{name}_layer_{layer}"] = plain
     out = {name: sum(v) / len(v) for name, v in by_name.items()}
-    if per_layer:
+    if per_layer and out:
         out["moe_layers"] = layers
     return out
+
+
+def _entries(cfg) -> list:
+    """(layer, loss name) of every MoE layer of the whole model (1-based layers, every stage's)."""
+    if cfg.num_experts is None:
+        return []
+    names = recorded_losses(cfg)
+    return [(layer, n) for layer in range(1, cfg.num_layers + 1) if is_moe_layer(cfg, layer) for n in names]
+
+
+def _reduced_sums(found, entries, ps) -> torch.Tensor:
+    """[entries, 2]: each entry's step mean of the attached shares summed over the stage's ranks, and
+    whether any rank recorded it, reduced over the pipeline (the other stages' entries are theirs)."""
+    at = {entry: i for i, entry in enumerate(entries)}
+    sums = torch.zeros(len(entries), 2, dtype=torch.float32, device=collective_device())
+    for router in found:
+        for name, (total, count) in router.step_losses.items():
+            sums[at[(router.layer, name)]] = torch.stack([(total / count).to(sums), torch.ones((), device=sums.device)])
+    if ps.stage_group is not None:
+        dist.all_reduce(sums, group=ps.stage_group)
+    if ps.pp_size > 1:
+        dist.all_reduce(sums, group=ps.pp_group)
+    return sums
 
 
 def _coeff(cfg, name: str) -> float:

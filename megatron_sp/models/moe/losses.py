@@ -17,6 +17,11 @@ The shares are kept in `seq.moe_losses` ({(layer, name): tensor}; a recomputed l
 keys) and `attach` hands them to the language-model loss: forward returns the loss unchanged, backward
 gives every share the loss's own gradient (its micro-batch weight and loss scale; Megatron's
 MoEAuxLossAutoScaler), so the logged lm loss stays the cross entropy alone.
+
+A pipeline stage other than the last has no loss: `attach_to_output` hands its layers' shares to the
+hidden states it sends on, and gives them, in the backward, the gradient the micro-batch's loss
+receives on the last stage (its weight × the loss scale: `weight`), so every stage back-propagates its
+own layers' auxiliary losses, scaled as the serial model scales them.
 """
 
 from __future__ import annotations
@@ -57,6 +62,21 @@ def _all_reduce(t, group):
     return t
 
 
+BALANCING_LOSS_NAMES = {  # --moe-router-load-balancing-type -> the loss's logged name (Megatron's)
+    "aux_loss": "load_balancing_loss",
+    "seq_aux_loss": "seq_load_balancing_loss",
+    "global_aux_loss": "global_load_balancing_loss",
+}
+
+
+def recorded_losses(cfg) -> tuple:
+    """The names of the losses every router of cfg's model records in a training step."""
+    kind, names = cfg.moe_router_load_balancing_type, ()
+    if kind in BALANCING_LOSS_NAMES and cfg.moe_aux_loss_coeff > 0:
+        names += (BALANCING_LOSS_NAMES[kind],)
+    return names + (("z_loss",) if cfg.moe_z_loss_coeff else ())
+
+
 def scores_for_aux(logits, cfg):
     """(scores [n, E], map [n, E]) the balancing loss sees: softmax, or sigmoid normalised over every
     expert, and their plain top-k (no groups, no bias: Megatron's compute_routing_scores_for_aux_loss)."""
@@ -85,7 +105,7 @@ def add_balancing_loss(seq, router, logits, n: int) -> None:
         s_local = n // b
         counts = groups.sum_seq(routing_map.view(s_local, -1).sum(0).float())  # [b·E]: per sample
         share = switch_loss(scores.reshape(s_local, -1), counts, s_local * groups.seq_size, cfg) / b
-        _record(seq, router, "seq_load_balancing_loss", share, share * 1.0)
+        _record(seq, router, BALANCING_LOSS_NAMES[kind], share, share * 1.0)
         return
     counts = groups.sum_all(routing_map.sum(0).float())
     if kind == "global_aux_loss":
@@ -93,8 +113,7 @@ def add_balancing_loss(seq, router, logits, n: int) -> None:
         router.ga_steps += 1
         counts = router.global_tokens / router.ga_steps
     share = switch_loss(scores, counts, n * groups.batch_size, cfg)
-    name = "global_load_balancing_loss" if kind == "global_aux_loss" else "load_balancing_loss"
-    _record(seq, router, name, share, share * groups.dp_size)
+    _record(seq, router, BALANCING_LOSS_NAMES[kind], share, share * groups.dp_size)
 
 
 def add_z_loss(seq, router, logits) -> None:
@@ -125,6 +144,27 @@ class _Attach(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return (grad, *(grad.to(dtype).expand(shape) for shape, dtype in ctx.like))
+
+
+class _AttachWeighted(torch.autograd.Function):
+    """forward: the hidden states; backward: their gradient, and `weight` to every auxiliary share."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, *shares):
+        ctx.weight, ctx.like = weight, [(s.shape, s.dtype) for s in shares]
+        return hidden.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        shares = (torch.full(shape, ctx.weight, dtype=dtype, device=grad.device) for shape, dtype in ctx.like)
+        return (grad, None, *shares)
+
+
+def attach_to_output(hidden, seq, weight: float):
+    """A pipeline stage's output [s_sp, b, h] with seq's shares attached, `weight` their gradient."""
+    if not seq.moe_losses:
+        return hidden
+    return _AttachWeighted.apply(hidden, float(weight), *seq.moe_losses.values())
 
 
 def attach(loss, seq):
