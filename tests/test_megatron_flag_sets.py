@@ -5,7 +5,7 @@ each train 2 iterations or are refused in one sentence naming the missing featur
 Shrinking changes sizes, never meanings: 2 layers × 64 wide, 4 heads (2 key/value groups where the
 set has GQA), 32 tokens, 2 iterations, micro batch 1 and 2 micro-batches per step (a batch schedule
 becomes 0:DP then 2·DP, times PP); TP 8 becomes 4; PP becomes 2 (one layer per stage, TP shrunk to
-fit; 1 with experts, which have no pipeline stages yet); EP becomes 2; data and tokenizer files (none
+fit; experts too: Mixtral's EP 8 × PP 4 trains at EP 2 × PP 2); EP becomes 2; data and tokenizer files (none
 exist here) become mock data with NullTokenizer --vocab-size 512; paths go to a temporary directory;
 nccl becomes gloo. Sets whose TP × CP × EP is 1 train in this process; the others in one 4-rank gloo
 world shared by the module.
@@ -79,8 +79,7 @@ def _get(argv, flag, default=None):
 
 def shrink(argv, tmp):
     """The set at CPU size (see the module docstring)."""
-    moe = "--num-experts" in argv  # (no pipeline stages with experts yet: PP 1)
-    pp = 1 if moe else min(int(_get(argv, "--pipeline-model-parallel-size", 1)), 2)
+    pp = min(int(_get(argv, "--pipeline-model-parallel-size", 1)), 2)
     cp = int(_get(argv, "--context-parallel-size", 1))
     tp = min(int(_get(argv, "--tensor-model-parallel-size", 1)), WORLD // (pp * cp))
     ep = min(int(_get(argv, "--expert-model-parallel-size", 1)), 2)

@@ -5,7 +5,8 @@ harness (megatron_sp/testing/parity.py) in one 4-rank gloo world.
 Layouts: EP 2 and 4 with both dispatchers, EP2 × TP2+SP with expert-TP 1 and 2, EP2 × CP2, EP2 × DP2,
 capacity with drops (both policies), top-1, group-limited sigmoid routing, a shared expert, seq_aux_loss,
 full recomputation (the dispatch runs again in the backward), Llama-style and GPT-style (biases, GELU)
-blocks. A layout smaller than the world runs its remaining
+blocks; PP2 × EP2 under every pipeline schedule and PP2 × TP2+SP × EP2 (the serial model accumulating
+the pipeline's micro-batches). A layout smaller than the world runs its remaining
 ranks as further data-parallel replicas (repeating the asked parts of the batch).
 """
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from megatron_sp.testing import LocalWorld
-from megatron_sp.testing.layouts import Layout
+from megatron_sp.testing.layouts import Layout, parse_layout
 from megatron_sp.testing.parity import compare, make_batches, run_layout, run_serial
 
 VOCAB, SEQ, BATCH, STEPS = 97, 16, 4, 3
@@ -99,6 +100,31 @@ def test_expert_parallel_parity(world, name):
     row = compare(serial, results[0], name)
     assert not row.failures(), row
     assert row.init is None  # every expert drew its serial initial values
+
+
+PIPELINE_CASES = {  # layout name (testing/layouts.py), dispatcher: EP inside each stage of 2 ranks
+    "pp2/ep2": "alltoall",  # 1F1B; EP over the stage's 2 DP ranks
+    "tp2+sp/pp2/ep2/etp1": "alltoall",  # EP over the stage's 2 TP ranks
+    "pp2:interleaved/ep2": "alltoall",
+    "pp2:zbv/ep2": "alltoall",
+    "pp2:interleaved-zb/ep2": "alltoall",
+    "pp2:gpipe/ep2": "allgather",
+}
+
+
+@pytest.mark.parametrize("name", PIPELINE_CASES)
+def test_pipeline_expert_parallel_parity(world, name):
+    """MoE under every pipeline schedule: each stage's load-balancing and z losses reach its backward
+    through the schedule. A micro-batch's balancing loss is the micro-batch's (Megatron's), so the serial
+    model accumulates the same pp micro-batches (run_serial's micro_batches), each weighted 1 / pp."""
+    layout = parse_layout(name)
+    layers = layout.pipeline_layout().num_stages  # one MoE layer per stage
+    fields = {**_fields(LLAMA, {}, 1, None, PIPELINE_CASES[name]), "num_layers": layers}
+    serial = run_serial(fields, BATCHES, micro_batches=layout.pp)
+    results = world.run(run_layout, {**fields, **layout.config_fields()}, layout, BATCHES, state=serial.init)
+    for run in (r for r in results if r is not None):  # (one per TP rank)
+        row = compare(serial, run, name)
+        assert not row.failures() and row.init is None, row
 
 
 def test_expert_groups_follow_megatrons_rank_order():

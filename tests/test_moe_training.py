@@ -99,6 +99,33 @@ def test_expert_parallel_program_logs_the_serial_losses(world, serial, tmp_path,
     _generates_from(tmp_path / "ckpt")
 
 
+@pytest.fixture(scope="module")
+def serial_micro2(tmp_path_factory):
+    """The single process at micro-batches of 2 (the pipeline run's: 1 sample × DP 2), each layer logged."""
+    tmp = tmp_path_factory.mktemp("serial2")
+    argv = RUN + ["--micro-batch-size", "2", "--log-jsonl", str(tmp / "log.jsonl"), "--moe-per-layer-logging"]
+    assert pretrain.main([a for a in argv if a != "--use-distributed-optimizer"]) == 0
+    return _steps(tmp / "log.jsonl")
+
+
+def test_pipeline_expert_parallel_program_resumes_on_the_serial_curve(world, serial_micro2, tmp_path):
+    """PP2 × EP2 (1F1B, EP over the stage's 2 DP ranks, one MoE layer per stage): the logged lm loss,
+    both layers' load-balancing and z losses (each from its own stage) and the norm equal the single
+    process's; the run saved at iteration 2 and resumed logs iterations 3 and 4 of the same curve."""
+    log, ckpt = tmp_path / "log.jsonl", str(tmp_path / "ckpt")
+    argv = RUN + ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--micro-batch-size", "1"]
+    argv += ["--log-jsonl", str(log), "--moe-per-layer-logging"]
+    assert world.run(_in_world, argv + ["--exit-interval", "2", "--save", ckpt]) == [0] * WORLD
+    assert world.run(_in_world, argv + ["--load", ckpt]) == [0] * WORLD
+    steps = _steps(log)
+    assert [r["iteration"] for r in steps] == [1, 2, 3, 4]
+    _close(steps, serial_micro2)
+    layers = [{"moe_layers": r["moe_layers"]} for r in steps]
+    for got, want in zip(layers, serial_micro2):
+        assert set(got["moe_layers"]) == set(want["moe_layers"])
+        _close([got["moe_layers"]], [want["moe_layers"]], names=tuple(want["moe_layers"]))
+
+
 def _generates_from(ckpt):
     """tools/generate.py's model from the EP2 checkpoint: every expert and expert bias, the serial model."""
     import torch
@@ -122,7 +149,6 @@ def _generates_from(ckpt):
         (["--moe-expert-capacity-factor", "1.0"], "needs --num-experts"),
         (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], "need --moe-expert-capacity-factor"),
         (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], "needs DeepEP"),
-        (["--num-experts", "4", "--pipeline-model-parallel-size", "2", "--num-layers", "2"], "pipeline parallelism"),
     ],
 )
 def test_bad_moe_flags_are_one_sentence(flags, needle):
