@@ -51,3 +51,19 @@ def test_layout_names_carry_the_hierarchical_cp_sizes():
     allowed, refused = allowed_layouts(fields, 4, ["cp4:a2a+p2p=2x2", "cp4:a2a+p2p", "cp4:a2a+p2p=2x4"])
     assert [str(a) for a in allowed] == ["cp4:a2a+p2p=2x2"]
     assert set(refused) == {"cp4:a2a+p2p", "cp4:a2a+p2p=2x4"}, refused
+
+
+def test_layout_names_carry_the_pipeline_schedule_and_the_expert_grid():
+    """`pp2:zbv` names the schedule (2 chunks per rank: a V), `ep2`/`etp1` the expert grid, which reaches
+    the config; a layout adds the replicas its expert grid needs (pp2/ep2: a stage of 2 ranks)."""
+    from megatron_sp.testing.layouts import parse_layout
+
+    layout = parse_layout("tp2+sp/pp2:zbv/ep2/etp1")
+    assert (layout.size, str(layout)) == (4, "tp2+sp/pp2:zbv/ep2/etp1")
+    pipeline = layout.pipeline_layout()
+    assert (pipeline.pp_size, pipeline.vp_size, pipeline.schedule) == (2, 2, "zbv")
+    fields = layout.config_fields()
+    assert (fields["expert_model_parallel_size"], fields["expert_tensor_parallel_size"]) == (2, 1)
+    assert parse_layout("pp2/ep2").size == 4 and "expert_model_parallel_size" not in parse_layout("pp2").config_fields()
+    with pytest.raises(ValueError, match="pp's schedule is one of"):
+        parse_layout("pp2:zb")

@@ -97,17 +97,21 @@ def _layouts(text, fields: dict, batch: int) -> tuple[list, dict]:
 
 def check(fields: dict, layouts: list, *, steps: int, batch: int, documents: bool, lr: float) -> list:
     """[Row] of every layout against the serial oracle (megatron_sp/testing/parity.py): the worst of
-    its TP ranks' (each gathers the full model; a replicated parameter may differ between them)."""
+    its TP ranks' (each gathers the full model; a replicated parameter may differ between them). An MoE
+    model's oracle under a pipeline layout accumulates its pp micro-batches (a balancing loss is the
+    micro-batch's)."""
     from megatron_sp.testing import LocalWorld
     from megatron_sp.testing.parity import compare, make_batches, run_layout, run_serial
 
     batches = make_batches(fields["vocab_size"], fields["seq_length"], batch, steps, documents=documents)
-    oracle = run_serial(fields, batches, lr=lr)
-    rows = []
+    oracles, rows = {}, []
     with LocalWorld(max(layout.size for layout in layouts)) as world:
         for layout in layouts:
+            micro = layout.pp if fields.get("num_experts") else 1
+            if micro not in oracles:
+                oracles[micro] = run_serial(fields, batches, lr=lr, micro_batches=micro)
             runs = world.run(run_layout, fields, layout, batches, state=None, lr=lr)
-            per_tp_rank = [compare(oracle, run, layout) for run in runs if run is not None]
+            per_tp_rank = [compare(oracles[micro], run, layout) for run in runs if run is not None]
             rows.append(max(per_tp_rank, key=lambda row: (len(row.failures()), row.grad, row.params)))
     return rows
 

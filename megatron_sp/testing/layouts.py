@@ -10,12 +10,14 @@
     tp2+sp/cp2 dimensions combined with '/'
 
 A layout runs on tp·cp·pp·dp ranks (EP and expert-TP lie over a stage's tp·cp·dp ranks, Megatron's
-expert grid). In a larger world the remaining ranks are further data-parallel replicas that repeat the
-asked parts of the batch (testing/parity.py), so the function is the same.
+expert grid: replicas are added where they do not divide them). In a larger world the remaining ranks
+are further data-parallel replicas that repeat the asked parts of the batch (testing/parity.py), so
+the function is the same.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -43,8 +45,10 @@ class Layout:
 
     @property
     def size(self) -> int:
-        """The ranks it runs on."""
-        return self.tp * self.cp * self.pp * self.dp
+        """The ranks it runs on: with experts, enough data-parallel replicas for EP × expert-TP to divide
+        a stage's ranks."""
+        experts = self.ep * (self.etp if self.etp is not None else self.tp)
+        return self.pp * math.lcm(self.tp * self.cp * self.dp, experts)
 
     def __str__(self) -> str:
         parts = [f"tp{self.tp}" + ("+sp" if self.sp else "")] if self.tp > 1 else []
