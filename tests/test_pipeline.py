@@ -167,16 +167,25 @@ def test_pipeline_matches_the_serial_model(world, case):
         assert losses == pytest.approx(want, rel=1e-5, abs=0)
 
 
-def _per_token_and_eval(schedule):
+def _per_token_and_eval(schedule, experts):
     """PP2 × TP2+SP interleaved (2 chunks per rank, loop or V): per-token loss with a loss mask and a loss
     scale (the gradient of the masked token sum, times the scale), then the forward-only pass in eval mode
-    (dropout off)."""
+    (dropout off). experts: MoE layers (EP2 over the TP ranks) whose load-balancing and z losses, on
+    every stage, take their micro-batch's weight too (its token count times the scale)."""
+    import dataclasses
+
     from megatron_sp.models.reference import ReferenceGPT
     from megatron_sp.pipeline_parallel.model import PipelineGPT
 
     m, micro, scale = 4, 1, 2.0
-    ps = parallel_state.initialize_model_parallel(2, 1, pipeline_model_parallel_size=2)
+    ep = 2 if experts else 1
+    ps = parallel_state.initialize_model_parallel(
+        2, 1, pipeline_model_parallel_size=2, expert_model_parallel_size=ep, expert_tensor_parallel_size=1
+    )
     cfg = pipeline_config("gpt2", 2, 1, True)
+    if experts:
+        moe = dict(num_experts=4, moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+        cfg = dataclasses.replace(cfg, **moe, expert_model_parallel_size=2, expert_tensor_parallel_size=1)
     tokens, labels = pipeline_batch(m * micro, seed=1)
     mask = (torch.rand(tokens.shape, generator=torch.Generator().manual_seed(2)) > 0.3).float()
     ids = torch.arange(m * micro)
@@ -202,9 +211,9 @@ def _per_token_and_eval(schedule):
     return err, got, want
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
-def test_per_token_loss_scale_and_evaluation(world, schedule):
-    for err, got, want in world.run(_per_token_and_eval, schedule):
+@pytest.mark.parametrize("schedule, experts", [("1f1b", False), ("zbv", False), ("zbv", True)])
+def test_per_token_loss_scale_and_evaluation(world, schedule, experts):
+    for err, got, want in world.run(_per_token_and_eval, schedule, experts):
         assert err < 1e-5
         assert got == pytest.approx(want, rel=1e-5, abs=0)
 
