@@ -579,7 +579,8 @@ class GPTConfig(MoEFields):
         biases += experts * expert_b
         if self.moe_shared_expert_intermediate_size:
             shared_w, shared_b = self._mlp_params(self.moe_shared_expert_intermediate_size)
-            weights, biases = weights + shared_w, biases + shared_b
+            gate = h if self.moe_shared_expert_gate else 0  # its sigmoid gate's [1, h]
+            weights, biases = weights + shared_w + gate, biases + shared_b
         return weights, biases
 
     def _mlp_params(self, f: int) -> tuple[int, int]:

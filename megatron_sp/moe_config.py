@@ -137,6 +137,13 @@ class MoEFields:
         resume=ALWAYS,
         group=_MOE,
     )
+    moe_shared_expert_gate: bool = model_field(
+        False,
+        help="scale the shared expert's output by sigmoid(x · w), w [1, h] learnt (Qwen2-MoE's shared_expert_gate)",
+        switches=(Switch("--moe-shared-expert-gate", True),),
+        resume=ALWAYS,
+        group=_MOE,
+    )
     moe_expert_capacity_factor: Optional[float] = model_field(
         None,
         help="each expert takes at most ceil(s · topk / experts · factor) tokens of each sample (None: no drops)",
@@ -206,13 +213,19 @@ def check_moe(cfg) -> None:
     _check_layer_freq(cfg)
     _check_router(cfg, e, k)
     _check_capacity(cfg)
+    _check_shared_expert(cfg)
     _check_expert_layout(cfg, e)
 
 
 def _check_dense(cfg):
     """MoE options without experts are refused rather than ignored."""
     defaults = MoEFields.__dataclass_fields__
-    for name in ("moe_expert_capacity_factor", "moe_shared_expert_intermediate_size", "moe_router_num_groups"):
+    for name in (
+        "moe_expert_capacity_factor",
+        "moe_shared_expert_intermediate_size",
+        "moe_shared_expert_gate",
+        "moe_router_num_groups",
+    ):
         if getattr(cfg, name) != defaults[name].default:
             raise ValueError(f"GPTConfig.{name} is a mixture-of-experts option: it needs num_experts.")
     if cfg.expert_model_parallel_size != 1:
@@ -271,6 +284,20 @@ def _check_capacity(cfg):
         return
     if not factor > 0:
         raise ValueError(f"GPTConfig.moe_expert_capacity_factor must be positive, got {factor}.")
+
+
+def _check_shared_expert(cfg):
+    if not cfg.moe_shared_expert_gate:
+        return
+    if not cfg.moe_shared_expert_intermediate_size:
+        raise ValueError(
+            "GPTConfig.moe_shared_expert_gate gates the shared expert: it needs moe_shared_expert_intermediate_size."
+        )
+    if cfg.add_bias_linear:  # the gate would not scale fc2's bias, which is added after the layer
+        raise ValueError(
+            "GPTConfig.moe_shared_expert_gate needs a shared expert without biases (Megatron's); "
+            "use --disable-bias-linear."
+        )
 
 
 def _check_expert_layout(cfg, e):
