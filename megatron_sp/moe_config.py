@@ -108,7 +108,11 @@ class MoEFields:
         group=_MOE,
     )
     moe_aux_loss_coeff: float = model_field(
-        0.0, help="coefficient of the load-balancing loss", flags=("--moe-aux-loss-coeff",), group=_MOE
+        0.0,
+        help="coefficient of the load-balancing loss",
+        flags=("--moe-aux-loss-coeff",),
+        group=_MOE,
+        describes_model=True,  # a Hugging Face config.json's router_aux_loss_coef: the printed flags carry it
     )
     moe_z_loss_coeff: Optional[float] = model_field(
         None, help="coefficient of the router z-loss (ST-MoE)", flags=("--moe-z-loss-coeff",), group=_MOE
