@@ -86,8 +86,8 @@ class GPTConfig(MoEFields):
     seq_length: int = model_field(help="tokens per sample s", flags=("--seq-length",), cli_default=128)
     model: str = model_field(
         "gpt2",
-        help="model family: gpt2, llama, qwen2, qwen3, mistral (megatron_sp/families.py) or package.module:SPEC; "
-        "sets the defaults of the architecture flags below",
+        help="model family: gpt2, llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, qwen2_moe "
+        "(megatron_sp/families.py) or package.module:SPEC; sets the defaults of the architecture flags below",
         flags=("--model",),
     )
     ffn_hidden_size: Optional[int] = model_field(
@@ -579,7 +579,8 @@ class GPTConfig(MoEFields):
         biases += experts * expert_b
         if self.moe_shared_expert_intermediate_size:
             shared_w, shared_b = self._mlp_params(self.moe_shared_expert_intermediate_size)
-            weights, biases = weights + shared_w, biases + shared_b
+            gate = h if self.moe_shared_expert_gate else 0  # its sigmoid gate's [1, h]
+            weights, biases = weights + shared_w + gate, biases + shared_b
         return weights, biases
 
     def _mlp_params(self, f: int) -> tuple[int, int]:

@@ -66,6 +66,22 @@ FAMILIES = {
     ),
     # Llama with a sliding window on every layer (--window-size L,0: from the checkpoint, none by default)
     "mistral": Family("megatron_sp.models.mistral:SPEC", _LLAMA, hf="megatron_sp.models.hf.mistral:ADAPTER"),
+    # Mixture-of-experts families: the experts come from the --num-experts / --moe-* flags (the converter
+    # prints them); a family gives its layer's defaults and its Hugging Face adapter (models/hf/moe.py).
+    # Mistral's layer with experts on every layer
+    "mixtral": Family("megatron_sp.models.mixtral:SPEC", _LLAMA, hf="megatron_sp.models.hf.mixtral:ADAPTER"),
+    # Qwen3's layer with experts (untied, as every release)
+    "qwen3_moe": Family(
+        "megatron_sp.models.qwen3_moe:SPEC",
+        dict(_LLAMA, qk_layernorm=True),
+        hf="megatron_sp.models.hf.qwen3_moe:ADAPTER",
+    ),
+    # Qwen2's layer with experts and a gated shared expert (--moe-shared-expert-gate)
+    "qwen2_moe": Family(
+        "megatron_sp.models.qwen2_moe:SPEC",
+        dict(_LLAMA, add_qkv_bias=True),
+        hf="megatron_sp.models.hf.qwen2_moe:ADAPTER",
+    ),
 }
 BASE = "gpt2"  # the family whose defaults fill what another family does not set
 

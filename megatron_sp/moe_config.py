@@ -108,7 +108,11 @@ class MoEFields:
         group=_MOE,
     )
     moe_aux_loss_coeff: float = model_field(
-        0.0, help="coefficient of the load-balancing loss", flags=("--moe-aux-loss-coeff",), group=_MOE
+        0.0,
+        help="coefficient of the load-balancing loss",
+        flags=("--moe-aux-loss-coeff",),
+        group=_MOE,
+        describes_model=True,  # a Hugging Face config.json's router_aux_loss_coef: the printed flags carry it
     )
     moe_z_loss_coeff: Optional[float] = model_field(
         None, help="coefficient of the router z-loss (ST-MoE)", flags=("--moe-z-loss-coeff",), group=_MOE
@@ -134,6 +138,13 @@ class MoEFields:
         None,
         help="width of the shared expert every token goes through (None: no shared expert)",
         flags=("--moe-shared-expert-intermediate-size",),
+        resume=ALWAYS,
+        group=_MOE,
+    )
+    moe_shared_expert_gate: bool = model_field(
+        False,
+        help="scale the shared expert's output by sigmoid(x · w), w [1, h] learnt (Qwen2-MoE's shared_expert_gate)",
+        switches=(Switch("--moe-shared-expert-gate", True),),
         resume=ALWAYS,
         group=_MOE,
     )
@@ -206,13 +217,19 @@ def check_moe(cfg) -> None:
     _check_layer_freq(cfg)
     _check_router(cfg, e, k)
     _check_capacity(cfg)
+    _check_shared_expert(cfg)
     _check_expert_layout(cfg, e)
 
 
 def _check_dense(cfg):
     """MoE options without experts are refused rather than ignored."""
     defaults = MoEFields.__dataclass_fields__
-    for name in ("moe_expert_capacity_factor", "moe_shared_expert_intermediate_size", "moe_router_num_groups"):
+    for name in (
+        "moe_expert_capacity_factor",
+        "moe_shared_expert_intermediate_size",
+        "moe_shared_expert_gate",
+        "moe_router_num_groups",
+    ):
         if getattr(cfg, name) != defaults[name].default:
             raise ValueError(f"GPTConfig.{name} is a mixture-of-experts option: it needs num_experts.")
     if cfg.expert_model_parallel_size != 1:
@@ -271,6 +288,20 @@ def _check_capacity(cfg):
         return
     if not factor > 0:
         raise ValueError(f"GPTConfig.moe_expert_capacity_factor must be positive, got {factor}.")
+
+
+def _check_shared_expert(cfg):
+    if not cfg.moe_shared_expert_gate:
+        return
+    if not cfg.moe_shared_expert_intermediate_size:
+        raise ValueError(
+            "GPTConfig.moe_shared_expert_gate gates the shared expert: it needs moe_shared_expert_intermediate_size."
+        )
+    if cfg.add_bias_linear:  # the gate would not scale fc2's bias, which is added after the layer
+        raise ValueError(
+            "GPTConfig.moe_shared_expert_gate needs a shared expert without biases (Megatron's); "
+            "use --disable-bias-linear."
+        )
 
 
 def _check_expert_layout(cfg, e):

@@ -6,17 +6,27 @@ printed flags name the family) and exports it back (transformers loads the class
 to_hf / from_hf round-trip bit for bit, and what the class cannot say is refused. At TP1, TP2+SP,
 CP2 and PP2 the parallel model of the imported weights computes transformers' logits, loss and
 every gradient within 1e-5, on packed documents (reset positions, block-causal mask; transformers
-runs each document alone), through the parity harness (megatron_sp/testing/parity.py)."""
+runs each document alone), through the parity harness (megatron_sp/testing/parity.py).
+
+The mixture-of-experts families, Mixtral (a window too), Qwen3-MoE (a dense layer among the MoE ones,
+norm_topk_prob) and Qwen2-MoE (the gated shared expert, the k probabilities as they are), go the same
+way through files (the per-expert layout transformers' save_pretrained writes; the export writes the
+same file bit for bit), from transformers 5's fused 3-D expert tensors (the same state), and compute
+transformers' logits, loss and every gradient within 1e-5 serially (EP1), at EP2 and at EP2 × TP2+SP
+(expert-TP 1: the 2 ranks). Every expert tensor is accounted for: missing, surplus, doubled or
+misshapen ones are refused naming the key."""
 
 import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from megatron_sp.layer_options import is_moe_layer
 from megatron_sp.models.hf import ConversionError, from_hf, to_hf
 from megatron_sp.testing import LocalWorld
 from megatron_sp.testing.layouts import parse_layout
-from megatron_sp.testing.parity import make_batches, rel, run_layout
+from megatron_sp.testing.parity import make_batches, rel, run_layout, run_serial
 from megatron_sp.testing.tiny import reference_from_checkpoint
 from tools import convert_hf
 
@@ -44,7 +54,38 @@ CONFIGS = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 8},
     ),
 }
+# the MoE families: 4 experts of width 16, top 2; no load-balancing loss (transformers adds its own,
+# pooled over the layers, only with output_router_logits: models/hf/moe.py)
+MOE = dict(SMALL, num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2, router_aux_loss_coef=0.0)
+CONFIGS.update(
+    {
+        "mixtral": lambda: transformers.MixtralConfig(
+            **{**MOE, "intermediate_size": 16}, num_local_experts=4, sliding_window=4
+        ),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            **MOE, head_dim=16, num_experts=4, moe_intermediate_size=16, norm_topk_prob=True, mlp_only_layers=[1]
+        ),
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+            **MOE, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24
+        ),
+    }
+)
+MOE_CASES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+# GPTConfig fields of our MoE models
+EXPERTS = dict(num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2)
+SHARED = dict(moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=True)
+MOE_FIELDS = (
+    "num_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "moe_router_pre_softmax",
+    "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
+    "add_qkv_bias",
+    "qk_layernorm",
+)
 CLASSES = {
+    **MOE_CASES,
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -82,6 +123,17 @@ def test_import_and_export_through_transformers(case, tmp_path, capsys, monkeypa
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
     assert type(back).__name__ == CLASSES[case]
     assert torch.equal(_logits(back, tokens), want)
+    original, again = hf.state_dict(), back.state_dict()  # the round trip, bit for bit
+    assert again.keys() == original.keys() and all(torch.equal(again[k], original[k]) for k in original)
+    saved, written = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "out"))
+    assert written.keys() == saved.keys() and all(torch.equal(written[k], saved[k]) for k in saved)
+    if case in MOE_CASES:  # transformers 5's fused expert tensors are the same model
+        config = json.loads((tmp_path / "hf" / "config.json").read_text())
+        fused, per_expert = from_hf(dict(original), config)[0], from_hf(saved, config)[0]
+        assert any(k.endswith(".experts.gate_up_proj") for k in original) and not any(
+            ".experts.0." in k for k in original
+        )
+        assert fused.keys() == per_expert.keys() and all(torch.equal(fused[k], per_expert[k]) for k in fused)
 
 
 @pytest.mark.parametrize(
@@ -93,13 +145,20 @@ def test_import_and_export_through_transformers(case, tmp_path, capsys, monkeypa
         (dict(model="llama", qk_layernorm=True), "Qwen3ForCausalLM"),
         (dict(model="mistral", window_size=(7, 0)), "MistralForCausalLM"),
         (dict(model="llama", window_size=(7, 0)), "MistralForCausalLM"),  # what LlamaForCausalLM cannot say
+        (dict(model="mixtral", **EXPERTS, window_size=(7, 0)), "MixtralForCausalLM"),
+        (dict(model="llama", **EXPERTS), "MixtralForCausalLM"),
+        (dict(model="qwen3_moe", **EXPERTS, num_layers=3, moe_layer_freq=(0, 1, 1)), "Qwen3MoeForCausalLM"),
+        (dict(model="qwen3", **EXPERTS, moe_router_pre_softmax=True), "Qwen3MoeForCausalLM"),
+        (dict(model="qwen2_moe", **EXPERTS, **SHARED, moe_router_pre_softmax=True), "Qwen2MoeForCausalLM"),
+        (dict(model="llama", **EXPERTS, **SHARED, moe_layer_freq=2, num_layers=2), "Qwen2MoeForCausalLM"),
     ],
 )
 def test_round_trip_is_exact_and_picks_the_architecture(fields, architecture):
     from megatron_sp.config import GPTConfig
     from megatron_sp.models.reference import ReferenceGPT
 
-    cfg = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, seq_length=16, **fields)
+    shape = dict(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, seq_length=16)
+    cfg = GPTConfig(**{**shape, **fields})
     state = ReferenceGPT(cfg).state_dict()
     tensors, config = to_hf(state, cfg)
     assert config["architectures"] == [architecture]
@@ -107,6 +166,10 @@ def test_round_trip_is_exact_and_picks_the_architecture(fields, architecture):
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
     assert read["kv_channels"] == cfg.kv_channels and read["model"] == config["model_type"]
     assert read.get("window_size") == cfg.window_size  # (Mistral's sliding_window 8 = --window-size 7,0)
+    again = GPTConfig(**read, seq_length=16)
+    assert all(getattr(again, name) == getattr(cfg, name) for name in MOE_FIELDS), config
+    layers = range(1, cfg.num_layers + 1)
+    assert [is_moe_layer(again, i) for i in layers] == [is_moe_layer(cfg, i) for i in layers]
 
 
 @pytest.mark.parametrize(
@@ -116,6 +179,10 @@ def test_round_trip_is_exact_and_picks_the_architecture(fields, architecture):
         ("qwen3", {"use_sliding_window": True}, "use_sliding_window"),
         ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
         ("mistral", {"sliding_window": 0}, "sliding_window must be a positive integer"),
+        ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
+        ("qwen2_moe", {"use_sliding_window": True}, "use_sliding_window"),
+        ("qwen3_moe", {"num_experts": 8}, "num_local_experts 4; keep one"),  # (transformers 5 writes the latter)
+        ("qwen3_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step must be"),
     ],
 )
 def test_what_the_families_cannot_express_is_refused(family, change, needle):
@@ -131,6 +198,14 @@ def test_what_the_families_cannot_express_is_refused(family, change, needle):
         (dict(model="qwen3", add_bias_linear=True), "no biases in its MLP"),
         (dict(model="mistral", window_size=(7, 0), add_bias_linear=True), "MistralForCausalLM has no biases"),
         (dict(model="mistral", window_size=(7, 0), window_attn_skip_freq=2), "--window-attn-skip-freq"),
+        (dict(model="mixtral", **EXPERTS, moe_router_score_function="sigmoid"), "routes by softmax"),
+        (dict(model="mixtral", **EXPERTS, moe_layer_freq=2), "experts on every layer"),
+        (dict(model="mixtral", **EXPERTS, moe_router_pre_softmax=True), "--moe-router-pre-softmax"),
+        (dict(model="mixtral", **EXPERTS, moe_expert_capacity_factor=1.0), "--moe-expert-capacity-factor"),
+        (dict(model="mixtral", **EXPERTS, moe_router_topk_scaling_factor=2.0), "--moe-router-topk-scaling"),
+        (dict(model="mixtral", **EXPERTS, moe_shared_expert_intermediate_size=24), "a shared expert"),
+        (dict(model="qwen2_moe", **EXPERTS, moe_shared_expert_intermediate_size=24), "--moe-shared-expert-gate"),
+        (dict(model="gpt2", **EXPERTS), r"positions \+ mixture of experts"),
     ],
 )
 def test_export_refuses_what_the_class_has_no_place_for(fields, needle):
@@ -141,6 +216,74 @@ def test_export_refuses_what_the_class_has_no_place_for(fields, needle):
     cfg = GPTConfig(**shape, **fields)
     with pytest.raises(ConversionError, match=needle):
         to_hf(ReferenceGPT(cfg).state_dict(), cfg)
+
+
+@pytest.fixture(scope="module")
+def moe_files(tmp_path_factory):
+    """{case: (transformers' fused state dict, its saved per-expert tensors, config.json)}."""
+    out = {}
+    for case in ("mixtral", "qwen3_moe"):
+        hf, where = _hf_model(case), tmp_path_factory.mktemp(case)
+        hf.save_pretrained(where)
+        config = json.loads((where / "config.json").read_text())
+        out[case] = (dict(hf.state_dict()), load_file(where / "model.safetensors"), config)
+    return out
+
+
+_MIX = "model.layers.0.block_sparse_moe.experts"
+
+
+def _drop(t, c, fused):
+    del t["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+
+
+def _surplus_expert(t, c, fused):
+    t.update({k.replace(".experts.0.", ".experts.4."): v for k, v in t.items() if k.startswith(f"{_MIX}.0.")})
+
+
+def _unused(t, c, fused):
+    t[f"{_MIX}.0.w1.bias"] = torch.zeros(16)
+
+
+def _both_layouts(t, c, fused):
+    t["model.layers.0.mlp.experts.gate_up_proj"] = fused["model.layers.0.mlp.experts.gate_up_proj"]
+
+
+def _misshapen(t, c, fused):
+    for k in [k for k in t if k.startswith(f"{_MIX}.")]:
+        del t[k]
+    t.update({k: v[:3] for k, v in fused.items() if k.startswith("model.layers.0.mlp.experts.")})
+
+
+def _fused_on_a_dense_layer(t, c, fused):
+    t["model.layers.1.mlp.experts.down_proj"] = fused["model.layers.0.mlp.experts.down_proj"]
+
+
+def _hostile(t, c, fused):
+    c["num_local_experts"] = 10**9
+
+
+@pytest.mark.parametrize(
+    "case,edit,needle",
+    [
+        ("mixtral", _drop, "lack model.layers.1.block_sparse_moe.experts.3.w2.weight"),
+        ("mixtral", _surplus_expert, r"has 4 experts \(num_local_experts\) but layer 0's weights hold 5"),
+        ("mixtral", _unused, f"hold {_MIX}.0.w1.bias, which this config has no place for"),
+        ("mixtral", _both_layouts, f"hold {_MIX}.0.w1.weight twice"),
+        ("mixtral", _misshapen, r"gate_up_proj is torch.float32 of shape \[3, 32, 32\] but config.json needs"),
+        ("qwen3_moe", _fused_on_a_dense_layer, "makes layer 1 no mixture-of-experts layer"),
+        ("mixtral", _hostile, "has 1000000000 experts"),
+    ],
+)
+def test_every_expert_tensor_is_accounted_for(moe_files, case, edit, needle):
+    """A missing, surplus, unused, doubled or misshapen expert tensor is refused naming it (a config
+    of 10^9 experts builds nothing); the files as they are import."""
+    fused, saved, config = moe_files[case]
+    from_hf(dict(saved), config)
+    tensors, config = dict(saved), dict(config)
+    edit(tensors, config, fused)
+    with pytest.raises(ConversionError, match=needle):
+        from_hf(tensors, config)
 
 
 @pytest.mark.parametrize(
@@ -205,29 +348,48 @@ def _transformers_run(hf, batch, ours):
     return logits.detach(), loss.item(), ours({n: p.grad for n, p in hf.named_parameters()})
 
 
+# {name: (layout, fields)}: serial = TP1 with both ranks replicas; None: the serial model in this process
+DENSE_LAYOUTS = {"serial": ("dp1", {}), "tp2+sp": ("tp2+sp", {}), "cp2": ("cp2", {}), "pp2": ("pp2", {})}
+EP2 = dict(expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+MOE_LAYOUTS = {"ep1": None, "ep2": ("dp1", EP2), "tp2+sp/ep2": ("tp2+sp", EP2)}
+
+
 @pytest.mark.parametrize("case", sorted(CLASSES))
 def test_every_layout_computes_what_transformers_computes(world, case):
     hf = _hf_model(case)
     config = json.loads(hf.config.to_json_string())
-    state, fields = from_hf({k: v.detach() for k, v in hf.state_dict().items()}, config)
+    state, fields = from_hf({k: v.detach() for k, v in hf.state_dict().items()}, config)  # (MoE: fused)
     fields.update(seq_length=SEQ)
     batch = make_batches(VOCAB, SEQ, BATCH, 1, documents=True)[0]
     grads = lambda hf_grads: from_hf(hf_grads, config)[0]  # noqa: E731  (the same Links as the weights)
-    _check_layouts(world, fields, state, batch, *_transformers_run(hf, batch, grads))
+    layouts = MOE_LAYOUTS if case in MOE_CASES else DENSE_LAYOUTS
+    _check_layouts(world, fields, state, batch, _transformers_run(hf, batch, grads), layouts)
 
 
-def _check_layouts(world, fields, state, batch, logits, loss, grads):
-    """The parallel model of `state` at TP1, TP2+SP, CP2 and PP2 computes transformers' logits, loss
-    and gradients within 1e-5."""
-    for name in ("serial", "tp2+sp", "cp2", "pp2"):
-        layout = parse_layout("dp1" if name == "serial" else name)  # serial: TP1, both ranks replicas
-        run = next(r for r in world.run(run_layout, fields, layout, [batch], state=state, logits=True) if r)
-        assert abs(run.losses[0] - loss) <= 1e-5 * loss, (name, run.losses[0], loss)
-        if run.logits is not None:  # (the pipeline's last stage returns losses only)
-            assert rel(run.logits, logits) < 1e-5, (name, rel(run.logits, logits))
-        assert run.grads0.keys() == grads.keys(), name
-        worst = max((rel(run.grads0[k], g), k) for k, g in grads.items())
-        assert worst[0] < 1e-5, (name, worst)
+def _check_layouts(world, fields, state, batch, reference, layouts=DENSE_LAYOUTS):
+    """The model of `state` at each of `layouts` computes transformers' logits, loss and gradients
+    (`reference`) within 1e-5; {layout name: (logits, worst gradient)} relative errors."""
+    worst = {}
+    for name, at in layouts.items():
+        if at is None:
+            run = run_serial(fields, [batch], state=state, logits=True)
+        else:
+            layout, extra = parse_layout(at[0]), {**fields, **at[1]}
+            run = next(r for r in world.run(run_layout, extra, layout, [batch], state=state, logits=True) if r)
+        worst[name] = _check_run(name, run, *reference)
+    return worst
+
+
+def _check_run(name, run, logits, loss, grads):
+    assert abs(run.losses[0] - loss) <= 1e-5 * loss, (name, run.losses[0], loss)
+    logits_error = None
+    if run.logits is not None:  # (the pipeline's last stage returns losses only)
+        logits_error = rel(run.logits, logits)
+        assert logits_error < 1e-5, (name, logits_error)
+    assert run.grads0.keys() == grads.keys(), name
+    worst = max((rel(run.grads0[k], g), k) for k, g in grads.items())
+    assert worst[0] < 1e-5, (name, worst)
+    return logits_error, worst
 
 
 # ---- gpt-oss's dense parts, against transformers' GptOssForCausalLM with one expert ------------
@@ -327,4 +489,4 @@ def test_gpt_oss_dense_parts_compute_what_transformers_computes(world):
     logits, loss, grads = _transformers_run(hf, batch, lambda g: g)
     routers = [g for n, g in grads.items() if ".router." in n]
     assert routers and all(not g.any() for g in routers)  # one expert: the router does nothing
-    _check_layouts(world, fields, state, batch, logits, loss, _gpt_oss_as_ours(grads, fields["num_layers"]))
+    _check_layouts(world, fields, state, batch, (logits, loss, _gpt_oss_as_ours(grads, fields["num_layers"])))

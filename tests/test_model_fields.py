@@ -108,6 +108,7 @@ MODEL_FLAGS = {
     "--moe-router-bias-update-rate": 0.001,
     "--moe-grouped-gemm": (True,),
     "--moe-shared-expert-intermediate-size": None,
+    "--moe-shared-expert-gate": (True,),
     "--moe-expert-capacity-factor": None,
     "--moe-pad-expert-input-to-capacity": (True,),
     "--moe-token-drop-policy": "probs",

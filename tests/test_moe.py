@@ -118,7 +118,8 @@ def _direct_layer(layer, x, cfg, keep=None):
     if layer.shared_experts is not None:
         sh = layer.shared_experts
         a = F.silu(F.linear(x, sh.fc1.weight).chunk(2, -1)[0]) * F.linear(x, sh.fc1.weight).chunk(2, -1)[1]
-        y = y + F.linear(a, sh.fc2.weight)
+        gate = 1.0 if sh.gate_weight is None else torch.sigmoid(x @ sh.gate_weight.t())  # [s, b, 1]
+        y = y + gate * F.linear(a, sh.fc2.weight)
     return y
 
 
@@ -134,7 +135,12 @@ def _batch(training):
     return dict(labels=None, loss_mask=None, position_ids=None, attention_mask=None, sample_ids=None, training=training)
 
 
-@pytest.mark.parametrize("extra", [{}, dict(moe_grouped_gemm=True), dict(moe_shared_expert_intermediate_size=48)])
+SHARED = dict(moe_shared_expert_intermediate_size=48)
+
+
+@pytest.mark.parametrize(
+    "extra", [{}, dict(moe_grouped_gemm=True), SHARED, dict(SHARED, moe_shared_expert_gate=True, add_bias_linear=False)]
+)
 def test_layer_output_and_gradients_against_direct(extra):
     cfg = _cfg(**extra)
     _, layer, x, seq = _run_layer(cfg)
@@ -271,6 +277,8 @@ REFUSALS = [
     (dict(num_experts=None, moe_expert_capacity_factor=1.0), "needs num_experts"),
     (dict(num_experts=None, expert_model_parallel_size=2), "needs num_experts"),
     (dict(num_experts=None, moe_shared_expert_intermediate_size=64), "needs num_experts"),
+    (dict(moe_shared_expert_gate=True), "it needs moe_shared_expert_intermediate_size"),
+    (dict(moe_shared_expert_gate=True, moe_shared_expert_intermediate_size=64, add_bias_linear=True), "--disable-bias"),
     (dict(moe_router_load_balancing_type="sinkhorn"), "sinkhorn is not implemented"),
     (dict(moe_input_jitter_eps=0.01), "moe_input_jitter_eps is not implemented"),
     (dict(moe_token_dispatcher_type="flex"), "needs DeepEP"),

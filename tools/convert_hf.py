@@ -2,7 +2,8 @@
 """Convert between a megatron_sp checkpoint and a Hugging Face model directory (model.safetensors +
 config.json, loadable offline by transformers) of any family with an adapter (megatron_sp/families.py,
 megatron_sp/models/hf/: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-MistralForCausalLM).
+MistralForCausalLM, and with experts MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM: their
+per-expert files and transformers 5's fused expert tensors are read, the per-expert layout written).
 
     # checkpoint (any TP size) -> HF directory
     python tools/convert_hf.py export --load runs/ckpt [--iteration N] --output hf/ [--dtype bf16] [--eos-token-id 256]

@@ -56,9 +56,10 @@ def adapter_for(cfg) -> HFAdapter:
     matching = [a for a in candidates if a.matches(cfg)]
     if not matching:
         known = "; ".join(f"{a.architecture}: {a.signature}" for a in adapters().values())
+        experts = " + mixture of experts" if cfg.num_experts is not None else ""
         raise ConversionError(
             f"no Hugging Face architecture matches {cfg.normalization} + {cfg.activation} + "
-            f"{cfg.position_embedding_type} positions ({known})."
+            f"{cfg.position_embedding_type} positions{experts} ({known})."
         )
     refusals = []
     for adapter in matching:
@@ -122,7 +123,7 @@ def from_hf(tensors: dict, config: dict) -> tuple[dict, dict]:
         cfg = GPTConfig(seq_length=fields["max_position_embeddings"], tensor_model_parallel_size=1, **fields)
     except (TypeError, ZeroDivisionError, OverflowError, AttributeError) as err:
         raise ConversionError(f"the {kind} config.json holds a value of the wrong kind ({err}).") from None
-    tensors = check_tensors(adapter.canonical(tensors), cfg, adapter)
+    tensors = check_tensors(adapter.canonical(tensors, cfg), cfg, adapter)
     state = _tensors_from_hf(adapter.links(cfg), tensors)
     return {k: v.contiguous() for k, v in state.items()}, fields
 

@@ -91,8 +91,9 @@ class HFAdapter(Protocol):
     def links(self, cfg) -> list:
         """Every tensor of a ReferenceGPT of cfg, as Links."""
 
-    def canonical(self, tensors: dict) -> dict:
-        """The HF tensors under the names `links` uses (e.g. GPT2Model's bare keys prefixed)."""
+    def canonical(self, tensors: dict, cfg) -> dict:
+        """The HF tensors under the names `links` uses for cfg (e.g. GPT2Model's bare keys prefixed,
+        transformers 5's fused 3-D expert tensors split per expert: hf/moe.py)."""
 
 
 class CausalLMAdapter:
@@ -124,7 +125,7 @@ class CausalLMAdapter:
                 fields[name] = value
         return fields
 
-    def canonical(self, tensors: dict) -> dict:
+    def canonical(self, tensors: dict, cfg) -> dict:
         return tensors
 
 

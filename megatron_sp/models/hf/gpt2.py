@@ -58,7 +58,7 @@ class GPT2Adapter(CausalLMAdapter):
 
     def matches(self, cfg) -> bool:
         shape = (cfg.normalization, cfg.position_embedding_type) == ("LayerNorm", "learned_absolute")
-        return shape and cfg.activation in ("gelu", "openai_gelu")
+        return shape and cfg.activation in ("gelu", "openai_gelu") and cfg.num_experts is None
 
     def check(self, cfg) -> None:
         refuse_fields(cfg, self.architecture, self.unsupported)
@@ -120,7 +120,7 @@ class GPT2Adapter(CausalLMAdapter):
                 links.append(link(f"layers.{i}.{ours}.{kind}", f"transformer.h.{i}.{hf}.{kind}"))
         return links
 
-    def canonical(self, tensors: dict) -> dict:
+    def canonical(self, tensors: dict, cfg) -> dict:
         return {(k if k.startswith(("transformer.", "lm_head")) else f"transformer.{k}"): v for k, v in tensors.items()}
 
 

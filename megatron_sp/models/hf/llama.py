@@ -21,6 +21,11 @@ from megatron_sp.models.hf.adapter import (
 from megatron_sp.models.hf.rope import check_rope, rope_config, rope_fields
 
 
+def llama_shaped(cfg) -> bool:
+    """RMSNorm + SwiGLU + RoPE: the shape of every Llama-like architecture."""
+    return (cfg.normalization, cfg.activation, cfg.rotary) == ("RMSNorm", "swiglu", True)
+
+
 class LlamaAdapter(CausalLMAdapter):
     model_type = "llama"
     architecture = "LlamaForCausalLM"
@@ -48,7 +53,7 @@ class LlamaAdapter(CausalLMAdapter):
     }
 
     def matches(self, cfg) -> bool:
-        return (cfg.normalization, cfg.activation, cfg.rotary) == ("RMSNorm", "swiglu", True)
+        return llama_shaped(cfg) and cfg.num_experts is None  # (mixture of experts: hf/moe.py's adapters)
 
     def check(self, cfg) -> None:
         refuse_fields(cfg, self.architecture, self.unsupported)
@@ -105,8 +110,8 @@ class LlamaAdapter(CausalLMAdapter):
         return top + per_layer(cfg.num_layers, lambda i: self.layer_links(cfg, i))
 
     def layer_links(self, cfg, i: int) -> list:
-        """Layer i's tensors: norms, attention (q/k/v fused in ours), MLP (gate/up fused in ours)."""
-        d, f = cfg.kv_channels, cfg.ffn_hidden_size
+        """Layer i's tensors: norms, attention (q/k/v fused in ours), MLP (`mlp_links`)."""
+        d = cfg.kv_channels
         qkv_rows = (cfg.num_attention_heads * d, cfg.num_query_groups * d, cfg.num_query_groups * d)
         hf, ours = f"model.layers.{i}", f"layers.{i}"
         links = [
@@ -117,13 +122,24 @@ class LlamaAdapter(CausalLMAdapter):
             qkv = tuple(f"{hf}.self_attn.{x}_proj.{kind}" for x in "qkv")
             links.append(fused(f"{ours}.attn.qkv.{kind}", qkv, qkv_rows))
         for kind in linear_kinds(cfg.add_bias_linear):
-            gate_up = (f"{hf}.mlp.gate_proj.{kind}", f"{hf}.mlp.up_proj.{kind}")
-            links += [
-                same(f"{ours}.attn.proj.{kind}", f"{hf}.self_attn.o_proj.{kind}"),
-                fused(f"{ours}.mlp.fc1.{kind}", gate_up, (f, f)),
-                same(f"{ours}.mlp.fc2.{kind}", f"{hf}.mlp.down_proj.{kind}"),
-            ]
-        return links
+            links.append(same(f"{ours}.attn.proj.{kind}", f"{hf}.self_attn.o_proj.{kind}"))
+        return links + self.mlp_links(cfg, i)
+
+    def mlp_links(self, cfg, i: int) -> list:
+        """Layer i's MLP: gate/up fused in our fc1."""
+        return gated_mlp_links(f"layers.{i}.mlp", f"model.layers.{i}.mlp", cfg.ffn_hidden_size, cfg.add_bias_linear)
+
+
+def gated_mlp_links(
+    ours: str, hf: str, f: int, bias: bool = False, names=("gate_proj", "up_proj", "down_proj")
+) -> list:
+    """A SwiGLU MLP of width f: HF's gate, up (our fc1's [gate; up] rows) and down projections, `names`."""
+    gate, up, down = names
+    links = []
+    for kind in linear_kinds(bias):
+        gate_up = (f"{hf}.{gate}.{kind}", f"{hf}.{up}.{kind}")
+        links += [fused(f"{ours}.fc1.{kind}", gate_up, (f, f)), same(f"{ours}.fc2.{kind}", f"{hf}.{down}.{kind}")]
+    return links
 
 
 ADAPTER = LlamaAdapter()

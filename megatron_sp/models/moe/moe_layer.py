@@ -7,19 +7,22 @@
     dispatch the tokens to their experts' ranks and back (the builder's: none serially,
              expert_parallel/ with EP), each token the sum of its experts' weighted outputs
     shared   + a dense MLP every token goes through (--moe-shared-expert-intermediate-size), TP-split
-             as the dense MLP
+             as the dense MLP; with --moe-shared-expert-gate its output times sigmoid(x · gate_weight^T),
+             gate_weight [1, h] in the SP region (Megatron's SharedExpertMLP, Qwen2-MoE's shared_expert_gate)
 
 forward(x, seq) -> [s_sp, b, h] before `output_bias` (the shared expert's fc2 bias, or None).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from megatron_sp.models.blocks import MLP
 from megatron_sp.models.moe.capacity import apply_capacity
 from megatron_sp.models.moe.experts import Experts
 from megatron_sp.models.moe.router import Router
+from megatron_sp.tensor_parallel.layers import mark
 
 
 class MoELayer(nn.Module):
@@ -32,7 +35,7 @@ class MoELayer(nn.Module):
         self.shared_experts = None
         if cfg.moe_shared_expert_intermediate_size:
             slot = dict(layer=layer, builder=builder, block_spec=block_spec)
-            self.shared_experts = MLP(cfg, **slot, ffn_hidden_size=cfg.moe_shared_expert_intermediate_size)
+            self.shared_experts = SharedExpertMLP(cfg, **slot, sp=self.router.stats.sp)
 
     @property
     def output_bias(self):
@@ -47,3 +50,25 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+
+class SharedExpertMLP(MLP):
+    """The dense MLP of width --moe-shared-expert-intermediate-size, gated when --moe-shared-expert-gate."""
+
+    def __init__(self, cfg, *, layer, builder, block_spec, sp):
+        super().__init__(
+            cfg,
+            layer=layer,
+            builder=builder,
+            block_spec=block_spec,
+            ffn_hidden_size=cfg.moe_shared_expert_intermediate_size,
+        )
+        self.gate_weight = None
+        if cfg.moe_shared_expert_gate:  # each rank gates its own tokens: a partial gradient over TP under SP
+            self.gate_weight = mark(nn.Parameter(torch.empty(1, cfg.hidden_size)), sequence_parallel=sp, init="normal")
+
+    def forward(self, x, seq=None):
+        out = super().forward(x, seq)  # [s_sp, b, h]
+        if self.gate_weight is None:
+            return out
+        return out * torch.sigmoid(nn.functional.linear(x, self.gate_weight.to(x.dtype)))  # [s_sp, b, 1]
