@@ -15,7 +15,7 @@ import torch
 
 from megatron_sp.testing import LocalWorld
 from megatron_sp.testing.layouts import Layout, parse_layout
-from megatron_sp.testing.parity import compare, make_batches, run_layout, run_serial
+from megatron_sp.testing.parity import TOLERANCES, compare, make_batches, run_layout, run_serial
 
 VOCAB, SEQ, BATCH, STEPS = 97, 16, 4, 3
 BATCHES = make_batches(VOCAB, SEQ, BATCH, STEPS)
@@ -90,6 +90,13 @@ CASES = {  # name: (family, MoE fields, layout, ep, etp, dispatcher)
 }
 
 
+# The weights after the AdamW steps, where AdamW's first steps (≈ lr·sign(g) for tiny g) turn rounding-level
+# gradient differences into larger weight differences: with a shared expert and the per-sequence loss, the
+# same code gave < 3e-5 on CI's machine and 3.5e-5 on an AMD EPYC one (other vector paths in the CPU matmuls;
+# its gradients agree to 3.3e-7 on both), so it is held to 1e-4.
+PARAMS_AFTER_STEPS = {"ep2-shared-seq-aux": {**TOLERANCES, "params": 1e-4}}
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_expert_parallel_parity(world, name):
     family, extra, layout, ep, etp, dispatcher = CASES[name]
@@ -98,7 +105,7 @@ def test_expert_parallel_parity(world, name):
     serial = run_serial(serial_fields, BATCHES)
     results = world.run(run_layout, fields, layout, BATCHES, state=serial.init)
     row = compare(serial, results[0], name)
-    assert not row.failures(), row
+    assert not row.failures(PARAMS_AFTER_STEPS.get(name, TOLERANCES)), row
     assert row.init is None  # every expert drew its serial initial values
 
 

@@ -391,8 +391,10 @@ def test_megatron_model_variants_parity(pool, variant, family, tp, cp):
     for negative gates, and the clamp's is 0), so AdamW's first steps (sign(g)·lr for tiny g) turn
     4e-7 gradient differences into 1.5e-5 (gpt-oss's block: 1e-6 into 2.9e-5, layers.0.mlp.fc2.weight); a LayerNorm
     k-norm's bias has no gradient (it shifts every key alike) but AdamW steps it by ±lr on rounding
-    noise, a function-neutral change that still moves the rounding: those are held to 5e-5."""
-    rtol = 5e-5 if "squared-relu" in variant or "gpt-oss" in variant else 1e-5
+    noise, a function-neutral change that still moves the rounding: those are held to 5e-5. gpt-oss's block
+    is held to 1.5e-4: the same code gave 2.9e-5 on CI's machine and 7.8e-5 on an AMD EPYC one (other
+    vector paths in the CPU matmuls round differently; its gradients agree to 6e-7 on both)."""
+    rtol = 1.5e-4 if "gpt-oss" in variant else 5e-5 if "squared-relu" in variant else 1e-5
     check_parity(pool, tp, tp > 1, 0.1, fused=False, family=family, cp=cp, shared=VARIANTS[variant], final_rtol=rtol)
 
 
