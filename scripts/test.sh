@@ -28,4 +28,11 @@ lint() {
 if [ "${MEGATRON_SP_SKIP_LINT:-0}" != "1" ]; then
   lint || exit 1
 fi
+# Two pytest-xdist workers (MEGATRON_SP_TEST_WORKERS; 0 runs in one process): most tests are one
+# single-threaded process, so one worker leaves a core idle; each file stays in one worker
+# (tests/conftest.py), so module worlds are still made once.
+workers="${MEGATRON_SP_TEST_WORKERS:-2}"
+if [ "$workers" -gt 0 ]; then
+  exec python -m pytest -q -rs -n "$workers" --dist loadgroup tests "$@"
+fi
 exec python -m pytest -q -rs tests "$@"

@@ -25,9 +25,43 @@ def pytest_configure(config):
         "failed under MEGATRON_SP_REQUIRE_EXTENSION=1",
     )
     config.addinivalue_line("markers", "slow: multi-process end-to-end test")
+    config.addinivalue_line("markers", "xdist_group(name): pytest-xdist runs a group in one worker (tests/conftest.py)")
+
+
+# Files that share one system resource run in one pytest-xdist worker: the Slurm cluster (and its
+# apt-get installation) of tests/slurm_cluster.py.
+SHARED_GROUPS = {"test_slurm.py": "slurm", "test_slurm_faults.py": "slurm", "test_dist_env.py": "slurm"}
+# The longest files first (seconds in a serial run, 2026-12-03), so that under `--dist loadgroup` no long
+# file starts last and runs alone; the rest keep their order.
+LONG_FIRST = (
+    "slurm",
+    "test_cuda_emulated.py",
+    "test_pretrain.py",
+    "test_reliability_ranks.py",
+    "test_checkpoint.py",
+    "test_parity.py",
+    "test_megatron_flag_sets.py",
+    "test_cp_training.py",
+    "test_compile.py",
+)
+
+
+def _group(item) -> str:
+    name = item.path.name
+    return SHARED_GROUPS.get(name, name)
+
+
+def _distribute(items) -> None:
+    """Under pytest-xdist (`-n N --dist loadgroup`, as scripts/test.sh runs): each file's tests in one
+    worker, so that a module's world, checkpoints and builds are made once; long files scheduled first."""
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
+    rank = {g: i for i, g in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(_group(item), len(rank)))  # stable: the order within a file holds
 
 
 def pytest_collection_modifyitems(config, items):
+    _distribute(items)
     try:
         import torch
 
