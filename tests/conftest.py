@@ -17,6 +17,18 @@ def _restore_environ():
     os.environ.update(saved)
 
 
+@pytest.fixture(autouse=True)
+def _seed_global_rngs():
+    """Every test starts from the same global RNG state: under pytest-xdist, which tests ran earlier
+    in a worker changes by run, and a test drawing from the global generator must not change with it."""
+    import random
+
+    import torch
+
+    random.seed(0)
+    torch.manual_seed(0)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line(

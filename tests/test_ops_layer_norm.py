@@ -32,14 +32,19 @@ def test_forward_backward_match_reference(shape, dtype, wdtype):
     wdtype = dtype if wdtype == "same" else wdtype
     leaves = _leaves(shape, dtype, wdtype, seed=len(shape) * 100 + shape[-1])
     twins = tuple(t.detach().clone().requires_grad_() for t in leaves)
-    grad = torch.randn(shape).to(dtype)
+    # The upstream gradient has its own generator: under pytest-xdist the global RNG's state
+    # depends on which tests ran earlier in the worker.
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(7)).to(dtype)
     got = _run(lambda x, w, b: layer_norm(x, w, b, 1e-5), *leaves, grad)
     want = _run(lambda x, w, b: layer_norm_reference(x, w, b, 1e-5), *twins, grad)
     rows = leaves[0].numel() // shape[-1]
+    # dx is rstd times a difference of row sums, so its rounding grows with rstd: at h=1 the row
+    # is its own mean, dx is exactly 0 and both sides return rounding times 1/sqrt(eps) ~ 316.
+    rstd = (leaves[0].detach().float().var(-1, unbiased=False) + 1e-5).rsqrt().max().item()
     for i, (a, e) in enumerate(zip(got, want)):
         assert a.dtype == e.dtype and a.shape == e.shape
         # weight/bias grads sum over rows; dx involves two row sums: widen atol accordingly.
-        scale = rows**0.5 * 4 if i >= 2 else (4.0 if i == 1 else 1.0)
+        scale = rows**0.5 * 4 if i >= 2 else (4.0 * max(1.0, rstd) if i == 1 else 1.0)
         assert_close_dtype(a, e, dtype, scale=scale)  # inputs' precision bounds every grad
 
 
