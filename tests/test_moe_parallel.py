@@ -5,8 +5,10 @@ harness (megatron_sp/testing/parity.py) in one 4-rank gloo world.
 Layouts: EP 2 and 4 with both dispatchers, EP2 × TP2+SP with expert-TP 1 and 2, EP2 × CP2, EP2 × DP2,
 capacity with drops (both policies), top-1, group-limited sigmoid routing, a shared expert, seq_aux_loss,
 full recomputation (the dispatch runs again in the backward), Llama-style and GPT-style (biases, GELU)
-blocks. A layout smaller than the world runs its remaining
-ranks as further data-parallel replicas (repeating the asked parts of the batch).
+blocks; under --use-torch-fsdp2 (experts sharded over expert-DP, dense parameters over DP×CP) at
+DP2, DP4 with the all-gather dispatcher, TP2+SP, CP2 and EP4 (one expert-DP rank). A layout smaller
+than the world runs its remaining ranks as further data-parallel replicas (repeating the asked parts
+of the batch).
 """
 
 import pytest
@@ -99,6 +101,45 @@ def test_expert_parallel_parity(world, name):
     row = compare(serial, results[0], name)
     assert not row.failures(), row
     assert row.init is None  # every expert drew its serial initial values
+
+
+FSDP_CASES = {  # name: (family, MoE fields, layout, ep, etp, dispatcher)
+    "fsdp2/dp2/ep2": (LLAMA, {}, Layout(dp=2), 2, 1, "alltoall"),
+    "fsdp2/dp4/ep2-allgather": (GPT, {}, Layout(dp=4), 2, 1, "allgather"),
+    "fsdp2/tp2+sp/ep2": (LLAMA, {}, Layout(tp=2, sp=True), 2, 1, "alltoall"),
+    "fsdp2/cp2/ep2": (LLAMA, dict(moe_grouped_gemm=True), Layout(cp=2), 2, 1, "alltoall"),
+    "fsdp2/ep4": (LLAMA, {}, Layout(dp=2), 4, 1, "alltoall"),
+}
+
+
+@pytest.mark.parametrize("name", FSDP_CASES)
+def test_fsdp2_expert_parallel_parity(world, name):
+    """--use-torch-fsdp2 with experts: dense parameters sharded over DP×CP, experts over expert-DP
+    (one rank at EP4: unsharded), FSDP2's reduce-scatters and FSDPOptimizer's sums; the serial model's
+    loss, gradients and weights after the steps."""
+    family, extra, layout, ep, etp, dispatcher = FSDP_CASES[name]
+    fields = _fields(family, extra, ep, etp, dispatcher)
+    serial = run_serial({**fields, "expert_model_parallel_size": 1, "expert_tensor_parallel_size": None}, BATCHES)
+    run = world.run(run_layout, fields, layout, BATCHES, state=serial.init, fsdp=True, probe=_fsdp_meshes)[0]
+    row = compare(serial, run, name)
+    assert not row.failures(), row
+    assert run.extra["wrong"] == [], run.extra
+    assert name != "fsdp2/dp2/ep2" or run.extra["sizes"] == (4, 2)  # dense over 4 ranks, experts over 2
+
+
+def _fsdp_meshes(model, ps):
+    """{parameter: whether its FSDP2 mesh spans its replica group} (experts: expert-DP, the rest DP×CP)
+    and those groups' sizes."""
+    import torch.distributed as dist
+
+    from megatron_sp.parallel_state import EXPERT_REPLICAS, REPLICAS, replica_role
+
+    def spans(p):
+        mesh = dist.get_process_group_ranks(p.device_mesh.get_group())
+        return mesh == dist.get_process_group_ranks(ps.group(replica_role(p)))
+
+    wrong = [n for n, p in model.named_parameters() if not spans(p)]
+    return {"wrong": wrong, "sizes": (ps.size(REPLICAS), ps.size(EXPERT_REPLICAS))}
 
 
 def test_expert_groups_follow_megatrons_rank_order():

@@ -269,11 +269,6 @@ def _check_experts(args) -> None:
             "--num-experts with --pipeline-model-parallel-size > 1: mixture of experts under pipeline "
             "parallelism is not built yet; use --pipeline-model-parallel-size 1."
         )
-    if args.use_torch_fsdp2:
-        raise ArgumentError(
-            "--num-experts with --use-torch-fsdp2: expert layers need an expert-data-parallel mesh, which is not "
-            "built; use --use-distributed-optimizer."
-        )
 
 
 def _check_features(args) -> None:
