@@ -142,6 +142,48 @@ def _fsdp_meshes(model, ps):
     return {"wrong": wrong, "sizes": (ps.size(REPLICAS), ps.size(EXPERT_REPLICAS))}
 
 
+def _distributed_optimizer_shares(ep):
+    """(this rank's expert-DP and DP×CP group ranks, {role: names of the parameters it steps}, {role:
+    names of all its parameters}) under --use-distributed-optimizer at EP `ep` (DP 4)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_sp import parallel_state
+    from megatron_sp.config import GPTConfig
+    from megatron_sp.distributed.optimizer import build_optimizer
+    from megatron_sp.models.gpt import GPTModel
+    from megatron_sp.parallel_state import EXPERT_REPLICAS, REPLICAS, replica_role
+
+    ps = parallel_state.initialize_model_parallel(1, expert_model_parallel_size=ep)
+    model = GPTModel(GPTConfig(**_fields(LLAMA, {}, ep, 1, "alltoall")), ps)
+    args = SimpleNamespace(weight_decay=0.1, lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
+    opt = build_optimizer(model, SimpleNamespace(**vars(args), use_distributed_optimizer=True), "cpu", ps)
+    roles = {n: replica_role(p) for n, p in model.named_parameters()}
+    groups = {r: tuple(dist.get_process_group_ranks(ps.group(r))) for r in (EXPERT_REPLICAS, REPLICAS)}
+    stepped, held = {}, {}
+    for name, role in roles.items():
+        held.setdefault(role, set()).add(name)
+    for name in opt.main_params():
+        stepped.setdefault(roles[name], set()).add(name)
+    return groups, stepped, held
+
+
+def test_distributed_optimizer_shards_experts_over_expert_dp(world):
+    """--use-distributed-optimizer with experts (EP2 in DP 4): each expert parameter's AdamW state lives
+    on exactly one rank of its expert-DP group (2 ranks holding the same experts), each dense one on
+    exactly one of the 4 data-parallel replicas (the program's parity: test_moe_training)."""
+    results = world.run(_distributed_optimizer_shares, 2)
+    for role, size in (("expert_replicas", 2), ("replicas", 4)):
+        for group in {r[0][role] for r in results}:
+            assert len(group) == size, (role, group)
+            members = [results[rank] for rank in group]
+            assert all(m[2][role] == members[0][2][role] for m in members)  # the same experts (or dense ones)
+            owned = [m[1].get(role, set()) for m in members]
+            assert all(owned) and sum(map(len, owned)) == len(set().union(*owned)), (role, owned)  # disjoint
+            assert set().union(*owned) == members[0][2][role]  # together: every parameter of the role
+
+
 def test_expert_groups_follow_megatrons_rank_order():
     """Expert-TP fastest, then EP, then expert-DP, per pipeline stage."""
     from megatron_sp.parallel_state import expert_grid_ranks
