@@ -4,11 +4,11 @@ harness (megatron_sp/testing/parity.py) in one 4-rank gloo world.
 
 Layouts: EP 2 and 4 with both dispatchers, EP2 × TP2+SP with expert-TP 1 and 2, EP2 × CP2, EP2 × DP2,
 capacity with drops (both policies), top-1, group-limited sigmoid routing, a shared expert, seq_aux_loss,
-full recomputation (the dispatch runs again in the backward), Llama-style and GPT-style (biases, GELU)
-blocks; under --use-torch-fsdp2 (experts sharded over expert-DP, dense parameters over DP×CP) at
-DP2, DP4 with the all-gather dispatcher, TP2+SP, CP2 and EP4 (one expert-DP rank). A layout smaller
-than the world runs its remaining ranks as further data-parallel replicas (repeating the asked parts
-of the batch).
+full recomputation (the dispatch runs again in the backward), --tp-comm-overlap's ring GEMMs around the
+experts, Llama-style and GPT-style (biases, GELU) blocks; and under --use-torch-fsdp2 (experts sharded
+over expert-DP, dense parameters over DP×CP) at DP2, DP4 with the all-gather dispatcher, TP2+SP, CP2
+and EP4 (one expert-DP rank). A layout smaller than the world runs its remaining ranks as further
+data-parallel replicas (repeating the asked parts of the batch).
 """
 
 import pytest
@@ -88,6 +88,7 @@ CASES = {  # name: (family, MoE fields, layout, ep, etp, dispatcher)
     ),
     "gpt-ep2": (GPT, dict(moe_grouped_gemm=True), Layout(dp=2), 2, 1, "alltoall"),
     "tp2+sp/ep2-recompute": (LLAMA, dict(recompute_granularity="full"), Layout(tp=2, sp=True), 2, 1, "alltoall"),
+    "tp2+sp/ep2-tp-comm-overlap": (LLAMA, dict(tp_comm_overlap=True), Layout(tp=2, sp=True), 2, 1, "alltoall"),
 }
 
 
@@ -95,7 +96,12 @@ CASES = {  # name: (family, MoE fields, layout, ep, etp, dispatcher)
 def test_expert_parallel_parity(world, name):
     family, extra, layout, ep, etp, dispatcher = CASES[name]
     fields = _fields(family, extra, ep, etp, dispatcher)
-    serial_fields = {**fields, "expert_model_parallel_size": 1, "expert_tensor_parallel_size": None}
+    serial_fields = {
+        **fields,
+        "expert_model_parallel_size": 1,
+        "expert_tensor_parallel_size": None,
+        "tp_comm_overlap": False,
+    }
     serial = run_serial(serial_fields, BATCHES)
     results = world.run(run_layout, fields, layout, BATCHES, state=serial.init)
     row = compare(serial, results[0], name)
