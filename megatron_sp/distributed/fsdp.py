@@ -54,6 +54,11 @@ copy sums need the TP-local layout, so those parameters' gradient shards are pla
 tensor for the sum (a QKV weight's worth, transient) and taken back; the norms count the copied rows on
 the first copy's ranks only.
 
+Mixture of experts: each layer's experts module (expert_modules: the top-most submodule holding only
+parameters with replica_role "expert_replicas") is fully_shard over the expert-DP mesh, before its
+layer, whose other parameters go over DP×CP; the layer's forward prefetches its experts. The experts'
+reduction is the same sum divided by dp_size (over expert-DP: the expert gradient of partial_grads.py).
+
 Checkpoints keep the canonical entries (distributed/fsdp_checkpoint.py).
 
 What does not compose (refused in one sentence by `problem(args)`): --use-distributed-optimizer
