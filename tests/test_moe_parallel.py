@@ -4,10 +4,12 @@ harness (megatron_sp/testing/parity.py) in one 4-rank gloo world.
 
 Layouts: EP 2 and 4 with both dispatchers, EP2 × TP2+SP with expert-TP 1 and 2, EP2 × CP2, EP2 × DP2,
 capacity with drops (both policies), top-1, group-limited sigmoid routing, a shared expert, seq_aux_loss,
-full recomputation (the dispatch runs again in the backward), Llama-style and GPT-style (biases, GELU)
-blocks; PP2 × EP2 under every pipeline schedule and PP2 × TP2+SP × EP2 (the serial model accumulating
-the pipeline's micro-batches). A layout smaller than the world runs its remaining
-ranks as further data-parallel replicas (repeating the asked parts of the batch).
+full recomputation (the dispatch runs again in the backward), --tp-comm-overlap's ring GEMMs around the
+experts, Llama-style and GPT-style (biases, GELU) blocks; PP2 × EP2 under every pipeline schedule and
+PP2 × TP2+SP × EP2 (the serial model accumulating the pipeline's micro-batches); and under
+--use-torch-fsdp2 (experts sharded over expert-DP, dense parameters over DP×CP) at DP2, DP4 with the
+all-gather dispatcher, TP2+SP, CP2 and EP4 (one expert-DP rank). A layout smaller than the world runs
+its remaining ranks as further data-parallel replicas (repeating the asked parts of the batch).
 """
 
 import pytest
@@ -87,6 +89,7 @@ CASES = {  # name: (family, MoE fields, layout, ep, etp, dispatcher)
     ),
     "gpt-ep2": (GPT, dict(moe_grouped_gemm=True), Layout(dp=2), 2, 1, "alltoall"),
     "tp2+sp/ep2-recompute": (LLAMA, dict(recompute_granularity="full"), Layout(tp=2, sp=True), 2, 1, "alltoall"),
+    "tp2+sp/ep2-tp-comm-overlap": (LLAMA, dict(tp_comm_overlap=True), Layout(tp=2, sp=True), 2, 1, "alltoall"),
 }
 
 
@@ -101,7 +104,12 @@ PARAMS_AFTER_STEPS = {"ep2-shared-seq-aux": {**TOLERANCES, "params": 1e-4}}
 def test_expert_parallel_parity(world, name):
     family, extra, layout, ep, etp, dispatcher = CASES[name]
     fields = _fields(family, extra, ep, etp, dispatcher)
-    serial_fields = {**fields, "expert_model_parallel_size": 1, "expert_tensor_parallel_size": None}
+    serial_fields = {
+        **fields,
+        "expert_model_parallel_size": 1,
+        "expert_tensor_parallel_size": None,
+        "tp_comm_overlap": False,
+    }
     serial = run_serial(serial_fields, BATCHES)
     results = world.run(run_layout, fields, layout, BATCHES, state=serial.init)
     row = compare(serial, results[0], name)
@@ -132,6 +140,87 @@ def test_pipeline_expert_parallel_parity(world, name):
     for run in (r for r in results if r is not None):  # (one per TP rank)
         row = compare(serial, run, name)
         assert not row.failures() and row.init is None, row
+
+
+FSDP_CASES = {  # name: (family, MoE fields, layout, ep, etp, dispatcher)
+    "fsdp2/dp2/ep2": (LLAMA, {}, Layout(dp=2), 2, 1, "alltoall"),
+    "fsdp2/dp4/ep2-allgather": (GPT, {}, Layout(dp=4), 2, 1, "allgather"),
+    "fsdp2/tp2+sp/ep2": (LLAMA, {}, Layout(tp=2, sp=True), 2, 1, "alltoall"),
+    "fsdp2/cp2/ep2": (LLAMA, dict(moe_grouped_gemm=True), Layout(cp=2), 2, 1, "alltoall"),
+    "fsdp2/ep4": (LLAMA, {}, Layout(dp=2), 4, 1, "alltoall"),
+}
+
+
+@pytest.mark.parametrize("name", FSDP_CASES)
+def test_fsdp2_expert_parallel_parity(world, name):
+    """--use-torch-fsdp2 with experts: dense parameters sharded over DP×CP, experts over expert-DP
+    (one rank at EP4: unsharded), FSDP2's reduce-scatters and FSDPOptimizer's sums; the serial model's
+    loss, gradients and weights after the steps."""
+    family, extra, layout, ep, etp, dispatcher = FSDP_CASES[name]
+    fields = _fields(family, extra, ep, etp, dispatcher)
+    serial = run_serial({**fields, "expert_model_parallel_size": 1, "expert_tensor_parallel_size": None}, BATCHES)
+    run = world.run(run_layout, fields, layout, BATCHES, state=serial.init, fsdp=True, probe=_fsdp_meshes)[0]
+    row = compare(serial, run, name)
+    assert not row.failures(), row
+    assert run.extra["wrong"] == [], run.extra
+    assert name != "fsdp2/dp2/ep2" or run.extra["sizes"] == (4, 2)  # dense over 4 ranks, experts over 2
+
+
+def _fsdp_meshes(model, ps):
+    """{parameter: whether its FSDP2 mesh spans its replica group} (experts: expert-DP, the rest DP×CP)
+    and those groups' sizes."""
+    import torch.distributed as dist
+
+    from megatron_sp.parallel_state import EXPERT_REPLICAS, REPLICAS, replica_role
+
+    def spans(p):
+        mesh = dist.get_process_group_ranks(p.device_mesh.get_group())
+        return mesh == dist.get_process_group_ranks(ps.group(replica_role(p)))
+
+    wrong = [n for n, p in model.named_parameters() if not spans(p)]
+    return {"wrong": wrong, "sizes": (ps.size(REPLICAS), ps.size(EXPERT_REPLICAS))}
+
+
+def _distributed_optimizer_shares(ep):
+    """(this rank's expert-DP and DP×CP group ranks, {role: names of the parameters it steps}, {role:
+    names of all its parameters}) under --use-distributed-optimizer at EP `ep` (DP 4)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_sp import parallel_state
+    from megatron_sp.config import GPTConfig
+    from megatron_sp.distributed.optimizer import build_optimizer
+    from megatron_sp.models.gpt import GPTModel
+    from megatron_sp.parallel_state import EXPERT_REPLICAS, REPLICAS, replica_role
+
+    ps = parallel_state.initialize_model_parallel(1, expert_model_parallel_size=ep)
+    model = GPTModel(GPTConfig(**_fields(LLAMA, {}, ep, 1, "alltoall")), ps)
+    args = SimpleNamespace(weight_decay=0.1, lr=1e-3, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
+    opt = build_optimizer(model, SimpleNamespace(**vars(args), use_distributed_optimizer=True), "cpu", ps)
+    roles = {n: replica_role(p) for n, p in model.named_parameters()}
+    groups = {r: tuple(dist.get_process_group_ranks(ps.group(r))) for r in (EXPERT_REPLICAS, REPLICAS)}
+    stepped, held = {}, {}
+    for name, role in roles.items():
+        held.setdefault(role, set()).add(name)
+    for name in opt.main_params():
+        stepped.setdefault(roles[name], set()).add(name)
+    return groups, stepped, held
+
+
+def test_distributed_optimizer_shards_experts_over_expert_dp(world):
+    """--use-distributed-optimizer with experts (EP2 in DP 4): each expert parameter's AdamW state lives
+    on exactly one rank of its expert-DP group (2 ranks holding the same experts), each dense one on
+    exactly one of the 4 data-parallel replicas (the program's parity: test_moe_training)."""
+    results = world.run(_distributed_optimizer_shares, 2)
+    for role, size in (("expert_replicas", 2), ("replicas", 4)):
+        for group in {r[0][role] for r in results}:
+            assert len(group) == size, (role, group)
+            members = [results[rank] for rank in group]
+            assert all(m[2][role] == members[0][2][role] for m in members)  # the same experts (or dense ones)
+            owned = [m[1].get(role, set()) for m in members]
+            assert all(owned) and sum(map(len, owned)) == len(set().union(*owned)), (role, owned)  # disjoint
+            assert set().union(*owned) == members[0][2][role]  # together: every parameter of the role
 
 
 def test_expert_groups_follow_megatrons_rank_order():

@@ -88,14 +88,16 @@ def test_expert_parallel_program_logs_the_serial_losses(world, serial, tmp_path,
     _close(_steps(log), serial[:2])
     if not resumes:
         return
+    _fsdp2_resumes_and_saves(world, serial, tmp_path)
     etp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "2"]
     for name, other in (("ep4", ["4", "1"]), ("ep1", ["1", "1"]), ("ep2-etp2", ["2", "2"] + etp2)):
         resumed = tmp_path / f"{name}.jsonl"  # the EP2 checkpoint at another EP / expert-TP: the serial curve
         again = RUN + ["--expert-model-parallel-size", other[0], "--micro-batch-size", other[1], *other[2:]]
-        assert world.run(_in_world, again + ["--log-jsonl", str(resumed), "--load", str(tmp_path / "ckpt")]) == [0] * 4
+        ckpt = tmp_path / ("fsdp2" if name == "ep1" else "ckpt")  # (EP1 reads FSDP2's, from iteration 3)
+        assert world.run(_in_world, again + ["--log-jsonl", str(resumed), "--load", str(ckpt)]) == [0] * 4
         steps = _steps(resumed)
-        assert [r["iteration"] for r in steps] == [3, 4]
-        _close(steps, serial[2:])
+        assert [r["iteration"] for r in steps] == ([4] if name == "ep1" else [3, 4])
+        _close(steps, serial[2:] if name != "ep1" else serial[3:])
     _generates_from(tmp_path / "ckpt")
 
 
@@ -124,6 +126,19 @@ def test_pipeline_expert_parallel_program_resumes_on_the_serial_curve(world, ser
     for got, want in zip(layers, serial_micro2):
         assert set(got["moe_layers"]) == set(want["moe_layers"])
         _close([got["moe_layers"]], [want["moe_layers"]], names=tuple(want["moe_layers"]))
+
+
+def _fsdp2_resumes_and_saves(world, serial, tmp_path):
+    """--use-torch-fsdp2 at EP2 (experts sharded over expert-DP 2, the rest over DP 4) resumes the EP2
+    checkpoint of iteration 2 for one step on the serial curve and saves its own (gathered from the
+    shards, expert biases included), which EP1 then resumes."""
+    fsdp = [a for a in RUN if a != "--use-distributed-optimizer"] + ["--use-torch-fsdp2", "--micro-batch-size", "1"]
+    fsdp += ["--expert-model-parallel-size", "2", "--load", str(tmp_path / "ckpt"), "--exit-interval", "3"]
+    log = tmp_path / "fsdp2.jsonl"
+    assert world.run(_in_world, fsdp + ["--save", str(tmp_path / "fsdp2"), "--log-jsonl", str(log)]) == [0] * WORLD
+    steps = _steps(log)
+    assert [r["iteration"] for r in steps] == [3]
+    _close(steps, serial[2:3])
 
 
 def _generates_from(ckpt):

@@ -54,6 +54,11 @@ copy sums need the TP-local layout, so those parameters' gradient shards are pla
 tensor for the sum (a QKV weight's worth, transient) and taken back; the norms count the copied rows on
 the first copy's ranks only.
 
+Mixture of experts: each layer's experts module (expert_modules: the top-most submodule holding only
+parameters with replica_role "expert_replicas") is fully_shard over the expert-DP mesh, before its
+layer, whose other parameters go over DP×CP; the layer's forward prefetches its experts. The experts'
+reduction is the same sum divided by dp_size (over expert-DP: the expert gradient of partial_grads.py).
+
 Checkpoints keep the canonical entries (distributed/fsdp_checkpoint.py).
 
 What does not compose (refused in one sentence by `problem(args)`): --use-distributed-optimizer
@@ -79,7 +84,7 @@ from megatron_sp.distributed.optimizer import (  # PARAM_ATTRS: what our sums, n
 )
 from megatron_sp.distributed.protocol import TrainingOptimizer
 from megatron_sp.models.trainable import TrainableModel
-from megatron_sp.parallel_state import REPLICAS, ParallelState
+from megatron_sp.parallel_state import EXPERT_REPLICAS, REPLICAS, ParallelState, replica_role
 from megatron_sp.pipeline_parallel.model import PipelinedModel
 from megatron_sp.tensor_parallel.sharding import ShardSpec, segment_shards
 
@@ -133,11 +138,33 @@ def reshard(model) -> None:
             module.reshard()
 
 
-def replica_mesh(ps: ParallelState, device: str):
-    """The 1-D DeviceMesh of this rank's DP×CP group (the ranks holding the same TP shards)."""
+def replica_mesh(ps: ParallelState, device: str, role: str = REPLICAS):
+    """The 1-D DeviceMesh of this rank's group of a replica role: DP×CP (the ranks holding the same TP
+    shards) by default, expert-DP (the ranks holding the same expert shards) for EXPERT_REPLICAS."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh.from_group(ps.replica_group, "cuda" if device == "cuda" else "cpu")
+    return DeviceMesh.from_group(ps.group(role), "cuda" if device == "cuda" else "cpu")
+
+
+def expert_modules(layer) -> list:
+    """The top-most submodules of `layer` whose parameters are all experts' (replica_role
+    EXPERT_REPLICAS: the MoE layer's `experts`), each fully_shard over the expert-DP mesh; a module
+    mixing expert and dense parameters directly cannot be split over two meshes (ValueError)."""
+    found = []
+    for name, module in layer.named_modules():
+        if any(name.startswith(f"{top}.") for top, _ in found):
+            continue
+        roles = {replica_role(p) for p in module.parameters()}
+        if roles == {EXPERT_REPLICAS}:
+            found.append((name, module))
+    inside = {id(p) for _, m in found for p in m.parameters()}
+    stray = [n for n, p in layer.named_parameters() if replica_role(p) == EXPERT_REPLICAS and id(p) not in inside]
+    if stray:
+        raise ValueError(
+            f"{FLAG}: expert parameter {stray[0]} sits in a module with dense parameters; put a model's "
+            f"experts in a module of their own, which FSDP2 shards over the expert-data-parallel ranks."
+        )
+    return [m for _, m in found]
 
 
 def shard_model(model: TrainableModel, ps: ParallelState, device: str, reshard_after_forward: bool = True):
@@ -155,36 +182,59 @@ def shard_model(model: TrainableModel, ps: ParallelState, device: str, reshard_a
         policy = MixedPrecisionPolicy(low, torch.float32, cast_forward_inputs=False)  # (fp32 residual kept)
         model.float()  # (in place: the same Parameter objects)
     mesh = replica_mesh(ps, device)
+    meshes = Meshes(mesh, replica_mesh(ps, device, EXPERT_REPLICAS) if model.cfg.num_experts else None, policy)
     if not isinstance(model, PipelinedModel):  # the last layer keeps its weights: its backward follows at once
         layers = list(model.layers)
         again = [reshard_after_forward and i < len(layers) - 1 for i in range(len(layers))]
-        groups = [_shard_root(model, layers, again, mesh, policy)]
+        groups = [_shard_root(model, layers, again, meshes)]
     else:  # each pipeline stage is a root (its forward is what the schedule calls), gathered for the step
-        groups = [_shard_root(c, list(c.blocks), [False] * len(c.blocks), mesh, policy) for c in model.stage_chunks]
-    for module in [m for group in groups for m in group]:  # a sum over DP×CP divided by dp: the DP mean
-        module.set_force_sum_reduction_for_comms(True)  # of the CP partial sums
-        module.set_gradient_divide_factor(float(ps.dp_size))
+        groups = [_shard_root(c, list(c.blocks), [False] * len(c.blocks), meshes) for c in model.stage_chunks]
     for name, p in model.named_parameters():
         for a, value in attrs[name].items():
             setattr(p, a, value)
+    for module in [m for group in groups for m in group]:  # a sum over DP×CP (experts: expert-DP) divided
+        module.set_gradient_divide_factor(float(ps.dp_size))  # by dp: the DP mean of the CP partial sums
+        # (torch 2.13 divides a one-rank mesh's gradients twice with the forced sum; there is nothing to sum)
+        module.set_force_sum_reduction_for_comms(_mesh_of(module, meshes).size() > 1)
     return mesh
 
 
-def _shard_root(root, layers, reshard, mesh, policy) -> list:
+@dataclass(frozen=True)
+class Meshes:
+    """The meshes a model is sharded over: `dense` (DP×CP) and `experts` (expert-DP; None without
+    experts), and the mixed-precision policy of both."""
+
+    dense: object
+    experts: object
+    policy: object
+
+
+def _mesh_of(module, meshes: Meshes):
+    """The mesh an FSDP2 module was sharded over (expert_modules' hold expert parameters only)."""
+    experts = meshes.experts is not None and all(replica_role(p) == EXPERT_REPLICAS for p in module.parameters())
+    return meshes.experts if experts else meshes.dense
+
+
+def _shard_root(root, layers, reshard, meshes: Meshes) -> list:
     """fully_shard each of `layers` (reshard[i]: layer i frees its gathered weights after its forward),
-    then `root` (the rest of its parameters), with the next layer's all-gather prefetched in the forward
-    and the previous one's in the backward; returns the FSDP2 modules."""
+    its experts first over the expert-DP mesh, then `root` (the rest of its parameters), with the next
+    layer's all-gather and this layer's experts' prefetched in the forward and the previous layer's in
+    the backward; returns the FSDP2 modules."""
     from torch.distributed.fsdp import fully_shard
 
-    for layer, again in zip(layers, reshard):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=again, mp_policy=policy)
-    fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    experts = [expert_modules(layer) if meshes.experts is not None else [] for layer in layers]
+    for layer, again, own in zip(layers, reshard, experts):
+        for module in own:
+            fully_shard(module, mesh=meshes.experts, reshard_after_forward=again, mp_policy=meshes.policy)
+        fully_shard(layer, mesh=meshes.dense, reshard_after_forward=again, mp_policy=meshes.policy)
+    fully_shard(root, mesh=meshes.dense, reshard_after_forward=False, mp_policy=meshes.policy)
     for i, layer in enumerate(layers):
-        if i + 1 < len(layers):
-            layer.set_modules_to_forward_prefetch([layers[i + 1]])
+        ahead = experts[i] + ([layers[i + 1]] if i + 1 < len(layers) else [])
+        if ahead:
+            layer.set_modules_to_forward_prefetch(ahead)
         if i > 0:
             layer.set_modules_to_backward_prefetch([layers[i - 1]])
-    return [*layers, root]
+    return [*layers, *(m for own in experts for m in own), root]
 
 
 # ---- the optimizer ---------------------------------------------------------------------------------
@@ -194,7 +244,7 @@ def _shard_root(root, layers, reshard, mesh, policy) -> list:
 class ReplicaShards:
     """Stands where a distributed optimizer's Partition stands for the gradient norm (optimizer.py's
     _global_sum): every rank holds a disjoint shard of its TP rank's tensors over its replica group
-    (`groups`: {replica role: group}; one mesh, the dense parameters' DP×CP, today)."""
+    (`groups`: {replica role: group}: the dense parameters' DP×CP, and the experts' expert-DP)."""
 
     groups: dict
 
@@ -228,8 +278,9 @@ def _unsegmented(spec: ShardSpec) -> ShardSpec:
     return ShardSpec(spec.dim, group=spec.group)
 
 
-def _view(t, grad, spec, sequence_parallel, counted=True, pipeline_copy=False) -> torch.Tensor:
+def _view(t, grad, spec, sequence_parallel, counted=True, pipeline_copy=False, role=REPLICAS) -> torch.Tensor:
     view = t.detach()
+    view.replica_role = role  # (experts': their norms count each expert shard once, over EP × expert-TP)
     view.grad = grad
     view.main_grad = grad  # (the reduced gradient, where count_zero_grads reads it)
     view.shard_spec = _unsegmented(spec) if spec is not None and spec.dim is not None else spec
@@ -246,16 +297,16 @@ def _local_views(p, ps: ParallelState) -> list:
     local = p._local_tensor
     grad = p.grad._local_tensor if p.grad is not None else None
     spec, sp = getattr(p, "shard_spec", None), getattr(p, "sequence_parallel", False)
-    copy = getattr(p, "pipeline_copy", False)
+    copy, role = getattr(p, "pipeline_copy", False), replica_role(p)
     rows = _copy_rows(p, ps)
     if not rows:
-        return [_view(local, grad, spec, sp, pipeline_copy=copy)]
+        return [_view(local, grad, spec, sp, pipeline_copy=copy, role=role)]
     a, b = _chunk_rows(p)
     out = []
     for start, stop, first in rows:
         lo, hi = max(start, a) - a, min(stop, b) - a
         if lo < hi:
-            out.append(_view(local[lo:hi], grad[lo:hi] if grad is not None else None, spec, sp, first, copy))
+            out.append(_view(local[lo:hi], grad[lo:hi] if grad is not None else None, spec, sp, first, copy, role))
     return out
 
 
@@ -270,7 +321,9 @@ def _reduce_partial_grads(model, params, ps: ParallelState) -> None:
         spec, sp, grad = getattr(p, "shard_spec", None), getattr(p, "sequence_parallel", False), p.grad._local_tensor
         if not _copy_rows(p, ps):
             plain = _unsegmented(spec) if spec is not None and spec.split else spec
-            items.append(SimpleNamespace(shard_spec=plain, sequence_parallel=sp, grad=grad))
+            items.append(
+                SimpleNamespace(shard_spec=plain, sequence_parallel=sp, grad=grad, replica_role=replica_role(p))
+            )
             continue
         a, b = _chunk_rows(p)
         full = grad.new_zeros(p.shape)  # [TP-local rows, ...]
@@ -297,7 +350,10 @@ class FSDPOptimizer(TrainingOptimizer):
 
     def __init__(self, model, ps: ParallelState, make_optimizer, weight_decay: float, decoupled=False):
         self.model, self.ps = model, ps
-        self.partition = ReplicaShards({REPLICAS: ps.replica_group})
+        roles = {REPLICAS: ps.replica_group}
+        if model.cfg.num_experts:
+            roles[EXPERT_REPLICAS] = ps.edp_group
+        self.partition = ReplicaShards(roles)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         self.optim = make_optimizer([g for g in param_groups(named, weight_decay, decoupled) if g["params"]])

@@ -1,15 +1,16 @@
 """Checkpoints of an FSDP2 run (`--use-torch-fsdp2`, distributed/fsdp.py) in the canonical entries every
 other run reads (checkpointing/canonical.py): each parameter and AdamW moment is gathered over the DP×CP
-replicas to its TP-local tensor on save, and on load each rank takes its dim-0 chunk of it (torch.chunk,
-as FSDP2 shards), so FSDP2, distributed-optimizer and replicated runs resume each other at any layout,
-pipeline stages included."""
+replicas (an expert's over its expert-DP ranks) to its TP-local tensor on save, and on load each rank
+takes its dim-0 chunk of it (torch.chunk, as FSDP2 shards), so FSDP2, distributed-optimizer and
+replicated runs resume each other at any layout, pipeline stages and experts (per-expert entries, the
+routers' expert biases) included."""
 
 from __future__ import annotations
 
 import torch
 
 from megatron_sp.checkpointing.canonical import empty_dcp_target, from_canonical_local, to_dcp_tensor
-from megatron_sp.checkpointing.states import ModelState, OptimizerState, adam_load_target
+from megatron_sp.checkpointing.states import ModelState, OptimizerState, adam_load_target, kept_buffers
 from megatron_sp.distributed.fsdp import FSDPOptimizer
 from megatron_sp.distributed.optimizer import PARAM_ATTRS
 
@@ -48,10 +49,13 @@ class FSDPModelState(ModelState):
         return [(n, _gathered(p, p)) for n, p in self.model.named_parameters()]
 
     def load_target(self) -> dict:
-        return {n: empty_dcp_target(_like(p), self.ps) for n, p in self.model.named_parameters()}
+        target = {n: empty_dcp_target(_like(p), self.ps) for n, p in self.model.named_parameters()}
+        return {**target, **{n: torch.zeros_like(b) for n, b in kept_buffers(self.model)}}
 
     @torch.no_grad()
     def load_state_dict(self, loaded: dict) -> None:
+        for name, b in kept_buffers(self.model):  # (the routers' expert biases: not sharded)
+            b.copy_(loaded[name])
         for name, p in self.model.named_parameters():
             value = from_canonical_local(loaded[name], _like(p), self.ps)
             p._local_tensor.copy_(_my_chunk(value, p))

@@ -7,6 +7,7 @@ ParallelBuilder: this rank's tokens under CP and its SP-region rows) and every l
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -15,6 +16,31 @@ import torch
 from megatron_sp.context_parallel.split import CPSplit, document_ids_from_mask
 from megatron_sp.layer_options import zigzag_split
 from megatron_sp.ops.philox import DropoutIndex
+
+
+class AuxShares(MutableMapping):
+    """{(layer, name): tensor}: the MoE auxiliary-loss shares of one forward (models/moe/losses.py).
+    A mapping that is no dict: FSDP2 rebuilds a module's dict and dataclass arguments holding tensors
+    that require gradients (torch.distributed.fsdp's replace_grad_tensors), which would leave the shares
+    a layer records in a copy that the loss never sees; it does not look inside this."""
+
+    def __init__(self):
+        self._shares = {}
+
+    def __getitem__(self, key):
+        return self._shares[key]
+
+    def __setitem__(self, key, value):
+        self._shares[key] = value
+
+    def __delitem__(self, key):
+        del self._shares[key]
+
+    def __iter__(self):
+        return iter(self._shares)
+
+    def __len__(self):
+        return len(self._shares)
 
 
 @dataclass
@@ -48,7 +74,7 @@ class SequenceContext:
     training: bool
     cp_split: Optional[CPSplit] = None
     whole: Optional["SequenceContext"] = None
-    moe_losses: dict = field(default_factory=dict)
+    moe_losses: AuxShares = field(default_factory=AuxShares)
 
 
 def _check_length(cfg, s):

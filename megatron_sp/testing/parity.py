@@ -157,15 +157,17 @@ def run_layout(
     logits: bool = False,
     prepare: Optional[Callable] = None,
     probe: Optional[Callable] = None,
+    fsdp: bool = False,
 ) -> Optional[Run]:
     """On every rank of a world of gloo ranks: the parallel model of `fields` at `layout` (loading
     `state` if given) through the batches. prepare(model): called once built (e.g. compile it);
     probe(model, ps) -> dict: called after the steps, kept in Run.extra; logits: the first batch's,
-    before training (not under pipeline parallelism). Returns the Run on the ranks of data-parallel
-    and context-parallel rank 0 (one per TP rank), None elsewhere."""
+    before training (not under pipeline parallelism); fsdp: the model sharded by --use-torch-fsdp2's
+    fully_shard (distributed/fsdp.py) after those, its gradients reduced by FSDP2 and FSDPOptimizer.
+    Returns the Run on the ranks of data-parallel and context-parallel rank 0 (one per TP rank), None
+    elsewhere."""
     from megatron_sp import parallel_state
     from megatron_sp.config import GPTConfig
-    from megatron_sp.distributed.optimizer import global_grad_norm
 
     cfg = GPTConfig(**{**fields, **layout.config_fields()})
     levels = getattr(cfg, "hierarchical_context_parallel_sizes", None)  # a2a+p2p's CP groups (its field)
@@ -186,6 +188,17 @@ def run_layout(
     if prepare is not None:
         prepare(model)
     first = _logits(model, batches[0]) if logits and layout.pp == 1 else None
+    losses, grads0, norm0, final = (_fsdp_steps if fsdp else _steps)(model, layout, batches, ps, lr)
+    extra = probe(model, ps) if probe is not None else {}
+    if ps.dp_rank != 0 or ps.cp_rank != 0:
+        return None
+    return Run(init, losses, grads0, norm0, final, first, extra, *_described(cfg))
+
+
+def _steps(model, layout: Layout, batches: list, ps, lr: float) -> tuple:
+    """(losses, first gradients, their norm, final weights) of AdamW steps on the batches."""
+    from megatron_sp.distributed.optimizer import global_grad_norm
+
     opt, losses, grads0, norm0 = _adamw(model.parameters(), lr), [], None, None
     for step, batch in enumerate(batches):
         opt.zero_grad()
@@ -196,11 +209,42 @@ def run_layout(
             grads0, norm0 = model.full_grad_dict(), global_grad_norm(list(model.parameters()), ps).item()
         losses.append(_mean_over_replicas(loss, ps))
         opt.step()
-    final = model.full_state_dict()
-    extra = probe(model, ps) if probe is not None else {}
-    if ps.dp_rank != 0 or ps.cp_rank != 0:
-        return None
-    return Run(init, losses, grads0, norm0, final, first, extra, *_described(cfg))
+    return losses, grads0, norm0, model.full_state_dict()
+
+
+def _fsdp_steps(model, layout: Layout, batches: list, ps, lr: float) -> tuple:
+    """_steps with the model sharded by fully_shard (dense parameters over DP×CP, experts over
+    expert-DP): FSDP2 reduce-scatters, FSDPOptimizer sums what remains; the norm is the training loop's."""
+    from megatron_sp.distributed.fsdp import FSDPOptimizer, shard_model
+    from megatron_sp.distributed.optimizer import global_grad_norm
+
+    shard_model(model, ps, "cpu")
+    flat = lambda groups: _adamw([p for g in groups for p in g["params"]], lr)  # noqa: E731 (one decay, as the oracle's)
+    opt, losses, grads0, norm0 = FSDPOptimizer(model, ps, flat, 0.01), [], None, None
+    for step, batch in enumerate(batches):
+        opt.zero_grad()
+        loss = _forward_backward(model, batch.part(ps.dp_rank % layout.dp, layout.dp), layout)
+        opt.finalize_grads(model, ps)
+        if step == 0:
+            grads0 = _gathered_dict(model, ps, lambda p: p.grad)
+            norm0 = global_grad_norm(opt.local_params(), ps, opt.partition).item()
+        losses.append(_mean_over_replicas(loss, ps))
+        opt.step()
+    return losses, grads0, norm0, _gathered_dict(model, ps, lambda p: p.detach())
+
+
+@torch.no_grad()
+def _gathered_dict(model, ps, tensor_of) -> dict:
+    """Collective: tensor_of(p) (a DTensor sharded by FSDP2) of every parameter, unsharded as
+    full_state_dict's (over FSDP2's mesh, then TP or expert-TP, then the experts over EP)."""
+    from megatron_sp.models.moe.state import gather_experts
+    from megatron_sp.tensor_parallel.sharding import gather_full
+
+    full = {}
+    for name, p in model.named_parameters():
+        if tensor_of(p) is not None:
+            full[name] = gather_full(tensor_of(p).full_tensor(), p.shard_spec, ps.group(p.shard_spec.group))
+    return gather_experts(full, ps, model.cfg.num_experts)
 
 
 def _described(cfg) -> tuple:

@@ -264,11 +264,6 @@ def _check_experts(args) -> None:
             f"of a pipeline stage (world {args.world_size} / --pipeline-model-parallel-size "
             f"{args.pipeline_model_parallel_size})."
         )
-    if args.use_torch_fsdp2:
-        raise ArgumentError(
-            "--num-experts with --use-torch-fsdp2: expert layers need an expert-data-parallel mesh, which is not "
-            "built; use --use-distributed-optimizer."
-        )
 
 
 def _check_features(args) -> None:
