@@ -33,6 +33,7 @@ take (T expert-TP: the peers' rows too), f the expert width, e_r the router's by
     experts (SwiGLU / GELU)            e R f / T (5 / 3) + e R   (the activation, its product with the
                                                          routing weights, fc2's input; the weights)
     combined outputs (unpermute)       e N h             (all-gather dispatcher: e R h)
+    all-to-all: outputs unsorted       e R h             (with EP or expert-TP)
     shared expert                      the dense MLP's term at its width
 (--moe-grouped-gemm is modelled as the per-expert loop.)
 """
@@ -250,6 +251,8 @@ def moe_terms(x: LayerShape):
         ("MoE experts (SwiGLU: 5, GELU: 3 widths; weights)", e * taken * ((5 if x.swiglu else 3) * m.f / m.etp + 1))
     )
     terms.append(("MoE combined outputs", e * (taken if m.all_gather else rows) * x.h))
+    if m.all_to_all:  # the experts' outputs put back in arrival order (index_copy keeps its source)
+        terms.append(("MoE outputs in arrival order", e * taken * x.h))
     if m.shared:
         terms.append(("MoE shared expert: " + _mlp_term(x, m.shared)[0], _mlp_term(x, m.shared)[1]))
     return terms
