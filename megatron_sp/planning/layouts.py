@@ -10,6 +10,8 @@ accepts --use-torch-fsdp2 (with pipeline stages too).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -123,7 +125,8 @@ def candidate_layouts(cluster: cost.Cluster, num_layers: int, fixed: dict, seq_l
     """Every (tp, cp, dp, pp, sp, recompute, sharding, CP type, EP, expert-TP) the cluster allows; `fixed`
     pins dimensions. pp divides the layers and cp the sequence, so both come from a gcd with those: the
     work depends on the model's sizes, not on the GPU count. An MoE model takes SP whenever tp > 1
-    (Megatron's rule)."""
+    (Megatron's rule) and, unless --cp-comm-type is pinned, the p2p ring for CP (the search would
+    otherwise multiply CP's four types by every EP and expert-TP)."""
     pinned = {k: v for k, v in fixed.items() if k not in ("cp_comm", "levels", "ep", "etp")}
     for tp in divisors(math.gcd(cluster.gpus_per_node, cluster.gpus)):
         for pp in divisors(math.gcd(num_layers, cluster.gpus // tp)):
@@ -134,7 +137,10 @@ def candidate_layouts(cluster: cost.Cluster, num_layers: int, fixed: dict, seq_l
                 for sp, recompute, sharding in itertools.product(sps, RECOMPUTE, mem.SHARDINGS):
                     if sharding != "replicated" and dp * cp == 1:
                         continue  # one replica: nothing to shard
-                    for (comm, levels), (ep, etp) in itertools.product(cp_choices(cluster, tp, cp, fixed), experts):
+                    comms = cp_choices(cluster, tp, cp, fixed)
+                    if num_experts is not None and "cp_comm" not in fixed:
+                        comms = comms[:1]  # MoE: the ring only (the CP type is chosen apart from the experts)
+                    for (comm, levels), (ep, etp) in itertools.product(comms, experts):
                         layout = Layout(tp, cp, dp, pp, sp, recompute, sharding, comm, levels, ep, etp)
                         if all(getattr(layout, k) == v for k, v in pinned.items()):
                             yield layout
@@ -172,26 +178,69 @@ def fsdp2_notes(prec, offered: bool) -> list:
     return [] if offered else ["FSDP2 modelled, not runnable yet"]
 
 
+def _parameter_config(cfg):
+    """cfg without the fields a rank's parameter shapes do not depend on (CP, recomputation), so that
+    layouts differing only there share one inventory."""
+    if cfg.context_parallel_size == 1 and cfg.recompute_granularity is None:
+        return cfg
+    return dataclasses.replace(
+        cfg,
+        context_parallel_size=1,
+        cp_comm_type="p2p",
+        hierarchical_context_parallel_sizes=None,
+        recompute_granularity=None,
+        recompute_method=None,
+        recompute_num_layers=None,
+    )
+
+
+class _Inventory:
+    """One rank's parameters (mem.rank_parameters), split by role, with their counts; hashed by identity
+    so that the states of one inventory are computed once per sharding."""
+
+    def __init__(self, named):
+        self.named = tuple(named)
+        self.shapes = [shape for _, shape in self.named]
+        self.dense = [shape for n, shape in self.named if not mem.is_expert(n)]
+        self.experts = [shape for n, shape in self.named if mem.is_expert(n)]
+        self.total = sum(mem.numel(x) for x in self.shapes)
+        self.expert_total = sum(mem.numel(x) for x in self.experts)
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 (inventories live as long as the module's cache)
+    def states(self, prec, sharding: str, replicas: int, expert_reps: int) -> tuple:
+        """mem.rank_states of these parameters."""
+        states = mem.states_bytes(self.dense, prec, sharding, replicas)
+        if self.experts:
+            experts = mem.states_bytes(self.experts, prec, sharding, expert_reps)
+            states = tuple(a + b for a, b in zip(states, experts))
+        return states
+
+
+@functools.lru_cache(maxsize=256)
+def _inventory(cfg, stage: int, stages: int) -> _Inventory:
+    return _Inventory(mem.rank_parameters(cfg, stage, stages))
+
+
 def memory_split(cfg, layout: Layout, prec, micro_batch: int, micro_batches: int):
     """The worst rank's split (the first pipeline stage: it holds pp micro-batches in 1F1B), its
     parameter count and how many of them are experts'."""
     replicas = layout.dp * layout.cp
-    named = mem.rank_parameters(cfg, 0, layout.pp)
+    shape_cfg = _parameter_config(cfg)
+    inv = _inventory(shape_cfg, 0, layout.pp)
     if layout.pp > 1:  # the last stage may hold more (the output layer): take the larger
-        last = mem.rank_parameters(cfg, layout.pp - 1, layout.pp)
-        named = max(named, last, key=lambda s: sum(mem.numel(x) for _, x in s))
-    shapes = [shape for _, shape in named]
+        inv = max(inv, _inventory(shape_cfg, layout.pp - 1, layout.pp), key=lambda x: x.total)
     expert_reps = mem.expert_replicas(cfg, layout.dp) if cfg.num_experts is not None else 1
-    weights, grads, optimizer = mem.rank_states(named, prec, layout.sharding, replicas, expert_reps)
-    experts = sum(mem.numel(s) for n, s in named if mem.is_expert(n))
+    weights, grads, optimizer = inv.states(prec, layout.sharding, replicas, expert_reps)
     in_flight = min(layout.pp, micro_batches)
     saved, transient = mem.activation_bytes(
         cfg, micro_batch, prec.act, layers=cfg.num_layers // layout.pp, in_flight=in_flight
     )
-    buffers = mem.buffer_bytes(cfg, micro_batch, prec, layout.sharding, replicas, shapes, pipeline=layout.pp > 1)
+    buffers = mem.buffer_bytes(
+        cfg, micro_batch, prec, layout.sharding, replicas, inv.shapes, pipeline=layout.pp > 1, params=inv.total
+    )
     if transient:
         buffers["recomputed chunk (backward)"] = transient
-    return mem.MemorySplit(weights, grads, optimizer, saved, buffers), sum(mem.numel(s) for s in shapes), experts
+    return mem.MemorySplit(weights, grads, optimizer, saved, buffers), inv.total, inv.expert_total
 
 
 class Search(NamedTuple):

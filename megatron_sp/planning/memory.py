@@ -262,12 +262,12 @@ def activation_bytes(
 
 
 def buffer_bytes(
-    cfg, micro_batch, prec: Precision, sharding, replicas, shapes, overlap_grad_reduce=True, pipeline=False
+    cfg, micro_batch, prec: Precision, sharding, replicas, shapes, overlap_grad_reduce=True, pipeline=False, params=None
 ) -> dict:
     """The transient workspaces: gradient buckets, the logits' gradient, the SP gather, FSDP2's gathered
     layers (pipeline: the stage's weights and unsharded fp32 gradients, held for the step; distributed/fsdp.py)."""
     shape = act.LayerShape.from_config(cfg, micro_batch, prec.act)
-    n = sum(numel(s) for s in shapes)
+    n = sum(numel(s) for s in shapes) if params is None else params
     out = {}
     if replicas > 1 and prec.flat_bucket_copies and sharding != "fsdp2":
         out["DP buckets"] = prec.grad * n if overlap_grad_reduce else min(BUCKET_BYTES, prec.grad * n)
