@@ -8,6 +8,8 @@
 * bad input: one sentence naming both flags, exit 2.
 """
 
+import re
+
 import pytest
 import torch
 from activation_memory import SavedTensorCounter
@@ -457,3 +459,16 @@ def test_largest_optimizer_share_is_the_max_of_the_shares():
         for replicas in (1, 2, 3, 8, 13):
             shares = mem.optimizer_shares(shapes, 12, sharding, replicas)
             assert mem.largest_optimizer_share(shapes, 12, sharding, replicas) == max(shares)
+
+
+def test_plan_prints_the_moe_rows(capsys):
+    """An MoE model: its total and active parameters, EP / expert-TP layouts with the dispatch and
+    expert-DP bytes, and the layouts the program refuses with experts (read from its own checks)
+    listed as modelled only."""
+    assert plan.main(TINY + MOE + ["--gpus", "8", "--gpus-per-node", "4", "--bf16", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "MoE: 4 experts of width 32, top-2, on 2 of 2 layers" in out
+    assert "GB sent tp/cp/dp/pp/ep/edp" in out and re.search(r" ep\d etp\d ", out) and "experts of #1 per GPU" in out
+    refused = plan.moe_refused()
+    runnable = out.split("runnable today, fastest first:")[1].split("modelled, not runnable yet")[0]
+    assert ("pp" not in refused or " pp2 " not in runnable) and ("fsdp2" not in refused or "fsdp2" not in runnable)
