@@ -8,6 +8,8 @@
 * bad input: one sentence naming both flags, exit 2.
 """
 
+import re
+
 import pytest
 import torch
 from activation_memory import SavedTensorCounter
@@ -45,13 +47,28 @@ LAYOUTS = {  # world of 4
     ],
     "tp4-gqa-copies": ["--model", "llama", "--num-query-groups", "2", "--tensor-model-parallel-size", "4"],
 }
+MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
+SHARED = ["--moe-shared-expert-intermediate-size", "48"]
+MOE_LAYOUTS = {  # Megatron's MoE flags: EP1 with expert-TP 2, EP2 over the DP ranks (alltoall, allgather)
+    "moe-ep1-etp2-tp2-sp-distopt": ["--model", "llama", "--num-query-groups", "2", *MOE, *SHARED]
+    + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer"]
+    + ["--moe-token-dispatcher-type", "alltoall"],
+    "moe-ep2-dp4-alltoall-distopt": ["--model", "llama", "--num-query-groups", "2", *MOE, *SHARED]
+    + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall", "--use-distributed-optimizer"],
+    "moe-ep2-dp4-allgather-gelu": ["--model", "gpt2", *MOE, "--expert-model-parallel-size", "2"]
+    + ["--moe-token-dispatcher-type", "allgather"],
+}
 FSDP2_LAYOUTS = {  # --use-torch-fsdp2: only the states are compared (its collectives run over the replicas)
     "tp2-sp-dp2-fsdp2": ["--model", "llama", "--num-query-groups", "2", "--tensor-model-parallel-size", "2"]
     + ["--sequence-parallel", "--use-torch-fsdp2"],
 }
 
 
-ALL_MODES = ("tp2-sp-dp2-distopt", "cp2-dp2-distopt")  # every precision mode; the others fp32 (test time)
+ALL_MODES = (
+    "tp2-sp-dp2-distopt",
+    "cp2-dp2-distopt",
+    "moe-ep2-dp4-alltoall-distopt",
+)  # every precision mode; the others fp32 (test time)
 
 
 def precision_modes():
@@ -87,7 +104,9 @@ def _measure(argv):
     batches = data_iterator(trainer.train_ds, 0, args, ps)
     for iteration in range(1, 4):  # fp16: a first step may be skipped (overflow)
         kw = dict(device="cpu", clip_grad=1.0, iteration=iteration, scaler=trainer.scaler)
-        if not loop.train_step(model, trainer.optimizer, batches, args.num_micro_batches, ps, **kw).skipped:
+        with CollectiveCounter() as step:
+            skipped = loop.train_step(model, trainer.optimizer, batches, args.num_micro_batches, ps, **kw).skipped
+        if not skipped:
             break
     opt = trainer.optimizer.optim
     own = {id(p) for p in model.parameters()}
@@ -120,6 +139,10 @@ def _measure(argv):
         cfg=trainer.cfg,
         dp=ps.dp_size,
         shapes=[tuple(p.shape) for p in model.parameters()],
+        names=[n for n, _ in model.named_parameters()],
+        expert_replica=ps.edp_rank,
+        calls=[{k: c[k] for k in ("kind", "site", "t", "sent")} for c in sent.calls] if sent else None,
+        step_calls=[{k: c[k] for k in ("kind", "site", "t", "sent")} for c in step.calls],
     )
 
 
@@ -134,7 +157,7 @@ def world():
 @pytest.fixture(scope="module")
 def measured(world):
     out = {}
-    for name, flags in {**LAYOUTS, **FSDP2_LAYOUTS}.items():
+    for name, flags in {**LAYOUTS, **MOE_LAYOUTS, **FSDP2_LAYOUTS}.items():
         modes = precision_modes() if name in ALL_MODES or name in FSDP2_LAYOUTS else [[]]
         for mode in modes:
             # fp16: a scale that lets the first steps update (Megatron's 2^32 skips ~32 steps halving it)
@@ -148,22 +171,22 @@ def _predict(rank, argv):
     args = parser.parse_args(argv + ["--gpus", "4", "--gpus-per-node", "4"])
     prec = plan.precision_of(args, offered)
     sharding = "fsdp2" if args.use_torch_fsdp2 else "distributed" if args.use_distributed_optimizer else "replicated"
-    shapes = [s for _, s in mem.rank_parameters(rank["cfg"])]
-    replicas = rank["dp"] * rank["cfg"].context_parallel_size
-    weights, grads, _ = mem.states_bytes(shapes, prec, sharding, replicas)
-    opt = mem.optimizer_shares(shapes, prec.optimizer, sharding, replicas)[rank["replica"]]
-    if sharding == "fsdp2":  # every replica holds the same padded chunks
-        opt = mem.states_bytes(shapes, prec, sharding, replicas)[2]
-    return shapes, prec, weights, grads, opt
+    cfg = rank["cfg"]
+    named = mem.rank_parameters(cfg)
+    replicas, expert_reps = rank["dp"] * cfg.context_parallel_size, mem.expert_replicas(cfg, rank["dp"])
+    weights, grads, _ = mem.rank_states(named, prec, sharding, replicas, expert_reps)
+    opt = mem.rank_optimizer(named, prec, sharding, replicas, expert_reps, rank["replica"], rank["expert_replica"])
+    assert [mem.is_expert(n) for n, _ in named] == [mem.is_expert(n) for n in rank["names"]]
+    return [s for _, s in named], prec, weights, grads, opt
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS) + list(FSDP2_LAYOUTS))
+@pytest.mark.parametrize("layout", list(LAYOUTS) + list(MOE_LAYOUTS) + list(FSDP2_LAYOUTS))
 def test_states_per_rank_are_the_tensor_bytes(measured, layout):
     for (name, mode), ranks in measured.items():
         if name != layout:
             continue
         for rank in ranks:
-            argv = TINY + {**LAYOUTS, **FSDP2_LAYOUTS}[name] + ([] if mode == "fp32" else [mode])
+            argv = TINY + {**LAYOUTS, **MOE_LAYOUTS, **FSDP2_LAYOUTS}[name] + ([] if mode == "fp32" else [mode])
             shapes, prec, weights, grads, opt = _predict(rank, argv)
             assert shapes == rank["shapes"], (mode, "parameter shapes")
             assert (rank["weights"], rank["grads"], rank["optimizer"]) == (weights, grads, opt), (mode, prec.name)
@@ -190,6 +213,65 @@ def test_activations_within_5_percent_parallel(measured, layout):
         assert abs(rank["saved"] / predicted - 1) < 0.05, (rank["saved"], predicted)
 
 
+MOE_SITES = {"_a2a_once", "_counts_a2a", "AllToAllDispatcher.__call__", "AllGatherDispatcher.__call__"}
+STATISTICS = "MoEGroups.sum_all"  # the load-balancing statistics' E-sized all-reduces (left out by the planner)
+
+
+def _moe_sent(rank) -> float:
+    """Bytes the MoE dispatch sent in one forward + backward: its own sites, and at TP = CP = 1 every
+    collective but the statistics' (the all-gather dispatcher's gathers are the SP mappings')."""
+    cfg = rank["cfg"]
+    alone = cfg.tensor_model_parallel_size * cfg.context_parallel_size == 1
+    return sum(c["sent"] for c in rank["calls"] if c["site"] in MOE_SITES or (alone and c["site"] != STATISTICS))
+
+
+def _moe_comm(rank, layout):
+    from megatron_sp.planning import cost
+    from megatron_sp.planning.layouts import Layout
+
+    cfg = rank["cfg"]
+    named = mem.rank_parameters(cfg)
+    shapes, prec, *_ = _predict(rank, TINY + MOE_LAYOUTS[layout])
+    sharding = "distributed" if "--use-distributed-optimizer" in MOE_LAYOUTS[layout] else "replicated"
+    grid = Layout(cfg.tensor_model_parallel_size, 1, rank["dp"], 1, cfg.sequence_parallel, None, sharding,
+                  ep=cfg.expert_model_parallel_size, etp=cfg.expert_tensor_parallel_size)  # fmt: skip
+    experts = sum(mem.numel(s) for n, s in named if mem.is_expert(n))
+    return cost.communication(cfg, grid, prec, 2, 1, sum(mem.numel(s) for s in shapes), experts)
+
+
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_moe_dispatch_bytes_are_the_collectives(measured, layout):
+    """Every rank's routed rows are n k; the rows it receives vary with the routing but average to n k
+    over the EP group, so the mean over the ranks is the balanced-routing formula exactly."""
+    ranks = measured[layout, "fp32"]
+    sent = [_moe_sent(rank) for rank in ranks]
+    assert sum(sent) / len(sent) == pytest.approx(_moe_comm(ranks[0], layout).ep, rel=1e-12), sent
+    assert min(sent) > 0
+
+
+def test_expert_data_parallel_reduction_bytes_are_the_step_collectives(measured):
+    """EP2 over DP4 (replicated AdamW): the experts' gradients all-reduced over their 2 expert-DP
+    replicas, the dense ones over the 4 DP ranks, as the planner's edp and dp bytes."""
+    layout = "moe-ep2-dp4-allgather-gelu"
+    for rank in measured[layout, "fp32"]:
+        reduced = [c for c in rank["step_calls"] if c["site"] == "_start"]  # (grad_sync's bucket reductions)
+        comm = _moe_comm(rank, layout)
+        assert sum(c["sent"] for c in reduced if c["t"] == 2) == comm.edp > 0
+        assert sum(c["sent"] for c in reduced if c["t"] == 4) == comm.dp > 0
+
+
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_moe_activations_within_5_percent(measured, layout):
+    """The mean over the ranks (each rank's experts take the rows routing sends them)."""
+    ranks = measured[layout, "fp32"]
+    predicted, _ = mem.activation_bytes(ranks[0]["cfg"], 2, act.FP32)
+    saved = sum(r["saved"] for r in ranks) / len(ranks)
+    assert abs(saved / predicted - 1) < 0.05, (saved, predicted)
+
+
+SERIAL_MOE = dict(num_experts=4, moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.01)
+
+
 def _saved_serial(**fields):
     from megatron_sp.models.gpt import GPTModel
 
@@ -209,8 +291,14 @@ def _saved_serial(**fields):
         dict(model="llama", num_query_groups=2),
         dict(model="llama", recompute_granularity="full", recompute_num_layers=2),
         dict(model="llama", recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+        dict(
+            model="llama", **SERIAL_MOE, moe_z_loss_coeff=0.01, moe_shared_expert_intermediate_size=48, moe_layer_freq=2
+        ),
+        dict(model="llama", **SERIAL_MOE, moe_expert_capacity_factor=0.5, moe_router_score_function="sigmoid"),
+        dict(model="gpt2", **SERIAL_MOE, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
     ],
-    ids=["gpt2-reference-ops", "gpt2-selective", "llama-gqa", "llama-full-uniform2", "llama-full-block1"],
+    ids=["gpt2-reference-ops", "gpt2-selective", "llama-gqa", "llama-full-uniform2", "llama-full-block1"]
+    + ["moe-z-loss-shared-freq2", "moe-capacity-sigmoid", "moe-gpt2-padded"],
 )
 def test_activations_within_5_percent_serial(fields):
     cfg, saved = _saved_serial(**fields)
@@ -371,3 +459,16 @@ def test_largest_optimizer_share_is_the_max_of_the_shares():
         for replicas in (1, 2, 3, 8, 13):
             shares = mem.optimizer_shares(shapes, 12, sharding, replicas)
             assert mem.largest_optimizer_share(shapes, 12, sharding, replicas) == max(shares)
+
+
+def test_plan_prints_the_moe_rows(capsys):
+    """An MoE model: its total and active parameters, EP / expert-TP layouts with the dispatch and
+    expert-DP bytes, and the layouts the program refuses with experts (read from its own checks)
+    listed as modelled only."""
+    assert plan.main(TINY + MOE + ["--gpus", "8", "--gpus-per-node", "4", "--bf16", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "MoE: 4 experts of width 32, top-2, on 2 of 2 layers" in out
+    assert "GB sent tp/cp/dp/pp/ep/edp" in out and re.search(r" ep\d etp\d ", out) and "experts of #1 per GPU" in out
+    refused = plan.moe_refused()
+    runnable = out.split("runnable today, fastest first:")[1].split("modelled, not runnable yet")[0]
+    assert ("pp" not in refused or " pp2 " not in runnable) and ("fsdp2" not in refused or "fsdp2" not in runnable)

@@ -6,12 +6,15 @@
         --gpus 64 --gpus-per-node 8 --gpu-memory-gib 80 --micro-batch-size 1 --global-batch-size 256
     python tools/plan.py --largest-llama --seq-length 8192 --gpus 64 --gpu-memory-gib 80 --bf16
     python tools/plan.py --longest-sequence 8B,70B --gpus 64 --gpu-memory-gib 80 --bf16 --micro-batch-size 1
+    python tools/plan.py --largest-moe --seq-length 4096 --gpus 1024 --gpu-memory-gib 80 --bf16 --micro-batch-size 1
 
 It takes pretrain_gpt_sp.py's flags (the program's own parser): the model flags describe the model,
 and the layout flags given (--tensor-model-parallel-size, --context-parallel-size, --cp-comm-type,
 --hierarchical-context-parallel-sizes, --sequence-parallel, --recompute-granularity,
---use-distributed-optimizer, --use-torch-fsdp2, --pipeline-model-parallel-size) pin that dimension;
-the others are enumerated (with CP, each of Megatron's four types). The memory and time
+--use-distributed-optimizer, --use-torch-fsdp2, --pipeline-model-parallel-size, and for a mixture of
+experts (--num-experts ...) --expert-model-parallel-size, --expert-tensor-parallel-size) pin that
+dimension; the others are enumerated (with CP, each of Megatron's four types; EP dividing the experts,
+expert-TP 1 or the TP size). The memory and time
 models are megatron_sp/planning/ (their docstrings state every term and constant); the constants
 of the step-time model are the flags of the "cluster" group.
 """
@@ -35,6 +38,8 @@ LAYOUT_FLAGS = {  # planner dimension: the program's flag (its dest)
     "pp": "pipeline_model_parallel_size",
     "sp": "sequence_parallel",
     "recompute": "recompute_granularity",
+    "ep": "expert_model_parallel_size",
+    "etp": "expert_tensor_parallel_size",
 }
 
 
@@ -63,6 +68,11 @@ def build_plan_parser():
     g.add_argument("--top", type=int, default=10, help="layouts printed")
     g.add_argument(
         "--largest-llama", action="store_true", help="the largest Llama of a ladder that fits, before/after FSDP2"
+    )
+    g.add_argument(
+        "--largest-moe",
+        action="store_true",
+        help="Mixtral 8x7B / 8x22B and DeepSeek-V2 / V3 sizes: which train on the cluster, and the layout",
     )
     g.add_argument(
         "--longest-sequence",
@@ -208,6 +218,25 @@ def precision_of(args, offered: set) -> mem.Precision:
     return mem.precision(mode, megatron, getattr(args, "grad_reduce_in_bf16", False))
 
 
+def moe_refused() -> frozenset:
+    """What the program refuses with --num-experts, read from its own argument checks: "pp" (pipeline
+    stages), "fsdp2" (--use-torch-fsdp2). Those MoE layouts are modelled, not runnable."""
+    from megatron_sp.training import argument_checks
+
+    check_experts = getattr(argument_checks, "_check_experts", None)
+    if check_experts is None:
+        return frozenset()
+    base = dict(num_experts=8, expert_model_parallel_size=1, expert_tensor_parallel_size=1)
+    base.update(tensor_model_parallel_size=1, world_size=8, pipeline_model_parallel_size=1, use_torch_fsdp2=False)
+    refused = set()
+    for name, change in (("pp", dict(pipeline_model_parallel_size=2)), ("fsdp2", dict(use_torch_fsdp2=True))):
+        try:
+            check_experts(argparse.Namespace(**dict(base, **change)))
+        except ArgumentError:
+            refused.add(name)
+    return frozenset(refused)
+
+
 def cluster_of(args) -> cost.Cluster:
     return cost.Cluster(
         args.gpus,
@@ -248,8 +277,11 @@ def _gib(x: float) -> str:
     return f"{x / mem.GIB:.1f}"
 
 
-def _row(i, p: lay.Plan) -> list:
+def _row(i, p: lay.Plan, moe: bool = False) -> list:
     m, t = p.memory, p.time
+    sent = f"{p.comm.tp / 1e9:.1f}/{p.comm.cp / 1e9:.1f}/{p.comm.dp / 1e9:.1f}/{p.comm.pp / 1e9:.2f}"
+    if moe:
+        sent += f"/{p.comm.ep / 1e9:.1f}/{p.comm.edp / 1e9:.1f}"
     return [
         i,
         p.layout.describe(),
@@ -260,7 +292,7 @@ def _row(i, p: lay.Plan) -> list:
         _gib(m.activations),
         _gib(sum(m.buffers.values())),
         _gib(m.total),
-        f"{p.comm.tp / 1e9:.1f}/{p.comm.cp / 1e9:.1f}/{p.comm.dp / 1e9:.1f}/{p.comm.pp / 1e9:.2f}",
+        sent,
         p.micro_batches,
         f"{t.total:.3f}",
         f"{t.compute:.3f}",
@@ -292,14 +324,53 @@ def table(headers, rows) -> str:
     )
 
 
+def _headers(moe: bool) -> list:
+    return [h + ("/ep/edp" if moe and h.startswith("GB sent") else "") for h in HEADERS]
+
+
+def moe_summary(cfg) -> str:
+    """Total and active parameters of an MoE model, and the experts' share."""
+    weights, biases = cfg._mlp_params(cfg.moe_ffn_hidden_size)
+    experts = cfg.num_moe_layers() * cfg.num_experts * (weights + biases)
+    shared = f", a shared expert of width {cfg.moe_shared_expert_intermediate_size}"
+    return (
+        f"MoE: {cfg.num_experts} experts of width {cfg.moe_ffn_hidden_size}, top-{cfg.moe_router_topk}"
+        f"{shared if cfg.moe_shared_expert_intermediate_size else ''}, on {cfg.num_moe_layers()} of "
+        f"{cfg.num_layers} layers; {cfg.num_parameters() / 1e9:.2f} B parameters in total, "
+        f"{ladder.active_parameters(cfg) / 1e9:.2f} B active per token, {experts / 1e9:.2f} B in the experts"
+    )
+
+
+def moe_detail(base, plan, prec, cluster) -> str:
+    """Where #1's experts live and what their exchange costs."""
+    layout = plan.layout
+    cfg = lay.layout_config(base, layout)
+    named = mem.rank_parameters(cfg)
+    edp = mem.expert_replicas(cfg, layout.dp)
+    experts = [s for n, s in named if mem.is_expert(n)]
+    w, g, o = mem.states_bytes(experts, prec, layout.sharding, edp)
+    group = layout.ep * layout.etp
+    link = "NVLink" if group <= cluster.gpus_per_node else "InfiniBand"
+    return (
+        f"experts of #1 per GPU: {cfg.num_experts // layout.ep} per MoE layer (EP {layout.ep}, expert-TP "
+        f"{layout.etp}, expert-DP {edp}), {sum(mem.numel(s) for s in experts) / 1e9:.2f} B parameters: weights "
+        f"{_gib(w)}, grads {_gib(g)}, optimizer {_gib(o)} GiB; {cfg.moe_token_dispatcher_type} dispatch "
+        f"{plan.comm.ep / 1e9:.2f} GB sent per step over {link} (EP x expert-TP = {group} consecutive ranks), "
+        f"{plan.time.ep:.3f} s exposed; expert-DP gradient reduction {plan.comm.edp / 1e9:.2f} GB"
+    )
+
+
 def report(args, base, prec, cluster, fits, too_big) -> None:
     serial = dict(tensor_model_parallel_size=1, context_parallel_size=1, sequence_parallel=False)
-    cfg = GPTConfig(**dict(base, **serial, hierarchical_context_parallel_sizes=None))
+    cfg = GPTConfig(**dict(base, **serial, hierarchical_context_parallel_sizes=None, expert_model_parallel_size=1))
+    moe = cfg.num_experts is not None
     print(
         f"model: {cfg.model}, {cfg.num_parameters() / 1e9:.2f} B parameters, seq {cfg.seq_length}, micro batch "
         f"{args.micro_batch_size}, global batch {args.global_batch_size}; precision {prec.name} "
         f"({prec.weight}+{prec.grad}+{prec.optimizer} B/param)"
     )
+    if moe:
+        print(moe_summary(cfg))
     print(
         f"cluster: {cluster.gpus} GPUs, {cluster.gpus_per_node} per node, {cluster.gpu_memory_gib:g} GiB "
         f"(-{cluster.reserved_gib:g} reserved); {cluster.peak_tflops:g} TFLOP/s peak x MFU {cluster.mfu:g}, "
@@ -313,18 +384,22 @@ def report(args, base, prec, cluster, fits, too_big) -> None:
     )
     if runnable:
         print("runnable today, fastest first:")
-        print(table(HEADERS, [_row(i + 1, p) for i, p in enumerate(runnable[: args.top])]))
+        print(table(_headers(moe), [_row(i + 1, p, moe) for i, p in enumerate(runnable[: args.top])]))
     if modelled:
-        print("modelled, not runnable yet (the program's parser lacks a flag), fastest first:")
+        why = "; ".join(sorted({note for p in modelled for note in p.note.split("; ")}))
+        print(f"modelled, not runnable yet ({why}), fastest first:")
         start = len(runnable[: args.top])
-        print(table(HEADERS, [_row(start + i + 1, p) for i, p in enumerate(modelled[: max(3, args.top // 2)])]))
+        shown = modelled[: max(3, args.top // 2)]
+        print(table(_headers(moe), [_row(start + i + 1, p, moe) for i, p in enumerate(shown)]))
     best = fits[0]
     print("\nbuffers of #1 (GiB): " + ", ".join(f"{k} {_gib(v)}" for k, v in best.memory.buffers.items()))
     t = best.time
     print(
         f"step time of #1 (s): compute {t.compute:.3f}, TP {t.tp:.3f}, CP {t.cp:.3f}, DP exposed {t.dp:.3f}, "
-        f"PP sends {t.pp:.3f}, bubble {t.bubble:.3f}"
+        f"PP sends {t.pp:.3f}, bubble {t.bubble:.3f}" + (f", MoE dispatch {t.ep:.3f}" if moe else "")
     )
+    if moe:
+        print(moe_detail(base, best, prec, cluster))
     print(
         "note: pp > 1 is 1F1B with even stages (with FSDP2 a stage stays gathered for the step); FSDP2 runs in "
         "every precision mode; recompute full = uniform chunks of 1 layer."
@@ -358,6 +433,35 @@ def largest_llama(args, base, prec, cluster, fixed) -> None:
     )
     headers = ["model", "B params", "pp 1: replicated weights (+ distributed optimizer)", "pp 1: FSDP2"]
     print(table(headers + ["any pp (even stages), any sharding"], rows))
+
+
+def largest_moe(args, base, prec, cluster, fixed) -> None:
+    """Each MoE rung on the cluster: the fastest layout the program runs today, and the fastest of any
+    layout modelled (pipeline stages, FSDP2 with experts)."""
+    batch = lay.Batch(args.micro_batch_size, args.global_batch_size)
+    refused = moe_refused()
+    rows = []
+    for name in ladder.MOE_LADDER:
+        fields = ladder.moe_fields(base, name)
+        cfg = GPTConfig(**fields)
+        search = lay.plans(fields, prec, cluster, batch, fixed, True, refused)
+        runnable = [p for p in search.fits if p.runnable]
+        modelled = sorted(search.fits, key=lambda p: p.time.total)
+        row = [name, f"{cfg.num_parameters() / 1e9:.1f}", f"{ladder.active_parameters(cfg) / 1e9:.1f}"]
+        for found in (runnable, modelled):
+            row.append(f"{found[0].layout.describe()} ({_gib(found[0].memory.total)} GiB)" if found else "does not fit")
+        rows.append(row)
+        if search.capped:
+            print(f"note: {name}: only the first {lay.MAX_LAYOUTS:,} layouts were planned.", file=sys.stderr)
+    print(
+        f"MoE ladder on {cluster.gpus} x {cluster.gpu_memory_gib:g} GiB GPUs, seq {base['seq_length']}, global batch "
+        f"{args.global_batch_size} x micro {args.micro_batch_size}, precision {prec.name}; fastest fitting layout "
+        f"(DeepSeek's attention modelled as standard attention, megatron_sp/planning/ladder.py):"
+    )
+    headers = ["model", "B params", "B active", "runnable today", "any layout (modelled)"]
+    print(table(headers, rows))
+    if refused:
+        print(f"(not runnable today with experts: {', '.join(sorted(refused))}; the program refuses them)")
 
 
 def longest_sequence(args, base, prec, cluster, fixed, sizes) -> None:
@@ -419,11 +523,15 @@ def main(argv=None) -> int:
     if args.largest_llama:
         largest_llama(args, base, prec, cluster, fixed)
         return 0
+    if args.largest_moe:
+        largest_moe(args, base, prec, cluster, fixed)
+        return 0
     if args.longest_sequence:
         longest_sequence(args, base, prec, cluster, fixed, args.longest_sequence.split(","))
         return 0
     batch = lay.Batch(args.micro_batch_size, args.global_batch_size)
-    fits, too_big, capped = lay.plans(base, prec, cluster, batch, fixed, "--use-torch-fsdp2" in offered)
+    refused = moe_refused() if base.get("num_experts") is not None else frozenset()
+    fits, too_big, capped = lay.plans(base, prec, cluster, batch, fixed, "--use-torch-fsdp2" in offered, refused)
     if capped:
         print(
             f"note: more than {lay.MAX_LAYOUTS:,} layouts; only the first {lay.MAX_LAYOUTS:,} were planned "

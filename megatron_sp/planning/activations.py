@@ -20,13 +20,31 @@ bench/activation_memory.py's measurement by tests/test_plan.py):
 
 S = 1/t under sequence parallelism (else 1); s is the rank's tokens (seq / cp); g the key/value
 heads a rank holds (g / t, or 1 copy when t > g).
+
+An MoE layer (`moe_terms`) saves, instead of the MLP's terms, with n = s b S the rank's tokens, N its
+routed rows (n k, capped by the capacity: pad-to-capacity n E C / seq), R = T N the rows its experts
+take (T expert-TP: the peers' rows too), f the expert width, e_r the router's bytes (--moe-router-dtype):
+
+    router: top-k indices, weights     n k (8 + e_r)     pre-softmax / sigmoid: + n E e_r (the scores)
+    aux loss / z-loss                  n E e_r + 8 n k  /  n E e_r + n e_r
+    capacity mask (bool)               n E
+    permutation indices                16 N              (all-to-all with EP or expert-TP: + 8 R, the sort)
+    expert inputs (fc1's rows)         e R h
+    experts (SwiGLU / GELU)            e R f / T (5 / 3) + e R   (the activation, its product with the
+                                                         routing weights, fc2's input; the weights)
+    combined outputs (unpermute)       e N h             (all-gather dispatcher: e R h)
+    all-to-all: outputs unsorted       e R h             (with EP or expert-TP)
+    shared expert                      the dense MLP's term at its width
+(--moe-grouped-gemm is modelled as the per-expert loop.)
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
-from megatron_sp.layer_options import cp_comm_types
+from megatron_sp.layer_options import cp_comm_types, is_moe_layer
 
 FP32 = 4
 
@@ -62,6 +80,60 @@ def paper_table(s: int = 2048, b: int = 1, t: int = 8) -> list:
 
 
 @dataclass(frozen=True)
+class MoEShape:
+    """What one rank's MoE layer sees (module docstring)."""
+
+    experts: int
+    topk: int
+    f: int  # each expert's width
+    rows: float  # N: routed rows of this rank's tokens
+    etp: int = 1
+    all_to_all: bool = False  # the all-to-all dispatcher with EP x expert-TP > 1 (its sort's indices)
+    all_gather: bool = False  # the all-gather dispatcher with EP x expert-TP > 1
+    shared: int = 0  # the shared expert's width (0: none)
+    router_bytes: int = FP32
+    scores: str = "softmax"  # softmax (over the k chosen), pre-softmax, sigmoid
+    aux_loss: bool = False
+    z_loss: bool = False
+    capacity: bool = False
+
+    @classmethod
+    def from_config(cls, cfg, tokens: float, act_bytes: int) -> "MoEShape":
+        """`tokens`: the rank's tokens in the MoE layer (its SP region)."""
+        e, k, seq = cfg.num_experts, cfg.moe_router_topk, cfg.seq_length
+        rows = tokens * k
+        factor = cfg.moe_expert_capacity_factor
+        if factor is not None:  # each expert takes at most C tokens of a sample (models/moe/capacity.py)
+            cap = math.ceil(seq * k / e * factor)
+            if cap <= seq:
+                rows = (
+                    tokens * e * cap / seq
+                    if cfg.moe_pad_expert_input_to_capacity
+                    else min(rows, tokens * e * cap / seq)
+                )
+        parallel = cfg.expert_model_parallel_size * cfg.expert_tensor_parallel_size > 1
+        return cls(
+            experts=e,
+            topk=k,
+            f=cfg.moe_ffn_hidden_size,
+            rows=rows,
+            etp=cfg.expert_tensor_parallel_size,
+            all_to_all=parallel and cfg.moe_token_dispatcher_type == "alltoall",
+            all_gather=parallel and cfg.moe_token_dispatcher_type == "allgather",
+            shared=cfg.moe_shared_expert_intermediate_size or 0,
+            router_bytes={"fp32": FP32, "fp64": 8}.get(cfg.moe_router_dtype, act_bytes),
+            scores="sigmoid"
+            if cfg.moe_router_score_function == "sigmoid"
+            else "pre-softmax"
+            if cfg.moe_router_pre_softmax
+            else "softmax",
+            aux_loss=cfg.moe_router_load_balancing_type != "none" and cfg.moe_aux_loss_coeff > 0,
+            z_loss=bool(cfg.moe_z_loss_coeff),
+            capacity=factor is not None,
+        )
+
+
+@dataclass(frozen=True)
 class LayerShape:
     """What one rank's layer sees: s = its tokens of a sequence (seq / cp), b = micro batch."""
 
@@ -81,9 +153,18 @@ class LayerShape:
     cp: bool = False  # context parallel: the core saves its own q, k, v (not views of the QKV output)
     ulysses: bool = False  # CP a2a (a2a+p2p): the core's output is also kept in head layout
     act_bytes: int = FP32  # bytes per activation element
+    moe: MoEShape | None = None  # the layer's MLP is a mixture of experts
 
     @classmethod
-    def from_config(cls, cfg, micro_batch: int, act_bytes: int = FP32) -> "LayerShape":
+    def from_config(cls, cfg, micro_batch: int, act_bytes: int = FP32, layer: int | None = None) -> "LayerShape":
+        """The rank's shape of layer `layer` (1-based; None: a dense layer's)."""
+        shape = cls._dense(cfg, micro_batch, act_bytes)
+        if layer is None or not is_moe_layer(cfg, layer):
+            return shape
+        return dataclasses.replace(shape, moe=MoEShape.from_config(cfg, shape.tokens_sp, act_bytes))
+
+    @classmethod
+    def _dense(cls, cfg, micro_batch: int, act_bytes: int) -> "LayerShape":
         return cls(
             s=cfg.seq_length // cfg.context_parallel_size,
             b=micro_batch,
@@ -133,12 +214,47 @@ def layer_terms(x: LayerShape, selective: bool = False):
         terms.append(("Ulysses: the output in head layout", e * sb * nq * x.d))
     if not selective:
         terms.append(("attention logsumexp (fp32)", FP32 * sb * nq))
-    mlp = 4 if x.swiglu else 2
-    terms.append(
-        ("MLP (SwiGLU: fc1 out, silu, product)" if x.swiglu else "MLP (GELU in, out)", mlp * e * sb * x.f / x.t)
-    )
+    if x.moe is not None:
+        terms += moe_terms(x)
+    else:
+        terms.append(_mlp_term(x, x.f))
     if x.masks:
         terms.append(("2 hidden dropout masks (bool)", 2 * sp_tokens * x.h))
+    return terms
+
+
+def _mlp_term(x: LayerShape, f: int):
+    name = "MLP (SwiGLU: fc1 out, silu, product)" if x.swiglu else "MLP (GELU in, out)"
+    return (name, (4 if x.swiglu else 2) * x.act_bytes * x.s * x.b * f / x.t)
+
+
+def moe_terms(x: LayerShape):
+    """(term, bytes) an MoE layer saves in place of the MLP's (module docstring)."""
+    m, e, n = x.moe, x.act_bytes, x.tokens_sp
+    r, k, big_e, rows = m.router_bytes, m.topk, m.experts, m.rows
+    taken = m.etp * rows  # R
+    router = n * k * (8 + r) + (n * big_e * r if m.scores != "softmax" else 0)
+    if m.scores == "sigmoid":  # the renormalisation over the k keeps the weights and their sum
+        router += n * k * r + n * r
+    terms = [("MoE router: top-k indices, weights", router)]
+    if m.aux_loss:
+        terms.append(("MoE load-balancing loss: scores, top-k", n * big_e * r + 8 * n * k))
+    if m.z_loss:
+        terms.append(("MoE z-loss: logits, logsumexp", n * big_e * r + n * r))
+    if m.capacity:
+        terms.append(("MoE capacity mask (bool)", n * big_e))
+    terms.append(
+        ("MoE permutation indices", 16 * (taken if m.all_gather else rows) + (8 * taken if m.all_to_all else 0))
+    )
+    terms.append(("MoE expert inputs (rows)", e * taken * x.h))
+    terms.append(
+        ("MoE experts (SwiGLU: 5, GELU: 3 widths; weights)", e * taken * ((5 if x.swiglu else 3) * m.f / m.etp + 1))
+    )
+    terms.append(("MoE combined outputs", e * (taken if m.all_gather else rows) * x.h))
+    if m.all_to_all:  # the experts' outputs put back in arrival order (index_copy keeps its source)
+        terms.append(("MoE outputs in arrival order", e * taken * x.h))
+    if m.shared:
+        terms.append(("MoE shared expert: " + _mlp_term(x, m.shared)[0], _mlp_term(x, m.shared)[1]))
     return terms
 
 

@@ -15,28 +15,45 @@ Per layer and micro-batch, N = act_bytes * (s/c) b h (bench/comm_volume.py measu
               A times the tokens and 1/A of the heads (as p2p with c = P, KV = 2 (s/c) b g' d)
     head      embedding + logits GEMM: 2 all-reduces (SP: 5 AG/RS), cross entropy: 3 fp32 all-reduces
               of the rank's tokens; CP: the loss sum and count (two fp32 all-reduces)
-(tests/test_plan.py checks TP and CP bytes against the collectives of one forward + backward.)
-Per step: DP x CP gradient all-reduce (distributed optimizer: reduce + broadcast, the same bytes;
-Megatron's: reduce-scatter grads + all-gather weights); FSDP2: per micro-batch, the weights
+    MoE       (EP P, expert-TP T, per MoE layer; n the rank's tokens in the SP region, N = n k its routed
+              rows (capacity: capped, planning/activations.py), rh = e h a row, rp the router's bytes)
+              all-to-all: forward the counts (8E), the rows there and back and their weights,
+                  2 ring_a2a(P, N rh) + ring_a2a(P, N rp) + ring_a2a(P, 8E); backward the same without
+                  the counts; expert-TP gathers the peers' rows and weights and reduce-scatters the
+                  outputs: (T-1)(2 N rh + N rp) + (T-1) 8E forward, (T-1)(2 N rh + N rp) backward
+              all-gather (G = P T): the tokens, weights [n, E] and choices (1 byte) gathered, the
+                  outputs reduce-scattered: (G-1) n (2 rh + E rp + E) forward, (G-1) n (2 rh + E rp)
+                  backward
+              capacity over TP x CP > 1 ranks: the keys [n, E] and positions all-gathered (forward)
+              (routing taken balanced: each rank receives the rows it sends; the load-balancing
+              statistics' E-sized all-reduces are left out)
+(tests/test_plan.py checks TP, CP and MoE bytes against the collectives of one forward + backward.)
+Per step: DP x CP gradient all-reduce of the dense parameters, and of the experts' over the
+expert-data-parallel group (TP x CP x DP / (EP x expert-TP) ranks) (distributed optimizer: reduce +
+broadcast, the same bytes; Megatron's: reduce-scatter grads + all-gather weights); FSDP2: per micro-batch, the weights
 gathered twice (forward, backward) and the gradients reduce-scattered; pipeline: one activation
 send forward and one gradient send backward per micro-batch and stage boundary.
 
 Step time = compute + exposed communication + pipeline bubble, where
     compute   = FLOPs per GPU / (peak x MFU), FLOPs = GPTConfig.flops_per_token x tokens
                 (+ one forward of the layers with full recomputation, of attention with selective)
-    TP, CP a2a and allgather, pipeline sends: exposed (nothing overlaps them here)
+    TP, CP a2a and allgather, MoE dispatch, pipeline sends: exposed (nothing overlaps them here; the
+              dispatch over NVLink when EP x expert-TP fits a node, its ranks being consecutive)
     CP p2p    overlaps the attention compute of the step it feeds (a2a+p2p: its ring part does; the
               a2a part runs over the inner group's links, the ring over the whole CP group's)
-    DP        overlaps the last micro-batch's backward (--overlap-grad-reduce); FSDP2 all compute
+    DP        overlaps the last micro-batch's backward (--overlap-grad-reduce); FSDP2 all compute; the
+              expert-DP reduction with it
     bubble    (pp - 1) / micro-batches x compute
 over NVLink when a group fits in a node, InfiniBand (per GPU) when it spans nodes.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from megatron_sp.layer_options import cp_comm_types
+from megatron_sp.layer_options import cp_comm_types, is_moe_layer
+from megatron_sp.planning.activations import LayerShape, MoEShape
 
 FP32 = 4
 
@@ -132,32 +149,79 @@ class Communication:
     cp: float = 0.0
     dp: float = 0.0
     pp: float = 0.0
+    ep: float = 0.0  # MoE token dispatch (and capacity's key gathers)
+    edp: float = 0.0  # the experts' gradient reduction over the expert-data-parallel group
 
     @property
     def total(self) -> float:
-        return self.tp + self.cp + self.dp + self.pp
+        return self.tp + self.cp + self.dp + self.pp + self.ep + self.edp
 
 
-def communication(cfg, layout, prec, micro_batch: int, micro_batches: int, params: int) -> Communication:
-    """Bytes per GPU per step (the worst pipeline stage's layers: num_layers / pp)."""
+def moe_bytes_per_layer(cfg, micro_batch: int, act_bytes: int) -> tuple:
+    """(forward, backward) bytes a rank sends in one MoE layer's dispatch for one micro-batch (module
+    docstring)."""
+    shape = LayerShape.from_config(cfg, micro_batch, act_bytes)
+    n = shape.tokens_sp
+    m = MoEShape.from_config(cfg, n, act_bytes)
+    p, t, e = cfg.expert_model_parallel_size, cfg.expert_tensor_parallel_size, cfg.num_experts
+    row, rp, rows = act_bytes * cfg.hidden_size, m.router_bytes, m.rows
+    fwd = bwd = 0.0
+    if cfg.moe_token_dispatcher_type == "alltoall":
+        if p > 1:
+            moved = 2 * ring("all_to_all", p, rows * row) + ring("all_to_all", p, rows * rp)
+            fwd, bwd = moved + ring("all_to_all", p, 8 * e), moved
+        if t > 1:
+            moved = (t - 1) * (2 * rows * row + rows * rp)
+            fwd, bwd = fwd + moved + (t - 1) * 8 * e, bwd + moved
+    elif p * t > 1:
+        g = p * t
+        fwd, bwd = (g - 1) * n * (2 * row + e * rp + e), (g - 1) * n * (2 * row + e * rp)
+    seq = cfg.tensor_model_parallel_size * cfg.context_parallel_size
+    factor = cfg.moe_expert_capacity_factor
+    if factor is not None and seq > 1:
+        cap = math.ceil(cfg.seq_length * cfg.moe_router_topk / e * factor)
+        if cap <= cfg.seq_length:  # the keys of the sample's other tokens, and their positions
+            s_sp = n / micro_batch
+            fwd += (seq - 1) * (n * e * rp + 8 * s_sp)
+    return fwd, bwd
+
+
+def communication(cfg, layout, prec, micro_batch: int, micro_batches: int, params: int, expert_params: int = 0):
+    """Bytes per GPU per step (the worst pipeline stage's layers: num_layers / pp); `params` of the
+    rank, `expert_params` of them the experts'."""
     t, c, r = cfg.tensor_model_parallel_size, cfg.context_parallel_size, layout.dp * cfg.context_parallel_size
     layers = cfg.num_layers // layout.pp
     n_bytes = prec.act * cfg.seq_length // c * micro_batch * cfg.hidden_size
     full = cfg.recompute_granularity == "full"
     head = _head_bytes(t, cfg.sequence_parallel, n_bytes, cfg.seq_length // c * micro_batch)
     tp = micro_batches * (layers * tp_bytes_per_layer(t, cfg.sequence_parallel, n_bytes, full) + head)
-    loss_mean = 2 * ring("all_reduce", c, FP32)  # the sequence's loss sum and token count
+    loss_mean = 2 * ring("all_reduce", c, FP32)  # the sequence's loss sum and count
     cp = micro_batches * (layers * cp_bytes_per_layer(cfg, micro_batch, prec.act) + loss_mean)
-    if layout.sharding == "fsdp2":
-        dp = micro_batches * (
+    dp = _grad_bytes(layout.sharding, prec, r, params - expert_params, micro_batches)
+    ep = edp = 0.0
+    if cfg.num_experts is not None:
+        moe_layers = sum(is_moe_layer(cfg, layer) for layer in range(1, layers + 1))  # (the first stage's)
+        fwd, bwd = moe_bytes_per_layer(cfg, micro_batch, prec.act)
+        ep = micro_batches * moe_layers * ((2 if full else 1) * fwd + bwd)
+        edp = _grad_bytes(layout.sharding, prec, _expert_reps(cfg, layout), expert_params, micro_batches)
+    pp = 2 * micro_batches * n_bytes / (t if cfg.sequence_parallel else 1) if layout.pp > 1 else 0.0
+    return Communication(tp, cp, dp, pp, ep, edp)
+
+
+def _expert_reps(cfg, layout) -> int:
+    stage = cfg.tensor_model_parallel_size * cfg.context_parallel_size * layout.dp
+    return stage // (cfg.expert_model_parallel_size * cfg.expert_tensor_parallel_size)
+
+
+def _grad_bytes(sharding: str, prec, r: int, params: int, micro_batches: int) -> float:
+    """The gradient reduction of `params` parameters over r replicas."""
+    if sharding == "fsdp2":
+        return micro_batches * (
             2 * ring("all_gather", r, prec.weight * params) + ring("all_gather", r, prec.grad * params)
         )
-    elif layout.sharding == "distributed" and not prec.flat_bucket_copies:  # Megatron's RS + AG
-        dp = ring("all_gather", r, prec.grad * params) + ring("all_gather", r, prec.weight * params)
-    else:
-        dp = ring("all_reduce", r, prec.grad * params)
-    pp = 2 * micro_batches * n_bytes / (t if cfg.sequence_parallel else 1) if layout.pp > 1 else 0.0
-    return Communication(tp, cp, dp, pp)
+    if sharding == "distributed" and not prec.flat_bucket_copies:  # Megatron's RS + AG
+        return ring("all_gather", r, prec.grad * params) + ring("all_gather", r, prec.weight * params)
+    return ring("all_reduce", r, prec.grad * params)
 
 
 @dataclass
@@ -168,20 +232,20 @@ class StepTime:
     dp: float
     pp: float
     bubble: float
+    ep: float = 0.0  # the MoE dispatch (exposed)
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp + self.cp + self.dp + self.pp + self.bubble
+        return self.compute + self.tp + self.cp + self.dp + self.pp + self.bubble + self.ep
 
 
 def compute_flops(cfg, global_batch: int) -> float:
     """Training FLOPs of one step (whole model), recomputation included."""
     L, s, hd = cfg.num_layers, cfg.seq_length, cfg.num_attention_heads * cfg.kv_channels
-    weights, _ = cfg._layer_matmul_params()
     tokens = global_batch * s
     flops = cfg.flops_per_token() * tokens
     if cfg.recompute_granularity == "full":
-        flops += 2 * (L * weights + 2 * L * s * hd) * tokens  # one more forward of the layers
+        flops += 2 * (_active_layer_weights(cfg) + 2 * L * s * hd) * tokens  # one more forward of the layers
     elif cfg.recompute_granularity == "selective":
         flops += 2 * 2 * L * s * hd * tokens  # one more forward of the attention core
     return flops
@@ -194,12 +258,13 @@ def step_time(cfg, layout, prec, cluster: Cluster, micro_batch, micro_batches, c
     compute = compute_flops(cfg, micro_batch * micro_batches * layout.dp) / gpus / peak
     tp = comm.tp / cluster.bandwidth(t)
     cp_time = _cp_time(cfg, cluster, prec, micro_batch, micro_batches, layout.pp, compute)
-    dp_time = comm.dp / cluster.bandwidth(t * c * layout.dp)
+    dp_time = (comm.dp + comm.edp) / cluster.bandwidth(t * c * layout.dp)
+    ep_time = comm.ep / cluster.bandwidth(cfg.expert_model_parallel_size * cfg.expert_tensor_parallel_size)
     overlap = compute if layout.sharding == "fsdp2" else compute * 2 / 3 / micro_batches
     dp_time = max(0.0, dp_time - overlap)
     pp_time = comm.pp / cluster.bandwidth(t * c * layout.dp * layout.pp) if layout.pp > 1 else 0.0
     bubble = compute * (layout.pp - 1) / micro_batches
-    return StepTime(compute, tp, cp_time, dp_time, pp_time, bubble)
+    return StepTime(compute, tp, cp_time, dp_time, pp_time, bubble, ep_time)
 
 
 def _cp_time(cfg, cluster, prec, micro_batch, micro_batches, pp, compute) -> float:
@@ -221,5 +286,11 @@ def _cp_time(cfg, cluster, prec, micro_batch, micro_batches, pp, compute) -> flo
 def _attention_share(cfg) -> float:
     """Fraction of the training FLOPs in the attention core (QK^T, PV)."""
     attention = cfg.num_layers * 2 * cfg.seq_length * cfg.num_attention_heads * cfg.kv_channels
-    weights, _ = cfg._layer_matmul_params()
-    return attention / (cfg.num_layers * weights + cfg.vocab_size * cfg.hidden_size + attention)
+    return attention / (_active_layer_weights(cfg) + cfg.vocab_size * cfg.hidden_size + attention)
+
+
+def _active_layer_weights(cfg) -> int:
+    """The layers' matmul weights one token goes through (an MoE layer's router, top-k and shared experts)."""
+    if cfg.num_experts is None:
+        return cfg.num_layers * cfg._layer_matmul_params()[0]
+    return sum(cfg._layer_matmul_params(layer, active=True)[0] for layer in range(1, cfg.num_layers + 1))

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from megatron_sp.distributed.distributed_optimizer import share_owners
 from megatron_sp.distributed.grad_buffers import BUCKET_BYTES  # (one bucket in flight without overlap)
-from megatron_sp.layer_options import cp_comm_types
+from megatron_sp.layer_options import cp_comm_types, is_moe_layer
 from megatron_sp.planning import activations as act
 
 GIB = 1024**3
@@ -61,22 +61,61 @@ def precision(mode: str, megatron_mixed: bool, grad_reduce_in_bf16: bool = False
 # ---- the parameters of one rank ----------------------------------------------------------------
 
 
+def _norm(cfg, prefix: str, size: int):
+    return [(f"{prefix}.weight", (size,))] + ([(f"{prefix}.bias", (size,))] if cfg.normalization == "LayerNorm" else [])
+
+
+def _mlp_parameters(cfg, prefix: str, f: int, t: int):
+    """A dense MLP of width f (fc1 column-, fc2 row-parallel over t)."""
+    h, fc1 = cfg.hidden_size, (2 * f if cfg.gated_linear_unit else f) // t
+    out = [(f"{prefix}.fc1.weight", (fc1, h))] + ([(f"{prefix}.fc1.bias", (fc1,))] if cfg.add_bias_linear else [])
+    out += [(f"{prefix}.fc2.weight", (h, f // t))]
+    return out + ([(f"{prefix}.fc2.bias", (h,))] if cfg.add_bias_linear else [])
+
+
+def _moe_parameters(cfg, prefix: str, t: int):
+    """An MoE layer's router [E, h] (every rank), the rank's E / EP experts (fc1 rows and fc2 columns
+    split over expert-TP; models/moe/experts.py) and the shared expert (TP-split as a dense MLP)."""
+    h, f, etp = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.expert_tensor_parallel_size
+    out = [(f"{prefix}.router.weight", (cfg.num_experts, h))]
+    rows = (2 * f if cfg.gated_linear_unit else f) // etp
+    for e in range(cfg.num_experts // cfg.expert_model_parallel_size):
+        x = f"{prefix}.experts.local_experts.{e}"
+        out += [(f"{x}.fc1.weight", (rows, h))] + ([(f"{x}.fc1.bias", (rows,))] if cfg.add_bias_linear else [])
+        out += [(f"{x}.fc2.weight", (h, f // etp))] + ([(f"{x}.fc2.bias", (h,))] if cfg.add_bias_linear else [])
+    if cfg.moe_shared_expert_intermediate_size:
+        out += _mlp_parameters(cfg, f"{prefix}.shared_experts", cfg.moe_shared_expert_intermediate_size, t)
+    return out
+
+
 def _layer_parameters(cfg, t: int, i: int):
-    h, d, f = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size
+    h, d = cfg.hidden_size, cfg.kv_channels
     nq = cfg.num_attention_heads // t
     nkv = cfg.num_query_groups // t if cfg.num_query_groups >= t else 1  # a copy of one head when t > g
     qkv = (nq + 2 * nkv) * d
-    fc1 = (2 * f if cfg.gated_linear_unit else f) // t
-    norm = [("weight", (h,))] + ([("bias", (h,))] if cfg.normalization == "LayerNorm" else [])
-    out = [(f"layers.{i}.ln1.{n}", s) for n, s in norm] + [(f"layers.{i}.attn.qkv.weight", (qkv, h))]
+    out = _norm(cfg, f"layers.{i}.ln1", h) + [(f"layers.{i}.attn.qkv.weight", (qkv, h))]
     out += [(f"layers.{i}.attn.qkv.bias", (qkv,))] if cfg.add_qkv_bias else []
     out += [(f"layers.{i}.attn.proj.weight", (h, nq * d))]
     out += [(f"layers.{i}.attn.proj.bias", (h,))] if cfg.add_bias_linear else []
-    out += [(f"layers.{i}.ln2.{n}", s) for n, s in norm] + [(f"layers.{i}.mlp.fc1.weight", (fc1, h))]
-    out += [(f"layers.{i}.mlp.fc1.bias", (fc1,))] if cfg.add_bias_linear else []
-    out += [(f"layers.{i}.mlp.fc2.weight", (h, f // t))]
-    out += [(f"layers.{i}.mlp.fc2.bias", (h,))] if cfg.add_bias_linear else []
-    return out
+    if cfg.qk_layernorm:
+        out += _norm(cfg, f"layers.{i}.attn.q_norm", d) + _norm(cfg, f"layers.{i}.attn.k_norm", d)
+    if cfg.softmax_type == "learnable":
+        out += [(f"layers.{i}.attn.softmax_offset", (nq,))]
+    out += _norm(cfg, f"layers.{i}.ln2", h)
+    if is_moe_layer(cfg, i + 1):
+        return out + _moe_parameters(cfg, f"layers.{i}.mlp", t)
+    return out + _mlp_parameters(cfg, f"layers.{i}.mlp", cfg.ffn_hidden_size, t)
+
+
+def is_expert(name: str) -> bool:
+    """An expert's parameter (reduced and sharded over the expert-data-parallel group)."""
+    return ".mlp.experts." in name
+
+
+def expert_replicas(cfg, dp: int) -> int:
+    """The expert-data-parallel size: a stage's TP x CP x DP ranks over EP x expert-TP."""
+    stage = cfg.tensor_model_parallel_size * cfg.context_parallel_size * dp
+    return stage // (cfg.expert_model_parallel_size * cfg.expert_tensor_parallel_size)
 
 
 def rank_parameters(cfg, stage: int = 0, stages: int = 1):
@@ -162,21 +201,54 @@ def states_bytes(shapes, prec: Precision, sharding: str, replicas: int) -> tuple
     return prec.weight * n, prec.grad * n, largest_optimizer_share(shapes, prec.optimizer, sharding, replicas)
 
 
-def activation_bytes(cfg, micro_batch: int, act_bytes: int, layers=None, in_flight: int = 1, head: bool = True):
+def rank_states(named, prec: Precision, sharding: str, replicas: int, expert_reps: int = 1) -> tuple:
+    """(weights, gradients, optimizer state) bytes of a rank holding the parameters `named` ((name, shape),
+    rank_parameters): the dense ones shared over the DP x CP replicas, the experts' over the
+    expert-data-parallel ones (`expert_reps`), each by its own owners (distributed/distributed_optimizer.py's
+    Partition); the optimizer state is the largest dense share plus the largest expert share."""
+    dense = [s for n, s in named if not is_expert(n)]
+    experts = [s for n, s in named if is_expert(n)]
+    states = states_bytes(dense, prec, sharding, replicas)
+    if experts:
+        states = tuple(a + b for a, b in zip(states, states_bytes(experts, prec, sharding, expert_reps)))
+    return states
+
+
+def rank_optimizer(named, prec: Precision, sharding: str, replicas: int, expert_reps: int, rank: int, expert_rank: int):
+    """The optimizer-state bytes of the rank at `rank` in its replica group and `expert_rank` in its
+    expert-data-parallel group (tests/test_plan.py compares it with each rank's tensors)."""
+    dense = [s for n, s in named if not is_expert(n)]
+    experts = [s for n, s in named if is_expert(n)]
+    if sharding == "fsdp2":
+        return states_bytes(dense, prec, sharding, replicas)[2] + (
+            states_bytes(experts, prec, sharding, expert_reps)[2] if experts else 0
+        )
+    out = optimizer_shares(dense, prec.optimizer, sharding, replicas)[rank]
+    return out + (optimizer_shares(experts, prec.optimizer, sharding, expert_reps)[expert_rank] if experts else 0)
+
+
+def activation_bytes(
+    cfg, micro_batch: int, act_bytes: int, layers=None, in_flight: int = 1, head: bool = True, first: int = 1
+):
     """(saved, transient) bytes on one rank: what the forward saves for the backward (`layers`
-    layers, default all; `in_flight` micro-batches at once, as a 1F1B pipeline's first stage holds;
+    layers from layer `first` (1-based), default all; `in_flight` micro-batches at once, as a 1F1B
+    pipeline's first stage holds;
     the embedding and loss terms when `head`), and what a fully recomputed chunk holds again while
     it reruns in the backward."""
-    shape = act.LayerShape.from_config(cfg, micro_batch, act_bytes)
     L = cfg.num_layers if layers is None else layers
-    full = act.layer_bytes(shape, selective=cfg.recompute_granularity == "selective")
-    per_mb, transient = L * full, 0.0
-    if cfg.recompute_granularity == "full":
+    selective = cfg.recompute_granularity == "selective"
+    shapes = [act.LayerShape.from_config(cfg, micro_batch, act_bytes, layer) for layer in range(first, first + L)]
+    fulls = [act.layer_bytes(x, selective=selective) for x in shapes]
+    shape = shapes[0] if shapes else act.LayerShape.from_config(cfg, micro_batch, act_bytes)
+    inputs = act.layer_input_bytes(shape)  # (the same for every layer)
+    per_mb, transient = sum(fulls), 0.0
+    if cfg.recompute_granularity == "full" and L:
         n = min(cfg.recompute_num_layers, L)
         if cfg.recompute_method == "block":  # the first n layers keep their inputs only
-            per_mb, transient = n * act.layer_input_bytes(shape) + (L - n) * full, (full if n else 0.0)
+            per_mb, transient = n * inputs + sum(fulls[n:]), (max(fulls[:n]) if n else 0.0)
         else:  # every chunk of n layers keeps its input; one chunk reruns at a time
-            per_mb, transient = math.ceil(L / n) * act.layer_input_bytes(shape), n * full
+            chunks = [sum(fulls[i : i + n]) for i in range(0, L, n)]
+            per_mb, transient = len(chunks) * inputs, max(chunks)
     head_bytes = 0.0
     if head:
         terms = act.head_terms(
@@ -190,12 +262,12 @@ def activation_bytes(cfg, micro_batch: int, act_bytes: int, layers=None, in_flig
 
 
 def buffer_bytes(
-    cfg, micro_batch, prec: Precision, sharding, replicas, shapes, overlap_grad_reduce=True, pipeline=False
+    cfg, micro_batch, prec: Precision, sharding, replicas, shapes, overlap_grad_reduce=True, pipeline=False, params=None
 ) -> dict:
     """The transient workspaces: gradient buckets, the logits' gradient, the SP gather, FSDP2's gathered
     layers (pipeline: the stage's weights and unsharded fp32 gradients, held for the step; distributed/fsdp.py)."""
     shape = act.LayerShape.from_config(cfg, micro_batch, prec.act)
-    n = sum(numel(s) for s in shapes)
+    n = sum(numel(s) for s in shapes) if params is None else params
     out = {}
     if replicas > 1 and prec.flat_bucket_copies and sharding != "fsdp2":
         out["DP buckets"] = prec.grad * n if overlap_grad_reduce else min(BUCKET_BYTES, prec.grad * n)
@@ -209,6 +281,7 @@ def buffer_bytes(
     if sharding == "fsdp2" and replicas > 1 and pipeline:
         out["FSDP2 under PP: the stage gathered + its unsharded fp32 grads"] = (prec.weight + act.FP32) * n
     elif sharding == "fsdp2" and replicas > 1:
-        per_layer = sum(numel(s) for _, s in _layer_parameters(cfg, shape.t, 0))
+        first_moe = next((i for i in range(cfg.num_layers) if is_moe_layer(cfg, i + 1)), 0)
+        per_layer = max(sum(numel(s) for _, s in _layer_parameters(cfg, shape.t, i)) for i in {0, first_moe})
         out["FSDP2: 2 layers gathered + 1 unsharded grad"] = (2 * prec.weight + prec.grad) * per_layer
     return out
