@@ -9,9 +9,11 @@ every gradient within 1e-5, on packed documents (reset positions, block-causal m
 runs each document alone), through the parity harness (megatron_sp/testing/parity.py).
 
 The mixture-of-experts families, Mixtral (a window too), Qwen3-MoE (a dense layer among the MoE ones,
-norm_topk_prob) and Qwen2-MoE (the gated shared expert, the k probabilities as they are), go the same
-way through files (the per-expert layout transformers' save_pretrained writes; the export writes the
-same file bit for bit), from transformers 5's fused 3-D expert tensors (the same state), and compute
+norm_topk_prob), Qwen2-MoE (the gated shared expert, the k probabilities as they are) and gpt-oss
+(sinks, windows on alternate layers, YaRN, biases on the router and the experts, gate/up interleaved,
+the clamped quick-GeGLU), go the same way through files (the per-expert layout transformers'
+save_pretrained writes, gpt-oss's fused one; the export writes the same file bit for bit), from
+transformers 5's fused 3-D expert tensors (the same state), and compute
 transformers' logits, loss and every gradient within 1e-5 serially (EP1), at EP2 and at EP2 × TP2+SP
 (expert-TP 1: the 2 ranks). Every expert tensor is accounted for: missing, surplus, doubled or
 misshapen ones are refused naming the key."""
@@ -476,8 +478,8 @@ def _check_run(name, run, logits, loss, grads):
 # so the model is dense: biases everywhere, attention sinks (--softmax-type learnable), a sliding
 # window on alternate layers (--window-size W-1,0 --window-attn-skip-freq 2), YaRN (its config's),
 # and the clamped quick-GeGLU MLP (--quick-geglu --glu-linear-offset 1 --activation-func-clamp-value).
-# The clamp is 0.1 here, not gpt-oss's 7, so that it bites at these sizes. Its MoE and the
-# GptOssForCausalLM adapter wait for the MoE branch.
+# The clamp is 0.1 here, not gpt-oss's 7, so that it bites at these sizes. Its dense parts at CP2 and
+# PP2 (where the MoE cases do not go); the whole model through the adapter: the MoE cases above.
 
 GPT_OSS_LIMIT, GPT_OSS_WINDOW = 0.1, 4
 
