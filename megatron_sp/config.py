@@ -86,7 +86,7 @@ class GPTConfig(MoEFields):
     seq_length: int = model_field(help="tokens per sample s", flags=("--seq-length",), cli_default=128)
     model: str = model_field(
         "gpt2",
-        help="model family: gpt2, llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, qwen2_moe "
+        help="model family: gpt2, llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, qwen2_moe, gpt_oss "
         "(megatron_sp/families.py) or package.module:SPEC; sets the defaults of the architecture flags below",
         flags=("--model",),
     )

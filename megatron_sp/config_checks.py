@@ -281,10 +281,10 @@ def check_fp8(cfg):
     delayed = cfg.fp8_recipe == "delayed"
     if delayed and cfg.first_last_layers_bf16:  # Megatron-LM's refusal
         raise ValueError("GPTConfig.first_last_layers_bf16 does not run with fp8_recipe delayed (Megatron-LM's rule).")
-    if delayed and cfg.recompute_granularity is not None:
+    if delayed and cfg.recompute_granularity == "full":  # (selective recomputes the attention core: no FP8 GEMM)
         raise ValueError(
-            "GPTConfig.fp8_recipe delayed does not run with recompute_granularity: a recomputed forward would "
-            "record its amaxes twice; use fp8_recipe tensorwise or drop the recomputation."
+            "GPTConfig.fp8_recipe delayed does not run with recompute_granularity full: a recomputed forward "
+            "would record its amaxes twice; use fp8_recipe tensorwise, selective recomputation or none."
         )
     if cfg.fp8_recipe == "mxfp8":
         _check_mx_blocks(cfg)

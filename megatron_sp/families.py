@@ -82,6 +82,13 @@ FAMILIES = {
         dict(_LLAMA, add_qkv_bias=True),
         hf="megatron_sp.models.hf.qwen2_moe:ADAPTER",
     ),
+    # Llama's attention with biases and sinks, experts of clamped quick-GeGLU on every layer (the rest,
+    # --glu-linear-offset, --activation-func-clamp-value, --softmax-type, the window and YaRN, are flags)
+    "gpt_oss": Family(
+        "megatron_sp.models.gpt_oss:SPEC",
+        dict(_LLAMA, activation="quick_geglu", add_bias_linear=True),
+        hf="megatron_sp.models.hf.gpt_oss:ADAPTER",
+    ),
 }
 BASE = "gpt2"  # the family whose defaults fill what another family does not set
 

@@ -154,6 +154,23 @@ def test_fp8_refusals_are_one_sentence(fields, needle):
     assert needle in str(err.value) and len(str(err.value).splitlines()) == 1, str(err.value)
 
 
+def test_delayed_scaling_with_selective_recomputation_records_once():
+    """Selective recomputation runs the attention core again, which holds no FP8 GEMM: delayed
+    scaling under it records every amax once, as without it (full recomputation is refused)."""
+    from megatron_sp.models.gpt import GPTModel
+
+    batch = make_batches(97, 32, 2, 1)[0]
+    runs = []
+    for recompute in (None, "selective"):
+        fields = dict(FIELDS, fp8_recipe="delayed", fp8_amax_history_len=4, recompute_granularity=recompute)
+        model = GPTModel(GPTConfig(**fields))
+        model(batch.tokens, batch.labels).backward()
+        linears = [m for m in model.modules() if getattr(m, "fp8", None) is not None]
+        runs.append([m.fp8.delayed.amax_history.clone() for m in linears])
+    assert len(runs[0]) == 8 and all(torch.equal(a, b) for a, b in zip(*runs))
+    assert all(int((h[:, 0] > 0).sum()) == 1 for h in runs[1])  # one forward recorded, not two
+
+
 def test_first_last_layers_bf16_keeps_those_layers_out_of_fp8():
     from megatron_sp.models.gpt import GPTModel
 
@@ -210,7 +227,6 @@ def test_delayed_scaling_resumes_exactly_and_drifts_within_tolerance(tmp_path, m
 @pytest.mark.parametrize(
     "flags,needle",
     [
-        (["--fp8-param-gather"], "gloo has no float8 collectives"),
         (["--torch-compile"], "does not run with --torch-compile"),
         (["--fp8-dot-product-attention"], "this FP8 option is not implemented"),
         (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"], "with --tp-comm-overlap"),

@@ -9,9 +9,11 @@ every gradient within 1e-5, on packed documents (reset positions, block-causal m
 runs each document alone), through the parity harness (megatron_sp/testing/parity.py).
 
 The mixture-of-experts families, Mixtral (a window too), Qwen3-MoE (a dense layer among the MoE ones,
-norm_topk_prob) and Qwen2-MoE (the gated shared expert, the k probabilities as they are), go the same
-way through files (the per-expert layout transformers' save_pretrained writes; the export writes the
-same file bit for bit), from transformers 5's fused 3-D expert tensors (the same state), and compute
+norm_topk_prob), Qwen2-MoE (the gated shared expert, the k probabilities as they are) and gpt-oss
+(sinks, windows on alternate layers, YaRN, biases on the router and the experts, gate/up interleaved,
+the clamped quick-GeGLU), go the same way through files (the per-expert layout transformers'
+save_pretrained writes, gpt-oss's fused one; the export writes the same file bit for bit), from
+transformers 5's fused 3-D expert tensors (the same state), and compute
 transformers' logits, loss and every gradient within 1e-5 serially (EP1), at EP2 and at EP2 × TP2+SP
 (expert-TP 1: the 2 ranks). Every expert tensor is accounted for: missing, surplus, doubled or
 misshapen ones are refused naming the key."""
@@ -22,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_sp.layer_options import is_moe_layer
+from megatron_sp.layer_options import is_moe_layer, layer_window
 from megatron_sp.models.hf import ConversionError, from_hf, to_hf
 from megatron_sp.testing import LocalWorld
 from megatron_sp.testing.layouts import parse_layout
@@ -68,12 +70,35 @@ CONFIGS.update(
         "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
             **MOE, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24
         ),
+        # its YaRN (GptOssConfig's: factor 32 over 4096 positions), a window of 4 on alternate layers, the
+        # clamp at 0.5 so that it bites at these sizes (gpt-oss's is 7)
+        "gpt_oss": lambda: transformers.GptOssConfig(
+            **{**MOE, "intermediate_size": 16, "max_position_embeddings": 32 * 4096},
+            head_dim=8,
+            num_local_experts=4,
+            sliding_window=4,
+            swiglu_limit=0.5,
+        ),
     }
 )
-MOE_CASES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+MOE_CASES = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+}
 # GPTConfig fields of our MoE models
 EXPERTS = dict(num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2)
 SHARED = dict(moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=True)
+# gpt-oss's layer (its experts with EXPERTS): --glu-linear-offset 1, a clamp, sinks, a window
+GPT_OSS = dict(
+    model="gpt_oss",
+    **EXPERTS,
+    glu_linear_offset=1.0,
+    activation_func_clamp_value=7.0,
+    softmax_type="learnable",
+    window_size=(7, 0),
+)
 MOE_FIELDS = (
     "num_experts",
     "moe_router_topk",
@@ -83,6 +108,11 @@ MOE_FIELDS = (
     "moe_shared_expert_gate",
     "add_qkv_bias",
     "qk_layernorm",
+    "add_bias_linear",
+    "activation",
+    "activation_func_clamp_value",
+    "softmax_type",
+    "window_size",
 )
 CLASSES = {
     **MOE_CASES,
@@ -98,9 +128,11 @@ def _hf_model(case):
     model = getattr(transformers, CLASSES[case])(CONFIGS[case]())
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():  # non-trivial norms and biases (HF initialises them to 1 and 0)
-        for p in model.parameters():
-            if p.dim() == 1:
+        for name, p in model.named_parameters():
+            if p.dim() == 1 or name.endswith("_bias"):  # (gpt-oss's expert biases are [E, n])
                 p.add_(0.1 * torch.randn(p.shape, generator=g))
+            elif case == "gpt_oss" and ".experts." in name:  # as large as the rest (HF draws them at 0.02)
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
     return model
 
 
@@ -151,6 +183,9 @@ def test_import_and_export_through_transformers(case, tmp_path, capsys, monkeypa
         (dict(model="qwen3", **EXPERTS, moe_router_pre_softmax=True), "Qwen3MoeForCausalLM"),
         (dict(model="qwen2_moe", **EXPERTS, **SHARED, moe_router_pre_softmax=True), "Qwen2MoeForCausalLM"),
         (dict(model="llama", **EXPERTS, **SHARED, moe_layer_freq=2, num_layers=2), "Qwen2MoeForCausalLM"),
+        (dict(GPT_OSS, num_layers=2, window_attn_skip_freq=2), "GptOssForCausalLM"),
+        (dict(GPT_OSS, num_layers=3, window_attn_skip_freq=(1, 0, 1), kv_channels=16), "GptOssForCausalLM"),
+        (dict(GPT_OSS, num_layers=2, window_size=None, position_embedding_type="rope"), "GptOssForCausalLM"),
     ],
 )
 def test_round_trip_is_exact_and_picks_the_architecture(fields, architecture):
@@ -170,6 +205,7 @@ def test_round_trip_is_exact_and_picks_the_architecture(fields, architecture):
     assert all(getattr(again, name) == getattr(cfg, name) for name in MOE_FIELDS), config
     layers = range(1, cfg.num_layers + 1)
     assert [is_moe_layer(again, i) for i in layers] == [is_moe_layer(cfg, i) for i in layers]
+    assert [layer_window(again, i) for i in layers] == [layer_window(cfg, i) for i in layers]
 
 
 @pytest.mark.parametrize(
@@ -183,6 +219,10 @@ def test_round_trip_is_exact_and_picks_the_architecture(fields, architecture):
         ("qwen2_moe", {"use_sliding_window": True}, "use_sliding_window"),
         ("qwen3_moe", {"num_experts": 8}, "num_local_experts 4; keep one"),  # (transformers 5 writes the latter)
         ("qwen3_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step must be"),
+        ("gpt_oss", {"swiglu_alpha": 1.5}, "swiglu_alpha 1.5 is not supported"),
+        ("gpt_oss", {"attention_bias": False}, "attention_bias false"),
+        ("gpt_oss", {"layer_types": ["full_attention"]}, "layer_types must list"),
+        ("gpt_oss", {"sliding_window": None}, "sliding_window is null"),
     ],
 )
 def test_what_the_families_cannot_express_is_refused(family, change, needle):
@@ -206,6 +246,12 @@ def test_what_the_families_cannot_express_is_refused(family, change, needle):
         (dict(model="mixtral", **EXPERTS, moe_shared_expert_intermediate_size=24), "a shared expert"),
         (dict(model="qwen2_moe", **EXPERTS, moe_shared_expert_intermediate_size=24), "--moe-shared-expert-gate"),
         (dict(model="gpt2", **EXPERTS), r"positions \+ mixture of experts"),
+        (dict(GPT_OSS, add_bias_linear=False), "--disable-bias-linear"),
+        (dict(GPT_OSS, activation_func_clamp_value=None), "no --activation-func-clamp-value"),
+        (dict(GPT_OSS, softmax_type="off-by-one"), "--softmax-type off-by-one"),
+        (dict(GPT_OSS, glu_linear_offset=0.0), "--glu-linear-offset 0.0"),
+        (dict(GPT_OSS, moe_router_pre_softmax=True), "--moe-router-pre-softmax"),
+        (dict(GPT_OSS, moe_layer_freq=2), "experts on every layer"),
     ],
 )
 def test_export_refuses_what_the_class_has_no_place_for(fields, needle):
@@ -222,7 +268,7 @@ def test_export_refuses_what_the_class_has_no_place_for(fields, needle):
 def moe_files(tmp_path_factory):
     """{case: (transformers' fused state dict, its saved per-expert tensors, config.json)}."""
     out = {}
-    for case in ("mixtral", "qwen3_moe"):
+    for case in ("mixtral", "qwen3_moe", "gpt_oss"):
         hf, where = _hf_model(case), tmp_path_factory.mktemp(case)
         hf.save_pretrained(where)
         config = json.loads((where / "config.json").read_text())
@@ -263,6 +309,34 @@ def _hostile(t, c, fused):
     c["num_local_experts"] = 10**9
 
 
+_OSS = "model.layers.1.mlp.experts"
+
+
+def _oss_drop(t, c, fused):
+    del t[f"{_OSS}.down_proj_bias"]
+
+
+def _oss_no_experts(t, c, fused):
+    for k in [k for k in t if k.startswith(f"{_OSS}.")]:
+        del t[k]
+
+
+def _oss_fewer(t, c, fused):
+    t[f"{_OSS}.gate_up_proj_bias"] = t[f"{_OSS}.gate_up_proj_bias"][:3]
+
+
+def _oss_narrow(t, c, fused):
+    t[f"{_OSS}.gate_up_proj"] = t[f"{_OSS}.gate_up_proj"][..., :-2]
+
+
+def _oss_per_expert(t, c, fused):
+    t[f"{_OSS}.0.down_proj.weight"] = t[f"{_OSS}.down_proj"][0].t()
+
+
+def _oss_mxfp4(t, c, fused):
+    t[f"{_OSS}.down_proj_blocks"] = t.pop(f"{_OSS}.down_proj").to(torch.uint8)
+
+
 @pytest.mark.parametrize(
     "case,edit,needle",
     [
@@ -273,6 +347,13 @@ def _hostile(t, c, fused):
         ("mixtral", _misshapen, r"gate_up_proj is torch.float32 of shape \[3, 32, 32\] but config.json needs"),
         ("qwen3_moe", _fused_on_a_dense_layer, "makes layer 1 no mixture-of-experts layer"),
         ("mixtral", _hostile, "has 1000000000 experts"),
+        ("gpt_oss", _oss_drop, f"lack {_OSS}.down_proj_bias"),
+        ("gpt_oss", _oss_no_experts, f"lack {_OSS}.gate_up_proj"),
+        ("gpt_oss", _oss_fewer, rf"has 4 experts \(num_local_experts\) but {_OSS}.gate_up_proj_bias holds \[3\]"),
+        ("gpt_oss", _oss_narrow, rf"{_OSS}.gate_up_proj has shape \[4, 32, 30\] but config.json needs"),
+        ("gpt_oss", _oss_per_expert, f"hold {_OSS}.0.down_proj.weight, which this config has no place for"),
+        ("gpt_oss", _oss_mxfp4, "MXFP4-quantised"),
+        ("gpt_oss", _hostile, "has 1000000000 experts"),
     ],
 )
 def test_every_expert_tensor_is_accounted_for(moe_files, case, edit, needle):
@@ -397,8 +478,8 @@ def _check_run(name, run, logits, loss, grads):
 # so the model is dense: biases everywhere, attention sinks (--softmax-type learnable), a sliding
 # window on alternate layers (--window-size W-1,0 --window-attn-skip-freq 2), YaRN (its config's),
 # and the clamped quick-GeGLU MLP (--quick-geglu --glu-linear-offset 1 --activation-func-clamp-value).
-# The clamp is 0.1 here, not gpt-oss's 7, so that it bites at these sizes. Its MoE and the
-# GptOssForCausalLM adapter wait for the MoE branch.
+# The clamp is 0.1 here, not gpt-oss's 7, so that it bites at these sizes. Its dense parts at CP2 and
+# PP2 (where the MoE cases do not go); the whole model through the adapter: the MoE cases above.
 
 GPT_OSS_LIMIT, GPT_OSS_WINDOW = 0.1, 4
 

@@ -53,7 +53,7 @@ def test_registry_names_paths_and_errors():
         assert GPTConfig(**BASE, model="parallel-residual").activation == "openai_gelu"
     finally:
         del families.FAMILIES["parallel-residual"]
-    with pytest.raises(ValueError, match="GPTConfig.model: unknown model 'nope'; registered: gpt2, llama"):
+    with pytest.raises(ValueError, match="GPTConfig.model: unknown model 'nope'; registered: gpt2, gpt_oss, llama"):
         GPTConfig(**BASE, model="nope")
     with pytest.raises(ValueError, match="cannot load"):
         GPTConfig(**BASE, model="no_such_module:SPEC")

@@ -90,22 +90,28 @@ def test_expert_bias_moves_the_choice_not_the_weights():
 
 
 def _expert(layer, e, x, p, cfg):
-    """One expert, as the docs write it: fc2(p · act(fc1 x))."""
+    """One expert, as the docs write it: fc2(p · act(fc1 x + b1)) + p · b2 (Megatron's: gpt-oss's
+    p · expert(x)), gpt-oss's clamped quick-GeGLU with its offset included."""
     ex = layer.experts.local_experts[str(e)]
     a = F.linear(x, ex.fc1.weight, ex.fc1.bias)
     if cfg.activation == "swiglu":
         gate, up = a.chunk(2, -1)
         a = F.silu(gate) * up
+    elif cfg.activation == "quick_geglu":
+        gate, up = a.chunk(2, -1)
+        c = cfg.activation_func_clamp_value
+        gate, up = gate.clamp(max=c), up.clamp(-c, c)
+        a = gate * torch.sigmoid(1.702 * gate) * (up + cfg.glu_linear_offset)
     else:
         a = F.gelu(a)
-    return F.linear(p * a, ex.fc2.weight, ex.fc2.bias)
+    return p * F.linear(a, ex.fc2.weight, ex.fc2.bias)
 
 
 def _direct_layer(layer, x, cfg, keep=None):
     """[s, b, h] output of the MoE layer token by token (keep: a token's kept experts, or all)."""
     s, b, h = x.shape
     tokens = x.reshape(-1, h)
-    logits = tokens @ layer.router.weight.t()
+    logits = tokens @ layer.router.weight.t() + (0 if layer.router.bias is None else layer.router.bias)
     out = []
     for t, choice in enumerate(_direct_route(logits.detach(), cfg)):
         weights = torch.softmax(logits[t, list(choice)], -1) if cfg.moe_router_score_function == "softmax" else None
@@ -136,14 +142,28 @@ def _batch(training):
 
 
 SHARED = dict(moe_shared_expert_intermediate_size=48)
+# gpt-oss's experts: biases (the router's too), clamped quick-GeGLU with the +1 offset
+GPT_OSS = dict(add_bias_linear=True, activation="quick_geglu", glu_linear_offset=1.0, activation_func_clamp_value=0.05)
 
 
 @pytest.mark.parametrize(
-    "extra", [{}, dict(moe_grouped_gemm=True), SHARED, dict(SHARED, moe_shared_expert_gate=True, add_bias_linear=False)]
+    "extra",
+    [
+        {},
+        dict(moe_grouped_gemm=True),
+        SHARED,
+        dict(SHARED, moe_shared_expert_gate=True, add_bias_linear=False),
+        GPT_OSS,
+        dict(GPT_OSS, moe_grouped_gemm=True),
+    ],
 )
 def test_layer_output_and_gradients_against_direct(extra):
     cfg = _cfg(**extra)
     _, layer, x, seq = _run_layer(cfg)
+    with torch.no_grad():  # non-zero biases (drawn 0)
+        for name, p in layer.named_parameters():
+            if name.endswith("bias"):
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
     out = layer(x, seq)
     direct = _direct_layer(layer, x, cfg)
     torch.testing.assert_close(out, direct, rtol=1e-5, atol=1e-6)

@@ -3,7 +3,8 @@
 config.json, loadable offline by transformers) of any family with an adapter (megatron_sp/families.py,
 megatron_sp/models/hf/: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
 MistralForCausalLM, and with experts MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM: their
-per-expert files and transformers 5's fused expert tensors are read, the per-expert layout written).
+per-expert files and transformers 5's fused expert tensors are read, the per-expert layout written; and
+GptOssForCausalLM, whose fused experts are its file layout, read and written).
 
     # checkpoint (any TP size) -> HF directory
     python tools/convert_hf.py export --load runs/ckpt [--iteration N] --output hf/ [--dtype bf16] [--eos-token-id 256]

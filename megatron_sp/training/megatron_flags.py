@@ -151,6 +151,13 @@ NO_EFFECT = (
         "fsdp_dtensor checkpoints are written as torch_dist ones, loaded by --dist-ckpt-strictness",
     ),
     NoEffect(
+        ("--fp8-param-gather",),
+        SWITCH,
+        "no FP8 weights are kept: the weights stay in the model's dtype and are gathered so (gloo has no float8 "
+        "collectives), and each FP8 GEMM casts them with the tensor's scale every step, as without the flag "
+        "(docs/precision.md: a byte per parameter more than Megatron-LM's FP8 weights)",
+    ),
+    NoEffect(
         ("--overlap-param-gather",),
         SWITCH,
         "with --use-distributed-optimizer (required, as in Megatron-LM) the owners' broadcast follows the "
@@ -166,15 +173,10 @@ _FP8 = (
     "this FP8 option is not implemented: FP8 here (torchao) takes --fp8-format, --fp8-recipe, --fp8-margin, "
     "--fp8-amax-history-len, --fp8-amax-compute-algo and --first-last-layers-bf16"
 )
-_FP8_PARAM_GATHER = (
-    "FP8 weights in the parameter all-gather are not implemented (gloo has no float8 collectives; on NCCL "
-    "torchao's FSDP2 FP8 all-gather would carry them); drop it: the FP8 GEMMs cast the weights every step"
-)
 
 # (flag, or prefix ending in "-", the missing feature): in this order, the first match is reported.
 REFUSED = (
     ("--moe-", MOE),
-    ("--fp8-param-gather", _FP8_PARAM_GATHER),
     ("--fp8-", _FP8),
     ("--fp8", _FP8),
     ("--outer-dp-sharding-strategy", "hybrid sharded data parallelism (HSDP) is not implemented"),

@@ -2,9 +2,10 @@
 
 One expert, width f (--moe-ffn-hidden-size), on its tokens x [N_e, h] with routing weights p [N_e]:
 
-    y = fc2(p · act(fc1 x + b1)) + b2        fc1 [f, h] ([2f, h]: SwiGLU gate rows, then up rows), fc2 [h, f]
+    y = fc2(p · act(fc1 x + b1)) + p · b2    fc1 [f, h] ([2f, h]: SwiGLU gate rows, then up rows), fc2 [h, f]
 
-(the weights scale the activation, as Megatron's experts apply the probabilities). A rank holds the
+(the weights scale the activation and fc2's bias, as Megatron's experts apply the probabilities: MLP's
+per_token_scale, TEGroupedMLP._apply_bias; so y = p · expert(x), transformers' gpt-oss). A rank holds the
 experts of its expert-parallel rank, each under its global index (`experts.{e}.fc1.weight`: the same
 names, values and initial draws at any EP), its fc1 rows and fc2 columns split over expert-TP.
 --moe-grouped-gemm runs every local expert in one torch._grouped_mm per projection; the per-expert
@@ -61,7 +62,8 @@ class Experts(nn.Module):
         outs = []
         for expert, xs, ps in zip(self.local_experts.values(), x.split(counts), probs.split(counts)):
             a = self._activate(expert.fc1(xs), ps)  # [N_e, f(×2)/etp]
-            outs.append(expert.fc2(a))  # [N_e, h]
+            out = expert.fc2(a, add_bias=False)  # [N_e, h]
+            outs.append(out if expert.fc2.bias is None else out + ps.unsqueeze(-1).to(out.dtype) * expert.fc2.bias)
         return torch.cat(outs) if outs else x.new_zeros((0, self.cfg.hidden_size))
 
     def _grouped(self, x, counts, probs):
@@ -71,7 +73,10 @@ class Experts(nn.Module):
         w2 = torch.stack([e.fc2.weight.t() for e in experts]).to(x.dtype)  # [E_l, f, h]
         a = _GroupedMM.apply(x, w1, offs) + self._bias_rows(experts, "fc1", counts, x)
         a = self._activate(a, probs)
-        return _GroupedMM.apply(a, w2, offs) + self._bias_rows(experts, "fc2", counts, x)
+        out = _GroupedMM.apply(a, w2, offs)
+        if experts[0].fc2.bias is None:
+            return out
+        return out + probs.unsqueeze(-1).to(x.dtype) * self._bias_rows(experts, "fc2", counts, x)
 
     @staticmethod
     def _bias_rows(experts, name, counts, x):

@@ -1,6 +1,7 @@
 """The router: gating logits, top-k choice and the load-balancing losses (Megatron's TopKRouter).
 
-    logits   [n, E]  x [n, h] @ router.weight [E, h]^T, in --moe-router-dtype (default x's)
+    logits   [n, E]  x [n, h] @ router.weight [E, h]^T (+ router.bias [E] with --add-bias-linear, as
+                     Megatron's TopKRouter: gpt-oss's), in --moe-router-dtype (default x's)
     probs    [n, E]  the chosen experts' weights, zero elsewhere
     map      [n, E]  bool: the chosen experts
 
@@ -30,7 +31,8 @@ _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 class Router(nn.Module):
     """forward(x [n, h], seq) -> (probs [n, E], map [n, E]); the losses go to `seq.moe_losses`.
 
-    weight [E, h] lives in the SP region (each rank routes its own tokens: a partial gradient over TP).
+    weight [E, h] and bias [E] (with add_bias_linear) live in the SP region (each rank routes its own
+    tokens: a partial gradient over TP); the bias is drawn N(0, std), as Megatron's and transformers'.
     expert_bias [E] fp32 buffer (checkpointed); tokens_per_expert [E] the step's counts for its update."""
 
     def __init__(self, cfg, *, layer, builder, stats):
@@ -38,6 +40,9 @@ class Router(nn.Module):
         self.cfg, self.layer, self.stats = cfg, layer, stats
         e = cfg.num_experts
         self.weight = mark(nn.Parameter(torch.empty(e, cfg.hidden_size)), sequence_parallel=stats.sp, init="normal")
+        self.bias = None
+        if cfg.add_bias_linear:
+            self.bias = mark(nn.Parameter(torch.empty(e)), sequence_parallel=stats.sp, init="normal")
         if cfg.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(e, dtype=torch.float32, device="cpu"))
             self.register_buffer(
@@ -53,7 +58,8 @@ class Router(nn.Module):
 
     def gating(self, x):
         dtype = _ROUTER_DTYPES.get(self.cfg.moe_router_dtype, x.dtype)
-        return F.linear(x.to(dtype), self.weight.to(dtype))  # [n, E]
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(x.to(dtype), self.weight.to(dtype), bias)  # [n, E]
 
     def forward(self, x, seq):
         logits = self.gating(x)
