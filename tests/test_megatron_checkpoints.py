@@ -1,7 +1,9 @@
 """Megatron-LM checkpoints in (megatron_sp/checkpointing/megatron*.py), against checkpoints that
 megatron-core 0.16.1 itself wrote (tests/megatron_fixtures.py, made once per module): both formats,
-TP1 / TP2 / PP2, GPT-2- and Llama-style with every parameter perturbed; our model of the converted
-tensors gives megatron-core's logits within 1e-5; planted damage is refused in one sentence."""
+TP1 / TP2 / PP2, GPT-2- and Llama-style with every parameter perturbed, and a mixture of experts (its
+MoELayer: router, expert bias, SequentialMLP experts, gated shared expert, learnt attention sinks, a
+sliding window) at EP1 / EP2, virtual pipeline stages and an uneven first stage; our model of the
+converted tensors gives megatron-core's logits within 1e-5; planted damage is refused in one sentence."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from megatron_sp.models.reference import ReferenceGPT
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAYOUTS = ("tp1_dist", "tp2_dist", "pp2_dist", "tp1_torch", "tp2_torch", "pp2_torch")
+MOE_LAYOUTS = ("ep1_dist", "ep1_torch", "ep2_dist", "ep2_torch", "vpp_dist", "vpp_torch", "pp2_uneven_torch")
 ITER = "iter_0000010"
 
 
@@ -47,10 +50,10 @@ def _logits(state, cfg, tokens):
         return model.eval()(tokens)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "moe"])
 def test_every_layout_gives_megatron_cores_logits(fixtures, family):
     ref = torch.load(os.path.join(fixtures, family, "logits.pt"))
-    layouts = LAYOUTS + (("tp2_dist_head",) if family == "llama" else ())
+    layouts = MOE_LAYOUTS if family == "moe" else LAYOUTS + (("tp2_dist_head",) if family == "llama" else ())
     first = None
     for layout in layouts:
         state, cfg, ckpt = read_model(os.path.join(fixtures, family, layout))
@@ -81,6 +84,17 @@ def test_config_comes_from_args(fixtures):
         "gelu",
     )
     assert not gpt2.untie_embeddings_and_output_weights and gpt2.add_bias_linear and gpt2.vocab_size == 100
+    _, moe, _ = read_model(os.path.join(fixtures, "moe", "ep2_torch"))
+    assert (moe.num_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size, moe.moe_layer_freq) == (
+        4,
+        2,
+        32,
+        (0, 1, 1, 0),
+    )
+    assert (moe.moe_router_score_function, moe.moe_router_topk_scaling_factor) == ("sigmoid", 2.0)
+    assert moe.moe_router_enable_expert_bias and moe.moe_shared_expert_gate
+    assert moe.moe_shared_expert_intermediate_size == 64 and moe.moe_router_load_balancing_type == "seq_aux_loss"
+    assert (moe.softmax_type, moe.window_size) == ("learnable", (5, 0))
 
 
 def test_older_and_newer_norm_names():
@@ -119,7 +133,7 @@ def test_planted_damage_is_refused(fixtures, tmp_path):
     _rewrite(stage, lambda d: d["model"].pop("decoder.layers.0.mlp.linear_fc2.weight"))
     _refused(root, "lacks decoder.layers.1.mlp.linear_fc2.weight")
     shutil.rmtree(stage.parent)
-    _refused(root, "PP 1 ranks")
+    _refused(root, "PP rank 1, EP rank 0 missing")
     # q/k/v rows in the order of checkpoints before version 2.0
     root = _copy(fixtures, "gpt2", "tp1_torch", tmp_path)
     rank = root / ITER / "mp_rank_00" / "model_optim_rng.pt"
@@ -133,8 +147,21 @@ def test_planted_damage_is_refused(fixtures, tmp_path):
     )
     _refused(root, "decoder.final_layernorm.weight of shape")
     # an option megatron_sp lacks
-    _rewrite(rank, lambda d: setattr(d["args"], "num_experts", 8))
-    _refused(root, "--num-experts")
+    _rewrite(rank, lambda d: setattr(d["args"], "multi_latent_attention", True))
+    _refused(root, "--multi-latent-attention")
+    # experts: one missing on its EP rank, an EP rank's file gone, a chunk of the virtual stages gone
+    root = _copy(fixtures, "moe", "ep2_torch", tmp_path)
+    rank = root / ITER / "mp_rank_00_001" / "model_optim_rng.pt"
+    _rewrite(rank, lambda d: d["model"].pop("decoder.layers.2.mlp.experts.local_experts.1.linear_fc2.weight"))
+    _refused(root, "lacks decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.weight")
+    shutil.rmtree(rank.parent)
+    _refused(root, "EP rank 1 missing")
+    root = _copy(fixtures, "moe", "vpp_torch", tmp_path)
+    _rewrite(root / ITER / "mp_rank_00_001" / "model_optim_rng.pt", lambda d: d.pop("model1"))
+    _refused(root, "needs model0, model1")
+    root = _copy(fixtures, "moe", "ep1_torch", tmp_path)
+    _rewrite(root / ITER / "mp_rank_00" / "model_optim_rng.pt", lambda d: setattr(d["args"], "add_bias_linear", True))
+    _refused(root, "router then has a bias")
     # a truncated .distcp
     root = _copy(fixtures, "llama", "tp2_dist", tmp_path)
     shard = root / ITER / "__1_0.distcp"
@@ -153,25 +180,27 @@ def test_exports_load_in_megatron_core(fixtures):
     """tools/convert_megatron.py export at TP2 and PP2, both formats: megatron-core's own
     dist_checkpointing.load / torch.load + strict load_state_dict give the tensors of the original
     (tests/megatron_fixtures.py check_exports)."""
-    from megatron_fixtures import EXPORTS, export_name
+    from megatron_fixtures import export_name, exports
 
-    for family in ("gpt2", "llama"):
+    for family in ("gpt2", "llama", "moe"):
         with open(os.path.join(fixtures, family, "export_check.json")) as f:
             report = json.load(f)
-        assert report == {export_name(*case): [] for case in EXPORTS}, family
+        assert report == {export_name(*case): [] for case in exports(family)}, family
 
 
 def test_export_round_trip_is_bit_exact(fixtures):
-    from megatron_fixtures import EXPORTS, export_name
+    from megatron_fixtures import export_name, exports
 
     from megatron_sp.checkpointing.full_state import checkpoint_path, read_full_state
 
-    for family in ("gpt2", "llama"):
+    for family in ("gpt2", "llama", "moe"):
         ours, meta = read_full_state(checkpoint_path(os.path.join(fixtures, family, "ours")))
-        for case in EXPORTS:
+        for case in exports(family):
             state, cfg, ckpt = read_model(os.path.join(fixtures, family, export_name(*case)))
             assert sorted(state) == sorted(ours) and all(torch.equal(state[k], ours[k]) for k in ours), case
             assert ckpt.args.tensor_model_parallel_size == case[1] and cfg.vocab_size == 100
+            assert ckpt.args.expert_model_parallel_size == case[3]
+    assert any(".experts.local_experts.3." in k for k in ours) and any(k.endswith("expert_bias") for k in ours)
 
 
 def test_convert_tool_refuses_in_one_sentence(fixtures, tmp_path, capsys):
