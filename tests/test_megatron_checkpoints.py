@@ -251,3 +251,28 @@ def test_pretrain_continues_a_megatron_run(fixtures, tmp_path, capsys):
     assert meta["opt_param_scheduler"]["num_steps"] == 352  # the schedule went on from Megatron-LM's position
     step = max((state[k] - imported[k]).abs().max().item() for k in imported)
     assert 0 < step < 1e-3  # one AdamW step (lr <= 3e-4) from the Megatron-LM weights
+
+
+def test_pretrain_continues_a_megatron_moe_run(fixtures, tmp_path, capsys):
+    """--load of megatron-core's MoE checkpoint at EP2 (legacy files): its experts and expert biases
+    carried over, one step taken from them."""
+    from megatron_sp.checkpointing.full_state import checkpoint_path, read_full_state
+    from megatron_sp.training.config_flags import model_flags
+
+    load = os.path.join(fixtures, "moe", "ep2_torch")
+    imported, cfg, _ = read_model(load)
+    run = ["--device", "cpu", "--seq-length", "16", "--micro-batch-size", "4", "--global-batch-size", "32"]
+    run += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--no-progress-bar"]
+    run += ["--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2"]
+    run += ["--train-iters", "100", "--eval-iters", "0", "--exit-interval", "11", "--load", load]
+    save = tmp_path / "continued"
+    run += model_flags(cfg) + ["--no-load-optim", "--save", str(save), "--save-interval", "11"]
+    code, out, err = _pretrain(run, capsys)
+    assert code == 0, err
+    assert "resuming at iteration 10, 320 samples consumed" in out
+    state, meta = read_full_state(checkpoint_path(str(save)))
+    assert meta["iteration"] == 11 and sorted(state) == sorted(imported)
+    bias = [k for k in imported if k.endswith("expert_bias")]
+    assert bias and all(0 < (state[k] - imported[k]).abs().max() <= 1e-3 + 1e-7 for k in bias)  # one update
+    step = max((state[k] - imported[k]).abs().max().item() for k in imported if k not in bias)
+    assert 0 < step < 1e-3

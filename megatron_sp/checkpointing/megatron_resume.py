@@ -122,8 +122,13 @@ def load_resume(root: str, cfg, model, optimizer, train_state, finetune: bool, s
 
     from megatron_sp.checkpointing.megatron import read_model
 
+    from megatron_sp.checkpointing.states import kept_buffers
+
     state, _, ckpt = read_model(root, None, cfg.vocab_size)
-    model.load_full_state_dict(state)
+    model.load_full_state_dict({k: v for k, v in state.items() if not k.endswith(".expert_bias")})
+    with torch.no_grad():
+        for name, buffer in kept_buffers(model):  # the routers' expert biases (this rank's stages)
+            buffer.copy_(state[name])
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, main in optimizer.main_params().items():
