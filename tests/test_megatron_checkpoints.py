@@ -238,6 +238,7 @@ def test_pretrain_continues_a_megatron_run(fixtures, tmp_path, capsys):
     run += ["--eval-iters", "0", "--exit-interval", "11", "--load", load] + model_flags(cfg)
     code, _, err = _pretrain(run, capsys)
     assert code == 2 and "--no-load-optim" in err and "\n" not in err
+    assert "holding no optimizer state (--no-save-optim)" in err  # the fixture saves none: the layout named
     code, _, err = _pretrain(run + ["--no-load-optim", "--train-iters", "50"], capsys)
     assert code == 2 and "lr_decay_steps 3200" in err
     code, _, err = _pretrain(run + ["--no-load-optim", "--rotary-base", "10000"], capsys)
