@@ -277,3 +277,45 @@ def test_pretrain_continues_a_megatron_moe_run(fixtures, tmp_path, capsys):
     assert bias and all(0 < (state[k] - imported[k]).abs().max() <= 1e-3 + 1e-7 for k in bias)  # one update
     step = max((state[k] - imported[k]).abs().max().item() for k in imported if k not in bias)
     assert 0 < step < 1e-3
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_all_moe_layers_round_trip(tmp_path, fmt):
+    """An MoE on every layer (--moe-layer-freq 1): megatron-core stacks its torch_dist entries on
+    [L, E, ...] (not the per-layer keys of the fixture's mixed layers); written at EP2 and read back
+    bit for bit, expert biases and sinks included."""
+    from megatron_sp.checkpointing.megatron_export import write_megatron
+    from megatron_sp.checkpointing.safe_dcp import read_metadata
+    from megatron_sp.config import GPTConfig
+
+    cfg = GPTConfig(
+        model="llama",
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=100,
+        seq_length=8,
+        ffn_hidden_size=64,
+        num_experts=4,
+        moe_ffn_hidden_size=16,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_shared_expert_intermediate_size=32,
+        softmax_type="learnable",
+    )
+    model = ReferenceGPT(cfg)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.normal_()
+    ours = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("tokens_per_expert")}
+    path = write_megatron(ours, cfg, str(tmp_path / "out"), fmt, tp=2, pp=1, ep=2)
+    if fmt == "torch_dist":
+        entry = read_metadata(path, allow_objects=True).state_dict_metadata
+        assert tuple(entry["decoder.layers.mlp.experts.experts.linear_fc1.weight"].size) == (2, 4, 32, 32)
+    else:
+        assert sorted(os.listdir(path)) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    state, back, _ = read_model(str(tmp_path / "out"))
+    assert sorted(state) == sorted(ours) and all(torch.equal(state[k], ours[k]) for k in ours)
+    assert (back.num_experts, back.moe_layer_freq, back.softmax_type) == (4, 1, "learnable")
