@@ -13,12 +13,19 @@ megatron/training/checkpointing.py's `generate_state_dict`):
     llama/tp2_dist_head                      torch_dist without common.pt (Megatron-LM's main branch)
     <family>/logits.pt                       {"tokens": [b, s], "logits": [b, s, padded vocab]}
 
+and a mixture-of-experts family ("moe": 4 layers, dense and MoE ones by --moe-layer-freq [0,1,1,0],
+megatron-core's MoELayer with SequentialMLP experts, the router's expert bias, sigmoid scores, a gated
+shared expert; learnt attention sinks, --softmax-type learnable, and a sliding window), built by
+get_gpt_decoder_block_spec (local spec) at EP1 and saved at MOE_LAYOUTS: ep1_*, ep2_* (mp_rank_TT_EEE),
+vpp_* (PP2 x 2 virtual stages: model0, model1) and pp2_uneven_torch (--decoder-first-pipeline-num-layers 1).
+
 TP2 and PP2 models load the TP1 torch_dist checkpoint with megatron-core's own dist_checkpointing.load
 (its resharding) before they are saved, so every layout holds the same weights.
 
 megatron-core's save path assumes CUDA; the shims below (`cpu_shims`) make it run on CPU: a no-op
-torch.cuda.synchronize, "cpu" as the current device, tensors staying on CPU, no psutil memory probe, and no CUDA RNG
-tracker in the forward (dropout is off).
+torch.cuda.synchronize, "cpu" as the current device, tensors staying on CPU, no psutil memory probe, no CUDA RNG
+tracker in the forward (dropout is off), and the MoE router's gating GEMM without Transformer Engine
+(moe_utils names te_general_gemm only when TE imports).
 """
 
 from __future__ import annotations
@@ -62,18 +69,54 @@ FAMILIES = {
         rotary_base=20000,
     ),
 }
+FAMILIES["moe"] = dict(FAMILIES["llama"], num_layers=4, qk_layernorm=False)
+# the MoE family's TransformerConfig fields beyond the dense ones (Megatron-LM's args: the same names,
+# num_moe_experts as num_experts)
+MOE = dict(
+    num_moe_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=32,
+    moe_layer_freq=[0, 1, 1, 0],
+    moe_shared_expert_intermediate_size=64,
+    moe_shared_expert_gate=True,
+    moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    moe_router_topk_scaling_factor=2.0,
+    moe_router_load_balancing_type="seq_aux_loss",
+    moe_aux_loss_coeff=1e-3,
+    moe_token_dispatcher_type="allgather",
+    softmax_type="learnable",
+    window_size=(5, 0),
+)
+# (name, tp, pp, ep, vp, first-stage layers, formats): the layouts the MoE family is saved at
+MOE_LAYOUTS = (
+    ("ep2", 1, 1, 2, None, None, ("dist", "torch")),
+    ("vpp", 1, 2, 1, 2, None, ("dist", "torch")),
+    ("pp2_uneven", 1, 2, 1, None, 1, ("torch",)),
+)
 
 
 def cpu_shims() -> None:
     """What megatron-core 0.16.1's dist_checkpointing needs to save and load on a CPU-only torch."""
     from megatron.core import tensor_parallel
     from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer.moe import moe_utils
 
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # the tied embedding's PP all-reduce
     filesystem_async._process_memory = lambda: 0
     tensor_parallel.get_cuda_rng_tracker = _NoRNGTracker  # the forward, no dropout: nothing to fork
+    moe_utils.te_general_gemm = None  # the router's gating GEMM in torch (moe_utils leaves the name unset)
+    fused_softmax.get_sliding_window_causal_mask = _window_mask  # its own builds the mask on "cuda"
+
+
+def _window_mask(sq: int, skv: int, window) -> torch.Tensor:
+    """[sq, skv] True = masked: query i (aligned to the last keys) sees keys i - left .. i + right."""
+    i = torch.arange(sq).unsqueeze(1) + (skv - sq)
+    j = torch.arange(skv).unsqueeze(0)
+    return ~((j >= i - window[0]) & (j <= i + window[1]))
 
 
 class _NoRNGTracker:
@@ -83,14 +126,18 @@ class _NoRNGTracker:
         return contextlib.nullcontext()
 
 
-def megatron_args(family: str, tp: int, pp: int) -> argparse.Namespace:
+def megatron_args(family: str, tp: int, pp: int, ep: int = 1, vp=None, first=None) -> argparse.Namespace:
     """The training arguments Megatron-LM pickles into a checkpoint (the ones a reader needs, under
     megatron/training/arguments.py's names, and a few it does not)."""
     from megatron.core.transformer.enums import AttnBackend
 
     f = FAMILIES[family]
+    moe = {}
+    if family == "moe":
+        moe = {k: v for k, v in MOE.items() if k != "num_moe_experts"}
+        moe.update(num_experts=MOE["num_moe_experts"], expert_tensor_parallel_size=tp)
+        moe.update(decoder_first_pipeline_num_layers=first, decoder_last_pipeline_num_layers=None)
     return argparse.Namespace(
-        num_layers=2,
         hidden_size=64,
         num_attention_heads=4,
         kv_channels=16,
@@ -108,9 +155,8 @@ def megatron_args(family: str, tp: int, pp: int) -> argparse.Namespace:
         squared_relu=False,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=None,
-        expert_model_parallel_size=1,
-        num_experts=None,
+        virtual_pipeline_model_parallel_size=vp,
+        expert_model_parallel_size=ep,
         sequence_parallel=False,  # torch's norms in the local spec refuse it; it changes no tensor
         params_dtype=torch.float32,
         attention_backend=AttnBackend.local,
@@ -129,19 +175,41 @@ def megatron_args(family: str, tp: int, pp: int) -> argparse.Namespace:
         ckpt_format="torch",
         iteration=ITERATION,
         consumed_train_samples=CONSUMED,
-        **{k: v for k, v in f.items()},
+        **{"num_experts": None, "num_layers": 2, **f, **moe},
     )
 
 
-def build_model(family: str, pre_process: bool = True, post_process: bool = True):
+_LAYOUT = {}  # this process's current layout's vp and first-stage layers (layout())
+
+
+def build_chunks(family: str) -> list:
+    """This rank's model chunks at the current layout (one, or one per virtual pipeline stage)."""
+    from megatron.core import parallel_state as ps
+
+    vp = _LAYOUT.get("vp")
+    if vp is None:
+        return [build_model(family, ps.is_pipeline_first_stage(True), ps.is_pipeline_last_stage(True))]
+    stage = lambda c: dict(ignore_virtual=False, vp_stage=c)  # noqa: E731
+    return [
+        build_model(family, ps.is_pipeline_first_stage(**stage(c)), ps.is_pipeline_last_stage(**stage(c)), c)
+        for c in range(vp)
+    ]
+
+
+def build_model(family: str, pre_process: bool = True, post_process: bool = True, vp_stage=None):
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     f = FAMILIES[family]
     swiglu = f["swiglu"]
+    moe = dict(MOE) if family == "moe" else {}
+    if _LAYOUT.get("vp"):
+        moe["virtual_pipeline_model_parallel_size"] = _LAYOUT["vp"]
+    if _LAYOUT.get("first"):
+        moe["num_layers_in_first_pipeline_stage"] = _LAYOUT["first"]
     cfg = TransformerConfig(
-        num_layers=2,
+        num_layers=f.get("num_layers", 2),
         hidden_size=64,
         num_attention_heads=4,
         num_query_groups=f["num_query_groups"],
@@ -160,9 +228,14 @@ def build_model(family: str, pre_process: bool = True, post_process: bool = True
         use_cpu_initialization=True,
         tensor_model_parallel_size=_tp_size(),
         pipeline_model_parallel_size=_pp_size(),
+        expert_model_parallel_size=_ep_size(),
         pipeline_dtype=torch.float32,
+        **moe,
     )
-    spec = get_gpt_layer_local_spec(normalization=f["normalization"], qk_layernorm=f["qk_layernorm"])
+    if family == "moe":
+        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage)
+    else:
+        spec = get_gpt_layer_local_spec(normalization=f["normalization"], qk_layernorm=f["qk_layernorm"])
     return GPTModel(
         cfg,
         spec,
@@ -173,7 +246,14 @@ def build_model(family: str, pre_process: bool = True, post_process: bool = True
         share_embeddings_and_output_weights=not f["untie_embeddings_and_output_weights"],
         pre_process=pre_process,
         post_process=post_process,
+        vp_stage=vp_stage,
     )
+
+
+def _ep_size():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_world_size()
 
 
 def _tp_size():
@@ -194,15 +274,20 @@ def perturb(model) -> None:
     with torch.no_grad():
         for _, p in sorted(model.named_parameters()):
             p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+        for name, b in sorted(model.named_buffers()):
+            if name.endswith("expert_bias"):  # the router's aux-loss-free balancing state
+                b.add_(torch.randn(b.shape, generator=gen) * 0.1)
 
 
-def state_dict(args, model, family: str) -> dict:
-    """Megatron-LM's generate_state_dict (one model chunk), with its optimizer-scheduler state."""
+def state_dict(args, chunks: list) -> dict:
+    """Megatron-LM's generate_state_dict: `model`, or `model0`, `model1`... under virtual pipeline
+    stages, with its optimizer-scheduler state."""
+    models = {"model": chunks[0]} if len(chunks) == 1 else {f"model{c}": m for c, m in enumerate(chunks)}
     return {
         "args": args,
         "checkpoint_version": 3.0,
         "iteration": ITERATION,
-        "model": model,
+        **models,
         "opt_param_scheduler": {
             "max_lr": 3e-4,
             "min_lr": 3e-5,
@@ -215,23 +300,27 @@ def state_dict(args, model, family: str) -> dict:
     }
 
 
-def save_torch(root: str, family: str, model, tp: int, pp: int) -> None:
-    """--ckpt-format torch: each DP-rank-0 rank writes its own file."""
+def save_torch(root: str, family: str, chunks: list, *layout) -> None:
+    """--ckpt-format torch: each expert-DP-rank-0 rank writes its own file (Megatron-LM's
+    get_checkpoint_name: mp_rank_TT, _PPP when PP > 1, _EEE when EP > 1). layout: tp, pp[, ep, vp, first]."""
     from megatron.core import parallel_state as ps
 
-    if ps.get_data_parallel_rank() == 0:
+    tp, pp, ep = (tuple(layout) + (1,))[:3]
+    if ps.get_expert_data_parallel_rank() == 0:
         name = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}"
         if pp > 1:
             name += f"_{ps.get_pipeline_model_parallel_rank():03d}"
+        if ep > 1:
+            name += f"_{ps.get_expert_model_parallel_rank():03d}"
         path = os.path.join(root, f"iter_{ITERATION:07d}", name)
         os.makedirs(path, exist_ok=True)
-        args = megatron_args(family, tp, pp)
-        sd = state_dict(args, model.state_dict_for_save_checkpoint(), family)
+        args = megatron_args(family, *layout)
+        sd = state_dict(args, [m.state_dict_for_save_checkpoint() for m in chunks])
         torch.save(sd, os.path.join(path, "model_optim_rng.pt"))
     _finish(root)
 
 
-def save_dist(root: str, family: str, model, tp: int, pp: int, head_style: bool = False) -> None:
+def save_dist(root: str, family: str, chunks: list, *layout, head_style: bool = False) -> None:
     """--ckpt-format torch_dist; head_style: the common state inside the .distcp files as the
     "common_state" object, no common.pt (as Megatron-LM's main branch saves it)."""
     from megatron.core import dist_checkpointing
@@ -240,11 +329,11 @@ def save_dist(root: str, family: str, model, tp: int, pp: int, head_style: bool 
 
     path = os.path.join(root, f"iter_{ITERATION:07d}")
     os.makedirs(path, exist_ok=True)
-    args = megatron_args(family, tp, pp)
+    args = megatron_args(family, *layout)
     args.ckpt_format = "torch_dist"
-    sd = state_dict(args, model.sharded_state_dict(), family)
+    sd = state_dict(args, [m.sharded_state_dict() for m in chunks])
     if head_style:
-        common = {k: sd.pop(k) for k in list(sd) if k != "model"}
+        common = {k: sd.pop(k) for k in list(sd) if not k.startswith("model")}
         rank = torch.distributed.get_rank()
         sd["common_state"] = ShardedObject("common_state", common, (1,), (0,), replica_id=rank)
     dist_checkpointing.save(sd, path, TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1))
@@ -261,11 +350,13 @@ def _finish(root: str) -> None:
     torch.distributed.barrier()
 
 
-def load_dist(model, path: str) -> None:
+def load_dist(chunks: list, path: str) -> None:
     from megatron.core import dist_checkpointing
 
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
-    model.load_state_dict(loaded["model"])
+    names = ["model"] if len(chunks) == 1 else [f"model{c}" for c in range(len(chunks))]
+    loaded = dist_checkpointing.load({n: m.sharded_state_dict() for n, m in zip(names, chunks)}, path)
+    for name, m in zip(names, chunks):
+        m.load_state_dict(loaded[name])
 
 
 def logits(model) -> dict:
@@ -277,16 +368,21 @@ def logits(model) -> dict:
     return {"tokens": tokens, "logits": out}
 
 
-def layout(tp: int, pp: int) -> None:
+def layout(tp: int, pp: int, ep: int = 1, vp=None, first=None) -> None:
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp,
+        expert_model_parallel_size=ep,
+    )
+    _LAYOUT.clear()
+    _LAYOUT.update(vp=vp, first=first)
 
 
 def make_family(out: str, family: str) -> None:
-    from megatron.core import parallel_state as ps
-
     base = os.path.join(out, family)
     layout(1, 1)
     torch.manual_seed(1234)
@@ -296,48 +392,50 @@ def make_family(out: str, family: str) -> None:
         os.makedirs(base, exist_ok=True)
         torch.save(logits(model), os.path.join(base, "logits.pt"))
     model.train()
-    save_dist(os.path.join(base, "tp1_dist"), family, model, 1, 1)
-    save_torch(os.path.join(base, "tp1_torch"), family, model, 1, 1)
-    source = os.path.join(base, "tp1_dist", f"iter_{ITERATION:07d}")
-    for tp, pp in ((2, 1), (1, 2)):
-        layout(tp, pp)
-        model = build_model(
-            family, ps.is_pipeline_first_stage(ignore_virtual=True), ps.is_pipeline_last_stage(ignore_virtual=True)
-        )
-        load_dist(model, source)
-        name = f"tp{tp}" if pp == 1 else f"pp{pp}"
-        save_dist(os.path.join(base, f"{name}_dist"), family, model, tp, pp)
-        save_torch(os.path.join(base, f"{name}_torch"), family, model, tp, pp)
+    first = "ep1" if family == "moe" else "tp1"
+    save_dist(os.path.join(base, f"{first}_dist"), family, [model], 1, 1)
+    save_torch(os.path.join(base, f"{first}_torch"), family, [model], 1, 1)
+    source = os.path.join(base, f"{first}_dist", f"iter_{ITERATION:07d}")
+    cases = MOE_LAYOUTS if family == "moe" else (("tp2", 2, 1, 1, None, None, ("dist", "torch")),)
+    cases += () if family == "moe" else (("pp2", 1, 2, 1, None, None, ("dist", "torch")),)
+    for name, tp, pp, ep, vp, first, formats in cases:
+        layout(tp, pp, ep, vp, first)
+        chunks = build_chunks(family)
+        load_dist(chunks, source)
+        shape = (tp, pp, ep, vp, first)
+        for fmt in formats:
+            (save_dist if fmt == "dist" else save_torch)(os.path.join(base, f"{name}_{fmt}"), family, chunks, *shape)
         if family == "llama" and tp == 2:
-            save_dist(os.path.join(base, "tp2_dist_head"), family, model, tp, pp, head_style=True)
+            save_dist(os.path.join(base, "tp2_dist_head"), family, chunks, *shape, head_style=True)
 
 
 EXPORTS = (("torch_dist", 2, 1), ("torch", 2, 1), ("torch", 1, 2), ("torch_dist", 1, 2))
+MOE_EXPORTS = (("torch_dist", 1, 1, 2), ("torch", 1, 1, 2), ("torch", 1, 2, 1))
 
 
-def export_name(fmt: str, tp: int, pp: int) -> str:
-    return f"export_{fmt}_tp{tp}pp{pp}"
+def exports(family: str) -> tuple:
+    """(format, tp, pp, ep) of each export of a family."""
+    return MOE_EXPORTS if family == "moe" else tuple(case + (1,) for case in EXPORTS)
+
+
+def export_name(fmt: str, tp: int, pp: int, ep: int = 1) -> str:
+    return f"export_{fmt}_tp{tp}pp{pp}" + (f"ep{ep}" if ep > 1 else "")
 
 
 def convert_all(out: str) -> None:
     """Each family's TP1 torch_dist checkpoint through tools/convert_megatron.py into ours, and ours out
-    again at each of EXPORTS (in a process of its own, without the fixture's process group)."""
+    again at each of its exports (in a process of its own, without the fixture's process group)."""
     from tools import convert_megatron
 
     for family in FAMILIES:
         base = os.path.join(out, family)
         ours = os.path.join(base, "ours")
-        assert convert_megatron.main(["--load", os.path.join(base, "tp1_dist"), "--save", ours]) == 0
-        for fmt, tp, pp in EXPORTS:
-            argv = ["export", "--load", ours, "--save", os.path.join(base, export_name(fmt, tp, pp))]
-            argv += [
-                "--format",
-                fmt,
-                "--tensor-model-parallel-size",
-                str(tp),
-                "--pipeline-model-parallel-size",
-                str(pp),
-            ]
+        source = os.path.join(base, "ep1_dist" if family == "moe" else "tp1_dist")
+        assert convert_megatron.main(["--load", source, "--save", ours]) == 0
+        for fmt, tp, pp, ep in exports(family):
+            argv = ["export", "--load", ours, "--save", os.path.join(base, export_name(fmt, tp, pp, ep))]
+            argv += ["--format", fmt, "--tensor-model-parallel-size", str(tp)]
+            argv += ["--pipeline-model-parallel-size", str(pp), "--expert-model-parallel-size", str(ep)]
             assert convert_megatron.main(argv) == 0
 
 
@@ -351,23 +449,24 @@ def check_exports(base: str, family: str) -> None:
     from megatron.core import parallel_state as ps
 
     report = {}
-    source = os.path.join(base, "tp1_dist", f"iter_{ITERATION:07d}")
-    for fmt, tp, pp in EXPORTS:
-        layout(tp, pp)
-        stages = ps.is_pipeline_first_stage(ignore_virtual=True), ps.is_pipeline_last_stage(ignore_virtual=True)
-        exported, original = build_model(family, *stages), build_model(family, *stages)
-        path = os.path.join(base, export_name(fmt, tp, pp), "iter_0000000")
+    source = os.path.join(base, "ep1_dist" if family == "moe" else "tp1_dist", f"iter_{ITERATION:07d}")
+    for fmt, tp, pp, ep in exports(family):
+        layout(tp, pp, ep)
+        exported, original = build_chunks(family), build_chunks(family)
+        path = os.path.join(base, export_name(fmt, tp, pp, ep), "iter_0000000")
         if fmt == "torch_dist":
             load_dist(exported, path)
         else:
             name = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}"
             name += f"_{ps.get_pipeline_model_parallel_rank():03d}" if pp > 1 else ""
-            exported.load_state_dict(torch.load(os.path.join(path, name, "model_optim_rng.pt"))["model"], strict=True)
+            name += f"_{ps.get_expert_model_parallel_rank():03d}" if ep > 1 else ""
+            sd = torch.load(os.path.join(path, name, "model_optim_rng.pt"))["model"]
+            exported[0].load_state_dict(sd, strict=True)
         load_dist(original, source)
-        mismatches = _compare(exported.state_dict(), original.state_dict(), tp)
+        mismatches = _compare(exported[0].state_dict(), original[0].state_dict(), tp)
         views = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(views, mismatches)
-        report[export_name(fmt, tp, pp)] = sorted({m for view in views for m in view})
+        report[export_name(fmt, tp, pp, ep)] = sorted({m for view in views for m in view})
     if torch.distributed.get_rank() == 0:
         with open(os.path.join(base, "export_check.json"), "w") as f:
             json.dump(report, f)

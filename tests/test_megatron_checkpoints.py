@@ -1,7 +1,9 @@
 """Megatron-LM checkpoints in (megatron_sp/checkpointing/megatron*.py), against checkpoints that
 megatron-core 0.16.1 itself wrote (tests/megatron_fixtures.py, made once per module): both formats,
-TP1 / TP2 / PP2, GPT-2- and Llama-style with every parameter perturbed; our model of the converted
-tensors gives megatron-core's logits within 1e-5; planted damage is refused in one sentence."""
+TP1 / TP2 / PP2, GPT-2- and Llama-style with every parameter perturbed, and a mixture of experts (its
+MoELayer: router, expert bias, SequentialMLP experts, gated shared expert, learnt attention sinks, a
+sliding window) at EP1 / EP2, virtual pipeline stages and an uneven first stage; our model of the
+converted tensors gives megatron-core's logits within 1e-5; planted damage is refused in one sentence."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from megatron_sp.models.reference import ReferenceGPT
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAYOUTS = ("tp1_dist", "tp2_dist", "pp2_dist", "tp1_torch", "tp2_torch", "pp2_torch")
+MOE_LAYOUTS = ("ep1_dist", "ep1_torch", "ep2_dist", "ep2_torch", "vpp_dist", "vpp_torch", "pp2_uneven_torch")
 ITER = "iter_0000010"
 
 
@@ -47,10 +50,10 @@ def _logits(state, cfg, tokens):
         return model.eval()(tokens)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "moe"])
 def test_every_layout_gives_megatron_cores_logits(fixtures, family):
     ref = torch.load(os.path.join(fixtures, family, "logits.pt"))
-    layouts = LAYOUTS + (("tp2_dist_head",) if family == "llama" else ())
+    layouts = MOE_LAYOUTS if family == "moe" else LAYOUTS + (("tp2_dist_head",) if family == "llama" else ())
     first = None
     for layout in layouts:
         state, cfg, ckpt = read_model(os.path.join(fixtures, family, layout))
@@ -81,6 +84,17 @@ def test_config_comes_from_args(fixtures):
         "gelu",
     )
     assert not gpt2.untie_embeddings_and_output_weights and gpt2.add_bias_linear and gpt2.vocab_size == 100
+    _, moe, _ = read_model(os.path.join(fixtures, "moe", "ep2_torch"))
+    assert (moe.num_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size, moe.moe_layer_freq) == (
+        4,
+        2,
+        32,
+        (0, 1, 1, 0),
+    )
+    assert (moe.moe_router_score_function, moe.moe_router_topk_scaling_factor) == ("sigmoid", 2.0)
+    assert moe.moe_router_enable_expert_bias and moe.moe_shared_expert_gate
+    assert moe.moe_shared_expert_intermediate_size == 64 and moe.moe_router_load_balancing_type == "seq_aux_loss"
+    assert (moe.softmax_type, moe.window_size) == ("learnable", (5, 0))
 
 
 def test_older_and_newer_norm_names():
@@ -119,7 +133,7 @@ def test_planted_damage_is_refused(fixtures, tmp_path):
     _rewrite(stage, lambda d: d["model"].pop("decoder.layers.0.mlp.linear_fc2.weight"))
     _refused(root, "lacks decoder.layers.1.mlp.linear_fc2.weight")
     shutil.rmtree(stage.parent)
-    _refused(root, "PP 1 ranks")
+    _refused(root, "PP rank 1, EP rank 0 missing")
     # q/k/v rows in the order of checkpoints before version 2.0
     root = _copy(fixtures, "gpt2", "tp1_torch", tmp_path)
     rank = root / ITER / "mp_rank_00" / "model_optim_rng.pt"
@@ -133,8 +147,21 @@ def test_planted_damage_is_refused(fixtures, tmp_path):
     )
     _refused(root, "decoder.final_layernorm.weight of shape")
     # an option megatron_sp lacks
-    _rewrite(rank, lambda d: setattr(d["args"], "num_experts", 8))
-    _refused(root, "--num-experts")
+    _rewrite(rank, lambda d: setattr(d["args"], "multi_latent_attention", True))
+    _refused(root, "--multi-latent-attention")
+    # experts: one missing on its EP rank, an EP rank's file gone, a chunk of the virtual stages gone
+    root = _copy(fixtures, "moe", "ep2_torch", tmp_path)
+    rank = root / ITER / "mp_rank_00_001" / "model_optim_rng.pt"
+    _rewrite(rank, lambda d: d["model"].pop("decoder.layers.2.mlp.experts.local_experts.1.linear_fc2.weight"))
+    _refused(root, "lacks decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.weight")
+    shutil.rmtree(rank.parent)
+    _refused(root, "EP rank 1 missing")
+    root = _copy(fixtures, "moe", "vpp_torch", tmp_path)
+    _rewrite(root / ITER / "mp_rank_00_001" / "model_optim_rng.pt", lambda d: d.pop("model1"))
+    _refused(root, "needs model0, model1")
+    root = _copy(fixtures, "moe", "ep1_torch", tmp_path)
+    _rewrite(root / ITER / "mp_rank_00" / "model_optim_rng.pt", lambda d: setattr(d["args"], "add_bias_linear", True))
+    _refused(root, "router then has a bias")
     # a truncated .distcp
     root = _copy(fixtures, "llama", "tp2_dist", tmp_path)
     shard = root / ITER / "__1_0.distcp"
@@ -153,25 +180,27 @@ def test_exports_load_in_megatron_core(fixtures):
     """tools/convert_megatron.py export at TP2 and PP2, both formats: megatron-core's own
     dist_checkpointing.load / torch.load + strict load_state_dict give the tensors of the original
     (tests/megatron_fixtures.py check_exports)."""
-    from megatron_fixtures import EXPORTS, export_name
+    from megatron_fixtures import export_name, exports
 
-    for family in ("gpt2", "llama"):
+    for family in ("gpt2", "llama", "moe"):
         with open(os.path.join(fixtures, family, "export_check.json")) as f:
             report = json.load(f)
-        assert report == {export_name(*case): [] for case in EXPORTS}, family
+        assert report == {export_name(*case): [] for case in exports(family)}, family
 
 
 def test_export_round_trip_is_bit_exact(fixtures):
-    from megatron_fixtures import EXPORTS, export_name
+    from megatron_fixtures import export_name, exports
 
     from megatron_sp.checkpointing.full_state import checkpoint_path, read_full_state
 
-    for family in ("gpt2", "llama"):
+    for family in ("gpt2", "llama", "moe"):
         ours, meta = read_full_state(checkpoint_path(os.path.join(fixtures, family, "ours")))
-        for case in EXPORTS:
+        for case in exports(family):
             state, cfg, ckpt = read_model(os.path.join(fixtures, family, export_name(*case)))
             assert sorted(state) == sorted(ours) and all(torch.equal(state[k], ours[k]) for k in ours), case
             assert ckpt.args.tensor_model_parallel_size == case[1] and cfg.vocab_size == 100
+            assert ckpt.args.expert_model_parallel_size == case[3]
+    assert any(".experts.local_experts.3." in k for k in ours) and any(k.endswith("expert_bias") for k in ours)
 
 
 def test_convert_tool_refuses_in_one_sentence(fixtures, tmp_path, capsys):
@@ -209,6 +238,7 @@ def test_pretrain_continues_a_megatron_run(fixtures, tmp_path, capsys):
     run += ["--eval-iters", "0", "--exit-interval", "11", "--load", load] + model_flags(cfg)
     code, _, err = _pretrain(run, capsys)
     assert code == 2 and "--no-load-optim" in err and "\n" not in err
+    assert "holding no optimizer state (--no-save-optim)" in err  # the fixture saves none: the layout named
     code, _, err = _pretrain(run + ["--no-load-optim", "--train-iters", "50"], capsys)
     assert code == 2 and "lr_decay_steps 3200" in err
     code, _, err = _pretrain(run + ["--no-load-optim", "--rotary-base", "10000"], capsys)
@@ -222,3 +252,70 @@ def test_pretrain_continues_a_megatron_run(fixtures, tmp_path, capsys):
     assert meta["opt_param_scheduler"]["num_steps"] == 352  # the schedule went on from Megatron-LM's position
     step = max((state[k] - imported[k]).abs().max().item() for k in imported)
     assert 0 < step < 1e-3  # one AdamW step (lr <= 3e-4) from the Megatron-LM weights
+
+
+def test_pretrain_continues_a_megatron_moe_run(fixtures, tmp_path, capsys):
+    """--load of megatron-core's MoE checkpoint at EP2 (legacy files): its experts and expert biases
+    carried over, one step taken from them."""
+    from megatron_sp.checkpointing.full_state import checkpoint_path, read_full_state
+    from megatron_sp.training.config_flags import model_flags
+
+    load = os.path.join(fixtures, "moe", "ep2_torch")
+    imported, cfg, _ = read_model(load)
+    run = ["--device", "cpu", "--seq-length", "16", "--micro-batch-size", "4", "--global-batch-size", "32"]
+    run += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--no-progress-bar"]
+    run += ["--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2"]
+    run += ["--train-iters", "100", "--eval-iters", "0", "--exit-interval", "11", "--load", load]
+    save = tmp_path / "continued"
+    run += model_flags(cfg) + ["--no-load-optim", "--save", str(save), "--save-interval", "11"]
+    code, out, err = _pretrain(run, capsys)
+    assert code == 0, err
+    assert "resuming at iteration 10, 320 samples consumed" in out
+    state, meta = read_full_state(checkpoint_path(str(save)))
+    assert meta["iteration"] == 11 and sorted(state) == sorted(imported)
+    bias = [k for k in imported if k.endswith("expert_bias")]
+    assert bias and all(0 < (state[k] - imported[k]).abs().max() <= 1e-3 + 1e-7 for k in bias)  # one update
+    step = max((state[k] - imported[k]).abs().max().item() for k in imported if k not in bias)
+    assert 0 < step < 1e-3
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_all_moe_layers_round_trip(tmp_path, fmt):
+    """An MoE on every layer (--moe-layer-freq 1): megatron-core stacks its torch_dist entries on
+    [L, E, ...] (not the per-layer keys of the fixture's mixed layers); written at EP2 and read back
+    bit for bit, expert biases and sinks included."""
+    from megatron_sp.checkpointing.megatron_export import write_megatron
+    from megatron_sp.checkpointing.safe_dcp import read_metadata
+    from megatron_sp.config import GPTConfig
+
+    cfg = GPTConfig(
+        model="llama",
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=100,
+        seq_length=8,
+        ffn_hidden_size=64,
+        num_experts=4,
+        moe_ffn_hidden_size=16,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_shared_expert_intermediate_size=32,
+        softmax_type="learnable",
+    )
+    model = ReferenceGPT(cfg)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.normal_()
+    ours = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("tokens_per_expert")}
+    path = write_megatron(ours, cfg, str(tmp_path / "out"), fmt, tp=2, pp=1, ep=2)
+    if fmt == "torch_dist":
+        entry = read_metadata(path, allow_objects=True).state_dict_metadata
+        assert tuple(entry["decoder.layers.mlp.experts.experts.linear_fc1.weight"].size) == (2, 4, 32, 32)
+    else:
+        assert sorted(os.listdir(path)) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    state, back, _ = read_model(str(tmp_path / "out"))
+    assert sorted(state) == sorted(ours) and all(torch.equal(state[k], ours[k]) for k in ours)
+    assert (back.num_experts, back.moe_layer_freq, back.softmax_type) == (4, 1, "learnable")

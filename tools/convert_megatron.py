@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """Convert between a Megatron-LM checkpoint (what its save_checkpoint writes: --ckpt-format torch or
-torch_dist, any TP/PP) and a megatron_sp checkpoint.
+torch_dist, any TP/PP/EP, virtual pipeline stages) and a megatron_sp checkpoint.
 
     # Megatron-LM -> ours, at iteration 0; prints the pretrain_gpt_sp.py model flags to use
     python tools/convert_megatron.py [import] --load megatron/ckpts --save runs/ckpt0 [--iteration N] [--vocab-size V]
     python pretrain_gpt_sp.py <printed flags> --load runs/ckpt0 --finetune ...
     # ours -> Megatron-LM, model only (Megatron-LM loads it with --no-load-optim --no-load-rng)
     python tools/convert_megatron.py export --load runs/ckpt --save megatron/ckpts --format torch_dist \
-        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 [--iteration N]
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 [--expert-model-parallel-size 2] [--iteration N]
 
 Runs in one process; neither torch.distributed nor megatron-core is needed (the enums Megatron-LM
 pickles into its args are read as inert stand-ins). Every tensor is accounted for (a key the mapping
@@ -46,14 +46,14 @@ def import_(load: str, save: str, iteration=None, vocab_size=None) -> None:
     )
 
 
-def export(load: str, save: str, fmt: str, tp: int, pp: int, iteration=None) -> None:
+def export(load: str, save: str, fmt: str, tp: int, pp: int, iteration=None, ep: int = 1) -> None:
     from megatron_sp.checkpointing.megatron_export import write_megatron
 
     state, meta = read_full_state(checkpoint_path(load, iteration))
     cfg = config_from_dict(meta["config"])
     consumed = int(meta.get("train_state", {}).get("consumed_train_samples", 0) or 0)
-    path = write_megatron(state, cfg, save, fmt, tp, pp, int(meta["iteration"]), consumed)
-    print(f"wrote Megatron-LM {fmt} checkpoint {path} (TP {tp}, PP {pp}, {len(state)} tensors, model only)")
+    path = write_megatron(state, cfg, save, fmt, tp, pp, int(meta["iteration"]), consumed, ep)
+    print(f"wrote Megatron-LM {fmt} checkpoint {path} (TP {tp}, PP {pp}, EP {ep}, {len(state)} tensors, model only)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -71,6 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--format", choices=("torch", "torch_dist"), required=True)
     b.add_argument("--tensor-model-parallel-size", type=int, default=1)
     b.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    b.add_argument("--expert-model-parallel-size", type=int, default=1, help="MoE models: experts split over EP ranks")
     return p
 
 
@@ -81,10 +82,14 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "export":
-            tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-            if tp < 1 or pp < 1:
-                raise ValueError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1.")
-            export(args.load, args.save, args.format, tp, pp, args.iteration)
+            tp, pp, ep = (
+                args.tensor_model_parallel_size,
+                args.pipeline_model_parallel_size,
+                args.expert_model_parallel_size,
+            )
+            if min(tp, pp, ep) < 1:
+                raise ValueError("--tensor-, --pipeline- and --expert-model-parallel-size must be >= 1.")
+            export(args.load, args.save, args.format, tp, pp, args.iteration, ep)
         else:
             import_(args.load, args.save, args.iteration, args.vocab_size)
     except ValueError as err:  # CheckpointError, GPTConfig's: the input

@@ -194,10 +194,13 @@ def write_full_checkpoint(state: dict, cfg: GPTConfig, save: str, source: str) -
             raise CheckpointError(
                 f"{source} holds {name} as {_describe(got)} but the model needs {list(p.shape)} floating point."
             )
-    extra = sorted(set(state) - {name for name, _ in model.named_parameters()})
+    params = {name for name, _ in model.named_parameters()}
+    buffers = dict(kept_buffers(model))  # the routers' expert biases: kept as they are, as a run saves them
+    extra = sorted(set(state) - params - set(buffers))
     if extra:
         raise CheckpointError(f"{source} holds {extra[0]}, which the model has no place for.")
-    entries = full_to_canonical({k: v.float() for k, v in state.items()}, model_specs(cfg, model))
+    entries = full_to_canonical({k: state[k].float() for k in params}, model_specs(cfg, model))
+    entries.update({name: state[name].float() if name in state else b.clone() for name, b in buffers.items()})
     states = {"model": _CanonicalEntries(entries), "train_state": TrainState(), "loss_scale": None}
     extra = {"converted_from": os.path.abspath(source)}
     return checkpointer.save(save, states, cfg, ParallelState(), log=lambda message: None, extra=extra)

@@ -27,6 +27,7 @@ DCP's `.metadata` goes through safe_dcp's unpickler.
 from __future__ import annotations
 
 import io
+import math
 import os
 import re
 import warnings
@@ -105,7 +106,8 @@ def read_common(root: str, iteration=None) -> tuple[dict, str]:
     ranks = _rank_files(path)
     if not ranks:
         raise CheckpointError(f"{path} holds neither .metadata nor mp_rank_*/{RANK_FILE}.")
-    data = load_pickle(ranks[min(ranks)], ranks[min(ranks)])
+    first = next(iter(ranks.values()))[1]
+    data = load_pickle(first, first)
     return {k: v for k, v in data.items() if not k.startswith("model")}, path
 
 
@@ -168,94 +170,175 @@ def _first_line(err: BaseException) -> str:
 
 
 def _rank_files(path: str) -> dict:
-    """{(tp, pp): file} of a legacy iteration directory."""
+    """{directory name: (its rank numbers, file)} of a legacy iteration directory, sorted by name (the
+    first: TP, PP and EP rank 0)."""
     found = {}
     for name in sorted(os.listdir(path)):
         match = _RANK_DIR.match(name)
         if not match:
             continue
-        if match.group(3) is not None:
-            raise CheckpointError(f"{path} holds {name}: expert-parallel (MoE) checkpoints are not supported yet.")
-        tp, pp = int(match.group(1)), int(match.group(2) or 0)
         file = os.path.join(path, name, RANK_FILE)
         problem = files.regular_file_problem(file, path)
         if problem:
             raise CheckpointError(f"{problem}; every mp_rank_* directory holds its rank's {RANK_FILE}.")
-        found[(tp, pp)] = file
+        found[name] = (tuple(int(g) for g in match.groups() if g is not None), file)
     return found
 
 
-def _check_grid(path: str, ranks: dict, args) -> tuple[int, int]:
-    tp = max(t for t, _ in ranks) + 1
-    pp = max(p for _, p in ranks) + 1
-    missing = [(t, p) for t in range(tp) for p in range(pp) if (t, p) not in ranks]
-    want = (getattr(args, "tensor_model_parallel_size", tp), getattr(args, "pipeline_model_parallel_size", pp))
-    if missing or (tp, pp) != want:
-        gap = f" (TP rank {missing[0][0]}, PP rank {missing[0][1]} missing)" if missing else ""
+def _grid(path: str, dirs: dict, args) -> dict:
+    """{(tp, pp, ep): file}: Megatron-LM names a rank mp_rank_TT, then _PPP when PP > 1, then _EEE
+    when EP > 1 (mp_rank_00_001 is PP rank 1 or EP rank 1: the args say which)."""
+    get = lambda name: getattr(args, name, None) or 1  # noqa: E731
+    tp, pp, ep = (
+        get("tensor_model_parallel_size"),
+        get("pipeline_model_parallel_size"),
+        get("expert_model_parallel_size"),
+    )
+    ranks = {}
+    for name, (numbers, file) in dirs.items():
+        if len(numbers) != 1 + (pp > 1) + (ep > 1):
+            raise CheckpointError(f"{path} holds {name}, which is not a rank of its args' TP {tp} x PP {pp} x EP {ep}.")
+        ranks[(numbers[0], numbers[1] if pp > 1 else 0, numbers[-1] if ep > 1 else 0)] = file
+    missing = [(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep) if (t, p, e) not in ranks]
+    if missing or len(ranks) != tp * pp * ep:
+        gap = f" (TP rank {missing[0][0]}, PP rank {missing[0][1]}, EP rank {missing[0][2]} missing)" if missing else ""
         raise CheckpointError(
-            f"{path} holds the files of TP {tp} x PP {pp} ranks{gap} but its args say TP {want[0]} x "
-            f"PP {want[1]}: a rank's file is missing."
+            f"{path} holds the files of {len(ranks)} ranks{gap} but its args say TP {tp} x PP {pp} x EP {ep}: "
+            f"a rank's file is missing or extra."
         )
-    return tp, pp
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    if getattr(args, "num_experts", None) and etp not in (None, tp):
+        raise CheckpointError(
+            f"{path} was saved with --expert-tensor-parallel-size {etp} other than its TP size {tp}: its legacy "
+            f"expert files are not supported (save it as torch_dist)."
+        )
+    return ranks
 
 
 def read_legacy(path: str) -> MegatronCheckpoint:
-    """Every rank file of a --ckpt-format torch iteration directory."""
-    ranks = _rank_files(path)
-    first = load_pickle(ranks[min(ranks)], ranks[min(ranks)])
-    tp, pp = _check_grid(path, ranks, first.get("args"))
+    """Every rank file of a --ckpt-format torch iteration directory: one model state dict per rank
+    (`model`), or one per virtual pipeline stage (`model0`, `model1`, ...); each chunk numbers its
+    layers from 0 and each EP rank its experts from 0."""
+    dirs = _rank_files(path)
+    if not dirs:
+        raise CheckpointError(f"{path} holds no mp_rank_*/{RANK_FILE}.")
+    first_file = next(iter(dirs.values()))[1]
+    first = load_pickle(first_file, first_file)
+    ranks = _grid(path, dirs, first.get("args"))
     ckpt = MegatronCheckpoint("torch", path, {k: v for k, v in first.items() if not k.startswith("model")})
-    layers_per_stage = _layers_per_stage(ckpt.args, pp, path)
-    for (t, p), file in sorted(ranks.items(), key=lambda item: (item[0][1], item[0][0])):
-        data = first if (t, p) == min(ranks) else load_pickle(file, file)
-        if "model" not in data:
-            chunks = sorted(k for k in data if k.startswith("model"))
-            raise CheckpointError(
-                f"{file} holds {', '.join(chunks) or 'no model'}: virtual pipeline stages are not supported yet."
-                if chunks
-                else f"{file} holds no model state dict."
-            )
-        for name, value in data["model"].items():
-            name = _global_layer(name, p * layers_per_stage)
-            if name.endswith("_extra_state"):
-                ckpt.objects.add(name)
-            elif not torch.is_tensor(value):
-                raise CheckpointError(f"{file} holds {name} as a {type(value).__name__}, not a tensor.")
-            else:
-                ckpt.shards.setdefault(name, {})
-                ckpt.shards[name].setdefault(p, [None] * tp)[t] = value
-    ckpt.shards = {name: _one_stage(name, by_stage, path) for name, by_stage in ckpt.shards.items()}
+    args = ckpt.args
+    pp, vp = max(p for _, p, _ in ranks) + 1, getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    ep = max(e for _, _, e in ranks) + 1
+    experts = (getattr(args, "num_experts", None) or 0) // ep
+    chunk_layers = _chunk_layers(args, pp, vp, path)
+    offsets = _offsets(chunk_layers, pp, vp)
+    tp = max(t for t, _, _ in ranks) + 1
+    for (t, p, e), file in sorted(ranks.items(), key=lambda item: (item[0][1], item[0][2], item[0][0])):
+        data = first if file == first_file else load_pickle(file, file)
+        for c, model in enumerate(_chunks(data, vp, file)):
+            layers = (offsets[(p, c)], chunk_layers[(p, c)])
+            for name, value in model.items():
+                name = _legacy_name(name, layers, (e * experts, experts), file)
+                if name.endswith("_extra_state"):
+                    ckpt.objects.add(name)
+                elif not torch.is_tensor(value):
+                    raise CheckpointError(f"{file} holds {name} as a {type(value).__name__}, not a tensor.")
+                else:
+                    ckpt.shards.setdefault(name, {}).setdefault((p, c, e), [None] * tp)[t] = value
+    ckpt.shards = {name: _one_place(name, by_place, path) for name, by_place in ckpt.shards.items()}
     return ckpt
 
 
-def _one_stage(name: str, by_stage: dict, path: str) -> list:
-    """The TP shards of one tensor: the output layer's tied copy on the last stage aside, a tensor
-    lives on one stage."""
-    if len(by_stage) > 1 and name != "embedding.word_embeddings.weight":
+def _chunks(data: dict, vp: int, file: str) -> list:
+    if vp == 1 and "model" in data:
+        return [data["model"]]
+    names = [f"model{c}" for c in range(vp)]
+    if vp == 1 or "model" in data or any(name not in data for name in names):
+        held = ", ".join(sorted(k for k in data if k.startswith("model"))) or "no model"
+        raise CheckpointError(
+            f"{file} holds {held} but its args' --virtual-pipeline-model-parallel-size {vp if vp > 1 else None} "
+            f"needs {', '.join(names) if vp > 1 else 'model'}."
+        )
+    return [data[name] for name in names]
+
+
+def _one_place(name: str, by_place: dict, path: str) -> list:
+    """The TP shards of one tensor. It lives on one pipeline stage and virtual stage (the output
+    layer's tied copy of the embedding on the last stage aside); a dense tensor is on every EP rank
+    (all equal), an expert on its own."""
+    places = sorted({(p, c) for p, c, _ in by_place})
+    if len(places) > 1 and name != "embedding.word_embeddings.weight":
         raise CheckpointError(f"{path} holds {name} on several pipeline stages.")
-    shards = by_stage[min(by_stage)]
-    if any(s is None for s in shards):
+    copies = [shards for (p, c, _), shards in sorted(by_place.items()) if (p, c) == places[0]]
+    if any(s is None for shards in copies for s in shards):
         raise CheckpointError(f"{path} lacks {name} on some tensor-parallel ranks.")
-    return shards
+    if any(not torch.equal(a, b) for other in copies[1:] for a, b in zip(copies[0], other)):
+        raise CheckpointError(f"{path} holds {name} differently on its expert-parallel ranks.")
+    return copies[0]
 
 
-def _layers_per_stage(args, pp: int, path: str) -> int:
-    for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
-        if getattr(args, name, None):
-            raise CheckpointError(f"{path} was saved with uneven pipeline stages (--{name.replace('_', '-')}).")
+def _chunk_layers(args, pp: int, vp: int, path: str) -> dict:
+    """{(pp rank, virtual stage): layers} as megatron-core's get_transformer_layer_offset lays them
+    out: --decoder-first/last-pipeline-num-layers on the first / last stage, the rest evenly over the
+    others, each stage's split evenly over its virtual stages."""
     if getattr(args, "pipeline_model_parallel_layout", None):
         raise CheckpointError(f"{path} was saved with --pipeline-model-parallel-layout: not supported yet.")
     layers = getattr(args, "num_layers", None)
-    if not isinstance(layers, int) or layers % pp:
-        raise CheckpointError(f"{path} has {layers} layers in its args, not a multiple of its {pp} pipeline stages.")
-    return layers // pp
+    if not isinstance(layers, int):
+        raise CheckpointError(f"{path} has no num_layers in its args: not a GPT checkpoint of Megatron-LM.")
+    first = getattr(args, "decoder_first_pipeline_num_layers", None) if pp > 1 else None
+    last = getattr(args, "decoder_last_pipeline_num_layers", None) if pp > 1 else None
+    middle = pp - (first is not None) - (last is not None)
+    rest = layers - (first or 0) - (last or 0)
+    if rest < 0 or (middle and rest % middle) or (not middle and rest):
+        raise CheckpointError(f"{path}'s args cannot split {layers} layers over {pp} pipeline stages.")
+    stage = [rest // middle if middle else 0] * pp
+    if first is not None:
+        stage[0] = first
+    if last is not None:
+        stage[-1] = last
+    if any(n % vp for n in stage):
+        raise CheckpointError(f"{path}'s args give stages of {stage} layers, not multiples of {vp} virtual stages.")
+    return {(p, c): stage[p] // vp for p in range(pp) for c in range(vp)}
 
 
-def _global_layer(name: str, offset: int) -> str:
+def _offsets(chunk_layers: dict, pp: int, vp: int) -> dict:
+    """The first global layer of each (pp rank, virtual stage): layers go virtual stage by virtual
+    stage, each over the pipeline ranks in order."""
+    out, n = {}, 0
+    for c in range(vp):
+        for p in range(pp):
+            out[(p, c)], n = n, n + chunk_layers[(p, c)]
+    return out
+
+
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+_TE_GROUPED = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")  # TEGroupedMLP's
+
+
+def _legacy_name(name: str, layers: tuple, experts: tuple, file: str) -> str:
+    """A chunk's entry under global layer and expert numbers and the local spec's names."""
     if not name.startswith(_LAYERS):
         return name
     index, _, rest = name[len(_LAYERS) :].partition(".")
-    return f"{_LAYERS}{int(index) + offset}.{rest}" if index.isdigit() else name
+    if not index.isdigit():
+        return name
+    offset, count = layers
+    if int(index) >= count:
+        raise CheckpointError(f"{file} holds layer {index} of a pipeline stage its args give {count} layers.")
+    rest = _TE_NORMS.get(rest, rest)
+    local = _LOCAL_EXPERT.match(rest) or _TE_GROUPED.match(rest)
+    if local:
+        j = int(local[1] if local.re is _LOCAL_EXPERT else local[3])
+        if j >= experts[1]:
+            raise CheckpointError(f"{file} holds expert {j} of an expert-parallel rank its args give {experts[1]}.")
+        tail = local[2] if local.re is _LOCAL_EXPERT else f"{local[1]}.{local[2]}"
+        rest = f"mlp.experts.local_experts.{experts[0] + j}.{tail}"
+    elif rest.startswith(("mlp.experts.weight1", "mlp.experts.weight2")):
+        raise CheckpointError(
+            f"{file} holds megatron-core's legacy GroupedMLP weights (--moe-use-legacy-grouped-gemm): not supported."
+        )
+    return f"{_LAYERS}{int(index) + offset}.{rest}"
 
 
 # ---- --ckpt-format torch_dist -------------------------------------------------------------------
@@ -267,7 +350,7 @@ def read_torch_dist(path: str) -> MegatronCheckpoint:
     entries = metadata.state_dict_metadata
     common = _dist_common(path, metadata)
     ckpt = MegatronCheckpoint("torch_dist", path, common)
-    tensors = {}
+    tensors, present = {}, {}
     for key, entry in entries.items():
         if not hasattr(entry, "size"):  # BytesStorageMetadata: a pickled object
             if key.split("/")[0] != "common_state":
@@ -276,6 +359,7 @@ def read_torch_dist(path: str) -> MegatronCheckpoint:
         if key.startswith("optimizer.") or key.startswith("rng_state") or key.startswith("rerun_state"):
             continue  # optimizer state: read by load_optimizer where the format allows
         tensors[key] = torch.zeros(tuple(entry.size), dtype=entry.properties.dtype)
+        present[key] = _layers_present(key, entry, path)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -283,8 +367,26 @@ def read_torch_dist(path: str) -> MegatronCheckpoint:
     except Exception as err:  # noqa: BLE001 - DCP wraps any reader error
         raise CheckpointError(f"checkpoint {path} cannot be read ({_first_line(err)}); it is damaged.") from None
     for key, value in tensors.items():
-        _unstack(ckpt.tensors, key, value)
+        _unstack(ckpt.tensors, key, value, present[key], path)
     return ckpt
+
+
+def _layers_present(key: str, entry, path: str):
+    """The layers a stacked entry [L, ...] holds, each whole (None for an entry that is not stacked,
+    which must be whole): DCP would leave a region no chunk covers as zeros."""
+    size = tuple(entry.size)
+    stacked = key.startswith(_LAYERS) and not key[len(_LAYERS) :].partition(".")[0].isdigit() and size
+    per_layer = math.prod(size[1:]) if stacked else math.prod(size)
+    covered = [0] * (size[0] if stacked else 1)
+    for chunk in entry.chunks:
+        first, count = (chunk.offsets[0], chunk.sizes[0]) if stacked else (0, 1)
+        volume = math.prod(chunk.sizes[1:]) if stacked else math.prod(chunk.sizes)
+        for i in range(first, min(first + count, len(covered))):
+            covered[i] += volume
+    if any(n != per_layer for n in covered):
+        where = f" for layer {next(i for i, n in enumerate(covered) if n != per_layer)}" if stacked else ""
+        raise CheckpointError(f"{path} holds only part of {key}{where}: a shard is missing.")
+    return list(range(size[0])) if stacked else None
 
 
 def _dist_metadata(path: str):
@@ -317,12 +419,31 @@ def _dist_common(path: str, metadata) -> dict:
     raise CheckpointError(f"{path} holds neither common.pt nor a common_state entry: its args are missing.")
 
 
-def _unstack(out: dict, key: str, value: torch.Tensor) -> None:
-    """torch_dist's stacked layers [L, ...] -> one entry per global layer, under the local names."""
-    if key.startswith(_LAYERS) and "." in key[len(_LAYERS) :]:
-        rest = key[len(_LAYERS) :]
-        rest = _TE_NORMS.get(rest, rest)
-        for i in range(value.shape[0]):
-            out[f"{_LAYERS}{i}.{rest}"] = value[i]
-    else:
+_DIST_EXPERTS = "mlp.experts.experts."  # SequentialMLP's and (TE)GroupedMLP's [(L,) E, ...] entries
+
+
+def _unstack(out: dict, key: str, value: torch.Tensor, layers, path: str) -> None:
+    """torch_dist's layer entries -> one per global layer (and expert), under the local names. Layers
+    are stacked on a leading [L] axis (decoder.layers.<name>), or keyed one by one
+    (decoder.layers.<i>.<name>: megatron-core's non-homogeneous layers, such as dense and MoE ones
+    mixed); experts on the next axis. A norm under both Transformer Engine's fused name and its own
+    (an MoE layer of an export, for either spec) must hold the same values."""
+    head = key[len(_LAYERS) :] if key.startswith(_LAYERS) else None
+    if head is None or "." not in head:
         out[key] = value
+        return
+    index, _, rest = head.partition(".")
+    slabs = {int(index): value} if index.isdigit() else {i: value[i] for i in layers}
+    rest = rest if index.isdigit() else head
+    rest = _TE_NORMS.get(rest, rest)
+    for i, slab in slabs.items():
+        if rest.startswith(_DIST_EXPERTS):
+            tail = rest[len(_DIST_EXPERTS) :]
+            items = {f"mlp.experts.local_experts.{e}.{tail}": slab[e] for e in range(slab.shape[0])}
+        else:
+            items = {rest: slab}
+        for name, t in items.items():
+            name = f"{_LAYERS}{i}.{name}"
+            if name in out and not torch.equal(out[name], t):
+                raise CheckpointError(f"{path} holds {name} twice, with different values.")
+            out[name] = t

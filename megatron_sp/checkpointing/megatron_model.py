@@ -16,6 +16,8 @@ Layouts undone (mcore's on the left):
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from megatron_sp.checkpointing.paths import CheckpointError
@@ -30,20 +32,31 @@ _LAYER = {
     "pre_mlp_layernorm": "ln2",
     "mlp.linear_fc1": "mlp.fc1",
     "mlp.linear_fc2": "mlp.fc2",
+    "self_attention.core_attention": "attn",  # softmax_offset: --softmax-type learnable's per-head logits
+    "mlp.router": "mlp.router",  # weight [E, h]; the expert_bias buffer [E]
+    "mlp.shared_experts": "mlp.shared_experts",  # gate_weight [1, h]
+    "mlp.shared_experts.linear_fc1": "mlp.shared_experts.fc1",
+    "mlp.shared_experts.linear_fc2": "mlp.shared_experts.fc2",
 }
+# an expert's MLP: mcore's local_experts.{e}.linear_fc1/2, numbered globally here (the readers renumber
+# each EP rank's local experts and unstack torch_dist's [L, E, ...] entries)
+_OUR_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.fc([12])$")
 _TOP = {
     "embedding.word_embeddings": "embedding.word_embeddings",
     "embedding.position_embeddings": "embedding.position_embeddings",
     "decoder.final_layernorm": "final_ln",
     "output_layer": "output_layer",
 }
-_COLUMN = ("linear_qkv.", "linear_fc1.", "word_embeddings.weight", "output_layer.weight")  # split on rows
+_COLUMN = ("linear_qkv.", "linear_fc1.", "word_embeddings.weight", "output_layer.weight", "softmax_offset")  # on rows
 _ROW = ("linear_proj.weight", "linear_fc2.weight")  # split on columns
 
 # args Megatron-LM sets for options we do not have: refused when truthy (one sentence naming the flag)
 _UNSUPPORTED = (
-    "num_experts",
     "multi_latent_attention",
+    "moe_apply_probs_on_input",
+    "moe_latent_size",
+    "moe_router_force_load_balancing",
+    "moe_use_legacy_grouped_gemm",
     "mtp_num_layers",
     "rotary_interleaved",
     "qk_l2_norm",
@@ -104,9 +117,61 @@ def config_fields(args, path: str, vocab_size=None) -> dict:
         make_vocab_size_divisible_by=int(get("make_vocab_size_divisible_by", 128)),
     )
     if get("window_size"):
-        fields.update(window_size=tuple(get("window_size")), window_attn_skip_freq=get("window_attn_skip_freq"))
+        skip = get("window_attn_skip_freq")
+        fields.update(window_size=tuple(get("window_size")), window_attn_skip_freq=_freq(skip))
+    if get("softmax_type") not in (None, "vanilla"):
+        fields["softmax_type"] = get("softmax_type")
+    if get("num_experts"):
+        fields.update(_moe_fields(get, path))
     fields["model"] = _family(fields)
     return fields
+
+
+# Megatron-LM's MoE args read as GPTConfig's fields of the same names (moe_config.py; defaults Megatron's)
+_MOE_ARGS = (
+    "moe_ffn_hidden_size",
+    "moe_router_topk",
+    "moe_router_score_function",
+    "moe_router_pre_softmax",
+    "moe_router_topk_scaling_factor",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_dtype",
+    "moe_router_enable_expert_bias",
+    "moe_router_bias_update_rate",
+    "moe_z_loss_coeff",
+    "moe_grouped_gemm",
+    "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
+    "moe_expert_capacity_factor",
+    "moe_pad_expert_input_to_capacity",
+    "moe_token_drop_policy",
+)
+
+
+def _moe_fields(get, path: str) -> dict:
+    """The MoE fields of a Megatron-LM run's args (--num-experts and the --moe-* flags)."""
+    if get("add_bias_linear", True):
+        raise CheckpointError(
+            f"{path} is a mixture of experts with biases (no --disable-bias-linear): megatron-core's router then "
+            f"has a bias, which megatron_sp's router does not have."
+        )
+    out = {name: get(name) for name in _MOE_ARGS if get(name) is not None}
+    out.update(num_experts=get("num_experts"), moe_layer_freq=_freq(get("moe_layer_freq", 1)))
+    for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):  # a str / float, or one per layer type
+        value = get(name)
+        if isinstance(value, (list, tuple)):
+            if len(value) != 1:
+                raise CheckpointError(f"{path} was trained with several {_flag(name)} at once: not supported.")
+            value = value[0]
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def _freq(value):
+    """--moe-layer-freq / --window-attn-skip-freq: an int, or Megatron-LM's list -> GPTConfig's tuple."""
+    return tuple(value) if isinstance(value, (list, tuple)) else value
 
 
 def _either(get, new: str, old: str, default):
@@ -204,29 +269,18 @@ def interleave_qkv(t: torch.Tensor, cfg) -> torch.Tensor:
     return grouped.reshape(t.shape)
 
 
-def _our_name(name: str):
-    """ReferenceGPT's name of an mcore tensor name, or None."""
-    if name.startswith("decoder.layers."):
-        index, _, rest = name[len("decoder.layers.") :].partition(".")
-        module, _, kind = rest.rpartition(".")
-        return f"layers.{index}.{_LAYER[module]}.{kind}" if module in _LAYER and index.isdigit() else None
-    module, _, kind = name.rpartition(".")
-    return f"{_TOP[module]}.{kind}" if module in _TOP else None
-
-
 def _mcore_names(cfg) -> dict:
-    """{our name: mcore name} of every tensor of a ReferenceGPT of cfg."""
-    from megatron_sp.checkpointing.full_state import _meta_model
-
-    ours = {name for name, _ in _meta_model(cfg).named_parameters()}
+    """{our name: mcore name} of every tensor of a ReferenceGPT of cfg (the expert biases' buffers too)."""
     inverse = {v: k for k, v in _LAYER.items()}
     top = {v: k for k, v in _TOP.items()}
     out = {}
-    for name in ours:
+    for name in _shapes(cfg):
         module, _, kind = name.rpartition(".")
         if name.startswith("layers."):
             _, index, local = module.split(".", 2)
-            out[name] = f"decoder.layers.{index}.{inverse[local]}.{kind}"
+            expert = _OUR_EXPERT.match(local)
+            mcore = f"mlp.experts.local_experts.{expert[1]}.linear_fc{expert[2]}" if expert else inverse[local]
+            out[name] = f"decoder.layers.{index}.{mcore}.{kind}"
         else:
             out[name] = f"{top[module]}.{kind}"
     return out
@@ -272,8 +326,11 @@ def to_ours(mcore: dict, cfg, padded_vocab: int, path: str) -> dict:
 
 def _shapes(cfg) -> dict:
     from megatron_sp.checkpointing.full_state import _meta_model
+    from megatron_sp.checkpointing.states import kept_buffers
 
-    return {name: tuple(p.shape) for name, p in _meta_model(cfg).named_parameters()}
+    model = _meta_model(cfg)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return shapes | {name: tuple(b.shape) for name, b in kept_buffers(model)}
 
 
 def _tensor_to_ours(name: str, t: torch.Tensor, cfg, padded_vocab: int, path: str) -> torch.Tensor:

@@ -10,11 +10,11 @@ position) and the learning-rate schedule's position (the checkpoint's opt_param_
 training/schedules.py's ParamScheduler, which is Megatron's; its values must agree with this run's
 --lr / --min-lr / --lr-decay-style / warmup / decay unless --override-opt_param-scheduler or
 --use-checkpoint-opt_param-scheduler chooses, as in Megatron-LM, and it must have stepped once per
-sample consumed). Not carried over: the optimizer state, in either format
-(the distributed optimizer's distrib_optim.pt and torch_dist's optimizer entries are laid out by
-Megatron-LM's gradient buffers, which megatron_sp does not reproduce), so a resume without
---finetune needs --no-load-optim to start AdamW fresh; the RNG state (our dropout masks are a
-function of --seed, the sample and the position, not of a generator's state).
+sample consumed). Not carried over: the optimizer state, in either format (docs/checkpoints.md
+says which layouts could be and why none is read yet), so a resume without --finetune needs
+--no-load-optim to start AdamW fresh (the refusal names the layout the checkpoint holds); the RNG
+state (our dropout masks are a function of --seed, the sample and the position, not of a
+generator's state).
 """
 
 from __future__ import annotations
@@ -72,14 +72,36 @@ def check_resume(root: str, cfg, args) -> None:
         return
     if not args.no_load_optim:
         raise CheckpointError(
-            f"--load {root} is a Megatron-LM checkpoint, whose optimizer state megatron_sp cannot read "
-            f"(in either format); pass --no-load-optim to continue with a fresh AdamW, or --finetune."
+            f"--load {root} is a Megatron-LM checkpoint holding {optimizer_format(common, path)}, which megatron_sp "
+            f"does not read; pass --no-load-optim to continue with a fresh AdamW, or --finetune."
         )
     if getattr(args, "use_torch_fsdp2", False):
         raise CheckpointError(
             f"--load of a Megatron-LM checkpoint ({root}) with --use-torch-fsdp2 is not supported yet."
         )
     _check_schedule(common, args, path)
+
+
+def optimizer_format(common: dict, path: str) -> str:
+    """What optimizer state a Megatron-LM iteration directory holds, in Megatron-LM's terms."""
+    from megatron_sp.checkpointing.megatron_files import _dist_metadata
+    from megatron_sp.checkpointing.safe_dcp import METADATA_FILE
+
+    if os.path.lexists(os.path.join(path, METADATA_FILE)):
+        keys = _dist_metadata(path).state_dict_metadata
+        if any(k.startswith("optimizer.state.") for k in keys):
+            return (
+                "the distributed optimizer's model-space state (optimizer.state.*: --dist-ckpt-optim-fully-reshardable "
+                "or fully_sharded_model_space)"
+            )
+        if any(k.startswith("optimizer.") for k in keys):
+            return "the distributed optimizer's bucket-space state (optimizer.distributed.*: dp_reshardable)"
+        return "no optimizer state (--no-save-optim)"
+    if any(os.path.isfile(os.path.join(path, d, "distrib_optim.pt")) for d in os.listdir(path)):
+        return "the distributed optimizer's distrib_optim.pt (bucket-space)"
+    if "optimizer" in common:
+        return "a non-distributed optimizer's state dict (by parameter index)"
+    return "no optimizer state (--no-save-optim)"
 
 
 def _check_schedule(common: dict, args, path: str) -> None:
@@ -121,9 +143,13 @@ def load_resume(root: str, cfg, model, optimizer, train_state, finetune: bool, s
     import torch
 
     from megatron_sp.checkpointing.megatron import read_model
+    from megatron_sp.checkpointing.states import kept_buffers
 
     state, _, ckpt = read_model(root, None, cfg.vocab_size)
-    model.load_full_state_dict(state)
+    model.load_full_state_dict({k: v for k, v in state.items() if not k.endswith(".expert_bias")})
+    with torch.no_grad():
+        for name, buffer in kept_buffers(model):  # the routers' expert biases (this rank's stages)
+            buffer.copy_(state[name])
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, main in optimizer.main_params().items():
