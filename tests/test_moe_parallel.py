@@ -97,7 +97,13 @@ CASES = {  # name: (family, MoE fields, layout, ep, etp, dispatcher)
 # gradient differences into larger weight differences: with a shared expert and the per-sequence loss, the
 # same code gave < 3e-5 on CI's machine and 3.5e-5 on an AMD EPYC one (other vector paths in the CPU matmuls;
 # its gradients agree to 3.3e-7 on both), so it is held to 1e-4.
-PARAMS_AFTER_STEPS = {"ep2-shared-seq-aux": {**TOLERANCES, "params": 1e-4}}
+# GPT blocks at DP4 with expert fc2 biases scaled by their probabilities (Megatron's): the serial model itself
+# moves layer 0's expert-0 fc2 weight by 3.9e-5 after one step when its initial weights are perturbed by
+# 1e-7 (elements with near-zero gradients, which AdamW's first step turns into ±lr), and the layout by 3.3e-5
+# with gradients within 3.2e-7: held to 1e-4 (the seq-aux and FSDP2 cases alike).
+PARAMS_AFTER_STEPS = {
+    name: {**TOLERANCES, "params": 1e-4} for name in ("ep2-shared-seq-aux", "fsdp2/dp4/ep2-allgather")
+}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -161,7 +167,7 @@ def test_fsdp2_expert_parallel_parity(world, name):
     serial = run_serial({**fields, "expert_model_parallel_size": 1, "expert_tensor_parallel_size": None}, BATCHES)
     run = world.run(run_layout, fields, layout, BATCHES, state=serial.init, fsdp=True, probe=_fsdp_meshes)[0]
     row = compare(serial, run, name)
-    assert not row.failures(), row
+    assert not row.failures(PARAMS_AFTER_STEPS.get(name, TOLERANCES)), row
     assert run.extra["wrong"] == [], run.extra
     assert name != "fsdp2/dp2/ep2" or run.extra["sizes"] == (4, 2)  # dense over 4 ranks, experts over 2
 
