@@ -74,10 +74,11 @@ def _mlp_parameters(cfg, prefix: str, f: int, t: int):
 
 
 def _moe_parameters(cfg, prefix: str, t: int):
-    """An MoE layer's router [E, h] (every rank), the rank's E / EP experts (fc1 rows and fc2 columns
+    """An MoE layer's router [E, h] (and bias [E] with add_bias_linear; every rank), the rank's E / EP experts (fc1 rows and fc2 columns
     split over expert-TP; models/moe/experts.py) and the shared expert (TP-split as a dense MLP)."""
     h, f, etp = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.expert_tensor_parallel_size
     out = [(f"{prefix}.router.weight", (cfg.num_experts, h))]
+    out += [(f"{prefix}.router.bias", (cfg.num_experts,))] if cfg.add_bias_linear else []
     rows = (2 * f if cfg.gated_linear_unit else f) // etp
     for e in range(cfg.num_experts // cfg.expert_model_parallel_size):
         x = f"{prefix}.experts.local_experts.{e}"
@@ -85,6 +86,7 @@ def _moe_parameters(cfg, prefix: str, t: int):
         out += [(f"{x}.fc2.weight", (h, f // etp))] + ([(f"{x}.fc2.bias", (h,))] if cfg.add_bias_linear else [])
     if cfg.moe_shared_expert_intermediate_size:
         out += _mlp_parameters(cfg, f"{prefix}.shared_experts", cfg.moe_shared_expert_intermediate_size, t)
+        out += [(f"{prefix}.shared_experts.gate_weight", (1, h))] if cfg.moe_shared_expert_gate else []
     return out
 
 
