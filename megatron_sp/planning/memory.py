@@ -74,8 +74,9 @@ def _mlp_parameters(cfg, prefix: str, f: int, t: int):
 
 
 def _moe_parameters(cfg, prefix: str, t: int):
-    """An MoE layer's router [E, h] (and bias [E] with add_bias_linear; every rank), the rank's E / EP experts (fc1 rows and fc2 columns
-    split over expert-TP; models/moe/experts.py) and the shared expert (TP-split as a dense MLP)."""
+    """An MoE layer's router [E, h] (and bias [E] with add_bias_linear; every rank), the rank's E / EP
+    experts (fc1 rows and fc2 columns split over expert-TP; models/moe/experts.py) and the shared expert
+    (TP-split as a dense MLP, with its gate [1, h] under --moe-shared-expert-gate)."""
     h, f, etp = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.expert_tensor_parallel_size
     out = [(f"{prefix}.router.weight", (cfg.num_experts, h))]
     out += [(f"{prefix}.router.bias", (cfg.num_experts,))] if cfg.add_bias_linear else []
