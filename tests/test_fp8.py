@@ -253,3 +253,18 @@ def test_without_torchao_fp8_is_one_sentence(monkeypatch):
     )
     with pytest.raises(ArgumentError, match=r"needs the torchao package, .*torchao==0\.18\.0"):
         parse_args(["--mock-data", "--fp8-format", "e4m3"])
+
+
+def test_moe_experts_stay_out_of_fp8_and_the_start_up_line_says_so():
+    """The shared expert is a dense MLP of column/row linears (FP8); the routed experts' grouped GEMMs
+    keep the parameters' dtype (no FP8 grouped GEMM runs here), and the start-up line names that."""
+    from megatron_sp.models.gpt import GPTModel
+    from megatron_sp.training.trainer_report import _precision_words
+
+    moe = dict(num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2, moe_shared_expert_intermediate_size=48)
+    cfg = GPTConfig(**{**FIELDS, "fp8_recipe": "tensorwise", **moe})
+    mlp = GPTModel(cfg).layers[0].mlp
+    assert mlp.shared_experts.fc1.fp8 is not None and mlp.shared_experts.fc2.fp8 is not None
+    assert not any(hasattr(m, "fp8") and m.fp8 is not None for m in mlp.experts.modules())
+    assert _precision_words(cfg).endswith(f"; MoE experts' grouped GEMMs in {cfg.params_dtype}, not FP8")
+    assert "MoE" not in _precision_words(GPTConfig(**{**FIELDS, "fp8_recipe": "tensorwise"}))

@@ -65,13 +65,16 @@ def _cp_words(cfg) -> str:
 
 
 def _precision_words(cfg) -> str:
-    """The parameters' dtype, and FP8's format and recipe (with the layers kept out) when on."""
+    """The parameters' dtype, and FP8's format and recipe (with the layers kept out) when on; the MoE
+    experts' grouped GEMMs stay in the parameters' dtype (torchao's FP8 grouped GEMM needs triton, and
+    torch._scaled_grouped_mm has no CPU kernel), which the line says."""
     if cfg.fp8 is None:
         return cfg.params_dtype
     kept = ""
     if cfg.first_last_layers_bf16:
         kept = f", first {cfg.num_layers_at_start_in_bf16} / last {cfg.num_layers_at_end_in_bf16} layers not"
-    return f"{cfg.params_dtype} + FP8 GEMMs ({cfg.fp8} {cfg.fp8_recipe}, torchao{kept})"
+    experts = f"; MoE experts' grouped GEMMs in {cfg.params_dtype}, not FP8" if cfg.num_experts else ""
+    return f"{cfg.params_dtype} + FP8 GEMMs ({cfg.fp8} {cfg.fp8_recipe}, torchao{kept}){experts}"
 
 
 def describe(trainer) -> None:
