@@ -1,6 +1,6 @@
 """FP8 loss drift against bf16 (issue 34): the default job (scripts/train.sh: 4 layers x 128, the embedded
 corpus, 32 x 128 tokens per step, TP=2+SP, no dropout) for 50 iterations in --bf16 and with
---fp8-format hybrid under each recipe, and at TP=1 x DP=2 (bf16, tensorwise and delayed). FP8 runs
+--fp8-format hybrid under each recipe, and at TP=1 x DP=2, CP=2 and PP=2 (bf16, tensorwise and delayed). FP8 runs
 torchao's emulated GEMMs on CPU (the FP8 values multiplied in fp32), so the figures are FP8's numerics.
 
     python bench/fp8_drift.py                   # 50 iterations
@@ -30,6 +30,8 @@ DEFAULT_JOB = (  # scripts/train.sh's model, data and schedule, less its outputs
     "--log-interval 1 --eval-interval 100000 --eval-iters 1 --no-progress-bar --bf16"
 ).split()
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+CP2 = ["--context-parallel-size", "2"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
 HYBRID = ["--fp8-format", "hybrid"]
 RUNS = {  # name: (processes, flags, the bf16 run it is compared with)
     "bf16 TP=2+SP": (2, TP2_SP, None),
@@ -40,6 +42,12 @@ RUNS = {  # name: (processes, flags, the bf16 run it is compared with)
     "bf16 DP=2": (2, [], None),
     "fp8 tensorwise DP=2": (2, HYBRID + ["--fp8-recipe", "tensorwise"], "bf16 DP=2"),
     "fp8 delayed DP=2": (2, HYBRID, "bf16 DP=2"),
+    "bf16 CP=2": (2, CP2, None),
+    "fp8 delayed CP=2": (2, CP2 + HYBRID, "bf16 CP=2"),
+    "fp8 tensorwise CP=2": (2, CP2 + HYBRID + ["--fp8-recipe", "tensorwise"], "bf16 CP=2"),
+    "bf16 PP=2": (2, PP2, None),
+    "fp8 delayed PP=2": (2, PP2 + HYBRID, "bf16 PP=2"),
+    "fp8 tensorwise PP=2": (2, PP2 + HYBRID + ["--fp8-recipe", "tensorwise"], "bf16 PP=2"),
 }
 
 

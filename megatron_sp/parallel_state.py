@@ -286,12 +286,7 @@ def initialize_model_parallel(
     """
     global _STATE
     tp, cp, pp = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
-    sizes = tuple(hierarchical_context_parallel_sizes or ())
-    if sizes and (len(sizes) != 2 or sizes[0] * sizes[1] != cp):
-        raise ValueError(
-            f"hierarchical_context_parallel_sizes {list(sizes)} must be two sizes whose product is "
-            f"context_parallel_size ({cp})."
-        )
+    sizes = _hierarchical_sizes(hierarchical_context_parallel_sizes, cp)
     ep, etp = expert_model_parallel_size, expert_tensor_parallel_size or tp
     if not dist.is_initialized():
         _check_factors(1, tp, cp, pp)
@@ -308,15 +303,7 @@ def initialize_model_parallel(
         dp_group=_new_groups("dp_group", dp_lists, me, timeout),
         dp_cp_group=_new_groups("dp_cp_group", dp_cp_lists, me, timeout),
     )
-    if pp > 1:
-        pipelines = pipeline_ranks(tp, cp, dp, pp)
-        groups["pp_group"] = _new_groups("pp_group", pipelines, me, timeout)
-        groups["embedding_group"] = _new_groups(
-            "embedding_group", [[ranks[0], ranks[-1]] for ranks in pipelines], me, timeout
-        )
-        groups["pp_ranks"] = tuple(next(ranks for ranks in pipelines if me in ranks))
-    else:
-        groups["pp_ranks"] = (me,)
+    groups.update(_pipeline_groups(tp, cp, dp, pp, me, timeout))
     if sizes:
         inner, outer = hierarchical_cp_ranks(cp_lists, sizes)
         groups["hierarchical_cp_groups"] = (
@@ -337,6 +324,29 @@ def initialize_model_parallel(
         **groups,
     )
     return _STATE
+
+
+def _hierarchical_sizes(sizes, cp: int) -> tuple:
+    """(A, P) with A·P = cp for --cp-comm-type a2a+p2p, or () without them."""
+    sizes = tuple(sizes or ())
+    if sizes and (len(sizes) != 2 or sizes[0] * sizes[1] != cp):
+        raise ValueError(
+            f"hierarchical_context_parallel_sizes {list(sizes)} must be two sizes whose product is "
+            f"context_parallel_size ({cp})."
+        )
+    return sizes
+
+
+def _pipeline_groups(tp, cp, dp, pp, me, timeout) -> dict:
+    """The pipeline's group, the first and last stages' embedding group, and this rank's pipeline."""
+    if pp == 1:
+        return {"pp_ranks": (me,)}
+    pipelines = pipeline_ranks(tp, cp, dp, pp)
+    return dict(
+        pp_group=_new_groups("pp_group", pipelines, me, timeout),
+        embedding_group=_new_groups("embedding_group", [[ranks[0], ranks[-1]] for ranks in pipelines], me, timeout),
+        pp_ranks=tuple(next(ranks for ranks in pipelines if me in ranks)),
+    )
 
 
 def _expert_groups(tp, cp, dp, pp, ep, etp, me, timeout) -> dict:

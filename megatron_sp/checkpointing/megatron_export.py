@@ -55,6 +55,27 @@ def padded_vocab(cfg, tp: int) -> int:
 def megatron_args(cfg, fmt: str, tp: int, pp: int, iteration: int, consumed: int, ep: int = 1) -> argparse.Namespace:
     """The args Megatron-LM reads back from a checkpoint (both the older and newer norm names)."""
     args = argparse.Namespace(
+        **_shape_args(cfg, tp),
+        **_block_args(cfg),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        params_dtype=torch.float32,
+        ckpt_format=fmt,
+        iteration=iteration,
+        consumed_train_samples=consumed,
+        seed=cfg.seed,
+        init_method_std=cfg.init_method_std,
+        num_experts=cfg.num_experts,
+    )
+    if cfg.num_experts:
+        vars(args).update(_moe_args(cfg, tp))
+    return args
+
+
+def _shape_args(cfg, tp: int) -> dict:
+    """Sizes: layers, widths, heads, positions, vocabulary (padded as Megatron-LM pads it at TP tp)."""
+    return dict(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.ffn_hidden_size,
@@ -64,6 +85,15 @@ def megatron_args(cfg, fmt: str, tp: int, pp: int, iteration: int, consumed: int
         num_query_groups=cfg.num_query_groups,
         max_position_embeddings=cfg.max_position_embeddings,
         seq_length=cfg.seq_length,
+        vocab_size=cfg.vocab_size,
+        padded_vocab_size=padded_vocab(cfg, tp),
+        make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
+    )
+
+
+def _block_args(cfg) -> dict:
+    """The block's options: positions, norms, activation, biases, dropout, attention windows."""
+    return dict(
         position_embedding_type=cfg.position_embedding_type,
         add_position_embedding=cfg.position_embedding_type == "learned_absolute",
         rotary_base=int(cfg.rotary_base) if float(cfg.rotary_base).is_integer() else cfg.rotary_base,
@@ -83,35 +113,23 @@ def megatron_args(cfg, fmt: str, tp: int, pp: int, iteration: int, consumed: int
         untie_embeddings_and_output_weights=bool(cfg.untie_embeddings_and_output_weights),
         add_bias_linear=bool(cfg.add_bias_linear),
         add_qkv_bias=bool(cfg.add_qkv_bias),
-        vocab_size=cfg.vocab_size,
-        padded_vocab_size=padded_vocab(cfg, tp),
-        make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
         hidden_dropout=cfg.hidden_dropout,
         attention_dropout=cfg.attention_dropout,
-        init_method_std=cfg.init_method_std,
-        seed=cfg.seed,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        params_dtype=torch.float32,
-        ckpt_format=fmt,
-        iteration=iteration,
-        consumed_train_samples=consumed,
-        expert_model_parallel_size=ep,
         window_size=cfg.window_size,
         window_attn_skip_freq=cfg.window_attn_skip_freq,
         softmax_type=cfg.softmax_type,
-        num_experts=cfg.num_experts,
     )
-    if cfg.num_experts:
-        from megatron_sp.checkpointing.megatron_model import _MOE_ARGS
 
-        moe = {name: getattr(cfg, name) for name in _MOE_ARGS}
-        freq = cfg.moe_layer_freq
-        moe.update(moe_layer_freq=list(freq) if isinstance(freq, tuple) else freq, expert_tensor_parallel_size=tp)
-        moe.update(moe_router_load_balancing_type=cfg.moe_router_load_balancing_type)
-        moe.update(moe_aux_loss_coeff=cfg.moe_aux_loss_coeff)
-        vars(args).update(moe)
-    return args
+
+def _moe_args(cfg, tp: int) -> dict:
+    from megatron_sp.checkpointing.megatron_model import _MOE_ARGS
+
+    moe = {name: getattr(cfg, name) for name in _MOE_ARGS}
+    freq = cfg.moe_layer_freq
+    moe.update(moe_layer_freq=list(freq) if isinstance(freq, tuple) else freq, expert_tensor_parallel_size=tp)
+    moe.update(moe_router_load_balancing_type=cfg.moe_router_load_balancing_type)
+    moe.update(moe_aux_loss_coeff=cfg.moe_aux_loss_coeff)
+    return moe
 
 
 def _check(cfg, tp: int, pp: int, ep: int) -> None:

@@ -74,28 +74,19 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def config_fields(args, path: str, vocab_size=None) -> dict:
-    """The GPTConfig fields of a Megatron-LM checkpoint's args (older and newer names both read)."""
-    if args is None:
-        raise CheckpointError(f"{path} holds no args: it was not written by Megatron-LM's save_checkpoint.")
-    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+def _check_args(get, path: str) -> None:
+    """Options megatron_sp does not support, and the sizes a GPT checkpoint's args must hold."""
     for name in _UNSUPPORTED:
         if get(name):
             raise CheckpointError(f"{path} was trained with {_flag(name)}, which megatron_sp does not support.")
     for name in ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size"):
         if not isinstance(get(name), int):
             raise CheckpointError(f"{path} has no {name} in its args: not a GPT checkpoint of Megatron-LM.")
-    heads = get("num_attention_heads")
-    fields = dict(
-        num_layers=get("num_layers"),
-        hidden_size=get("hidden_size"),
-        num_attention_heads=heads,
-        vocab_size=vocab_size or get("padded_vocab_size"),
-        seq_length=get("seq_length") or get("max_position_embeddings"),
-        max_position_embeddings=get("max_position_embeddings") or get("seq_length"),
-        ffn_hidden_size=get("ffn_hidden_size"),
-        kv_channels=get("kv_channels") or get("hidden_size") // heads,
-        num_query_groups=get("num_query_groups") if get("group_query_attention") else heads,
+
+
+def _block_fields(get, path: str) -> dict:
+    """The block's options from the args: positions, norms, activation, biases, dropout."""
+    return dict(
         position_embedding_type=_positions(get, path),
         rotary_base=float(get("rotary_base", 10000)),
         rotary_percent=float(get("rotary_percent", 1.0)),
@@ -112,6 +103,27 @@ def config_fields(args, path: str, vocab_size=None) -> dict:
         add_qkv_bias=bool(get("add_qkv_bias") or get("add_bias_linear", True)),
         hidden_dropout=float(get("hidden_dropout", 0.1)),
         attention_dropout=float(get("attention_dropout", 0.1)),
+    )
+
+
+def config_fields(args, path: str, vocab_size=None) -> dict:
+    """The GPTConfig fields of a Megatron-LM checkpoint's args (older and newer names both read)."""
+    if args is None:
+        raise CheckpointError(f"{path} holds no args: it was not written by Megatron-LM's save_checkpoint.")
+    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    _check_args(get, path)
+    heads = get("num_attention_heads")
+    fields = dict(
+        num_layers=get("num_layers"),
+        hidden_size=get("hidden_size"),
+        num_attention_heads=heads,
+        vocab_size=vocab_size or get("padded_vocab_size"),
+        seq_length=get("seq_length") or get("max_position_embeddings"),
+        max_position_embeddings=get("max_position_embeddings") or get("seq_length"),
+        ffn_hidden_size=get("ffn_hidden_size"),
+        kv_channels=get("kv_channels") or get("hidden_size") // heads,
+        num_query_groups=get("num_query_groups") if get("group_query_attention") else heads,
+        **_block_fields(get, path),
         init_method_std=float(get("init_method_std", 0.02)),
         seed=int(get("seed", 1234)),
         make_vocab_size_divisible_by=int(get("make_vocab_size_divisible_by", 128)),

@@ -21,6 +21,25 @@ def validate(args) -> None:
     """Checks that need no data and no devices; fills derived defaults (dp size, batch sizes...)."""
     _check_features(args)
     _train_length(args)
+    _check_sizes(args)
+    _check_fsdp2(args)
+    _batch_schedule(args)
+    _check_pipeline(args)
+    if args.save_interval is not None and args.save is None:
+        raise ArgumentError("--save-interval needs --save DIR.")
+    _check_tokenizer(args)
+    _check_tokenizer_needs(args)
+    _schedule_units(args)
+    _check_lr(args)
+    _check_numbers(args)
+    _check_precision(args)
+    _check_fp8(args)
+    _check_intervals(args)
+    _check_data_flags(args)
+
+
+def _check_sizes(args) -> None:
+    """Positive sizes, a world the model-parallel sizes divide; sets args.data_parallel_size."""
     for name in (
         "micro_batch_size",
         "train_iters",
@@ -47,12 +66,10 @@ def validate(args) -> None:
             + "."
         )
     args.data_parallel_size = args.world_size // (tp * cp * pp)
-    _check_fsdp2(args)
-    _batch_schedule(args)
-    _check_pipeline(args)
-    if args.save_interval is not None and args.save is None:
-        raise ArgumentError("--save-interval needs --save DIR.")
-    _check_tokenizer(args)
+
+
+def _check_tokenizer_needs(args) -> None:
+    """The files each tokenizer needs, and the packages of the optional outputs."""
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         raise ArgumentError("--tokenizer-type NullTokenizer needs --vocab-size.")
     if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
@@ -67,7 +84,10 @@ def validate(args) -> None:
     ):
         if value and importlib.util.find_spec(module) is None:
             raise ArgumentError(f"{flag} needs the {package} package, which is not installed (pip install {package}).")
-    _schedule_units(args)
+
+
+def _check_lr(args) -> None:
+    """The learning rates' order (min <= peak, warmup start <= peak, the decoupled pair)."""
     if args.min_lr > args.lr:
         raise ArgumentError("--min-lr must not exceed --lr.")
     if args.lr_warmup_init > args.lr:
@@ -76,11 +96,6 @@ def validate(args) -> None:
         raise ArgumentError("--decoupled-min-lr needs --decoupled-lr.")
     if args.decoupled_lr is not None and (args.decoupled_min_lr or args.min_lr) > args.decoupled_lr:
         raise ArgumentError("--decoupled-min-lr (default --min-lr) must not exceed --decoupled-lr.")
-    _check_numbers(args)
-    _check_precision(args)
-    _check_fp8(args)
-    _check_intervals(args)
-    _check_data_flags(args)
 
 
 def _train_length(args) -> None:

@@ -135,19 +135,7 @@ def _parallel_args(p):
         action="store_false",
         help="with --use-torch-fsdp2: each layer keeps its gathered weights from forward to backward (ZeRO-2)",
     )
-    g.add_argument(
-        "--use-megatron-fsdp",
-        action="store_true",
-        help="Megatron-FSDP's sharding by --data-parallel-sharding-strategy, run on torch FSDP2 (optim_grads_params, "
-        "optim_grads) or the distributed optimizer (optim); its own buffers' knobs have no effect",
-    )
-    g.add_argument(
-        "--data-parallel-sharding-strategy",
-        choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
-        default="optim_grads_params",
-        help="with --use-megatron-fsdp: ZeRO-3 = --use-torch-fsdp2, ZeRO-2 = the same without resharding after "
-        "forward, ZeRO-1 = --use-distributed-optimizer, or plain data parallelism",
-    )
+    _megatron_fsdp_args(g)
     g.add_argument(
         "--overlap-grad-reduce",
         action=argparse.BooleanOptionalAction,
@@ -161,6 +149,23 @@ def _parallel_args(p):
         help="collective timeout: a dead or hung rank fails the job after this long",
     )
     g.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
+
+
+def _megatron_fsdp_args(g):
+    """Megatron-FSDP's switch and sharding strategy, run on FSDP2 or the distributed optimizer."""
+    g.add_argument(
+        "--use-megatron-fsdp",
+        action="store_true",
+        help="Megatron-FSDP's sharding by --data-parallel-sharding-strategy, run on torch FSDP2 (optim_grads_params, "
+        "optim_grads) or the distributed optimizer (optim); its own buffers' knobs have no effect",
+    )
+    g.add_argument(
+        "--data-parallel-sharding-strategy",
+        choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+        default="optim_grads_params",
+        help="with --use-megatron-fsdp: ZeRO-3 = --use-torch-fsdp2, ZeRO-2 = the same without resharding after "
+        "forward, ZeRO-1 = --use-distributed-optimizer, or plain data parallelism",
+    )
 
 
 def _training_args(p):
@@ -194,10 +199,7 @@ def _training_args(p):
         "--exit-duration-in-mins", type=float, default=None, help="save and exit before this many minutes of training"
     )
     _schedule_args(g)
-    g.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW's beta1")
-    g.add_argument("--adam-beta2", type=float, default=0.999, help="AdamW's beta2")
-    g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW's epsilon")
-    g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+    _adamw_args(g)
     g.add_argument(
         "--calculate-per-token-loss",
         action="store_true",
@@ -209,6 +211,14 @@ def _training_args(p):
         help="CUDA: no reduced-precision reductions in bf16 GEMMs",
     )
     _runtime_args(g)
+
+
+def _adamw_args(g):
+    """AdamW's hyper-parameters and gradient clipping."""
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW's beta1")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="AdamW's beta2")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW's epsilon")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
 
 
 def _schedule_args(g):
@@ -372,6 +382,11 @@ def _logging_args(p):
         help="per-device peak for MFU; default: from the GPU model, or measured on CPU",
     )
     g.add_argument("--no-progress-bar", action="store_true", help="no tqdm bar on a terminal")
+    _wandb_and_profile_args(g)
+
+
+def _wandb_and_profile_args(g):
+    """Weights & Biases and the torch profiler."""
     g.add_argument("--wandb-project", default=None, help="log to Weights & Biases (wandb package; offline works)")
     g.add_argument("--wandb-exp-name", default=None, help="the wandb run's name")
     g.add_argument("--wandb-save-dir", default=None, help="default: <--save>/wandb")
