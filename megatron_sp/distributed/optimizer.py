@@ -202,16 +202,10 @@ def _count_zeros(tensors, device) -> torch.Tensor:
     return total
 
 
-def _global_sum(params, tensor_of, measure, ps: ParallelState, partition) -> torch.Tensor:
-    """measure(tensors) summed over the full (serial) model: TP shards summed over the group,
-    replicated tensors and copies counted once (with a partition: what each replica owns)."""
-    device = tensor_of(params[0]).device if params else collective_device()
-    split, replicated = [], {}  # replicated: {replica role: tensors}
-    params = [p for p in params if not getattr(p, "pipeline_copy", False)]  # a tied copy: counted once
-    experts = [tensor_of(p) for p in params if replica_role(p) == EXPERT_REPLICAS]  # this rank's shards
-    params = [p for p in params if replica_role(p) != EXPERT_REPLICAS]
-    if partition is not None:  # each expert shard has one owner in the world, as every TP shard
-        split, experts = split + experts, []
+def _dense_tensors(params, tensor_of, ps: ParallelState) -> tuple:
+    """(TP-split tensors, {replica role: replicated tensors}) of the dense parameters, each counted
+    once: a copy other ranks count is left out, and of key/value heads held in copies the first."""
+    split, replicated = [], {}
     for p in params:
         if not getattr(p, "norm_counted", True):  # a copy that other ranks count (distributed/fsdp.py)
             continue
@@ -226,6 +220,18 @@ def _global_sum(params, tensor_of, measure, ps: ParallelState, partition) -> tor
                 for shard, view in split_local(tensor_of(p), spec, ps.rank(spec.group), ps.size(spec.group))
                 if shard.first_copy
             ]
+    return split, replicated
+
+
+def _global_sum(params, tensor_of, measure, ps: ParallelState, partition) -> torch.Tensor:
+    """measure(tensors) summed over the full (serial) model: TP shards summed over the group,
+    replicated tensors and copies counted once (with a partition: what each replica owns)."""
+    device = tensor_of(params[0]).device if params else collective_device()
+    params = [p for p in params if not getattr(p, "pipeline_copy", False)]  # a tied copy: counted once
+    experts = [tensor_of(p) for p in params if replica_role(p) == EXPERT_REPLICAS]  # this rank's shards
+    split, replicated = _dense_tensors([p for p in params if replica_role(p) != EXPERT_REPLICAS], tensor_of, ps)
+    if partition is not None:  # each expert shard has one owner in the world, as every TP shard
+        split, experts = experts + split, []
     sharded = measure(split, device)
     if partition is not None:  # every shard has one owner in the world,
         dist.all_reduce(sharded)  # every whole parameter one per replica group

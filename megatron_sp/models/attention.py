@@ -131,6 +131,28 @@ class CausalAttention(nn.Module):
         super().__init__()
         self.cfg, self.layer = cfg, layer
 
+    def _torch_attention(self, q, k, v, seq, head_offset, p, explicit, window, sink):
+        """Masked attention on torch's kernels, or the explicit softmax (backends, masks without ids)."""
+        mask = seq.attention_mask
+        if mask is None and seq.document_ids is not None:  # Ulysses' whole sequence: ids, no mask
+            mask = document_mask(seq.document_ids)
+        return causal_attention(
+            q,
+            k,
+            v,
+            attention_mask=mask,
+            dropout_p=p,
+            seed=self.cfg.seed,
+            layer=self.layer,
+            index=seq.tp_index,
+            head_offset=head_offset,
+            explicit=explicit,
+            qk_scale_divisor=float(self.layer) if self.cfg.apply_query_key_layer_scaling else 1.0,
+            softmax_in_fp32=self.cfg.attention_softmax_in_fp32 or q.dtype == torch.float32,
+            window=window,
+            sink=sink,
+        )
+
     def forward(self, q, k, v, seq, head_offset: int, sink=None):
         p = self.cfg.attention_dropout if seq.training else 0.0
         explicit = self.cfg.attention_backend in EXPLICIT_BACKENDS or (
@@ -138,25 +160,7 @@ class CausalAttention(nn.Module):
         )
         index, window = seq.tp_index, layer_window(self.cfg, self.layer)
         if explicit or (p == 0.0 and sink is None):
-            mask = seq.attention_mask
-            if mask is None and seq.document_ids is not None:  # Ulysses' whole sequence: ids, no mask
-                mask = document_mask(seq.document_ids)
-            return causal_attention(
-                q,
-                k,
-                v,
-                attention_mask=mask,
-                dropout_p=p,
-                seed=self.cfg.seed,
-                layer=self.layer,
-                index=index,
-                head_offset=head_offset,
-                explicit=explicit,
-                qk_scale_divisor=float(self.layer) if self.cfg.apply_query_key_layer_scaling else 1.0,
-                softmax_in_fp32=self.cfg.attention_softmax_in_fp32 or q.dtype == torch.float32,
-                window=window,
-                sink=sink,
-            )
+            return self._torch_attention(q, k, v, seq, head_offset, p, explicit, window, sink)
         drop = AttentionDropout(p, self.cfg.seed, self.layer, head_offset)
         positions, documents = index.token_positions, seq.document_ids
         if window is not None or sink is not None:  # planned blocks, merged by log-sum-exp
