@@ -409,6 +409,119 @@ def make_family(out: str, family: str) -> None:
             save_dist(os.path.join(base, "tp2_dist_head"), family, chunks, *shape, head_style=True)
 
 
+# ---- a run with megatron-core's own optimizer -----------------------------------------------------
+
+OPTIM = dict(lr=3e-4, min_lr=3e-5, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
+GLOBAL_BATCH = 32
+
+
+def optimizer_shims() -> None:
+    """What megatron-core 0.16.1's FP32Optimizer, its gradient norm and clipping need on CPU: the
+    scalars they make with device='cuda' (the loss scale of 1, the norm's all-reduce buffer, the
+    no-op flag of multi_tensor_applier) made on the CPU, and Tensor.type() naming a CPU tensor as
+    its CUDA kind (its asserts). The arithmetic is megatron-core's own."""
+    for name in ("tensor", "zeros", "ones", "empty", "full"):
+        make = getattr(torch, name)
+        setattr(torch, name, _on_cpu(make))
+    cpu_type = torch.Tensor.type
+
+    def type_(self, *args, **kwargs):  # its asserts that a gradient is a torch.cuda.FloatTensor
+        name = cpu_type(self, *args, **kwargs)
+        return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs and isinstance(name, str) else name
+
+    torch.Tensor.type = type_
+
+
+def _on_cpu(make):
+    def made(*args, device=None, **kwargs):
+        if device is not None and str(device).startswith("cuda"):
+            device = "cpu"
+        return make(*args, device=device, **kwargs)
+
+    return made
+
+
+def mock_batch(start: int, count: int, vocab: int) -> tuple:
+    """Samples start .. start + count - 1 of pretrain_gpt_sp.py --mock-data --vocab-size `vocab`
+    (seed 1234): the samples our resumed run reads after Megatron-LM's `start` consumed ones."""
+    from megatron_sp.data.mock import MockGPTDataset
+
+    data = MockGPTDataset(start + count, SEQ, vocab, 1234)
+    items = [data[i] for i in range(start, start + count)]
+    return torch.stack([d["tokens"] for d in items]), torch.stack([d["labels"] for d in items])
+
+
+def megatron_step(model, optimizer, scheduler, step: int) -> None:
+    """One Megatron-LM train_step on global batch `step` (every micro-batch at once: with a full loss
+    mask the mean over the global batch is its micro-batches' mean of means): zero_grad, the mean
+    token loss's backward, optimizer.step() (clipping included), then the schedule's step."""
+    tokens, labels = mock_batch(step * GLOBAL_BATCH, GLOBAL_BATCH, PADDED)
+    positions = torch.arange(SEQ).expand(GLOBAL_BATCH, SEQ)
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1).expand(GLOBAL_BATCH, 1, SEQ, SEQ)
+    optimizer.zero_grad()
+    model.train()(tokens, positions, mask, labels=labels).float().mean().backward()
+    ok, _, _ = optimizer.step()
+    assert ok
+    scheduler.step(increment=GLOBAL_BATCH)
+
+
+def make_optimizer_run(out: str, family: str) -> None:
+    """<family>/optim_dist: ITERATION steps of megatron-core's own AdamW (get_megatron_optimizer: the
+    non-distributed FP32Optimizer, and its OptimizerParamScheduler) on the mock data, saved with
+    --ckpt-format torch_dist as Megatron-LM's save_checkpoint does (its optimizer's sharded_state_dict:
+    optimizer.state.exp_avg / exp_avg_sq.<model key>, the common step in common.pt); then step
+    ITERATION + 1 taken and saved to <family>/optim_next_dist. The tokenizer's vocabulary is the padded
+    one (args.vocab_size 128): Megatron's loss normalises over the padded rows too, so only then is
+    our step on the same batch Megatron's (the padding cut is covered by the weights' tests)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    layout(1, 1)
+    torch.manual_seed(1234)
+    model = build_model(family)
+    perturb(model)
+    model.ddp_config = DistributedDataParallelConfig()  # what get_megatron_optimizer reads of its DDP wrapper
+    config = OptimizerConfig(optimizer="adam", bf16=False, fp16=False, use_distributed_optimizer=False, **OPTIM)
+    optimizer = get_megatron_optimizer(config, [model])
+    args = megatron_args(family, 1, 1)
+    args.ckpt_format, args.use_distributed_optimizer, args.vocab_size = "torch_dist", False, PADDED
+    for name, value in OPTIM.items():
+        setattr(args, name, value)
+    samples = lambda iters: iters * GLOBAL_BATCH  # noqa: E731
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=samples(args.lr_warmup_iters),
+        lr_decay_steps=samples(args.train_iters),
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=samples(args.train_iters),
+        wd_incr_style="constant",
+    )
+    for step in range(ITERATION):
+        megatron_step(model, optimizer, scheduler, step)
+    path = os.path.join(out, family, "optim_dist", f"iter_{ITERATION:07d}")
+    os.makedirs(path, exist_ok=True)
+    sd = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": model.sharded_state_dict()}
+    sd["optimizer"] = optimizer.sharded_state_dict(sd, metadata={"singleton_local_shards": False, "chained_optim_avoid_prefix": True})
+    sd["opt_param_scheduler"] = scheduler.state_dict()
+    dist_checkpointing.save(sd, path, TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1))
+    _finish(os.path.join(out, family, "optim_dist"))
+    megatron_step(model, optimizer, scheduler, ITERATION)
+    sd["model"], sd["iteration"] = model.sharded_state_dict(), ITERATION + 1
+    sd["optimizer"] = optimizer.sharded_state_dict(sd, metadata={"singleton_local_shards": False, "chained_optim_avoid_prefix": True})
+    path = os.path.join(out, family, "optim_next_dist", f"iter_{ITERATION:07d}")
+    os.makedirs(path, exist_ok=True)
+    dist_checkpointing.save(sd, path, TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1))
+    _finish(os.path.join(out, family, "optim_next_dist"))
+
+
 EXPORTS = (("torch_dist", 2, 1), ("torch", 2, 1), ("torch", 1, 2), ("torch_dist", 1, 2))
 MOE_EXPORTS = (("torch_dist", 1, 1, 2), ("torch", 1, 1, 2), ("torch", 1, 2, 1))
 
