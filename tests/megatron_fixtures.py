@@ -19,13 +19,22 @@ shared expert; learnt attention sinks, --softmax-type learnable, and a sliding w
 get_gpt_decoder_block_spec (local spec) at EP1 and saved at MOE_LAYOUTS: ep1_*, ep2_* (mp_rank_TT_EEE),
 vpp_* (PP2 x 2 virtual stages: model0, model1) and pp2_uneven_torch (--decoder-first-pipeline-num-layers 1).
 
+For llama and moe, make_optimizer_run trains with megatron-core's own optimizer (get_megatron_optimizer:
+FP32Optimizer over torch's AdamW, its OptimizerParamScheduler, its gradient clipping) for ITERATION steps
+on pretrain_gpt_sp.py's --mock-data samples and saves as Megatron-LM does with its optimizer state:
+
+    <family>/optim_dist        iteration 10, torch_dist, optimizer.state.{exp_avg,exp_avg_sq}.<model key>
+    <family>/optim_next_dist   the same after step 11 (on the samples our resumed run reads next)
+    <family>/optim_state.pt    megatron-core's in-memory AdamW state at iteration 10, by parameter name
+
 TP2 and PP2 models load the TP1 torch_dist checkpoint with megatron-core's own dist_checkpointing.load
 (its resharding) before they are saved, so every layout holds the same weights.
 
 megatron-core's save path assumes CUDA; the shims below (`cpu_shims`) make it run on CPU: a no-op
 torch.cuda.synchronize, "cpu" as the current device, tensors staying on CPU, no psutil memory probe, no CUDA RNG
 tracker in the forward (dropout is off), and the MoE router's gating GEMM without Transformer Engine
-(moe_utils names te_general_gemm only when TE imports).
+(moe_utils names te_general_gemm only when TE imports); for its optimizer (`optimizer_shims`, last), the
+scalars it makes with device='cuda' made on the CPU and Tensor.type() naming CPU tensors as CUDA ones.
 """
 
 from __future__ import annotations
@@ -413,6 +422,8 @@ def make_family(out: str, family: str) -> None:
 
 OPTIM = dict(lr=3e-4, min_lr=3e-5, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
 GLOBAL_BATCH = 32
+# what Megatron-LM's _build_sharded_state_dict_metadata passes a non-distributed optimizer's sharded_state_dict
+SAVE_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
 def optimizer_shims() -> None:
@@ -451,11 +462,11 @@ def mock_batch(start: int, count: int, vocab: int) -> tuple:
     return torch.stack([d["tokens"] for d in items]), torch.stack([d["labels"] for d in items])
 
 
-def megatron_step(model, optimizer, scheduler, step: int) -> None:
+def megatron_step(model, optimizer, scheduler, step: int, vocab: int) -> None:
     """One Megatron-LM train_step on global batch `step` (every micro-batch at once: with a full loss
     mask the mean over the global batch is its micro-batches' mean of means): zero_grad, the mean
     token loss's backward, optimizer.step() (clipping included), then the schedule's step."""
-    tokens, labels = mock_batch(step * GLOBAL_BATCH, GLOBAL_BATCH, PADDED)
+    tokens, labels = mock_batch(step * GLOBAL_BATCH, GLOBAL_BATCH, vocab)
     positions = torch.arange(SEQ).expand(GLOBAL_BATCH, SEQ)
     mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1).expand(GLOBAL_BATCH, 1, SEQ, SEQ)
     optimizer.zero_grad()
@@ -465,19 +476,20 @@ def megatron_step(model, optimizer, scheduler, step: int) -> None:
     scheduler.step(increment=GLOBAL_BATCH)
 
 
-def make_optimizer_run(out: str, family: str) -> None:
+def make_optimizer_run(out: str, family: str, vocab: int) -> None:
     """<family>/optim_dist: ITERATION steps of megatron-core's own AdamW (get_megatron_optimizer: the
     non-distributed FP32Optimizer, and its OptimizerParamScheduler) on the mock data, saved with
     --ckpt-format torch_dist as Megatron-LM's save_checkpoint does (its optimizer's sharded_state_dict:
     optimizer.state.exp_avg / exp_avg_sq.<model key>, the common step in common.pt); then step
-    ITERATION + 1 taken and saved to <family>/optim_next_dist. The tokenizer's vocabulary is the padded
-    one (args.vocab_size 128): Megatron's loss normalises over the padded rows too, so only then is
-    our step on the same batch Megatron's (the padding cut is covered by the weights' tests)."""
+    ITERATION + 1 taken and saved to <family>/optim_next_dist, and megatron-core's in-memory AdamW state
+    by parameter name to <family>/optim_state.pt. vocab: the tokenizer's (args.vocab_size); our step on
+    the same batch is Megatron's only with vocab = the padded size (Megatron's loss normalises over the
+    padded rows too)."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     layout(1, 1)
     torch.manual_seed(1234)
@@ -487,7 +499,7 @@ def make_optimizer_run(out: str, family: str) -> None:
     config = OptimizerConfig(optimizer="adam", bf16=False, fp16=False, use_distributed_optimizer=False, **OPTIM)
     optimizer = get_megatron_optimizer(config, [model])
     args = megatron_args(family, 1, 1)
-    args.ckpt_format, args.use_distributed_optimizer, args.vocab_size = "torch_dist", False, PADDED
+    args.ckpt_format, args.use_distributed_optimizer, args.vocab_size = "torch_dist", False, vocab
     for name, value in OPTIM.items():
         setattr(args, name, value)
     samples = lambda iters: iters * GLOBAL_BATCH  # noqa: E731
@@ -505,21 +517,40 @@ def make_optimizer_run(out: str, family: str) -> None:
         wd_incr_style="constant",
     )
     for step in range(ITERATION):
-        megatron_step(model, optimizer, scheduler, step)
+        megatron_step(model, optimizer, scheduler, step, vocab)
     path = os.path.join(out, family, "optim_dist", f"iter_{ITERATION:07d}")
     os.makedirs(path, exist_ok=True)
     sd = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": model.sharded_state_dict()}
-    sd["optimizer"] = optimizer.sharded_state_dict(sd, metadata={"singleton_local_shards": False, "chained_optim_avoid_prefix": True})
+    sd["optimizer"] = optimizer.sharded_state_dict(
+        sd, metadata={"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    )
     sd["opt_param_scheduler"] = scheduler.state_dict()
     dist_checkpointing.save(sd, path, TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1))
     _finish(os.path.join(out, family, "optim_dist"))
-    megatron_step(model, optimizer, scheduler, ITERATION)
+    if torch.distributed.get_rank() == 0:
+        torch.save(_adam_by_name(model, optimizer), os.path.join(out, family, "optim_state.pt"))
+    megatron_step(model, optimizer, scheduler, ITERATION, vocab)
     sd["model"], sd["iteration"] = model.sharded_state_dict(), ITERATION + 1
-    sd["optimizer"] = optimizer.sharded_state_dict(sd, metadata={"singleton_local_shards": False, "chained_optim_avoid_prefix": True})
+    sd["optimizer"] = optimizer.sharded_state_dict(
+        sd, metadata={"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    )
     path = os.path.join(out, family, "optim_next_dist", f"iter_{ITERATION:07d}")
     os.makedirs(path, exist_ok=True)
     dist_checkpointing.save(sd, path, TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1))
     _finish(os.path.join(out, family, "optim_next_dist"))
+
+
+def _adam_by_name(model, optimizer) -> dict:
+    """{megatron-core parameter name: {exp_avg, exp_avg_sq, step}} of every optimizer (a ChainedOptimizer's:
+    dense and expert parameters)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return {
+        names[id(p)]: {k: v.clone() for k, v in opt.optimizer.state[p].items()}
+        for opt in inner
+        for group in opt.optimizer.param_groups
+        for p in group["params"]
+    }
 
 
 EXPORTS = (("torch_dist", 2, 1), ("torch", 2, 1), ("torch", 1, 2), ("torch_dist", 1, 2))
@@ -619,6 +650,9 @@ def worker(rank: int, out: str, port: int) -> None:
     torch.distributed.barrier()
     for family in FAMILIES:
         check_exports(os.path.join(out, family), family)
+    optimizer_shims()  # (last: Tensor.type() names CPU tensors as CUDA ones from here on)
+    make_optimizer_run(out, "llama", PADDED)
+    make_optimizer_run(out, "moe", VOCAB)
     torch.distributed.destroy_process_group()
 
 

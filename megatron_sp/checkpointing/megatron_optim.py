@@ -69,7 +69,9 @@ def optimizer_layout(common: dict, path: str) -> Layout:
             main = " and fp32 main weights" if kinds & set(MAIN) else ""
             return Layout(True, f"AdamW moments{main} under the model's keys (optimizer.state.*)")
         if any(k.startswith("optimizer.distributed.") for k in keys):
-            return Layout(False, "the distributed optimizer's bucket-space state (optimizer.distributed.*: dp_reshardable)")
+            return Layout(
+                False, "the distributed optimizer's bucket-space state (optimizer.distributed.*: dp_reshardable)"
+            )
         if any(k.startswith("chained_") and ".optimizer." in k for k in keys):
             return Layout(False, "a chained optimizer's prefixed state (chained_<i>.optimizer.*)")
         if any(k.startswith("optimizer.") for k in keys):
@@ -121,7 +123,9 @@ def check_optimizer(common: dict, path: str, args) -> None:
     for group in _groups(common.get("optimizer")):
         betas, eps = group.get("betas"), group.get("eps")
         if betas is not None and tuple(float(b) for b in betas) != (args.adam_beta1, args.adam_beta2):
-            _refuse_hyper(path, f"betas {tuple(betas)}", f"--adam-beta1 {args.adam_beta1} --adam-beta2 {args.adam_beta2}")
+            _refuse_hyper(
+                path, f"betas {tuple(betas)}", f"--adam-beta1 {args.adam_beta1} --adam-beta2 {args.adam_beta2}"
+            )
         if eps is not None and float(eps) != args.adam_eps:
             _refuse_hyper(path, f"eps {eps}", f"--adam-eps {args.adam_eps}")
     _step(common.get("optimizer"), path)
@@ -136,11 +140,15 @@ def _refuse_hyper(path: str, saved: str, ours: str):
 
 def read_optimizer(path: str, cfg, padded_vocab: int, common: dict) -> MegatronAdam:
     """The AdamW state of a torch_dist directory whose layout is readable (optimizer_layout)."""
-    keys = {k[len(_STATE) :].partition(".")[0] for k in _dist_metadata(path).state_dict_metadata if k.startswith(_STATE)}
+    keys = {
+        k[len(_STATE) :].partition(".")[0] for k in _dist_metadata(path).state_dict_metadata if k.startswith(_STATE)
+    }
     unknown = sorted(keys - set(MOMENTS) - set(MAIN))
     if unknown or not set(MOMENTS) <= keys or len(keys & set(MAIN)) > 1:
         what = f"optimizer.state.{unknown[0]}.*" if unknown else f"the optimizer.state entries {sorted(keys)}"
-        raise CheckpointError(f"{path} holds {what}, which is not AdamW's state (exp_avg, exp_avg_sq, fp32 main weights).")
+        raise CheckpointError(
+            f"{path} holds {what}, which is not AdamW's state (exp_avg, exp_avg_sq, fp32 main weights)."
+        )
     tensors = {}
     for kind in sorted(keys):
         ckpt = read_torch_dist(path, f"{_STATE}{kind}.")
