@@ -26,6 +26,8 @@ on pretrain_gpt_sp.py's --mock-data samples and saves as Megatron-LM does with i
     <family>/optim_dist        iteration 10, torch_dist, optimizer.state.{exp_avg,exp_avg_sq}.<model key>
     <family>/optim_next_dist   the same after step 11 (on the samples our resumed run reads next)
     <family>/optim_state.pt    megatron-core's in-memory AdamW state at iteration 10, by parameter name
+    llama/optim_bf16_*         the same with --bf16 (Float16OptimizerWithFloat16Params: bf16 weights, and
+                               its fp32 main weights as optimizer.state.fp32_param.<model key>)
 
 TP2 and PP2 models load the TP1 torch_dist checkpoint with megatron-core's own dist_checkpointing.load
 (its resharding) before they are saved, so every layout holds the same weights.
@@ -476,7 +478,7 @@ def megatron_step(model, optimizer, scheduler, step: int, vocab: int) -> None:
     scheduler.step(increment=GLOBAL_BATCH)
 
 
-def make_optimizer_run(out: str, family: str, vocab: int) -> None:
+def make_optimizer_run(out: str, family: str, vocab: int, bf16: bool = False) -> None:
     """<family>/optim_dist: ITERATION steps of megatron-core's own AdamW (get_megatron_optimizer: the
     non-distributed FP32Optimizer, and its OptimizerParamScheduler) on the mock data, saved with
     --ckpt-format torch_dist as Megatron-LM's save_checkpoint does (its optimizer's sharded_state_dict:
@@ -495,8 +497,11 @@ def make_optimizer_run(out: str, family: str, vocab: int) -> None:
     torch.manual_seed(1234)
     model = build_model(family)
     perturb(model)
+    if bf16:  # Megatron-LM's --bf16: bf16 parameters, Float16OptimizerWithFloat16Params's fp32 main weights
+        model.bfloat16()
+    tag = "optim_bf16" if bf16 else "optim"
     model.ddp_config = DistributedDataParallelConfig()  # what get_megatron_optimizer reads of its DDP wrapper
-    config = OptimizerConfig(optimizer="adam", bf16=False, fp16=False, use_distributed_optimizer=False, **OPTIM)
+    config = OptimizerConfig(optimizer="adam", bf16=bf16, fp16=False, use_distributed_optimizer=False, **OPTIM)
     optimizer = get_megatron_optimizer(config, [model])
     args = megatron_args(family, 1, 1)
     args.ckpt_format, args.use_distributed_optimizer, args.vocab_size = "torch_dist", False, vocab
@@ -518,7 +523,7 @@ def make_optimizer_run(out: str, family: str, vocab: int) -> None:
     )
     for step in range(ITERATION):
         megatron_step(model, optimizer, scheduler, step, vocab)
-    path = os.path.join(out, family, "optim_dist", f"iter_{ITERATION:07d}")
+    path = os.path.join(out, family, f"{tag}_dist", f"iter_{ITERATION:07d}")
     os.makedirs(path, exist_ok=True)
     sd = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": model.sharded_state_dict()}
     sd["optimizer"] = optimizer.sharded_state_dict(
@@ -526,31 +531,34 @@ def make_optimizer_run(out: str, family: str, vocab: int) -> None:
     )
     sd["opt_param_scheduler"] = scheduler.state_dict()
     dist_checkpointing.save(sd, path, TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1))
-    _finish(os.path.join(out, family, "optim_dist"))
+    _finish(os.path.join(out, family, f"{tag}_dist"))
     if torch.distributed.get_rank() == 0:
-        torch.save(_adam_by_name(model, optimizer), os.path.join(out, family, "optim_state.pt"))
+        torch.save(_adam_by_name(model, optimizer), os.path.join(out, family, f"{tag}_state.pt"))
     megatron_step(model, optimizer, scheduler, ITERATION, vocab)
     sd["model"], sd["iteration"] = model.sharded_state_dict(), ITERATION + 1
     sd["optimizer"] = optimizer.sharded_state_dict(
         sd, metadata={"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     )
-    path = os.path.join(out, family, "optim_next_dist", f"iter_{ITERATION:07d}")
+    path = os.path.join(out, family, f"{tag}_next_dist", f"iter_{ITERATION:07d}")
     os.makedirs(path, exist_ok=True)
     dist_checkpointing.save(sd, path, TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1))
-    _finish(os.path.join(out, family, "optim_next_dist"))
+    _finish(os.path.join(out, family, f"{tag}_next_dist"))
 
 
 def _adam_by_name(model, optimizer) -> dict:
-    """{megatron-core parameter name: {exp_avg, exp_avg_sq, step}} of every optimizer (a ChainedOptimizer's:
-    dense and expert parameters)."""
+    """{megatron-core parameter name: {exp_avg, exp_avg_sq, step, main}} of every optimizer (a
+    ChainedOptimizer's: dense and expert parameters); main: the fp32 main weight the optimizer steps
+    (Float16OptimizerWithFloat16Params's copy of a bf16 parameter, else the parameter)."""
     names = {id(p): n for n, p in model.named_parameters()}
-    inner = getattr(optimizer, "chained_optimizers", [optimizer])
-    return {
-        names[id(p)]: {k: v.clone() for k, v in opt.optimizer.state[p].items()}
-        for opt in inner
-        for group in opt.optimizer.param_groups
-        for p in group["params"]
-    }
+    out = {}
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        pairs = [(p, p) for g in opt.optimizer.param_groups for p in g["params"] if id(p) in names]
+        mains = zip(getattr(opt, "float16_groups", []), getattr(opt, "fp32_from_float16_groups", []))
+        pairs += [pair for model_group, main_group in mains for pair in zip(model_group, main_group)]
+        for p, main in pairs:
+            state = {k: v.clone() for k, v in opt.optimizer.state[main].items()}
+            out[names[id(p)]] = {**state, "main": main.detach().clone()}
+    return out
 
 
 EXPORTS = (("torch_dist", 2, 1), ("torch", 2, 1), ("torch", 1, 2), ("torch_dist", 1, 2))
@@ -652,6 +660,7 @@ def worker(rank: int, out: str, port: int) -> None:
         check_exports(os.path.join(out, family), family)
     optimizer_shims()  # (last: Tensor.type() names CPU tensors as CUDA ones from here on)
     make_optimizer_run(out, "llama", PADDED)
+    make_optimizer_run(out, "llama", PADDED, bf16=True)
     make_optimizer_run(out, "moe", VOCAB)
     torch.distributed.destroy_process_group()
 

@@ -84,31 +84,32 @@ def optimizer_layout(common: dict, path: str) -> Layout:
     return Layout(False, "no optimizer state (--no-save-optim)")
 
 
-def _groups(saved) -> list:
-    """The param_groups of every optimizer in the common state's `optimizer` entry (one optimizer's
-    state dict, a distributed optimizer's {"optimizer": ...}, or a ChainedOptimizer's {0: ..., 1: ...})."""
+def _walk(saved) -> list:
+    """Every optimizer's state dict in the common state's `optimizer` entry: one optimizer's, a
+    Float16OptimizerWithFloat16Params's or a distributed optimizer's {"optimizer": ...}, or a
+    ChainedOptimizer's {0: ..., 1: ...}."""
     if not isinstance(saved, dict):
         return []
-    if isinstance(saved.get("optimizer"), dict):
-        return _groups(saved["optimizer"])
-    if "param_groups" in saved:
-        return [g for g in saved["param_groups"] if isinstance(g, dict)]
-    return [g for k in sorted(k for k in saved if isinstance(k, int)) for g in _groups(saved[k])]
+    if any(isinstance(k, int) for k in saved):
+        return [d for k in sorted(k for k in saved if isinstance(k, int)) for d in _walk(saved[k])]
+    return [saved] + _walk(saved.get("optimizer"))
+
+
+def _groups(saved) -> list:
+    """The param_groups of every optimizer in the common state's `optimizer` entry."""
+    return [g for d in _walk(saved) for g in d.get("param_groups") or [] if isinstance(g, dict)]
 
 
 def _step(saved, path: str) -> int:
     """The one step count of every optimizer: `state.common_step`, or the param groups' `step`."""
     found = set()
-    parts = [saved.get(k) for k in sorted(k for k in saved if isinstance(k, int))] if isinstance(saved, dict) else []
-    for part in parts or [saved]:
-        if not isinstance(part, dict):
-            continue
+    for part in _walk(saved):
         state = part.get("state")
         if isinstance(state, dict) and "common_step" in state:
             found.add(int(torch.as_tensor(state["common_step"]).item()))
-        for group in _groups(part):
-            if "step" in group and group["step"] is not None:
-                found.add(int(torch.as_tensor(group["step"]).item()))
+    for group in _groups(saved):
+        if group.get("step") is not None:
+            found.add(int(torch.as_tensor(group["step"]).item()))
     if len(found) != 1:
         raise CheckpointError(
             f"{path} holds optimizer state with {'no' if not found else 'several'} step counts "
