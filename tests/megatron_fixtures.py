@@ -28,6 +28,10 @@ on pretrain_gpt_sp.py's --mock-data samples and saves as Megatron-LM does with i
     <family>/optim_state.pt    megatron-core's in-memory AdamW state at iteration 10, by parameter name
     llama/optim_bf16_*         the same with --bf16 (Float16OptimizerWithFloat16Params: bf16 weights, and
                                its fp32 main weights as optimizer.state.fp32_param.<model key>)
+    llama/distopt_*            the same at TP2 with --use-distributed-optimizer (its DistributedDataParallel
+                               and DistributedOptimizer) saved --dist-ckpt-optim-fully-reshardable
+                               (optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>, the step in its
+                               param groups), and distopt_dp_reshardable_dist: its default flat buckets
 
 TP2 and PP2 models load the TP1 torch_dist checkpoint with megatron-core's own dist_checkpointing.load
 (its resharding) before they are saved, so every layout holds the same weights.
@@ -467,18 +471,26 @@ def mock_batch(start: int, count: int, vocab: int) -> tuple:
 def megatron_step(model, optimizer, scheduler, step: int, vocab: int) -> None:
     """One Megatron-LM train_step on global batch `step` (every micro-batch at once: with a full loss
     mask the mean over the global batch is its micro-batches' mean of means): zero_grad, the mean
-    token loss's backward, optimizer.step() (clipping included), then the schedule's step."""
+    token loss's backward, finalize_model_grads (megatron-core's DDP wrapper only), optimizer.step()
+    (clipping included), then the schedule's step."""
+    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+
     tokens, labels = mock_batch(step * GLOBAL_BATCH, GLOBAL_BATCH, vocab)
     positions = torch.arange(SEQ).expand(GLOBAL_BATCH, SEQ)
     mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1).expand(GLOBAL_BATCH, 1, SEQ, SEQ)
+    ddp = isinstance(model, DistributedDataParallel)
+    if ddp:
+        model.zero_grad_buffer()
     optimizer.zero_grad()
     model.train()(tokens, positions, mask, labels=labels).float().mean().backward()
+    if ddp:
+        finalize_model_grads([model])
     ok, _, _ = optimizer.step()
     assert ok
     scheduler.step(increment=GLOBAL_BATCH)
 
 
-def make_optimizer_run(out: str, family: str, vocab: int, bf16: bool = False) -> None:
+def make_optimizer_run(out: str, family: str, vocab: int, bf16: bool = False, distributed: bool = False) -> None:
     """<family>/optim_dist: ITERATION steps of megatron-core's own AdamW (get_megatron_optimizer: the
     non-distributed FP32Optimizer, and its OptimizerParamScheduler) on the mock data, saved with
     --ckpt-format torch_dist as Megatron-LM's save_checkpoint does (its optimizer's sharded_state_dict:
@@ -486,25 +498,39 @@ def make_optimizer_run(out: str, family: str, vocab: int, bf16: bool = False) ->
     ITERATION + 1 taken and saved to <family>/optim_next_dist, and megatron-core's in-memory AdamW state
     by parameter name to <family>/optim_state.pt. vocab: the tokenizer's (args.vocab_size); our step on
     the same batch is Megatron's only with vocab = the padded size (Megatron's loss normalises over the
-    padded rows too)."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-    from megatron.core.distributed import DistributedDataParallelConfig
+    padded rows too). bf16: optim_bf16_* (Float16OptimizerWithFloat16Params). distributed: distopt_*,
+    at TP2 (DP1: gloo has no reduce-scatter) inside megatron-core's DistributedDataParallel, its
+    DistributedOptimizer saved as --dist-ckpt-optim-fully-reshardable saves it (no state.pt), and at
+    iteration 10 also as its default dp_reshardable (distopt_dp_reshardable_dist: flat buckets)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    tp = 2 if distributed else 1
     layout(1, 1)
     torch.manual_seed(1234)
-    model = build_model(family)
-    perturb(model)
+    module = build_model(family)
+    perturb(module)
+    if distributed:  # the same weights at TP2, resharded by megatron-core's own load
+        whole = os.path.join(out, family, "distopt_start")
+        save_dist(whole, family, [module], 1, 1)
+        layout(tp, 1)
+        module = build_model(family)
+        load_dist([module], os.path.join(whole, f"iter_{ITERATION:07d}"))
     if bf16:  # Megatron-LM's --bf16: bf16 parameters, Float16OptimizerWithFloat16Params's fp32 main weights
-        model.bfloat16()
-    tag = "optim_bf16" if bf16 else "optim"
-    model.ddp_config = DistributedDataParallelConfig()  # what get_megatron_optimizer reads of its DDP wrapper
-    config = OptimizerConfig(optimizer="adam", bf16=bf16, fp16=False, use_distributed_optimizer=False, **OPTIM)
+        module.bfloat16()
+    tag = "distopt" if distributed else "optim_bf16" if bf16 else "optim"
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed, grad_reduce_in_fp32=True)
+    if distributed:
+        model = DistributedDataParallel(module.config, ddp_config, module)
+    else:
+        model = module
+        model.ddp_config = ddp_config  # what get_megatron_optimizer reads of its DDP wrapper
+    config = OptimizerConfig(optimizer="adam", bf16=bf16, fp16=False, use_distributed_optimizer=distributed, **OPTIM)
     optimizer = get_megatron_optimizer(config, [model])
-    args = megatron_args(family, 1, 1)
-    args.ckpt_format, args.use_distributed_optimizer, args.vocab_size = "torch_dist", False, vocab
+    args = megatron_args(family, tp, 1)
+    args.ckpt_format, args.use_distributed_optimizer, args.vocab_size = "torch_dist", distributed, vocab
+    args.dist_ckpt_optim_fully_reshardable = distributed
     for name, value in OPTIM.items():
         setattr(args, name, value)
     samples = lambda iters: iters * GLOBAL_BATCH  # noqa: E731
@@ -521,28 +547,38 @@ def make_optimizer_run(out: str, family: str, vocab: int, bf16: bool = False) ->
         wd_incr_steps=samples(args.train_iters),
         wd_incr_style="constant",
     )
-    for step in range(ITERATION):
+    metadata = dict(SAVE_METADATA)
+    if distributed:
+        metadata.update(distrib_optim_sharding_type="fully_reshardable")
+        metadata.update(distrib_optim_fully_reshardable_mem_efficient=False)
+    for step in range(ITERATION + 1):
+        if step == ITERATION:
+            _save_with_optimizer(os.path.join(out, family, f"{tag}_dist"), args, module, optimizer, scheduler, metadata)
+        if step == ITERATION and distributed:  # Megatron-LM's default for the distributed optimizer
+            flat = dict(SAVE_METADATA, distrib_optim_sharding_type="dp_reshardable")
+            root = os.path.join(out, family, "distopt_dp_reshardable_dist")
+            _save_with_optimizer(root, args, module, optimizer, scheduler, flat)
+        if step == ITERATION and not distributed and torch.distributed.get_rank() == 0:
+            torch.save(_adam_by_name(module, optimizer), os.path.join(out, family, f"{tag}_state.pt"))
         megatron_step(model, optimizer, scheduler, step, vocab)
-    path = os.path.join(out, family, f"{tag}_dist", f"iter_{ITERATION:07d}")
+    args.iteration, args.consumed_train_samples = ITERATION + 1, CONSUMED + GLOBAL_BATCH
+    _save_with_optimizer(os.path.join(out, family, f"{tag}_next_dist"), args, module, optimizer, scheduler, metadata)
+
+
+def _save_with_optimizer(root: str, args, module, optimizer, scheduler, metadata: dict) -> None:
+    """Megatron-LM's save_checkpoint for torch_dist (generate_state_dict of the unwrapped model, its
+    optimizer's sharded_state_dict with _build_sharded_state_dict_metadata's flags), as iteration 10
+    whatever the step (the directory names which)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    path = os.path.join(root, f"iter_{ITERATION:07d}")
     os.makedirs(path, exist_ok=True)
-    sd = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": model.sharded_state_dict()}
-    sd["optimizer"] = optimizer.sharded_state_dict(
-        sd, metadata={"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-    )
+    sd = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": module.sharded_state_dict()}
+    sd["optimizer"] = optimizer.sharded_state_dict(sd, metadata=metadata)
     sd["opt_param_scheduler"] = scheduler.state_dict()
     dist_checkpointing.save(sd, path, TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1))
-    _finish(os.path.join(out, family, f"{tag}_dist"))
-    if torch.distributed.get_rank() == 0:
-        torch.save(_adam_by_name(model, optimizer), os.path.join(out, family, f"{tag}_state.pt"))
-    megatron_step(model, optimizer, scheduler, ITERATION, vocab)
-    sd["model"], sd["iteration"] = model.sharded_state_dict(), ITERATION + 1
-    sd["optimizer"] = optimizer.sharded_state_dict(
-        sd, metadata={"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-    )
-    path = os.path.join(out, family, f"{tag}_next_dist", f"iter_{ITERATION:07d}")
-    os.makedirs(path, exist_ok=True)
-    dist_checkpointing.save(sd, path, TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1))
-    _finish(os.path.join(out, family, f"{tag}_next_dist"))
+    _finish(root)
 
 
 def _adam_by_name(model, optimizer) -> dict:
@@ -661,6 +697,7 @@ def worker(rank: int, out: str, port: int) -> None:
     optimizer_shims()  # (last: Tensor.type() names CPU tensors as CUDA ones from here on)
     make_optimizer_run(out, "llama", PADDED)
     make_optimizer_run(out, "llama", PADDED, bf16=True)
+    make_optimizer_run(out, "llama", PADDED, distributed=True)
     make_optimizer_run(out, "moe", VOCAB)
     torch.distributed.destroy_process_group()
 

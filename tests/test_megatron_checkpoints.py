@@ -426,3 +426,22 @@ def test_pretrain_continues_megatron_cores_bf16_adamw(fixtures, tmp_path, capsys
     assert diff(ours) < 2e-5
     _, _, fresh = _continue_llama_adamw(fixtures, tmp_path / "f", capsys, run + ["--no-load-optim"], "optim_bf16_dist")
     assert diff(fresh) > 1e-3
+
+
+def test_pretrain_continues_megatron_cores_distributed_optimizer(fixtures, tmp_path, capsys):
+    """megatron-core's DistributedOptimizer (inside its DistributedDataParallel, at TP2) saved with
+    --dist-ckpt-optim-fully-reshardable: our TP1 step 11 is its step 11 within 1e-5; its default
+    dp_reshardable layout (flat buckets) is refused in one sentence naming it without --no-load-optim."""
+    _, _, ckpt = read_model(os.path.join(fixtures, "llama", "distopt_dist"))
+    assert ckpt.common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
+    after, _, _ = read_model(os.path.join(fixtures, "llama", "distopt_next_dist"))
+    code, err, ours = _continue_llama_adamw(
+        fixtures, tmp_path / "ours", capsys, ["--adam-beta2", "0.95"], "distopt_dist"
+    )
+    assert code == 0, err
+    assert max((ours[k] - after[k]).abs().max().item() for k in after) < 1e-5
+    code, err, _ = _continue_llama_adamw(
+        fixtures, tmp_path / "flat", capsys, ["--adam-beta2", "0.95"], "distopt_dp_reshardable_dist"
+    )
+    assert code == 2 and "(optimizer.distributed.*: dp_reshardable)" in err and "--no-load-optim" in err
+    assert "\n" not in err

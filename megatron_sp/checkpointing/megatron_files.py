@@ -358,8 +358,8 @@ def read_torch_dist(path: str, state: str | None = None) -> MegatronCheckpoint:
     tensors, present = {}, {}
     for key, entry in entries.items():
         if not hasattr(entry, "size"):  # BytesStorageMetadata: a pickled object
-            if key.split("/")[0] != "common_state" and state is None:
-                ckpt.objects.add(key.split("/")[0])
+            if key.split("/")[0] != "common_state" and state is None and not key.startswith(_NOT_MODEL):
+                ckpt.objects.add(key.split("/")[0])  # (the optimizer's, RNG and rerun state objects: not the model's)
             continue
         if key.startswith(_NOT_MODEL) if state is None else not key.startswith(state):
             continue  # optimizer state: megatron_optim.py reads it where the layout allows
