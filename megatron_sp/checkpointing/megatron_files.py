@@ -8,6 +8,8 @@
                       see .shards
         .shards       legacy only: {mcore name: [tensor of TP rank 0, 1, ...]}
         .objects      the names of the non-tensor entries (`_extra_state`), accounted for but unread
+    read_torch_dist(path, state="optimizer.state.exp_avg.") -> the entries "<state><model key>" of an
+        optimizer's model-space state, unstacked as the model's (megatron_optim.py)
 
 Layouts on disk (megatron/training/checkpointing.py, megatron/core/dist_checkpointing/):
     torch       latest_checkpointed_iteration.txt, iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt,

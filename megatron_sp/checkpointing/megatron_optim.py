@@ -2,29 +2,37 @@
 
     optimizer_layout(common, path) -> Layout     what it holds (no tensors read): .readable, .what
     check_optimizer(common, path, args)          its AdamW hyperparameters against the command line's
-    read_optimizer(path, cfg) -> MegatronAdam    the moments (and fp32 main weights) as ReferenceGPT tensors
+    read_optimizer(path, cfg, padded_vocab, common) -> MegatronAdam   moments, fp32 main weights, step
+                                                 (ReferenceGPT names and shapes)
     load_optimizer(state, optimizer, model)      into our optimizer (distributed/optimizer.py), this rank's
 
-Read: the layouts that hold one global tensor per parameter under the model's own keys,
-`optimizer.state.{exp_avg,exp_avg_sq}.<model key>` in a torch_dist checkpoint, with the fp32 main
-weights as `optimizer.state.fp32_param.<model key>` (Float16OptimizerWithFloat16Params, --bf16 /
---fp16) or `optimizer.state.param.<model key>` (the distributed optimizer's fully_reshardable and
-fully_sharded_model_space), and the step count as megatron-core's optimizers keep it in the common
-state (`optimizer.state.common_step` of the non-distributed ones, one per optimizer of a
-ChainedOptimizer: dense and expert parameters; the distributed optimizer's
-`optimizer.optimizer.param_groups[i].step`). These are megatron-core 0.16.1's FP32Optimizer and
-Float16OptimizerWithFloat16Params under torch_dist (Megatron-LM without --use-distributed-optimizer)
-and its DistributedOptimizer with --dist-ckpt-optim-fully-reshardable. Each tensor goes through the
-weights' own mapping (megatron_files.py's unstacking of layers and experts, megatron_model.py's
-to_ours: QKV per query group, the vocab padding cut, TE norm names), then is sharded as the
-parameter it belongs to. Tested against megatron-core's FP32Optimizer (tests/megatron_fixtures.py);
-the others share its keys but no fixture of megatron-core's making covers them.
+Read: a torch_dist checkpoint whose optimizer state is one global tensor per parameter under the
+model's own keys, `optimizer.state.{exp_avg,exp_avg_sq}.<model key>`, with the fp32 main weights where
+the optimizer keeps them apart from the model's (`optimizer.state.fp32_param.<model key>`, or
+`optimizer.state.param.<model key>` for the distributed optimizer) and the step count from the common
+state (`optimizer.state.common_step`, or the param groups' `step`; one value for all, or refused):
 
-Not read (the refusal names the layout; --no-load-optim starts AdamW fresh, as Megatron-LM's own):
-the distributed optimizer's default dp_reshardable (`optimizer.distributed.dp_group_idx_N.*`: flat
-gradient-bucket buffers in Megatron's bucket order and padding) and legacy `distrib_optim.pt`, the
-legacy torch format's `optimizer` (a torch state dict keyed by the index of a parameter in
-Megatron's parameter groups), and a ChainedOptimizer's prefixed entries (`chained_<i>.optimizer.*`).
+    megatron-core 0.16.1 optimizer (Megatron-LM flags)                   tested (tests/megatron_fixtures.py)
+    FP32Optimizer (torch_dist, no --use-distributed-optimizer)           step parity 6e-8
+    Float16OptimizerWithFloat16Params (--bf16 / --fp16): + fp32_param     --bf16: main weights 5.5e-6
+    DistributedOptimizer, --dist-ckpt-optim-fully-reshardable: + param   at TP2, read at TP1: 6e-8
+
+(parity: the largest difference of our weights after step 11 from megatron-core's own step 11 on the
+same samples; the update is ~3e-4). Each tensor goes through the weights' own mapping (megatron_files.py's
+unstacking of layers and experts, megatron_model.py's to_ours: QKV per query group, the vocab padding
+cut, TE norm names), then is sharded as the parameter it belongs to (shard_full, as
+load_full_state_dict shards the weights). AdamW's betas and epsilon must be the command line's (the
+refusal names the flag); the learning rate and weight decay follow the schedule (megatron_resume.py);
+--fp16's loss scale starts fresh.
+
+Not read (the refusal names the layout; --no-load-optim starts AdamW fresh, as Megatron-LM's own): the
+distributed optimizer's default dp_reshardable (`optimizer.distributed.dp_group_idx_N.*`: flat gradient
+buckets in Megatron's bucket order and padding, tested) and legacy `distrib_optim.pt`; the legacy torch
+format's `optimizer` (a torch state dict keyed by a parameter's index in Megatron's parameter groups);
+a ChainedOptimizer's prefixed entries (`chained_<i>.optimizer.*`, Megatron-LM before
+chained_optim_avoid_prefix). fully_sharded_model_space (deprecated) cannot be written by megatron-core
+0.16.1 (its save raises "ShardedTensor.flattened_range is not supported"); an older one's per-rank
+flattened ranges are not known to be read correctly (untested).
 """
 
 from __future__ import annotations

@@ -3,18 +3,21 @@
     is_megatron_dir(root)                     its tracker names an iteration Megatron-LM wrote
     check_resume(root, cfg, args)             start-up: model flags against its args, the optimizer
                                               rule, the learning-rate schedule (no tensors read)
-    load_resume(root, cfg, model, optimizer, train_state, finetune, scheduler) -> its iteration
+    load_resume(root, cfg, model, optimizer, train_state, finetune, scheduler, load_optim) -> its iteration
 
 Carried over: the weights (any TP/PP and format), the iteration, the samples consumed (the data
 position) and the learning-rate schedule's position (the checkpoint's opt_param_scheduler, loaded into
 training/schedules.py's ParamScheduler, which is Megatron's; its values must agree with this run's
 --lr / --min-lr / --lr-decay-style / warmup / decay unless --override-opt_param-scheduler or
 --use-checkpoint-opt_param-scheduler chooses, as in Megatron-LM, and it must have stepped once per
-sample consumed). Not carried over: the optimizer state, in either format (docs/checkpoints.md
-says which layouts could be and why none is read yet), so a resume without --finetune needs
---no-load-optim to start AdamW fresh (the refusal names the layout the checkpoint holds); the RNG
-state (our dropout masks are a function of --seed, the sample and the position, not of a
-generator's state).
+sample consumed), and AdamW's state where the checkpoint's layout allows (megatron_optim.py: torch_dist's
+`optimizer.state.*` of megatron-core's FP32Optimizer, Float16OptimizerWithFloat16Params and the
+distributed optimizer's --dist-ckpt-optim-fully-reshardable: moments, step, fp32 main weights; betas
+and epsilon checked against --adam-beta1/2 and --adam-eps). Any other layout (dp_reshardable,
+distrib_optim.pt, the legacy format's index-keyed `optimizer`, none saved) is refused without
+--no-load-optim (AdamW starts fresh) or --finetune, the sentence naming it. Not carried over: the RNG
+state (our dropout masks are a function of --seed, the sample and the position, not of a generator's
+state) and --fp16's loss scale.
 """
 
 from __future__ import annotations
