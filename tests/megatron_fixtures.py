@@ -19,13 +19,28 @@ shared expert; learnt attention sinks, --softmax-type learnable, and a sliding w
 get_gpt_decoder_block_spec (local spec) at EP1 and saved at MOE_LAYOUTS: ep1_*, ep2_* (mp_rank_TT_EEE),
 vpp_* (PP2 x 2 virtual stages: model0, model1) and pp2_uneven_torch (--decoder-first-pipeline-num-layers 1).
 
+For llama and moe, make_optimizer_run trains with megatron-core's own optimizer (get_megatron_optimizer:
+FP32Optimizer over torch's AdamW, its OptimizerParamScheduler, its gradient clipping) for ITERATION steps
+on pretrain_gpt_sp.py's --mock-data samples and saves as Megatron-LM does with its optimizer state:
+
+    <family>/optim_dist        iteration 10, torch_dist, optimizer.state.{exp_avg,exp_avg_sq}.<model key>
+    <family>/optim_next_dist   the same after step 11 (on the samples our resumed run reads next)
+    <family>/optim_state.pt    megatron-core's in-memory AdamW state at iteration 10, by parameter name
+    llama/optim_bf16_*         the same with --bf16 (Float16OptimizerWithFloat16Params: bf16 weights, and
+                               its fp32 main weights as optimizer.state.fp32_param.<model key>)
+    llama/distopt_*            the same at TP2 with --use-distributed-optimizer (its DistributedDataParallel
+                               and DistributedOptimizer) saved --dist-ckpt-optim-fully-reshardable
+                               (optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>, the step in its
+                               param groups), and distopt_dp_reshardable_dist: its default flat buckets
+
 TP2 and PP2 models load the TP1 torch_dist checkpoint with megatron-core's own dist_checkpointing.load
 (its resharding) before they are saved, so every layout holds the same weights.
 
 megatron-core's save path assumes CUDA; the shims below (`cpu_shims`) make it run on CPU: a no-op
 torch.cuda.synchronize, "cpu" as the current device, tensors staying on CPU, no psutil memory probe, no CUDA RNG
 tracker in the forward (dropout is off), and the MoE router's gating GEMM without Transformer Engine
-(moe_utils names te_general_gemm only when TE imports).
+(moe_utils names te_general_gemm only when TE imports); for its optimizer (`optimizer_shims`, last), the
+scalars it makes with device='cuda' made on the CPU and Tensor.type() naming CPU tensors as CUDA ones.
 """
 
 from __future__ import annotations
@@ -409,6 +424,179 @@ def make_family(out: str, family: str) -> None:
             save_dist(os.path.join(base, "tp2_dist_head"), family, chunks, *shape, head_style=True)
 
 
+# ---- a run with megatron-core's own optimizer -----------------------------------------------------
+
+OPTIM = dict(lr=3e-4, min_lr=3e-5, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
+GLOBAL_BATCH = 32
+# what Megatron-LM's _build_sharded_state_dict_metadata passes a non-distributed optimizer's sharded_state_dict
+SAVE_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+
+
+def optimizer_shims() -> None:
+    """What megatron-core 0.16.1's FP32Optimizer, its gradient norm and clipping need on CPU: the
+    scalars they make with device='cuda' (the loss scale of 1, the norm's all-reduce buffer, the
+    no-op flag of multi_tensor_applier) made on the CPU, and Tensor.type() naming a CPU tensor as
+    its CUDA kind (its asserts). The arithmetic is megatron-core's own."""
+    for name in ("tensor", "zeros", "ones", "empty", "full"):
+        make = getattr(torch, name)
+        setattr(torch, name, _on_cpu(make))
+    cpu_type = torch.Tensor.type
+
+    def type_(self, *args, **kwargs):  # its asserts that a gradient is a torch.cuda.FloatTensor
+        name = cpu_type(self, *args, **kwargs)
+        return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs and isinstance(name, str) else name
+
+    torch.Tensor.type = type_
+
+
+def _on_cpu(make):
+    def made(*args, device=None, **kwargs):
+        if device is not None and str(device).startswith("cuda"):
+            device = "cpu"
+        return make(*args, device=device, **kwargs)
+
+    return made
+
+
+def mock_batch(start: int, count: int, vocab: int) -> tuple:
+    """Samples start .. start + count - 1 of pretrain_gpt_sp.py --mock-data --vocab-size `vocab`
+    (seed 1234): the samples our resumed run reads after Megatron-LM's `start` consumed ones."""
+    from megatron_sp.data.mock import MockGPTDataset
+
+    data = MockGPTDataset(start + count, SEQ, vocab, 1234)
+    items = [data[i] for i in range(start, start + count)]
+    return torch.stack([d["tokens"] for d in items]), torch.stack([d["labels"] for d in items])
+
+
+def megatron_step(model, optimizer, scheduler, step: int, vocab: int) -> None:
+    """One Megatron-LM train_step on global batch `step` (every micro-batch at once: with a full loss
+    mask the mean over the global batch is its micro-batches' mean of means): zero_grad, the mean
+    token loss's backward, finalize_model_grads (megatron-core's DDP wrapper only), optimizer.step()
+    (clipping included), then the schedule's step."""
+    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+
+    tokens, labels = mock_batch(step * GLOBAL_BATCH, GLOBAL_BATCH, vocab)
+    positions = torch.arange(SEQ).expand(GLOBAL_BATCH, SEQ)
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1).expand(GLOBAL_BATCH, 1, SEQ, SEQ)
+    ddp = isinstance(model, DistributedDataParallel)
+    if ddp:
+        model.zero_grad_buffer()
+    optimizer.zero_grad()
+    model.train()(tokens, positions, mask, labels=labels).float().mean().backward()
+    if ddp:
+        finalize_model_grads([model])
+    ok, _, _ = optimizer.step()
+    assert ok
+    scheduler.step(increment=GLOBAL_BATCH)
+
+
+def make_optimizer_run(out: str, family: str, vocab: int, bf16: bool = False, distributed: bool = False) -> None:
+    """<family>/optim_dist: ITERATION steps of megatron-core's own AdamW (get_megatron_optimizer: the
+    non-distributed FP32Optimizer, and its OptimizerParamScheduler) on the mock data, saved with
+    --ckpt-format torch_dist as Megatron-LM's save_checkpoint does (its optimizer's sharded_state_dict:
+    optimizer.state.exp_avg / exp_avg_sq.<model key>, the common step in common.pt); then step
+    ITERATION + 1 taken and saved to <family>/optim_next_dist, and megatron-core's in-memory AdamW state
+    by parameter name to <family>/optim_state.pt. vocab: the tokenizer's (args.vocab_size); our step on
+    the same batch is Megatron's only with vocab = the padded size (Megatron's loss normalises over the
+    padded rows too). bf16: optim_bf16_* (Float16OptimizerWithFloat16Params). distributed: distopt_*,
+    at TP2 (DP1: gloo has no reduce-scatter) inside megatron-core's DistributedDataParallel, its
+    DistributedOptimizer saved as --dist-ckpt-optim-fully-reshardable saves it (no state.pt), and at
+    iteration 10 also as its default dp_reshardable (distopt_dp_reshardable_dist: flat buckets)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    tp = 2 if distributed else 1
+    layout(1, 1)
+    torch.manual_seed(1234)
+    module = build_model(family)
+    perturb(module)
+    if distributed:  # the same weights at TP2, resharded by megatron-core's own load
+        whole = os.path.join(out, family, "distopt_start")
+        save_dist(whole, family, [module], 1, 1)
+        layout(tp, 1)
+        module = build_model(family)
+        load_dist([module], os.path.join(whole, f"iter_{ITERATION:07d}"))
+    if bf16:  # Megatron-LM's --bf16: bf16 parameters, Float16OptimizerWithFloat16Params's fp32 main weights
+        module.bfloat16()
+    tag = "distopt" if distributed else "optim_bf16" if bf16 else "optim"
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed, grad_reduce_in_fp32=True)
+    if distributed:
+        model = DistributedDataParallel(module.config, ddp_config, module)
+    else:
+        model = module
+        model.ddp_config = ddp_config  # what get_megatron_optimizer reads of its DDP wrapper
+    config = OptimizerConfig(optimizer="adam", bf16=bf16, fp16=False, use_distributed_optimizer=distributed, **OPTIM)
+    optimizer = get_megatron_optimizer(config, [model])
+    args = megatron_args(family, tp, 1)
+    args.ckpt_format, args.use_distributed_optimizer, args.vocab_size = "torch_dist", distributed, vocab
+    args.dist_ckpt_optim_fully_reshardable = distributed
+    for name, value in OPTIM.items():
+        setattr(args, name, value)
+    samples = lambda iters: iters * GLOBAL_BATCH  # noqa: E731
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=samples(args.lr_warmup_iters),
+        lr_decay_steps=samples(args.train_iters),
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=samples(args.train_iters),
+        wd_incr_style="constant",
+    )
+    metadata = dict(SAVE_METADATA)
+    if distributed:
+        metadata.update(distrib_optim_sharding_type="fully_reshardable")
+        metadata.update(distrib_optim_fully_reshardable_mem_efficient=False)
+    for step in range(ITERATION + 1):
+        if step == ITERATION:
+            _save_with_optimizer(os.path.join(out, family, f"{tag}_dist"), args, module, optimizer, scheduler, metadata)
+        if step == ITERATION and distributed:  # Megatron-LM's default for the distributed optimizer
+            flat = dict(SAVE_METADATA, distrib_optim_sharding_type="dp_reshardable")
+            root = os.path.join(out, family, "distopt_dp_reshardable_dist")
+            _save_with_optimizer(root, args, module, optimizer, scheduler, flat)
+        if step == ITERATION and not distributed and torch.distributed.get_rank() == 0:
+            torch.save(_adam_by_name(module, optimizer), os.path.join(out, family, f"{tag}_state.pt"))
+        megatron_step(model, optimizer, scheduler, step, vocab)
+    args.iteration, args.consumed_train_samples = ITERATION + 1, CONSUMED + GLOBAL_BATCH
+    _save_with_optimizer(os.path.join(out, family, f"{tag}_next_dist"), args, module, optimizer, scheduler, metadata)
+
+
+def _save_with_optimizer(root: str, args, module, optimizer, scheduler, metadata: dict) -> None:
+    """Megatron-LM's save_checkpoint for torch_dist (generate_state_dict of the unwrapped model, its
+    optimizer's sharded_state_dict with _build_sharded_state_dict_metadata's flags), as iteration 10
+    whatever the step (the directory names which)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    path = os.path.join(root, f"iter_{ITERATION:07d}")
+    os.makedirs(path, exist_ok=True)
+    sd = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": module.sharded_state_dict()}
+    sd["optimizer"] = optimizer.sharded_state_dict(sd, metadata=metadata)
+    sd["opt_param_scheduler"] = scheduler.state_dict()
+    dist_checkpointing.save(sd, path, TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1))
+    _finish(root)
+
+
+def _adam_by_name(model, optimizer) -> dict:
+    """{megatron-core parameter name: {exp_avg, exp_avg_sq, step, main}} of every optimizer (a
+    ChainedOptimizer's: dense and expert parameters); main: the fp32 main weight the optimizer steps
+    (Float16OptimizerWithFloat16Params's copy of a bf16 parameter, else the parameter)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        pairs = [(p, p) for g in opt.optimizer.param_groups for p in g["params"] if id(p) in names]
+        mains = zip(getattr(opt, "float16_groups", []), getattr(opt, "fp32_from_float16_groups", []))
+        pairs += [pair for model_group, main_group in mains for pair in zip(model_group, main_group)]
+        for p, main in pairs:
+            state = {k: v.clone() for k, v in opt.optimizer.state[main].items()}
+            out[names[id(p)]] = {**state, "main": main.detach().clone()}
+    return out
+
+
 EXPORTS = (("torch_dist", 2, 1), ("torch", 2, 1), ("torch", 1, 2), ("torch_dist", 1, 2))
 MOE_EXPORTS = (("torch_dist", 1, 1, 2), ("torch", 1, 1, 2), ("torch", 1, 2, 1))
 
@@ -506,6 +694,11 @@ def worker(rank: int, out: str, port: int) -> None:
     torch.distributed.barrier()
     for family in FAMILIES:
         check_exports(os.path.join(out, family), family)
+    optimizer_shims()  # (last: Tensor.type() names CPU tensors as CUDA ones from here on)
+    make_optimizer_run(out, "llama", PADDED)
+    make_optimizer_run(out, "llama", PADDED, bf16=True)
+    make_optimizer_run(out, "llama", PADDED, distributed=True)
+    make_optimizer_run(out, "moe", VOCAB)
     torch.distributed.destroy_process_group()
 
 

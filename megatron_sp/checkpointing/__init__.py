@@ -6,7 +6,7 @@ of an untrusted directory: nothing outside it read or written), full_state.py (w
 conversion tools, read with the trainer's checks); Megatron-LM's formats in and out: megatron.py
 (read_model), megatron_files.py (its files, read safely), megatron_model.py (args -> config, the tensor
 mapping), megatron_export.py (writing them), megatron_resume.py (pretrain_gpt_sp.py --load of a
-Megatron-LM run)."""
+Megatron-LM run), megatron_optim.py (its AdamW state, where the layout allows)."""
 
 from megatron_sp.checkpointing.checkpointer import (
     CheckpointSaveError,

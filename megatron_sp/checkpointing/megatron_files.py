@@ -8,6 +8,8 @@
                       see .shards
         .shards       legacy only: {mcore name: [tensor of TP rank 0, 1, ...]}
         .objects      the names of the non-tensor entries (`_extra_state`), accounted for but unread
+    read_torch_dist(path, state="optimizer.state.exp_avg.") -> the entries "<state><model key>" of an
+        optimizer's model-space state, unstacked as the model's (megatron_optim.py)
 
 Layouts on disk (megatron/training/checkpointing.py, megatron/core/dist_checkpointing/):
     torch       latest_checkpointed_iteration.txt, iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt,
@@ -344,8 +346,13 @@ def _legacy_name(name: str, layers: tuple, experts: tuple, file: str) -> str:
 # ---- --ckpt-format torch_dist -------------------------------------------------------------------
 
 
-def read_torch_dist(path: str) -> MegatronCheckpoint:
-    """The tensors of a torch_dist directory (plain torch.distributed.checkpoint, one process)."""
+_NOT_MODEL = ("optimizer.", "chained_", "rng_state", "rerun_state")  # (chained_<i>.optimizer.*: a prefixed one)
+
+
+def read_torch_dist(path: str, state: str | None = None) -> MegatronCheckpoint:
+    """The tensors of a torch_dist directory (plain torch.distributed.checkpoint, one process): the
+    model's, or with `state` the entries "<state><model key>" (an optimizer's model-space state,
+    "optimizer.state.exp_avg."), under the model's keys and unstacked as the model's."""
     metadata = _dist_metadata(path)
     entries = metadata.state_dict_metadata
     common = _dist_common(path, metadata)
@@ -353,13 +360,14 @@ def read_torch_dist(path: str) -> MegatronCheckpoint:
     tensors, present = {}, {}
     for key, entry in entries.items():
         if not hasattr(entry, "size"):  # BytesStorageMetadata: a pickled object
-            if key.split("/")[0] != "common_state":
-                ckpt.objects.add(key.split("/")[0])
+            if key.split("/")[0] != "common_state" and state is None and not key.startswith(_NOT_MODEL):
+                ckpt.objects.add(key.split("/")[0])  # (the optimizer's, RNG and rerun state objects: not the model's)
             continue
-        if key.startswith("optimizer.") or key.startswith("rng_state") or key.startswith("rerun_state"):
-            continue  # optimizer state: read by load_optimizer where the format allows
+        if key.startswith(_NOT_MODEL) if state is None else not key.startswith(state):
+            continue  # optimizer state: megatron_optim.py reads it where the layout allows
+        name = key if state is None else key[len(state) :]
         tensors[key] = torch.zeros(tuple(entry.size), dtype=entry.properties.dtype)
-        present[key] = _layers_present(key, entry, path)
+        present[key] = (name, _layers_present(name, entry, path))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -367,7 +375,8 @@ def read_torch_dist(path: str) -> MegatronCheckpoint:
     except Exception as err:  # noqa: BLE001 - DCP wraps any reader error
         raise CheckpointError(f"checkpoint {path} cannot be read ({_first_line(err)}); it is damaged.") from None
     for key, value in tensors.items():
-        _unstack(ckpt.tensors, key, value, present[key], path)
+        name, layers = present[key]
+        _unstack(ckpt.tensors, name, value, layers, path)
     return ckpt
 
 

@@ -310,9 +310,12 @@ def check_objects(names, path: str) -> None:
             raise CheckpointError(f"{path} holds the object {name}, which a model of its args has no place for.")
 
 
-def to_ours(mcore: dict, cfg, padded_vocab: int, path: str) -> dict:
-    """{mcore name: whole tensor} -> ReferenceGPT state of cfg; every tensor used, every one present."""
+def to_ours(mcore: dict, cfg, padded_vocab: int, path: str, parameters_only: bool = False) -> dict:
+    """{mcore name: whole tensor} -> ReferenceGPT state of cfg; every tensor used, every one present.
+    parameters_only: the parameters' tensors, without the buffers (an optimizer's state)."""
     wanted = _mcore_names(cfg)
+    if parameters_only:
+        wanted = {ours: name for ours, name in wanted.items() if not ours.endswith(".expert_bias")}
     tied_copy = mcore.get("output_layer.weight") if not cfg.untie_embeddings_and_output_weights else None
     if tied_copy is not None and not torch.equal(tied_copy, mcore.get("embedding.word_embeddings.weight", tied_copy)):
         raise CheckpointError(

@@ -3,18 +3,21 @@
     is_megatron_dir(root)                     its tracker names an iteration Megatron-LM wrote
     check_resume(root, cfg, args)             start-up: model flags against its args, the optimizer
                                               rule, the learning-rate schedule (no tensors read)
-    load_resume(root, cfg, model, optimizer, train_state, finetune, scheduler) -> its iteration
+    load_resume(root, cfg, model, optimizer, train_state, finetune, scheduler, load_optim) -> its iteration
 
 Carried over: the weights (any TP/PP and format), the iteration, the samples consumed (the data
 position) and the learning-rate schedule's position (the checkpoint's opt_param_scheduler, loaded into
 training/schedules.py's ParamScheduler, which is Megatron's; its values must agree with this run's
 --lr / --min-lr / --lr-decay-style / warmup / decay unless --override-opt_param-scheduler or
 --use-checkpoint-opt_param-scheduler chooses, as in Megatron-LM, and it must have stepped once per
-sample consumed). Not carried over: the optimizer state, in either format (docs/checkpoints.md
-says which layouts could be and why none is read yet), so a resume without --finetune needs
---no-load-optim to start AdamW fresh (the refusal names the layout the checkpoint holds); the RNG
-state (our dropout masks are a function of --seed, the sample and the position, not of a
-generator's state).
+sample consumed), and AdamW's state where the checkpoint's layout allows (megatron_optim.py: torch_dist's
+`optimizer.state.*` of megatron-core's FP32Optimizer, Float16OptimizerWithFloat16Params and the
+distributed optimizer's --dist-ckpt-optim-fully-reshardable: moments, step, fp32 main weights; betas
+and epsilon checked against --adam-beta1/2 and --adam-eps). Any other layout (dp_reshardable,
+distrib_optim.pt, the legacy format's index-keyed `optimizer`, none saved) is refused without
+--no-load-optim (AdamW starts fresh) or --finetune, the sentence naming it. Not carried over: the RNG
+state (our dropout masks are a function of --seed, the sample and the position, not of a generator's
+state) and --fp16's loss scale.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 from megatron_sp.checkpointing import files
 from megatron_sp.checkpointing.megatron_files import RANK_FILE, TRACKER, iteration_dir, read_common
 from megatron_sp.checkpointing.megatron_model import config_fields
+from megatron_sp.checkpointing.megatron_optim import check_optimizer, optimizer_layout
 from megatron_sp.checkpointing.paths import CheckpointError
 from megatron_sp.config import config_from_dict
 from megatron_sp.fields import mismatch
@@ -71,37 +75,18 @@ def check_resume(root: str, cfg, args) -> None:
     if args.finetune:
         return
     if not args.no_load_optim:
-        raise CheckpointError(
-            f"--load {root} is a Megatron-LM checkpoint holding {optimizer_format(common, path)}, which megatron_sp "
-            f"does not read; pass --no-load-optim to continue with a fresh AdamW, or --finetune."
-        )
+        layout = optimizer_layout(common, path)
+        if not layout.readable:
+            raise CheckpointError(
+                f"--load {root} is a Megatron-LM checkpoint holding {layout.what}, which megatron_sp does not "
+                f"read; pass --no-load-optim to continue with a fresh AdamW, or --finetune."
+            )
+        check_optimizer(common, path, args)
     if getattr(args, "use_torch_fsdp2", False):
         raise CheckpointError(
             f"--load of a Megatron-LM checkpoint ({root}) with --use-torch-fsdp2 is not supported yet."
         )
     _check_schedule(common, args, path)
-
-
-def optimizer_format(common: dict, path: str) -> str:
-    """What optimizer state a Megatron-LM iteration directory holds, in Megatron-LM's terms."""
-    from megatron_sp.checkpointing.megatron_files import _dist_metadata
-    from megatron_sp.checkpointing.safe_dcp import METADATA_FILE
-
-    if os.path.lexists(os.path.join(path, METADATA_FILE)):
-        keys = _dist_metadata(path).state_dict_metadata
-        if any(k.startswith("optimizer.state.") for k in keys):
-            return (
-                "the distributed optimizer's model-space state (optimizer.state.*: --dist-ckpt-optim-fully-reshardable "
-                "or fully_sharded_model_space)"
-            )
-        if any(k.startswith("optimizer.") for k in keys):
-            return "the distributed optimizer's bucket-space state (optimizer.distributed.*: dp_reshardable)"
-        return "no optimizer state (--no-save-optim)"
-    if any(os.path.isfile(os.path.join(path, d, "distrib_optim.pt")) for d in os.listdir(path)):
-        return "the distributed optimizer's distrib_optim.pt (bucket-space)"
-    if "optimizer" in common:
-        return "a non-distributed optimizer's state dict (by parameter index)"
-    return "no optimizer state (--no-save-optim)"
 
 
 def _check_schedule(common: dict, args, path: str) -> None:
@@ -134,12 +119,15 @@ def _check_schedule(common: dict, args, path: str) -> None:
         )
 
 
-def load_resume(root: str, cfg, model, optimizer, train_state, finetune: bool, scheduler=None) -> int:
+def load_resume(
+    root: str, cfg, model, optimizer, train_state, finetune: bool, scheduler=None, load_optim: bool = False
+) -> int:
     """Loads the weights into `model` (a TrainableModel) and the optimizer's fp32 main weights and,
     unless finetune, the iteration and data position into `train_state` and the schedule's position
     into `scheduler` (training/schedules.py's ParamScheduler: Megatron's opt_param_scheduler state, whose
     values it checks against the command line's as for our own checkpoints; without one, the consumed
-    samples); returns the iteration."""
+    samples), and with load_optim AdamW's moments, step and fp32 main weights (megatron_optim.py; the
+    layout was checked by check_resume); returns the iteration."""
     import torch
 
     from megatron_sp.checkpointing.megatron import read_model
@@ -156,6 +144,10 @@ def load_resume(root: str, cfg, model, optimizer, train_state, finetune: bool, s
             if main is not params[name]:
                 main.copy_(params[name])
     iteration = int(ckpt.common.get("iteration", 0))
+    if load_optim and not finetune:
+        from megatron_sp.checkpointing.megatron_optim import load_optimizer, read_optimizer
+
+        load_optimizer(read_optimizer(ckpt.path, cfg, ckpt.args.padded_vocab_size, ckpt.common), optimizer, model)
     if not finetune:
         args = ckpt.args
         train_state.iteration = iteration

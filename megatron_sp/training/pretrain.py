@@ -391,12 +391,14 @@ class Trainer:
         --save, and never with --exit-on-missing-checkpoint."""
         args = self.args
         if megatron_resume.is_megatron_dir(args.load):
+            load_optim = not (args.finetune or args.no_load_optim)
             it = megatron_resume.load_resume(
-                args.load, self.cfg, self.model, self.optimizer, self.state, args.finetune, self.scheduler
+                args.load, self.cfg, self.model, self.optimizer, self.state, args.finetune, self.scheduler, load_optim
             )
             self.log.info(
                 f" loaded Megatron-LM checkpoint {args.load} (iteration {it}; weights"
-                f"{'' if args.finetune else ', iteration, data position and LR schedule'}; fresh AdamW and RNG state)"
+                f"{'' if args.finetune else ', iteration, data position and LR schedule'}"
+                f"{', AdamW state' if load_optim else ''}; fresh {'' if load_optim else 'AdamW and '}RNG state)"
             )
             return
         skip = {"optim", "opt_param_scheduler", "train_state", "loss_scale", "rng", "fp8"} if args.finetune else set()
