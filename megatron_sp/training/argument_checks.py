@@ -50,8 +50,6 @@ def validate(args) -> None:
     _check_fsdp2(args)
     _batch_schedule(args)
     _check_pipeline(args)
-    if args.save_interval is not None and args.save is None:
-        raise ArgumentError("--save-interval needs --save DIR.")
     _check_tokenizer(args)
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         raise ArgumentError("--tokenizer-type NullTokenizer needs --vocab-size.")
@@ -257,6 +255,11 @@ def _check_experts(args) -> None:
     ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or args.tensor_model_parallel_size
     if args.num_experts is None:
         return
+    if args.moe_router_load_balancing_type == "sinkhorn":  # (GPTConfig's refusal too, before any rank starts)
+        raise ArgumentError(
+            "--moe-router-load-balancing-type sinkhorn: Sinkhorn routing is not implemented; use aux_loss, "
+            "seq_aux_loss, global_aux_loss or none."
+        )
     stage = args.world_size // max(1, args.pipeline_model_parallel_size)
     if stage % (ep * etp):
         raise ArgumentError(
