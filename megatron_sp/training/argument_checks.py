@@ -255,11 +255,6 @@ def _check_experts(args) -> None:
     ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or args.tensor_model_parallel_size
     if args.num_experts is None:
         return
-    if args.moe_router_load_balancing_type == "sinkhorn":  # (GPTConfig's refusal too, before any rank starts)
-        raise ArgumentError(
-            "--moe-router-load-balancing-type sinkhorn: Sinkhorn routing is not implemented; use aux_loss, "
-            "seq_aux_loss, global_aux_loss or none."
-        )
     stage = args.world_size // max(1, args.pipeline_model_parallel_size)
     if stage % (ep * etp):
         raise ArgumentError(
