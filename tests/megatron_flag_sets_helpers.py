@@ -17,12 +17,12 @@ train in the test's process; the others in one 4-rank gloo world shared by the m
 import importlib.util
 import math
 import os
-import re
 import shutil
 
 import pytest
 from launch_helpers import records
 
+from megatron_sp.layer_options import moe_layer_freq_type
 from megatron_sp.training import pretrain
 from megatron_sp.training.arguments import ArgumentError, build_parser, parse_args
 
@@ -68,11 +68,9 @@ def _get(argv, flag, default=None):
 
 
 def moe_pattern(pattern: str) -> str:
-    """A per-layer --moe-layer-freq pattern (a Python list expression of 0s and 1s, as Megatron-LM
-    evaluates it) for the 2 shrunk layers: its first and its last layer."""
-    if not re.fullmatch(r"[\[\]()0-9*+, ]+", pattern):
-        raise ValueError(f"--moe-layer-freq {pattern}: not a list pattern")
-    layers = eval(pattern, {"__builtins__": {}})  # (digits, brackets, * and + only)
+    """A per-layer --moe-layer-freq pattern (Megatron-LM's list expression of 0s and 1s) for the 2
+    shrunk layers: its first and its last layer."""
+    layers = moe_layer_freq_type(pattern)
     return f"([{layers[0]}]*1+[{layers[-1]}]*1)"
 
 
