@@ -101,7 +101,7 @@ class MoEFields:
     moe_router_load_balancing_type: str = model_field(
         "aux_loss",
         help="aux_loss (GShard/Switch, over the micro-batch), seq_aux_loss (per sample), global_aux_loss (over "
-        "the global batch) or none; sinkhorn refused",
+        "the global batch), sinkhorn (balanced assignment, no loss) or none",
         flags=("--moe-router-load-balancing-type",),
         choices=LOAD_BALANCING_TYPES,
         resume=ALWAYS,
@@ -247,10 +247,22 @@ def _check_layer_freq(cfg):
 
 def _check_router(cfg, e, k):
     if cfg.moe_router_load_balancing_type == "sinkhorn":
-        raise ValueError(
-            "GPTConfig.moe_router_load_balancing_type sinkhorn is not implemented; use aux_loss, seq_aux_loss, "
-            "global_aux_loss or none."
-        )
+        if cfg.moe_aux_loss_coeff:
+            raise ValueError(
+                "GPTConfig.moe_router_load_balancing_type sinkhorn balances the load itself: moe_aux_loss_coeff "
+                "must be 0 (as in Megatron-LM)."
+            )
+        if (
+            cfg.moe_router_score_function != "softmax"
+            or cfg.moe_router_pre_softmax
+            or cfg.moe_router_topk_scaling_factor
+            or cfg.moe_router_num_groups
+        ):
+            raise ValueError(
+                "GPTConfig.moe_router_load_balancing_type sinkhorn chooses and weighs the experts itself (Megatron-LM "
+                "ignores the others): leave moe_router_score_function, moe_router_pre_softmax, "
+                "moe_router_topk_scaling_factor and moe_router_num_groups at their defaults."
+            )
     if cfg.moe_input_jitter_eps is not None:
         raise ValueError(
             "GPTConfig.moe_input_jitter_eps is not implemented (its noise would differ between layouts); "

@@ -239,6 +239,8 @@ def test_what_the_families_cannot_express_is_refused(family, change, needle):
         (dict(model="mistral", window_size=(7, 0), add_bias_linear=True), "MistralForCausalLM has no biases"),
         (dict(model="mistral", window_size=(7, 0), window_attn_skip_freq=2), "--window-attn-skip-freq"),
         (dict(model="mixtral", **EXPERTS, moe_router_score_function="sigmoid"), "routes by softmax"),
+        (dict(model="mixtral", **EXPERTS, moe_router_load_balancing_type="sinkhorn"), "sinkhorn's weights"),
+        (dict(GPT_OSS, moe_router_load_balancing_type="sinkhorn"), "sinkhorn's weights"),
         (dict(model="mixtral", **EXPERTS, moe_layer_freq=2), "experts on every layer"),
         (dict(model="mixtral", **EXPERTS, moe_router_pre_softmax=True), "--moe-router-pre-softmax"),
         (dict(model="mixtral", **EXPERTS, moe_expert_capacity_factor=1.0), "--moe-expert-capacity-factor"),

@@ -2,35 +2,39 @@
 (Megatron-LM's examples and GPT functional tests, as their scripts expand them), shrunk to CPU size,
 each train 2 iterations or are refused in one sentence naming the missing feature.
 
-Shrinking changes sizes, never meanings: 2 layers × 64 wide, 4 heads (2 key/value groups where the
-set has GQA), 32 tokens, 2 iterations, micro batch 1 and 2 micro-batches per step (a batch schedule
-becomes 0:DP then 2·DP, times PP); TP 8 becomes 4; PP becomes 2 (one layer per stage, TP shrunk to
-fit; experts too: Mixtral's EP 8 × PP 4 trains at EP 2 × PP 2); EP becomes 2; data and tokenizer files (none
-exist here) become mock data with NullTokenizer --vocab-size 512; paths go to a temporary directory;
-nccl becomes gloo. Sets whose TP × CP × EP is 1 train in this process; the others in one 4-rank gloo
-world shared by the module.
+Shrinking (tests/megatron_flag_sets_helpers.py, shared with the MoE functional tests of
+test_megatron_moe_configs.py) changes sizes, never meanings: 2 layers × 64 wide, 32 tokens, 2
+iterations, TP 8 becomes 4, PP 2, EP 2, mock data, gloo. Sets whose TP × CP × EP is 1 train in this
+process; the others in one 4-rank gloo world shared by the module.
 
 Precision flags of the scale issue (W2-17) that this tree does not know yet are dropped after checking
 that the refusal names them; once they exist they stay in and the sets train with them.
 """
 
 import json
-import math
 import os
-import shutil
 
 import pytest
 from launch_helpers import REPO, records
+from megatron_flag_sets_helpers import (
+    WORLD,
+    check,
+    drop,
+    has_wandb,
+    known,
+    refusal,
+    replace,
+    shrink,
+    train_in_world,
+)
 
 from megatron_sp.testing import LocalWorld
 from megatron_sp.training import pretrain
-from megatron_sp.training.arguments import ArgumentError, build_parser, parse_args
+from megatron_sp.training.arguments import build_parser, parse_args
 from tools.megatron_flag_table import PENDING as PENDING_PRECISION  # issue 17's flags: unknown until it lands
 
 FIXTURE = json.load(open(os.path.join(REPO, "tests", "assets", "megatron_flag_sets.json")))
 SETS = {s["name"]: s for s in FIXTURE["sets"]}
-WORLD = 4
-DATA_FLAGS = ("--data-path", "--vocab-file", "--merge-file", "--tokenizer-model", "--tokenizer-type", "--vocab-size")
 
 
 @pytest.fixture(scope="module")
@@ -40,143 +44,19 @@ def world():
     w.close()
 
 
-def _values(argv, i):
-    """Index past flag argv[i] and its values."""
-    j = i + 1
-    while j < len(argv) and not argv[j].startswith("--"):
-        j += 1
-    return j
-
-
-def drop(argv, flags):
-    out, i = [], 0
-    while i < len(argv):
-        j = _values(argv, i) if argv[i].startswith("--") else i + 1
-        if argv[i] not in flags:
-            out += argv[i:j]
-        i = j
-    return out
-
-
-def replace(argv, values: dict):
-    """Each flag of `values` set to its value (None: dropped), in place where the set has it."""
-    out, i = [], 0
-    while i < len(argv):
-        j = _values(argv, i)
-        flag = argv[i]
-        if flag in values:
-            if values[flag] is not None:
-                out += [flag, *([values[flag]] if values[flag] != "" else [])]
-        else:
-            out += argv[i:j]
-        i = j
-    return out
-
-
-def _get(argv, flag, default=None):
-    return argv[argv.index(flag) + 1] if flag in argv else default
-
-
-def shrink(argv, tmp):
-    """The set at CPU size (see the module docstring)."""
-    pp = min(int(_get(argv, "--pipeline-model-parallel-size", 1)), 2)
-    cp = int(_get(argv, "--context-parallel-size", 1))
-    tp = min(int(_get(argv, "--tensor-model-parallel-size", 1)), WORLD // (pp * cp))
-    ep = min(int(_get(argv, "--expert-model-parallel-size", 1)), 2)
-    sharded = "--use-megatron-fsdp" in argv or "--use-torch-fsdp2" in argv  # (needs replicas: the world)
-    dp = WORLD // (tp * cp * pp) if tp * cp * pp * ep > 1 or sharded else 1
-    sizes = {"--num-layers": "2", "--hidden-size": "64", "--num-attention-heads": "4", "--seq-length": "32"}
-    sizes.update({f: v for f, v in (("--ffn-hidden-size", "128"), ("--kv-channels", "16")) if f in argv})
-    sizes.update({f: v for f, v in (("--num-query-groups", "2"), ("--max-position-embeddings", "32")) if f in argv})
-    sizes.update({"--tensor-model-parallel-size": str(tp), "--micro-batch-size": "1"})
-    if "--pipeline-model-parallel-size" in argv:
-        sizes["--pipeline-model-parallel-size"] = str(pp)
-    if "--expert-model-parallel-size" in argv:  # EP 8 becomes 2
-        sizes["--expert-model-parallel-size"] = str(ep)
-    schedule = "--step-batch-size-schedule" in argv
-    if schedule:  # tokens: batch pp·dp (1F1B: at least pp micro-batches), then 2 pp·dp
-        sizes["--step-batch-size-schedule"] = f"0:{pp * dp} {32 * pp * dp}:{2 * pp * dp}"
-    if "--global-batch-size" in argv or not schedule:
-        sizes["--global-batch-size"] = str(2 * (pp if schedule else 1) * dp)
-    if "--train-samples" in argv:
-        sizes["--train-samples"] = str(3 * dp if schedule else 4 * dp)
-    else:
-        sizes["--train-iters"] = "2"
-    if "--eval-interval" in argv and _get(argv, "--eval-iters") != "0":
-        sizes.update({"--eval-interval": "2", "--eval-iters": "1"})
-    if "--profile" in argv:
-        sizes.update({"--profile-step-start": "1", "--profile-step-end": "2"})
-    sizes.update({"--distributed-backend": "gloo", "--split": _get(argv, "--split")})
-    if "--tensorboard-dir" in argv:  # (a relative one would land in the world's working directory)
-        sizes["--tensorboard-dir"] = str(tmp / "tb")
-    argv = replace(drop(argv, DATA_FLAGS + ("--mock-data",)), sizes)
-    argv += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--device", "cpu"]
-    argv += ["--log-jsonl", str(tmp / "log.jsonl"), "--no-progress-bar"]
-    paths = {"$CKPT": tmp / "ckpt", "$TB": tmp / "tb", "$CACHE": tmp / "cache", "$WANDB": tmp / "wandb"}
-    for key, path in paths.items():
-        argv = [a.replace(key, str(path)) for a in argv]
-    return argv, WORLD if sharded else max(tp * cp * pp, ep)
-
-
-def _known(flag) -> bool:
-    return flag in build_parser()._option_string_actions
-
-
-def _refusal(argv) -> str:
-    with pytest.raises(ArgumentError) as err:
-        parse_args(argv, world_size=WORLD)
-    return str(err.value)
-
-
-def _train_in_world(argv, cwd):
-    """One rank of a set's run in the shared world (pretrain_gpt_sp.py less its process-group start),
-    in the test's directory (a set's relative paths, such as Mixtral's CKPT/tensorboard, land there)."""
-    import torch.distributed as dist
-
-    os.chdir(cwd)
-    args = parse_args(argv, world_size=dist.get_world_size())
-    args.distributed_backend, args.data_cache_path = "gloo", args.data_cache_path or "data_cache"
-    return pretrain.Trainer(pretrain.check_inputs(args)).run()
-
-
-def train(argv, model_parallel, world, tmp):
-    """Trains the shrunk set: its two iterations' losses (finite) from rank 0's log."""
-    shutil.rmtree(tmp / "ckpt", ignore_errors=True)  # a fresh run, not a resume of the last one
-    (tmp / "log.jsonl").unlink(missing_ok=True)
-    if model_parallel == 1:
-        assert pretrain.main(argv) == 0
-    else:
-        assert world.run(_train_in_world, argv, str(tmp)) == [0] * WORLD
-    steps = [r for r in records(tmp / "log.jsonl") if "lm_loss" in r]
-    assert len(steps) == 2 and all(math.isfinite(r["lm_loss"]) for r in steps), steps
-    return steps
-
-
-def check(argv, expect, model_parallel, world, tmp):
-    if expect == "train" and "--fp8-format" in argv and not _has_torchao():  # (a venv set up before it)
-        with pytest.raises(ArgumentError, match="needs the torchao package"):
-            parse_args(argv, world_size=1 if model_parallel == 1 else WORLD)
-        return None
-    if expect != "train":
-        message = _refusal(argv)
-        assert expect in message and len(message.splitlines()) == 1, message
-        return None
-    return train(argv, model_parallel, world, tmp)
-
-
 @pytest.mark.parametrize("name", list(SETS))
 def test_megatron_flag_set(name, world, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_MODE", "offline")
     spec = SETS[name]
     argv, model_parallel = shrink(spec["argv"], tmp_path)
-    pending = [f for f in PENDING_PRECISION if f in argv and not _known(f)]
+    pending = [f for f in PENDING_PRECISION if f in argv and not known(f)]
     if pending:  # (a refused feature is named first)
         if spec["expect"] in ("train", "pipeline parallelism"):
-            assert f"unrecognized arguments: {pending[0]}" in _refusal(argv)
+            assert f"unrecognized arguments: {pending[0]}" in refusal(argv)
         argv = drop(argv, pending)
-    if "--wandb-project" in argv and not _has_wandb():
-        assert "needs the wandb package" in _refusal(argv)
+    if "--wandb-project" in argv and not has_wandb():
+        assert "needs the wandb package" in refusal(argv)
         argv = drop(argv, [f for f in argv if f.startswith("--wandb-")])
     check(argv, spec["expect"], model_parallel, world, tmp_path)
     if spec["expect"] == "train" and "--wandb-project" in argv:  # offline: the run is on disk, to sync later
@@ -191,20 +71,8 @@ def test_wandb_without_the_package_is_one_sentence(monkeypatch):
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
-    message = _refusal(["--mock-data", "--wandb-project", "p"])
+    message = refusal(["--mock-data", "--wandb-project", "p"])
     assert "--wandb-project needs the wandb package" in message and len(message.splitlines()) == 1
-
-
-def _has_torchao() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("torchao") is not None
-
-
-def _has_wandb() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("wandb") is not None
 
 
 def test_the_fixture_is_what_the_issue_lists():
@@ -262,7 +130,7 @@ def test_legacy_position_flags_read_as_megatron_lm(flags, position):
     ],
 )
 def test_refusals_are_one_sentence(flags, needle):
-    message = _refusal(["--mock-data", "--micro-batch-size", "1"] + flags)
+    message = refusal(["--mock-data", "--micro-batch-size", "1"] + flags)
     assert needle in message and len(message.splitlines()) == 1, message
 
 
@@ -310,9 +178,9 @@ def test_fsdp2_saves_right_after_an_evaluation(world, tmp_path):
     argv += ["--tensor-model-parallel-size", "2", "--micro-batch-size", "1", "--global-batch-size", "4"]
     argv += ["--use-torch-fsdp2", "--eval-interval", "2", "--eval-iters", "1", "--save", str(ckpt)]
     argv += ["--save-interval", "2", "--log-jsonl", str(tmp_path / "log.jsonl"), "--no-progress-bar"]
-    assert world.run(_train_in_world, argv + ["--train-iters", "2"], str(tmp_path)) == [0] * WORLD
+    assert world.run(train_in_world, argv + ["--train-iters", "2"], str(tmp_path)) == [0] * WORLD
     assert (ckpt / "iter_0000002").is_dir()
-    assert world.run(_train_in_world, argv + ["--train-iters", "3", "--load", str(ckpt)], str(tmp_path)) == [0] * WORLD
+    assert world.run(train_in_world, argv + ["--train-iters", "3", "--load", str(ckpt)], str(tmp_path)) == [0] * WORLD
     assert [r["iteration"] for r in records(tmp_path / "log.jsonl") if "lm_loss" in r] == [1, 2, 3]
 
 
@@ -363,7 +231,7 @@ def test_megatron_fsdp_runs_on_fsdp2_or_the_distributed_optimizer(strategy, fsdp
     ],
 )
 def test_megatron_fsdp_refusals_are_one_sentence(flags, message):
-    assert message in _refusal(["--mock-data"] + flags)
+    assert message in refusal(["--mock-data"] + flags)
 
 
 # Implemented options whose default differs from Megatron-LM's on purpose (README, docs/megatron_flags.md):
@@ -453,9 +321,9 @@ def test_pipeline_split_accounting_is_megatrons_layout():
     both = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
     args = parse_args(base + ["--num-layers", "6", "--virtual-pipeline-model-parallel-size", "2"] + both, world_size=2)
     assert args.pipeline_model_parallel_layout == "Et|tt|tt|tL"
-    assert "must be divisible by the 2 pipeline stages" in _refusal(
+    assert "must be divisible by the 2 pipeline stages" in refusal(
         base + ["--num-layers", "4", "--account-for-embedding-in-pipeline-split"]
     )
     group = "--microbatch-group-size-per-virtual-pipeline-stage"
     assert parse_args(base + ["--num-layers", "4", group, "2"], world_size=2).pipeline_layout is not None
-    assert "rounds of --pipeline-model-parallel-size (2)" in _refusal(base + ["--num-layers", "4", group, "4"])
+    assert "rounds of --pipeline-model-parallel-size (2)" in refusal(base + ["--num-layers", "4", group, "4"])

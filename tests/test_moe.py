@@ -1,5 +1,6 @@
 """The serial MoE layer (models/moe/) against direct computations written token by token here: the
-router's choices and weights (softmax, pre-softmax, sigmoid, scaling, group-limited, expert bias),
+router's choices and weights (softmax, pre-softmax, sigmoid, scaling, group-limited, expert bias,
+Sinkhorn),
 the layer's output and gradients, the load-balancing and z losses, capacity drops per sample, the
 grouped GEMM against the per-expert loop, --moe-layer-freq, and the refusals (issue 31, item 7)."""
 
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 
 from megatron_sp.config import GPTConfig
 from megatron_sp.models.moe import capacity as capacity_mod
-from megatron_sp.models.moe.router import topk_routing
+from megatron_sp.models.moe.router import sinkhorn, sinkhorn_routing, topk_routing
 from megatron_sp.models.reference import ReferenceGPT
 
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=97, seq_length=16)
@@ -87,6 +88,47 @@ def test_expert_bias_moves_the_choice_not_the_weights():
         assert sorted(routing_map[t].nonzero().flatten().tolist()) == sorted(want)
         assert all(abs(probs[t, e].item() - w) < 1e-6 for e, w in want.items())
     assert not torch.equal(probs, unbiased)
+
+
+def _direct_sinkhorn_choice(logits, k):
+    """Sinkhorn-Knopp in float64, written as matrix-vector products: K = exp(logits); scale rows to 1/T,
+    then columns to 1/E, until the column scales change by at most 1e-4 on average; each token's top-k
+    of the balanced matrix."""
+    K = torch.exp(logits.double())
+    t, e = K.shape
+    v = torch.ones(e, dtype=torch.float64)
+    while True:
+        u = (1 / t) / (K @ v + 1e-8)
+        v_new = (1 / e) / (K.t() @ u + 1e-8)
+        change, v = (v_new - v).abs().mean().item(), v_new
+        if change <= 1e-4:
+            break
+    balanced = u[:, None] * K * v[None, :]
+    return balanced, balanced.topk(k, dim=1)[1]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_sinkhorn_routing_against_direct(k):
+    """Training: the top-k of the Sinkhorn-balanced scores, weighted by sigmoid (k = 1) or the softmax
+    over every expert (k > 1), as Megatron's sinkhorn_load_balancing; the balanced matrix's rows sum to
+    1/T and its columns to 1/E. Evaluation: the top-k of the weights."""
+    cfg = _cfg(moe_router_load_balancing_type="sinkhorn", moe_router_topk=k)
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(64, E, generator=g) + torch.linspace(0, 3, E)  # (skewed to the last experts)
+    balanced, want = _direct_sinkhorn_choice(logits, k)
+    got = sinkhorn(logits)
+    assert torch.allclose(got.double(), balanced, rtol=1e-4, atol=1e-9)
+    assert torch.allclose(got.sum(0).double(), torch.full((E,), 1 / E, dtype=torch.float64), rtol=1e-5)
+    assert torch.allclose(got.sum(1).double(), torch.full((64,), 1 / 64, dtype=torch.float64), rtol=5e-3)
+    weights = torch.sigmoid(logits) if k == 1 else torch.softmax(logits, -1)
+    for training, top in ((True, want), (False, weights.topk(k, dim=1)[1])):
+        probs, routing_map = sinkhorn_routing(logits, cfg, training=training)
+        assert torch.equal(routing_map, torch.zeros_like(routing_map).scatter(1, top, True))
+        assert torch.allclose(probs, weights * routing_map, atol=1e-7)
+    # the point of it: the skewed logits' plain top-k loads the last experts, Sinkhorn's spreads them
+    plain = torch.zeros(E).scatter_add(0, logits.topk(k, 1)[1].flatten(), torch.ones(64 * k))
+    balanced_load = torch.zeros(E).scatter_add(0, want.flatten(), torch.ones(64 * k))
+    assert balanced_load.max() < plain.max() and balanced_load.min() > plain.min()
 
 
 def _expert(layer, e, x, p, cfg):
@@ -299,7 +341,8 @@ REFUSALS = [
     (dict(num_experts=None, moe_shared_expert_intermediate_size=64), "needs num_experts"),
     (dict(moe_shared_expert_gate=True), "it needs moe_shared_expert_intermediate_size"),
     (dict(moe_shared_expert_gate=True, moe_shared_expert_intermediate_size=64, add_bias_linear=True), "--disable-bias"),
-    (dict(moe_router_load_balancing_type="sinkhorn"), "sinkhorn is not implemented"),
+    (dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.01), "moe_aux_loss_coeff must be 0"),
+    (dict(moe_router_load_balancing_type="sinkhorn", moe_router_score_function="sigmoid"), "chooses and weighs"),
     (dict(moe_input_jitter_eps=0.01), "moe_input_jitter_eps is not implemented"),
     (dict(moe_token_dispatcher_type="flex"), "needs DeepEP"),
     (dict(moe_router_enable_expert_bias=True), "needs moe_router_score_function sigmoid"),

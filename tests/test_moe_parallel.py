@@ -3,7 +3,8 @@ parameters after 3 AdamW steps within the parity tolerances (fp32), dropout on, 
 harness (megatron_sp/testing/parity.py) in one 4-rank gloo world.
 
 Layouts: EP 2 and 4 with both dispatchers, EP2 × TP2+SP with expert-TP 1 and 2, EP2 × CP2, EP2 × DP2,
-capacity with drops (both policies), top-1, group-limited sigmoid routing, a shared expert, seq_aux_loss,
+capacity with drops (both policies), top-1, group-limited sigmoid routing, Sinkhorn routing (TP2+SP ×
+DP2), a shared expert, seq_aux_loss,
 full recomputation (the dispatch runs again in the backward), --tp-comm-overlap's ring GEMMs around the
 experts, Llama-style and GPT-style (biases, GELU) blocks; PP2 × EP2 under every pipeline schedule and
 PP2 × TP2+SP × EP2 (the serial model accumulating the pipeline's micro-batches); and under
@@ -44,8 +45,7 @@ def _fields(family, extra, ep, etp, dispatcher):
         attention_dropout=0.1,
         use_fused_kernels=False,
         **family,
-        **MOE,
-        **extra,
+        **{**MOE, **extra},
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
         moe_token_dispatcher_type=dispatcher,
@@ -62,6 +62,14 @@ CASES = {  # name: (family, MoE fields, layout, ep, etp, dispatcher)
     "tp2+sp/ep2/etp2-allgather": (LLAMA, {}, Layout(tp=2, sp=True), 2, 2, "allgather"),
     "cp2/ep2": (LLAMA, {}, Layout(cp=2), 2, 1, "alltoall"),
     "dp2/ep2": (LLAMA, {}, Layout(dp=2), 2, 1, "alltoall"),
+    "tp2+sp/ep2-sinkhorn-top1": (  # the balancing's column sums over SP and DP ranks
+        LLAMA,
+        dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.0, moe_router_topk=1),
+        Layout(tp=2, sp=True),
+        2,
+        1,
+        "alltoall",
+    ),
     "ep2-capacity-probs": (LLAMA, dict(moe_expert_capacity_factor=0.5), Layout(tp=2, sp=True), 2, 1, "alltoall"),
     "ep2-capacity-position": (
         LLAMA,

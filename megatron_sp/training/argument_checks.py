@@ -25,8 +25,6 @@ def validate(args) -> None:
     _check_fsdp2(args)
     _batch_schedule(args)
     _check_pipeline(args)
-    if args.save_interval is not None and args.save is None:
-        raise ArgumentError("--save-interval needs --save DIR.")
     _check_tokenizer(args)
     _check_tokenizer_needs(args)
     _schedule_units(args)

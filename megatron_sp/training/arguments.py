@@ -402,7 +402,11 @@ def _checkpoint_args(p):
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None, help="checkpoint directory (DCP, one per iteration)")
     g.add_argument(
-        "--save-interval", "--persistent-save-interval", type=int, default=None, help="iterations between checkpoints"
+        "--save-interval",
+        "--persistent-save-interval",
+        type=int,
+        default=None,
+        help="iterations between checkpoints (without --save none are written, as in Megatron-LM)",
     )
     g.add_argument("--no-save-optim", action="store_true", help="checkpoints without the optimizer state")
     g.add_argument("--no-save-rng", action="store_true", help="checkpoints without the RNG states")

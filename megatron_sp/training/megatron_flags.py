@@ -126,7 +126,16 @@ NO_EFFECT = (
     NoEffect(("--megatron-fsdp-max-pool-double-buffer",), SWITCH, _MFSDP_KNOB),
     NoEffect(("--megatron-fsdp-enable-fine-grained-param-gather",), SWITCH, _MFSDP_KNOB),
     NoEffect(("--megatron-fsdp-version",), ("1", "2"), _MFSDP_KNOB),
-    NoEffect(("--enable-full-sharding-in-hsdp",), SWITCH, "HSDP's (--outer-dp-sharding-strategy), which is refused"),
+    NoEffect(
+        ("--enable-full-sharding-in-hsdp",), SWITCH, "HSDP's (--outer-dp-sharding-strategy optim), which is refused"
+    ),
+    NoEffect(
+        ("--outer-dp-sharding-strategy",),
+        ("no_shard", "optim"),
+        "hybrid sharded data parallelism (HSDP) is not implemented: without its outer group, no_shard "
+        "(Megatron-LM's default) changes nothing",
+        "no_shard",
+    ),
     NoEffect(
         ("--megatron-fsdp-main-params-dtype",),
         ("fp32", "bf16", "fp16", "auto"),
@@ -179,7 +188,6 @@ REFUSED = (
     ("--moe-", MOE),
     ("--fp8-", _FP8),
     ("--fp8", _FP8),
-    ("--outer-dp-sharding-strategy", "hybrid sharded data parallelism (HSDP) is not implemented"),
     ("--multi-latent-attention", "multi-latent attention (DeepSeek's MLA) is not implemented"),
 )
 

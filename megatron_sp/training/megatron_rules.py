@@ -37,8 +37,11 @@ class Ignore:
     only: Optional[str] = None  # the one value accepted (as the command line spells it)
 
 
-_MOE = "mixture of experts is not implemented in megatron_sp (dense GPT/Llama models only); remove the MoE flags"
-_EXPERTS = Ignore("it configures the experts of a mixture-of-experts model; dense models here have none")
+_MOE = "this mixture-of-experts option is not implemented in megatron_sp (docs/models.md lists the MoE flags it takes)"
+_EP_TIMING = Ignore(
+    "timing only: a communication overlap, stream or kernel choice of Megatron-LM's expert parallelism; the same "
+    "function runs here"
+)
 _FP8 = Refuse("FP8 / FP4 training needs Transformer Engine, which megatron_sp does not use; train in --bf16")
 _KERNELS = Ignore("GPU kernel-fusion switch: the fused ops are chosen by megatron_sp (--no-fused-kernels)")
 _TP_UB = Ignore("Transformer Engine userbuffers knob: --tp-comm-overlap overlaps the ring steps itself")
@@ -77,8 +80,10 @@ RULES = (
         "--tensor-parallel-num-weight-shards",
         Refuse("several weight shards per tensor-parallel rank are not implemented"),
     ),
-    ("--expert-tensor-parallel-num-weight-shards", _EXPERTS),
-    ("--expert-tensor-parallel-size", _EXPERTS),
+    (
+        "--expert-tensor-parallel-num-weight-shards",
+        Refuse("several weight shards per expert-tensor-parallel rank are not implemented"),
+    ),
     ("--pipeline-model-parallel-comm-backend", Ignore("pipeline sends use the world's backend", "nccl")),
     (
         "--max-seqlen-per-dp-cp-rank",
@@ -93,12 +98,12 @@ RULES = (
     ("--tp-comm-overlap-rs-dgrad", _TP_UB),
     ("--tp-comm-bootstrap-backend", _TP_UB),
     ("--tp-comm-overlap-cfg", _TP_UB),
-    ("--overlap-moe-expert-parallel-comm", _EXPERTS),
-    ("--overlap-dispatch-backward-with-experts-wgrad", _EXPERTS),
-    ("--ep-overlap-early-attn-memory-release", _EXPERTS),
-    ("--use-grouped-gemm-for-shared-expert", _EXPERTS),
-    ("--high-priority-a2a-comm-stream", _EXPERTS),
-    ("--save-tokens-per-expert-interval", _EXPERTS),
+    ("--overlap-moe-expert-parallel-comm", _EP_TIMING),
+    ("--overlap-dispatch-backward-with-experts-wgrad", _EP_TIMING),
+    ("--ep-overlap-early-attn-memory-release", _EP_TIMING),
+    ("--use-grouped-gemm-for-shared-expert", _EP_TIMING),
+    ("--high-priority-a2a-comm-stream", _EP_TIMING),
+    ("--save-tokens-per-expert-interval", _DEBUG_DUMP),
     ("--delay-wgrad-compute", _WGRAD),
     ("--defer-embedding-wgrad-compute", _WGRAD),
     ("--wgrad-deferral-limit", _WGRAD),

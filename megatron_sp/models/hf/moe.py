@@ -80,6 +80,11 @@ class MoEAdapter:
                 f"{self.architecture} routes by softmax; --moe-router-score-function "
                 f"{cfg.moe_router_score_function} cannot be expressed."
             )
+        if cfg.moe_router_load_balancing_type == "sinkhorn":  # (its weights: sigmoid, or softmax over all)
+            raise ConversionError(
+                f"{self.architecture} routes by a softmax over the top k; --moe-router-load-balancing-type "
+                "sinkhorn's weights cannot be expressed."
+            )
         refuse_fields(cfg, self.architecture, ROUTER_UNSUPPORTED)
         self.check_experts(cfg)
 

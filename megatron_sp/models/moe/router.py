@@ -12,6 +12,15 @@ over the k chosen (k > 1). Group-limited routing picks --moe-router-group-topk o
 k experts inside them. The expert bias (aux-loss-free balancing, sigmoid only) shifts the scores used
 for the choice, never the weights.
 
+Sinkhorn routing (--moe-router-load-balancing-type sinkhorn, Megatron's sinkhorn_load_balancing): in
+training the k experts of a token are the top-k of exp(logits) rescaled per token and per expert until
+every token's row sums to 1/T and every expert's column to 1/E (T tokens, E experts; Megatron's
+moe_utils.sinkhorn, stopped when the expert scales move by less than 1e-4 on average); a column's sum
+runs over every token of the micro-batch (the ranks holding them add theirs: `MoEGroups.sum_all`), so
+the choice is the serial model's at any layout. The weights are sigmoid(logit) for k = 1, else the
+softmax over all E (not renormalised over the k); in evaluation the top-k of those weights is the
+choice.
+
 Load-balancing statistics are those of every token the loss is defined over, summed over the ranks
 that hold them (`stats`: models/moe/losses.py), so the losses equal the serial model's at any layout.
 """
@@ -66,7 +75,10 @@ class Router(nn.Module):
         record = seq.training and torch.is_grad_enabled()
         if record and self.cfg.moe_z_loss_coeff:
             losses.add_z_loss(seq, self, logits)
-        probs, routing_map = topk_routing(logits, self.cfg, self.expert_bias)
+        if self.cfg.moe_router_load_balancing_type == "sinkhorn":
+            probs, routing_map = sinkhorn_routing(logits, self.cfg, self.stats, training=seq.training)
+        else:
+            probs, routing_map = topk_routing(logits, self.cfg, self.expert_bias)
         if record and self.cfg.moe_router_load_balancing_type != "none" and self.cfg.moe_aux_loss_coeff > 0:
             losses.add_balancing_loss(seq, self, logits, x.shape[0])
         if record and self.expert_bias is not None:
@@ -126,3 +138,39 @@ def topk_routing(logits, cfg, expert_bias=None):
     dense = torch.zeros_like(logits).scatter(1, top, probs)
     routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True)
     return dense, routing_map
+
+
+SINKHORN_TOL, _SINKHORN_EPS = 1e-4, 1e-8  # Megatron's tolerance and epsilon
+
+
+@torch.no_grad()
+def sinkhorn(logits, stats=None):
+    """exp(logits) [n, E] balanced (the module docstring), in fp32; the column sums and the token count
+    are over every rank of `stats.batch_group` (stats None: these n tokens are all)."""
+    cost = torch.exp(logits.float())
+    total = cost.shape[0] * (stats.batch_size if stats is not None else 1)
+    e = cost.shape[1]
+    d1 = torch.ones(e, dtype=cost.dtype, device=cost.device)
+    while True:
+        d0 = (1.0 / total) / ((d1 * cost).sum(1) + _SINKHORN_EPS)
+        columns = (d0.unsqueeze(1) * cost).sum(0)
+        if stats is not None:
+            columns = stats.sum_all(columns)
+        new = (1.0 / e) / (columns + _SINKHORN_EPS)
+        error = torch.mean(torch.abs(d1 - new))  # (the same on every rank: d1 is reduced)
+        d1 = new
+        if not error > SINKHORN_TOL:  # (a NaN ends it too, as Megatron's `while error > tol`)
+            return d1 * cost * d0.unsqueeze(1)
+
+
+def sinkhorn_routing(logits, cfg, stats=None, training=True):
+    """(probs [n, E], map [n, E]) of Sinkhorn routing (the module docstring); stats: the ranks holding
+    the micro-batch's other tokens (None: the serial model)."""
+    k = cfg.moe_router_topk
+    if k == 1:
+        weights = torch.sigmoid(logits)
+    else:
+        weights = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+    top = torch.topk(sinkhorn(logits, stats) if training else weights, k=k, dim=1)[1]
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True)
+    return weights * routing_map, routing_map
