@@ -77,7 +77,7 @@ def test_wandb_without_the_package_is_one_sentence(monkeypatch):
 
 def test_the_fixture_is_what_the_issue_lists():
     """19 sets, each with its source file and commit; every one trains as it is (gpt-oss with its
-    experts and FP8 flags, the Llama-3 FP8 scripts with theirs: --fp8-param-gather has no effect here)."""
+    experts and FP8 flags, the Llama-3 FP8 scripts with theirs, --fp8-param-gather included)."""
     assert len(SETS) == 19
     assert all(s["source"] and len(s["commit"]) == 40 for s in SETS.values())
     assert {n for n, s in SETS.items() if s["expect"] != "train"} == set()

@@ -97,13 +97,16 @@ class ParamBroadcast:
     """Step 3 above: every owner's model parameters are views of one flat buffer (in the parameters'
     dtype: bf16 under --bf16), which the owner broadcasts over its replica group after its step."""
 
-    def __init__(self, partition: Partition):
+    def __init__(self, partition: Partition, exclude=()):
+        """exclude: parameters broadcast otherwise (--fp8-param-gather's FP8 weights)."""
         self.buffers = []  # (group, owner's global rank, flat buffer)
+        skip = {id(p) for p in exclude}
         with torch.no_grad():
             for role, share in partition.shares.items():
                 if share.group is None:  # one replica: nothing to broadcast
                     continue
                 for owner, params in enumerate(share.params_of):
+                    params = [p for p in params if id(p) not in skip]
                     if params:
                         flat = _flatten(params)
                         self.buffers.append((share.group, partition.global_rank(owner, role), flat))

@@ -364,6 +364,9 @@ class FSDPOptimizer(TrainingOptimizer):
     def zero_grad(self, set_to_none: bool = True):
         self.optim.zero_grad(set_to_none=True)
 
+    def cast_fp8_weights(self) -> None:
+        """Nothing: under --fp8-param-gather FSDP2 all-gathers the weights in bf16 (docs/precision.md)."""
+
     @torch.no_grad()
     def finalize_grads(self, model, ps: ParallelState, overlapped=None):
         """After the last backward: FSDP2 has reduce-scattered over DP×CP (overlapping its own: no

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp.distributed.distributed_optimizer import ParamBroadcast, Partition
+from megatron_sp.distributed.fp8_param_gather import Fp8ParamGather, fp8_weights
 from megatron_sp.distributed.grad_buffers import GradBuffers
 from megatron_sp.distributed.grad_sync import finalize_model_grads
 from megatron_sp.distributed.protocol import TrainingOptimizer
@@ -92,12 +93,27 @@ class MixedPrecisionOptimizer(TrainingOptimizer):
     """
 
     def __init__(
-        self, model, buffers: GradBuffers, make_optimizer, weight_decay: float, partition=None, decoupled=False
+        self,
+        model,
+        buffers: GradBuffers,
+        make_optimizer,
+        weight_decay: float,
+        partition=None,
+        decoupled=False,
+        fp8_param_gather: bool = False,
+        tp_group=None,
     ):
+        """fp8_param_gather: cast the FP8 linears' weights once per step and broadcast them in FP8, their
+        amaxes reduced over tp_group (--fp8-param-gather: distributed/fp8_param_gather.py)."""
         self.grad_buffers, self.partition = buffers, partition
-        self.broadcast = ParamBroadcast(partition) if partition is not None else None
+        fp8 = fp8_weights(model) if fp8_param_gather else []
+        self.broadcast = ParamBroadcast(partition, exclude=[w for w, _ in fp8]) if partition is not None else None
         params = [p for p in model.parameters() if p.requires_grad]
         self.pairs = [(p, _main_weight(p)) for p in params if partition is None or partition.mine(p)]
+        self.fp8_gather = None
+        if fp8:
+            mains = {id(p): main for p, main in self.pairs}
+            self.fp8_gather = Fp8ParamGather(fp8, mains, partition, tp_group)
         self._names = {id(p): n for n, p in model.named_parameters()}
         named = [(self._names[id(p)], m) for p, m in self.pairs]
         groups = [g for g in param_groups(named, weight_decay, decoupled) if g["params"]]
@@ -132,6 +148,12 @@ class MixedPrecisionOptimizer(TrainingOptimizer):
             main.grad = None  # (a parameter that is its own main weight must not keep a buffer view as .grad)
         if self.broadcast is not None:
             self.broadcast.broadcast()
+        if self.fp8_gather is not None:
+            self.fp8_gather.cast()
+
+    def cast_fp8_weights(self) -> None:
+        if self.fp8_gather is not None:
+            self.fp8_gather.cast(after_step=False)
 
     def params_norm(self, model, ps: ParallelState) -> float:
         return global_param_norm(list(model.parameters()), ps)  # (every replica holds every parameter)
@@ -165,7 +187,14 @@ def build_optimizer(model, args, device: str, ps: ParallelState | None = None) -
     buffers = GradBuffers(model, dtype=grad_dtype, owner=partition.owner if partition is not None else None)
     decoupled = getattr(args, "decoupled_lr", None) is not None
     return MixedPrecisionOptimizer(
-        model, buffers, adamw_factory(args, device, distributed), args.weight_decay, partition, decoupled
+        model,
+        buffers,
+        adamw_factory(args, device, distributed),
+        args.weight_decay,
+        partition,
+        decoupled,
+        fp8_param_gather=getattr(args, "fp8_param_gather", False),
+        tp_group=ps.tp_group if ps is not None else None,
     )
 
 

@@ -58,6 +58,11 @@ class TrainingOptimizer(Protocol):
 
     def step(self) -> None: ...
 
+    def cast_fp8_weights(self) -> None:
+        """--fp8-param-gather: the FP8 weights cast from the main weights anew (at the start, after a
+        load); nothing otherwise (distributed/fp8_param_gather.py)."""
+        ...
+
     def params_norm(self, model, ps: ParallelState) -> float:
         """L2 norm of the full (serial) parameters, each counted once (--log-params-norm)."""
         ...

@@ -128,6 +128,20 @@ class Fp8Gemms:
     def __init__(self, recipe: Fp8Recipe, groups: AmaxGroups, *, row: bool):
         self.recipe, self.groups, self.row = recipe, groups, row
         self.delayed = DelayedScaling(recipe) if recipe.recipe == "delayed" else None
+        self.weight_scale, self._weight_version = None, None  # --fp8-param-gather: hold_weight
+
+    def hold_weight(self, w: torch.Tensor, scale: torch.Tensor) -> None:
+        """--fp8-param-gather (distributed/fp8_param_gather.py): w holds FP8 values cast with `scale`,
+        which the GEMMs cast it with (getting those values back) instead of its own amax's."""
+        self.weight_scale, self._weight_version = scale, w._version
+
+    def _held_scale(self, w: torch.Tensor) -> torch.Tensor:
+        if w._version != self._weight_version:
+            raise RuntimeError(
+                "an FP8 weight changed after --fp8-param-gather cast it; write weights through the optimizer's "
+                "main weights and call its cast_fp8_weights()."
+            )
+        return self.weight_scale
 
     def fprop(self, x: torch.Tensor, w: torch.Tensor, gather=None):
         """(y [.., N], what the backward needs). gather: x is this rank's sequence shard and gather(t)
@@ -135,8 +149,11 @@ class Fp8Gemms:
         tensor's) and gathered in FP8 (half of bf16's bytes), and the backward keeps that FP8 shard
         in place of x (saved["x8"], uint8): the same values as casting the gathered x."""
         if self.recipe.recipe in ("tensorwise", "delayed"):
-            sx, sw = self._tensor_scales([INPUT, WEIGHT], [x, w])
-            x8 = _to_fp8(x, sx, self.recipe.dtype(INPUT))
+            if self.weight_scale is None:
+                sx, sw = self._tensor_scales([INPUT, WEIGHT], [x, w])
+            else:  # (the weight's amax entered its history when it was cast)
+                (sx,), sw = self._tensor_scales([INPUT], [x]), self._held_scale(w)
+            x8 = to_fp8(x, sx, self.recipe.dtype(INPUT))
             total = x8 if gather is None else gather(x8.view(torch.uint8)).view(x8.dtype)
             saved = {"sx": sx, "sw": sw, "x8": x8.view(torch.uint8), "dtype": x.dtype}
             a8 = _wrap(total.reshape(-1, x.shape[-1]), sx, x.dtype, 0)
@@ -172,7 +189,7 @@ class Fp8Gemms:
         amaxes = [t.detach().abs().max() for t in tensors]
         if self.delayed is None:
             amaxes = reduce_amax(amaxes, (self.groups.tp, self.groups.cp))
-            return [_amax_to_scale(a, self.recipe.dtype(r)) for a, r in zip(amaxes, roles)]
+            return [amax_to_scale(a, self.recipe.dtype(r)) for a, r in zip(amaxes, roles)]
         scales = [self.delayed.current(r, tensors[0].device) for r in roles]
         self.delayed.record(roles, reduce_amax(amaxes, (self.groups.tp, self.groups.cp, self.groups.dp)))
         return scales
@@ -192,13 +209,13 @@ class Fp8Gemms:
         amax_a, amax_b = reduce_amax(
             [a.detach().abs().amax(1, keepdim=True), b.detach().abs().amax(0, keepdim=True)], groups
         )
-        return _scaled_mm(a, b, _amax_to_scale(amax_a, da), _amax_to_scale(amax_b, db), da, db, axiswise=True)
+        return _scaled_mm(a, b, amax_to_scale(amax_a, da), amax_to_scale(amax_b, db), da, db, axiswise=True)
 
 
-def _amax_to_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    from torchao.float8.float8_utils import amax_to_scale
+def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    from torchao.float8 import float8_utils
 
-    return amax_to_scale(amax, dtype)
+    return float8_utils.amax_to_scale(amax, dtype)
 
 
 def _mm_config(device):
@@ -223,7 +240,7 @@ def _cast(t, scale, dtype, operand: int, axiswise: bool = False):
     return hp_tensor_and_scale_to_float8(t, scale, dtype, _mm_config(t.device), role, axis)
 
 
-def _to_fp8(t, scale, dtype) -> torch.Tensor:
+def to_fp8(t, scale, dtype) -> torch.Tensor:
     """t's FP8 values under a tensor scale, cast as torchao casts (the fp32 product, saturated)."""
     from torchao.float8.float8_utils import to_fp8_saturated
 

@@ -233,6 +233,31 @@ def _check_fp8(args) -> None:
         )
     if args.torch_compile:
         raise ArgumentError("--fp8-format does not run with --torch-compile (its amax all-reduces are not traced).")
+    _check_fp8_param_gather(args)
+
+
+def _check_fp8_param_gather(args) -> None:
+    """--fp8-param-gather (distributed/fp8_param_gather.py): Megatron-LM's rule (the distributed optimizer
+    or FSDP), and what holding FP8 values in the model's weights needs."""
+    if not args.fp8_param_gather:
+        return
+    if not (args.use_distributed_optimizer or args.use_torch_fsdp2):
+        raise ArgumentError(
+            "--fp8-param-gather needs --use-distributed-optimizer, --use-torch-fsdp2 or --use-megatron-fsdp "
+            "(as in Megatron-LM)."
+        )
+    if args.use_torch_fsdp2:
+        return  # (FSDP2 gathers the weights in bf16: the start-up line says so)
+    if not args.bf16:
+        raise ArgumentError(
+            "--fp8-param-gather needs --bf16: the model's weights then hold their FP8 values exactly (fp16 "
+            "underflows some, and in fp32 the weights are the optimizer's main weights)."
+        )
+    if args.fp8_recipe not in ("tensorwise", "delayed"):
+        raise ArgumentError(
+            f"--fp8-param-gather with --fp8-recipe {args.fp8_recipe}: one FP8 copy of a weight serves both of "
+            "its GEMMs only under one scale per tensor; use --fp8-recipe tensorwise or delayed."
+        )
 
 
 def _check_intervals(args) -> None:

@@ -299,6 +299,13 @@ def _precision_args(p):
         help="the default: gradients are accumulated and reduced in fp32 unless --grad-reduce-in-bf16",
     )
     g.add_argument(
+        "--fp8-param-gather",
+        action="store_true",
+        help="with --fp8-format and --use-distributed-optimizer: the FP8 linears' weights are cast to FP8 once "
+        "per step from the fp32 main weights and broadcast in FP8 (docs/precision.md); under FSDP2 they are "
+        "all-gathered in bf16",
+    )
+    g.add_argument(
         "--grad-reduce-in-bf16",
         action="store_true",
         help="with --bf16: gradient buffers (accumulation and data-parallel reduction) in bf16",

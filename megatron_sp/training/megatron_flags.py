@@ -160,13 +160,6 @@ NO_EFFECT = (
         "fsdp_dtensor checkpoints are written as torch_dist ones, loaded by --dist-ckpt-strictness",
     ),
     NoEffect(
-        ("--fp8-param-gather",),
-        SWITCH,
-        "no FP8 weights are kept: the weights stay in the model's dtype and are gathered so (gloo has no float8 "
-        "collectives), and each FP8 GEMM casts them with the tensor's scale every step, as without the flag "
-        "(docs/precision.md: a byte per parameter more than Megatron-LM's FP8 weights)",
-    ),
-    NoEffect(
         ("--overlap-param-gather",),
         SWITCH,
         "with --use-distributed-optimizer (required, as in Megatron-LM) the owners' broadcast follows the "

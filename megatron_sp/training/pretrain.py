@@ -334,6 +334,7 @@ class Trainer:
         self.state = checkpointing.TrainState()
         if args.load:
             self._load()
+        self.optimizer.cast_fp8_weights()  # (--fp8-param-gather: from the main weights, loaded or not)
         self.scheduler.apply(self.optimizer)  # the rates of the first update (Megatron's step(0))
         self.train_ds, self.valid_ds = build_data(setup, self.ps)
         precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"

@@ -39,6 +39,10 @@ def record(trainer, result, batch, elapsed) -> dict:
 
 
 def _optimizer_words(trainer) -> str:
+    return _sharding_words(trainer) + _fp8_gather_words(trainer)
+
+
+def _sharding_words(trainer) -> str:
     replicas = trainer.ps.replicas
     if trainer.optimizer.partition is None:
         return "AdamW"
@@ -47,6 +51,18 @@ def _optimizer_words(trainer) -> str:
     mine = sum(p.numel() for g in trainer.optimizer.optim.param_groups for p in g["params"])
     total = sum(p.numel() for p in trainer.model.parameters())
     return f"AdamW state sharded over {replicas} replicas (this rank: {mine / total:.0%} of its parameters)"
+
+
+def _fp8_gather_words(trainer) -> str:
+    """--fp8-param-gather: what it does here (distributed/fp8_param_gather.py), or that FSDP2 gathers
+    the weights in bf16 (Megatron-LM's own fallback for --use-torch-fsdp2 with Transformer Engine 2)."""
+    if not getattr(trainer.args, "fp8_param_gather", False):
+        return ""
+    if trainer.args.use_torch_fsdp2:
+        return "; --fp8-param-gather: FSDP2 all-gathers the weights in bf16 (no FP8 all-gather under FSDP2 here)"
+    return "; FP8 weights cast once per step from the fp32 main weights" + (
+        " and broadcast in FP8" if trainer.optimizer.partition is not None else ""
+    )
 
 
 def _pipeline_words(args) -> str:
