@@ -11,6 +11,9 @@ parameter: weights, fp32 gradient buffers, fp32 main weights, AdamW moments, and
 saves for the backward during one forward (torch.autograd.graph.saved_tensors_hooks), parameters
 left out, per token and layer (the output layer's logits included). FP8 GEMMs cast their operands
 per GEMM and keep only the layer's dtype, so neither figure moves (the FP8 copies live for one GEMM).
+gather B/param: what the distributed optimizer's owners broadcast per parameter and step, bf16 (2) or
+with --fp8-param-gather (tensorwise, delayed: 1 byte per FP8 linear's weight element, 2 for the rest;
+distributed/fp8_param_gather.py, whose buffers tests/test_fp8_param_gather.py checks).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ def measure(hidden, layers, seq, batch, recipe) -> dict:
     from precision_memory import _hyper
 
     from megatron_sp import parallel_state
+    from megatron_sp.distributed.fp8_param_gather import fp8_weights
     from megatron_sp.distributed.optimizer import build_optimizer
     from megatron_sp.models.gpt import GPTModel
     from megatron_sp.training.loop import train_step
@@ -73,7 +77,12 @@ def measure(hidden, layers, seq, batch, recipe) -> dict:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(tokens, tokens.roll(-1, 1), sample_ids=torch.arange(batch))
-    return {**{k: v / n for k, v in parts.items()}, "activations": sum(saved) / (batch * seq * layers)}
+    in_fp8 = sum(w.numel() for w, _ in fp8_weights(model)) if recipe in ("tensorwise", "delayed") else 0
+    return {
+        **{k: v / n for k, v in parts.items()},
+        "activations": sum(saved) / (batch * seq * layers),
+        "gather": (in_fp8 + 2 * (n - in_fp8)) / n,
+    }
 
 
 def main():
@@ -89,12 +98,13 @@ def main():
         bpp = sum(m[k] for k in ("weights", "grads", "main", "moments", "fp8_state"))
         name = "bf16" if recipe is None else f"bf16 + fp8 {recipe}"
         cells = [f"{m[k]:.3f}" for k in ("weights", "grads", "main", "moments", "fp8_state")]
-        rows.append([name, *cells, f"{bpp:.3f}", f"{m['activations']:.0f}"])
+        rows.append([name, *cells, f"{bpp:.3f}", f"{m['activations']:.0f}", f"{m['gather']:.3f}"])
     print(
         f"bytes per parameter (TP 1, hidden {a.hidden_size}, {a.num_layers} layers) and activation bytes saved "
         f"for the backward per token per layer ({a.micro_batch_size} x {a.seq_length} tokens)"
     )
     heads = ["run", "weights", "grads", "main", "moments", "fp8 state", "bytes/param", "act. B/token/layer"]
+    heads.append("gather B/param")
     print(table(heads, rows))
 
 
