@@ -11,9 +11,9 @@ parameter: weights, fp32 gradient buffers, fp32 main weights, AdamW moments, and
 saves for the backward during one forward (torch.autograd.graph.saved_tensors_hooks), parameters
 left out, per token and layer (the output layer's logits included). FP8 GEMMs cast their operands
 per GEMM and keep only the layer's dtype, so neither figure moves (the FP8 copies live for one GEMM).
-gather B/param: what the distributed optimizer's owners broadcast per parameter and step, bf16 (2) or
-with --fp8-param-gather (tensorwise, delayed: 1 byte per FP8 linear's weight element, 2 for the rest;
-distributed/fp8_param_gather.py, whose buffers tests/test_fp8_param_gather.py checks).
+gather B/param: what the distributed optimizer's owners broadcast (FSDP2: all-gather) per parameter and
+step, bf16 (2) or with --fp8-param-gather (tensorwise, delayed: 1 byte per FP8 linear's weight element,
+2 for the rest; distributed/fp8_param_gather.py, whose buffers tests/test_fp8_param_gather.py checks).
 """
 
 from __future__ import annotations

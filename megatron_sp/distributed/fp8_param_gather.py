@@ -127,3 +127,71 @@ def _scale(fp8, amax: torch.Tensor, after_step: bool) -> torch.Tensor:
     if after_step or not bool((fp8.delayed.amax_history[:, fp8_gemms.WEIGHT] > 0).any()):
         fp8.delayed.record([fp8_gemms.WEIGHT], [amax])
     return fp8.delayed.current(fp8_gemms.WEIGHT, amax.device)
+
+
+class Fsdp2Fp8Weight:
+    """--fp8-param-gather under FSDP2 (distributed/fsdp.py): FSDP2's all-gather extension on one FP8
+    linear's weight. Before the all-gather (`fsdp_pre_all_gather`) this rank's fp32 shard, its main
+    weight, is cast to e4m3 with the whole tensor's scale (amax all-reduced over the shard mesh and TP)
+    and handed over as uint8 bytes, padded to FSDP2's shard size (a uint8 all-gather, which gloo runs
+    too: torchao's extension hands float8 tensors, which gloo cannot move); after it
+    (`fsdp_post_all_gather`) the gathered FP8 values are written into the bf16 weight the layer computes
+    with, and the layer is handed the scale (as with the distributed optimizer, above). The cast runs
+    once per step, after it (`cast`: FSDPOptimizer.step, and at the start), so the forward's all-gather,
+    the backward's re-gather and every micro-batch move the same bytes; a shard changed otherwise is
+    cast again at its next all-gather."""
+
+    def __init__(self, fsdp_param, fp8, tp_group):
+        self.param, self.fp8, self.tp_group = fsdp_param, fp8, tp_group
+        self.bytes, self.scale, self.version = None, None, None
+        local = fsdp_param._sharded_local_tensor
+        local.fsdp_pre_all_gather, local.fsdp_post_all_gather = self.pre_all_gather, self.post_all_gather
+        fsdp_param._init_extensions()  # (FSDP2 looks for the extension when it builds its FSDPParam)
+
+    @torch.no_grad()
+    def cast(self, after_step: bool = True) -> None:
+        """This rank's shard in FP8, with the whole tensor's scale (delayed scaling: recorded as above)."""
+        local = self.param._sharded_local_tensor
+        amax = local.abs().max().float() if local.numel() else torch.zeros((), device=local.device)
+        (amax,) = fp8_gemms.reduce_amax([amax], (self.param.mesh_info.mesh.get_group(), self.tp_group))
+        self.scale = _scale(self.fp8, amax, after_step)
+        q = fp8_gemms.to_fp8(local, self.scale, self.fp8.recipe.dtype(fp8_gemms.WEIGHT)).view(torch.uint8)
+        self.bytes = q.new_zeros(self.param.padded_sharded_param_size)
+        self.bytes[: q.shape[0]] = q
+        self.version = local._version
+
+    def pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        if self.bytes is None or self.param._sharded_local_tensor._version != self.version:
+            self.cast(after_step=False)
+        return (self.bytes,), self.scale
+
+    @torch.no_grad()
+    def post_all_gather(self, outputs, scale, param_dtype, *, out=None):
+        (data,) = outputs
+        weight = data.view(self.fp8.recipe.dtype(fp8_gemms.WEIGHT)).float().div(scale).to(param_dtype)
+        if out is not None:  # (the same values: the backward's re-gather, as FSDP2's own copies do)
+            with torch.autograd._unsafe_preserve_version_counter(out):
+                out.copy_(weight)
+            self.fp8.hold_weight(out, scale)
+            return None
+        self.fp8.hold_weight(weight, scale)
+        return weight, ()
+
+
+def shard_fp8_weights(model, tp_group) -> list:
+    """Fsdp2Fp8Weight on every FP8 linear's weight of an FSDP2-sharded model (after fully_shard)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    fp8_of = {id(w): fp8 for w, fp8 in fp8_weights(model)}
+    hooked = []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            fp8 = fp8_of.get(id(fsdp_param.sharded_param))
+            if fp8 is not None:
+                hooked.append(Fsdp2Fp8Weight(fsdp_param, fp8, tp_group))
+    if len(hooked) != len(fp8_of):
+        raise RuntimeError(f"--fp8-param-gather found {len(hooked)} of {len(fp8_of)} FP8 weights in FSDP2's groups.")
+    return hooked

@@ -61,6 +61,9 @@ reduction is the same sum divided by dp_size (over expert-DP: the expert gradien
 
 Checkpoints keep the canonical entries (distributed/fsdp_checkpoint.py).
 
+--fp8-param-gather: each FP8 linear's weight carries FSDP2's all-gather extension, which gathers its
+shard as FP8 bytes cast once per step from the fp32 shard (distributed/fp8_param_gather.py).
+
 What does not compose (refused in one sentence by `problem(args)`): --use-distributed-optimizer
 (FSDP2 shards the optimizer state itself), --grad-reduce-in-bf16 (FSDP2 reduces in fp32), a
 single replica (nothing to shard over) and --torch-compile (not verified with it).
@@ -347,6 +350,7 @@ class FSDPOptimizer(TrainingOptimizer):
     (distributed/protocol.py), with no gradient buffers: FSDP2 owns the gradients."""
 
     grad_buffers = None
+    fp8_weights = ()  # --fp8-param-gather: fp8_param_gather.Fsdp2Fp8Weight per FP8 weight (their all-gathers)
 
     def __init__(self, model, ps: ParallelState, make_optimizer, weight_decay: float, decoupled=False):
         self.model, self.ps = model, ps
@@ -365,7 +369,8 @@ class FSDPOptimizer(TrainingOptimizer):
         self.optim.zero_grad(set_to_none=True)
 
     def cast_fp8_weights(self) -> None:
-        """Nothing: under --fp8-param-gather FSDP2 all-gathers the weights in bf16 (docs/precision.md)."""
+        for weight in self.fp8_weights:
+            weight.cast(after_step=False)
 
     @torch.no_grad()
     def finalize_grads(self, model, ps: ParallelState, overlapped=None):
@@ -388,6 +393,8 @@ class FSDPOptimizer(TrainingOptimizer):
     @torch.no_grad()
     def step(self):
         self.optim.step()
+        for weight in self.fp8_weights:  # (--fp8-param-gather: the shards' FP8 bytes, once per step)
+            weight.cast()
 
     def params_norm(self, model, ps: ParallelState) -> float:
         return global_param_norm(self.local_params(), ps, self.partition)
@@ -400,4 +407,9 @@ def build_fsdp_optimizer(model, args, device: str, ps: ParallelState) -> FSDPOpt
     """Shards the model (shard_model) and returns its optimizer (optimizer.py's AdamW factory)."""
     shard_model(model, ps, device, getattr(args, "torch_fsdp2_reshard_after_forward", True))
     decoupled = getattr(args, "decoupled_lr", None) is not None
-    return FSDPOptimizer(model, ps, adamw_factory(args, device, distributed=True), args.weight_decay, decoupled)
+    opt = FSDPOptimizer(model, ps, adamw_factory(args, device, distributed=True), args.weight_decay, decoupled)
+    if getattr(args, "fp8_param_gather", False):  # FP8 all-gathers of the FP8 linears' weights
+        from megatron_sp.distributed.fp8_param_gather import shard_fp8_weights
+
+        opt.fp8_weights = shard_fp8_weights(model, ps.tp_group)
+    return opt

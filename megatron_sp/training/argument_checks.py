@@ -246,8 +246,6 @@ def _check_fp8_param_gather(args) -> None:
             "--fp8-param-gather needs --use-distributed-optimizer, --use-torch-fsdp2 or --use-megatron-fsdp "
             "(as in Megatron-LM)."
         )
-    if args.use_torch_fsdp2:
-        return  # (FSDP2 gathers the weights in bf16: the start-up line says so)
     if not args.bf16:
         raise ArgumentError(
             "--fp8-param-gather needs --bf16: the model's weights then hold their FP8 values exactly (fp16 "

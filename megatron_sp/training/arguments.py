@@ -301,9 +301,8 @@ def _precision_args(p):
     g.add_argument(
         "--fp8-param-gather",
         action="store_true",
-        help="with --fp8-format and --use-distributed-optimizer: the FP8 linears' weights are cast to FP8 once "
-        "per step from the fp32 main weights and broadcast in FP8 (docs/precision.md); under FSDP2 they are "
-        "all-gathered in bf16",
+        help="with --fp8-format and --use-distributed-optimizer or FSDP2: the FP8 linears' weights are cast to "
+        "FP8 once per step from the fp32 main weights and broadcast, or all-gathered, in FP8 (docs/precision.md)",
     )
     g.add_argument(
         "--grad-reduce-in-bf16",

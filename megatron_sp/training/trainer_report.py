@@ -54,14 +54,12 @@ def _sharding_words(trainer) -> str:
 
 
 def _fp8_gather_words(trainer) -> str:
-    """--fp8-param-gather: what it does here (distributed/fp8_param_gather.py), or that FSDP2 gathers
-    the weights in bf16 (Megatron-LM's own fallback for --use-torch-fsdp2 with Transformer Engine 2)."""
+    """--fp8-param-gather: what it does here (distributed/fp8_param_gather.py)."""
     if not getattr(trainer.args, "fp8_param_gather", False):
         return ""
-    if trainer.args.use_torch_fsdp2:
-        return "; --fp8-param-gather: FSDP2 all-gathers the weights in bf16 (no FP8 all-gather under FSDP2 here)"
+    moved = " all-gathered in FP8" if trainer.args.use_torch_fsdp2 else " broadcast in FP8"
     return "; FP8 weights cast once per step from the fp32 main weights" + (
-        " and broadcast in FP8" if trainer.optimizer.partition is not None else ""
+        moved if trainer.optimizer.partition is not None else ""
     )
 
 
