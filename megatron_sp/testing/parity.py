@@ -7,10 +7,11 @@ tools/check_parity.py are its users.
     result = world.run(run_layout, fields, layout, batches, state=serial.init)   # per rank
     row = compare(serial, result[0], layout)                # loss, gradients, norm, weights after the steps
 
-Each run takes the first step's loss and gradients, then AdamW steps (lr 1e-3, weight decay 0.01)
-after every batch; the gradients are the parallel model's gathered ones (partial sums reduced,
-the data-parallel mean taken, the tied pipeline copy summed). `fields` are GPTConfig fields without
-the layout's; dropout is whatever they say (the contract holds with it on).
+Each run takes the first step's loss and gradients, then AdamW steps (lr 1e-3, weight decay 0.01,
+eps `adam_eps`: torch's 1e-8 unless the caller asks) after every batch; the gradients are the
+parallel model's gathered ones (partial sums reduced, the data-parallel mean taken, the tied pipeline
+copy summed). `fields` are GPTConfig fields without the layout's; dropout is whatever they say (the
+contract holds with it on).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ TOLERANCES = dict(loss=1e-5, grad=1e-5, grad_norm=1e-5, params=3e-5)  # relative
 # params: AdamW's first steps are sign(g)·lr where |g| is near its eps (a GELU unit off for every token
 # has such gradients in its fc1 bias), so 1e-7 gradient differences become ~1e-5 in those weights
 # (measured: layers.0.mlp.fc1.bias 1.37e-5 at gpt2 TP=4 fused, 1.46e-5 at TP=2 x CP=2); a wrong step
-# is off by >= 1e-3.
+# is off by >= 1e-3. (tests/test_moe_parallel.py passes adam_eps 1e-4, which bounds that to lr·δ/eps.)
 
 
 @dataclass(frozen=True)
@@ -95,8 +96,8 @@ class Run:
     qkv_rows: Optional[tuple] = None  # (query, key, value) rows of the fused QKV (fused_qkv_rows(cfg))
 
 
-def _adamw(params, lr: float):
-    return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+def _adamw(params, lr: float, eps: float):
+    return torch.optim.AdamW(params, lr=lr, eps=eps, weight_decay=0.01)
 
 
 def run_serial(
@@ -105,12 +106,15 @@ def run_serial(
     *,
     state: Optional[dict] = None,
     lr: float = 1e-3,
+    adam_eps: float = 1e-8,
     logits=False,
     micro_batches: int = 1,
 ) -> Run:
     """ReferenceGPT of `fields` (its own seeded init, or `state`) through the batches; micro_batches:
     each batch's gradient accumulated over that many equal parts, each loss weighted 1 / m (a pipeline
-    layout's micro-batches: an MoE load-balancing loss is the micro-batch's, as Megatron's)."""
+    layout's micro-batches: an MoE load-balancing loss is the micro-batch's, as Megatron's). adam_eps:
+    AdamW's eps (a larger one bounds how far a step moves for a gradient difference δ by lr·δ/eps, where
+    at 1e-8 an element whose gradient is near 0 turns rounding into ~lr: tests/test_moe_parallel.py)."""
     from megatron_sp.config import GPTConfig
     from megatron_sp.models.reference import ReferenceGPT
 
@@ -120,7 +124,7 @@ def run_serial(
     if state is not None:
         model.load_state_dict(state)
     first = _logits(model, batches[0]) if logits else None
-    opt, losses, grads0, norm0 = _adamw(model.parameters(), lr), [], None, None
+    opt, losses, grads0, norm0 = _adamw(model.parameters(), lr, adam_eps), [], None, None
     for step, batch in enumerate(batches):
         opt.zero_grad()
         loss = 0.0
@@ -154,16 +158,18 @@ def run_layout(
     *,
     state: Optional[dict] = None,
     lr: float = 1e-3,
+    adam_eps: float = 1e-8,
     logits: bool = False,
     prepare: Optional[Callable] = None,
     probe: Optional[Callable] = None,
     fsdp: bool = False,
 ) -> Optional[Run]:
     """On every rank of a world of gloo ranks: the parallel model of `fields` at `layout` (loading
-    `state` if given) through the batches. prepare(model): called once built (e.g. compile it);
-    probe(model, ps) -> dict: called after the steps, kept in Run.extra; logits: the first batch's,
-    before training (not under pipeline parallelism); fsdp: the model sharded by --use-torch-fsdp2's
-    fully_shard (distributed/fsdp.py) after those, its gradients reduced by FSDP2 and FSDPOptimizer.
+    `state` if given) through the batches (lr, adam_eps: run_serial's). prepare(model): called once
+    built (e.g. compile it); probe(model, ps) -> dict: called after the steps, kept in Run.extra;
+    logits: the first batch's, before training (not under pipeline parallelism); fsdp: the model
+    sharded by --use-torch-fsdp2's fully_shard (distributed/fsdp.py) after those, its gradients reduced
+    by FSDP2 and FSDPOptimizer.
     Returns the Run on the ranks of data-parallel and context-parallel rank 0 (one per TP rank), None
     elsewhere."""
     from megatron_sp import parallel_state
@@ -188,18 +194,18 @@ def run_layout(
     if prepare is not None:
         prepare(model)
     first = _logits(model, batches[0]) if logits and layout.pp == 1 else None
-    losses, grads0, norm0, final = (_fsdp_steps if fsdp else _steps)(model, layout, batches, ps, lr)
+    losses, grads0, norm0, final = (_fsdp_steps if fsdp else _steps)(model, layout, batches, ps, lr, adam_eps)
     extra = probe(model, ps) if probe is not None else {}
     if ps.dp_rank != 0 or ps.cp_rank != 0:
         return None
     return Run(init, losses, grads0, norm0, final, first, extra, *_described(cfg))
 
 
-def _steps(model, layout: Layout, batches: list, ps, lr: float) -> tuple:
+def _steps(model, layout: Layout, batches: list, ps, lr: float, eps: float) -> tuple:
     """(losses, first gradients, their norm, final weights) of AdamW steps on the batches."""
     from megatron_sp.distributed.optimizer import global_grad_norm
 
-    opt, losses, grads0, norm0 = _adamw(model.parameters(), lr), [], None, None
+    opt, losses, grads0, norm0 = _adamw(model.parameters(), lr, eps), [], None, None
     for step, batch in enumerate(batches):
         opt.zero_grad()
         part = batch.part(ps.dp_rank % layout.dp, layout.dp)  # further replicas repeat the parts
@@ -212,14 +218,14 @@ def _steps(model, layout: Layout, batches: list, ps, lr: float) -> tuple:
     return losses, grads0, norm0, model.full_state_dict()
 
 
-def _fsdp_steps(model, layout: Layout, batches: list, ps, lr: float) -> tuple:
+def _fsdp_steps(model, layout: Layout, batches: list, ps, lr: float, eps: float) -> tuple:
     """_steps with the model sharded by fully_shard (dense parameters over DP×CP, experts over
     expert-DP): FSDP2 reduce-scatters, FSDPOptimizer sums what remains; the norm is the training loop's."""
     from megatron_sp.distributed.fsdp import FSDPOptimizer, shard_model
     from megatron_sp.distributed.optimizer import global_grad_norm
 
     shard_model(model, ps, "cpu")
-    flat = lambda groups: _adamw([p for g in groups for p in g["params"]], lr)  # noqa: E731 (one decay, as the oracle's)
+    flat = lambda groups: _adamw([p for g in groups for p in g["params"]], lr, eps)  # noqa: E731 (one decay, as the oracle's)
     opt, losses, grads0, norm0 = FSDPOptimizer(model, ps, flat, 0.01), [], None, None
     for step, batch in enumerate(batches):
         opt.zero_grad()
