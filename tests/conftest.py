@@ -72,6 +72,9 @@ def _distribute(items) -> None:
     items.sort(key=lambda item: rank.get(_group(item), len(rank)))  # stable: the order within a file holds
 
 
+# tryfirst: the xdist_group marks must be on the items before pytest-xdist's own hook turns them into
+# node-id suffixes (a mark added after it is ignored: _group_lost below).
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     _distribute(items)
     try:
@@ -86,8 +89,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _group_lost(item):
+    """On a pytest-xdist worker under `--dist loadgroup`, every test's node id must carry its group
+    (xdist's suffix, added after our marks), or the groups are silently ignored: each file's tests are
+    spread over the workers, every worker builds the file's worlds, and the suite runs minutes longer
+    (pytest 9.2 with pytest-xdist 3.8 did). Each test then fails, saying so."""
+    if "@" in item.nodeid or not os.environ.get("PYTEST_XDIST_WORKER") or not item.config.getvalue("loadgroup"):
+        return None
+    import xdist
+
+    return (
+        f"pytest-xdist {xdist.__version__} ignored the xdist_group marks under pytest {pytest.__version__}: "
+        "pin a pair that keeps them (requirements-dev.txt)"
+    )
+
+
 def pytest_runtest_setup(item):
     """Tests marked `extension` skip without megatron_sp._C, or fail under MEGATRON_SP_REQUIRE_EXTENSION=1."""
+    lost = _group_lost(item)
+    if lost:
+        pytest.fail(lost, pytrace=False)
     mark = item.get_closest_marker("extension")
     if mark is None:
         return
