@@ -10,6 +10,7 @@ should learn, most important first, inside one deadline that cannot be overrun.
     build            megatron_sp._C with its CUDA kernels; ptxas -v registers and spills kept
     tests            tests/test_cuda_ops.py, test_ops_attention_lse.py, test_cuda_tp_overlap.py  build
     speed_fused_p0   the speed-goal config, fused ops, dropout 0, 12 iterations       build
+    speed_fp8        the same with --fp8-format hybrid --fp8-recipe tensorwise        build, torchao
     speed_fused_p01  the same at dropout 0.1, 6 iterations                           build
     kernels          bench/op_speed.py --no-compile (per case, SDPA baseline, TFLOP/s) build
 
@@ -20,6 +21,12 @@ speed.jsonl (every iteration of every speed run, with its peak GPU memory), kern
 and per-run logs stay in a scratch directory (named in the summary). pip is never called (no package index is touched).
 The speed-goal config: GPT 24 x 2048, 16 heads, seq 2048, micro batch 4, vocab 50304, bf16,
 forward + backward + AdamW on one GPU with random tokens (--mock-data).
+torchao (FP8) is not on the lent GPU machine and it has no package index: carry this machine's copy,
+which is pure Python for what FP8 training uses (gpu_check.sh leaves its compiled kernels, built for
+this machine's torch, unloaded), and name its parent directory in GPU_CHECK_SITE (prepended to PYTHONPATH):
+    run(carry=[".venv/lib/python3.11/site-packages/torchao"],
+        command="GPU_CHECK_SITE=.venv/lib/python3.11/site-packages bash bench/gpu_check.sh")
+Without it (or where it does not import) speed_fp8 is skipped, saying why.
 Exit status 1 when a stage failed or timed out, else 0 (stages skipped for time are reported).
 """
 
@@ -49,6 +56,7 @@ BUDGETS = {
         "build": (200, 60),
         "tests": (90, 20),
         "speed_fused_p0": (70, 40),
+        "speed_fp8": (60, 35),
         "speed_fused_p01": (60, 35),
         "kernels": (90, 20),
     },
@@ -58,6 +66,7 @@ BUDGETS = {
         "build": (30, 2),
         "tests": (60, 8),
         "speed_fused_p0": (60, 8),
+        "speed_fp8": (60, 8),
         "speed_fused_p01": (60, 8),
         "kernels": (60, 8),
     },
@@ -124,11 +133,13 @@ def run_stage(stage: Stage, budget, left: float, passed: set, out: str, scratch:
     missing = [n for n in stage.needs if n not in passed]
     if missing:
         return Result(stage.name, f"skipped: needs {', '.join(missing)}")
-    reason = stage.precondition() if stage.precondition else None
-    if reason:
-        return Result(stage.name, f"skipped: {reason}")
     if left < minimum:
         return Result(stage.name, f"skipped: {max(left, 0):.0f} s left, needs {minimum} s")
+    checked = time.monotonic()
+    reason = stage.precondition() if stage.precondition else None
+    if reason:
+        return Result(stage.name, f"skipped: {reason}", time.monotonic() - checked)
+    left -= time.monotonic() - checked  # the check's time counts against the deadline
     log = os.path.join(out if stage.log else scratch, stage.log or f"{stage.name}.log")
     stage_log = os.path.join(scratch, f"{stage.name}.stage.log")  # this stage's output alone (figures)
     env = dict(os.environ, **stage.env)
@@ -198,18 +209,31 @@ def write_summary(out, header, results, names, elapsed, deadline_s, scratch):
 # ---- figures --------------------------------------------------------------------------------------
 
 
-def speed_figures(jsonl: str, run: str, out: str) -> Callable[[str], str]:
-    """Reads one speed run's JSONL: appends it to $OUT/speed.jsonl and returns its median figures."""
+def _steady(records):
+    return [r for r in records if r["iteration"] > 2] or records  # the first steps warm up
+
+
+def speed_figures(jsonl: str, run: str, out: str, baseline: Optional[str] = None) -> Callable[[str], str]:
+    """Reads one speed run's JSONL: appends it to $OUT/speed.jsonl and returns its median figures
+    (with its median step time over the `baseline` run's, when that run is in speed.jsonl)."""
 
     def figures(_text):
         with open(jsonl) as f:
             records = [json.loads(line) for line in f if '"lm_loss"' in line and '"iteration"' in line]
-        with open(os.path.join(out, "speed.jsonl"), "a") as f:
+        speed_jsonl = os.path.join(out, "speed.jsonl")
+        before = []
+        if baseline and os.path.exists(speed_jsonl):
+            with open(speed_jsonl) as f:
+                before = [r for r in map(json.loads, f) if r.get("run") == baseline]
+        with open(speed_jsonl, "a") as f:
             for r in records:
                 f.write(json.dumps({"run": run, **r}) + "\n")
-        steady = [r for r in records if r["iteration"] > 2] or records  # the first steps warm up
+        steady = _steady(records)
         med = lambda key: statistics.median(r[key] for r in steady)  # noqa: E731
         words = [f"{med('tokens_per_sec'):.0f} tokens/s", f"{med('elapsed_ms'):.0f} ms/step"]
+        if before:
+            base_ms = statistics.median(r["elapsed_ms"] for r in _steady(before))
+            words.append(f"{base_ms / med('elapsed_ms'):.2f}x {baseline}'s speed")
         if steady[0].get("mfu") is not None:
             words.append(f"MFU {100 * med('mfu'):.1f}%")
         peaks = [r["peak_memory_gib"] for r in records if r.get("peak_memory_gib") is not None]
@@ -256,7 +280,7 @@ def kernels_figures(text: str) -> str:
 # ---- the stages ---------------------------------------------------------------------------------
 
 
-def _speed_stage(name, device, fused, dropout, iters, scratch, out):
+def _speed_stage(name, device, fused, dropout, iters, scratch, out, extra=(), precondition=None, baseline=None):
     jsonl = os.path.join(scratch, f"{name}.jsonl")
     flags = SPEED_SHAPE[device].split() + [
         "--mock-data",
@@ -280,14 +304,32 @@ def _speed_stage(name, device, fused, dropout, iters, scratch, out):
         "--loss-curve",
         os.path.join(scratch, f"{name}.png"),
     ]
-    flags += [] if fused else ["--no-fused-kernels"]
+    flags += ([] if fused else ["--no-fused-kernels"]) + list(extra)
     return Stage(
         name,
         [[PY, "pretrain_gpt_sp.py", *flags]],
         log="speed.log",
         needs=("build",) if fused else (),
-        figures=speed_figures(jsonl, name, out),
+        figures=speed_figures(jsonl, name, out, baseline),
+        precondition=precondition,
     )
+
+
+FP8_FLAGS = ("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")  # torchao's current scaling
+
+
+def torchao_problem() -> Optional[str]:
+    """Why the FP8 stage cannot run here, or None: torchao must import in a fresh interpreter (with
+    the stages' PYTHONPATH), as the training run will import it."""
+    code = "import torchao.float8, torchao; print(torchao.__version__)"
+    try:
+        proc = subprocess.run([PY, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return "importing torchao took over 60 s"
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"torchao does not import ({last[:160]}); carry it and set GPU_CHECK_SITE (bench/gpu_check.py)"
+    return None
 
 
 def _environment(device):
@@ -352,6 +394,7 @@ def stages(device, out, scratch) -> List[Stage]:
         _build(device),
         _tests(),
         _speed_stage("speed_fused_p0", device, True, 0.0, 12, scratch, out),
+        _speed_stage("speed_fp8", device, True, 0.0, 12, scratch, out, FP8_FLAGS, torchao_problem, "speed_fused_p0"),
         _speed_stage("speed_fused_p01", device, True, 0.1, 6, scratch, out),
         _kernels(device, out),
     ]

@@ -3,6 +3,7 @@ cap (its process group killed), skipped when the time left is below its minimum 
 did not pass; the summary is rewritten after every stage and printed last; at most 7 files land in
 $OUT. The runner with stand-in commands, then the real script as a CPU dry run on tiny shapes."""
 
+import json
 import os
 import re
 import subprocess
@@ -63,7 +64,8 @@ def test_cpu_dry_run_within_a_small_deadline(tmp_path):
     summary = (out / "summary.md").read_text()
     assert proc.stdout.rstrip().endswith(summary.rstrip()), "the summary must be printed last"
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in summary.splitlines() if line[:2] == "| "}
-    names = ["environment", "speed_reference", "build", "tests", "speed_fused_p0", "speed_fused_p01", "kernels"]
+    names = ["environment", "speed_reference", "build", "tests", "speed_fused_p0", "speed_fp8", "speed_fused_p01"]
+    names += ["kernels"]
     assert [n for n in rows if n != "stage"] == names
     assert rows["environment"] == "passed", summary
     if rows["build"] == "passed":  # then some later stage must have been cut for time
@@ -74,3 +76,59 @@ def test_cpu_dry_run_within_a_small_deadline(tmp_path):
     assert rows["kernels"].startswith("skipped:"), summary
     assert not any(s.startswith("failed") for s in rows.values()), summary
     assert "summary.md" in os.listdir(out) and len(os.listdir(out)) <= gpu_check.MAX_OUT_FILES
+
+
+def test_precondition_skips_saying_why_and_is_checked_after_the_time(tmp_path):
+    """A stage whose precondition gives a reason is skipped with it; one that does not fit the time
+    left is skipped for time without running its (possibly slow) precondition."""
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    out.mkdir(), scratch.mkdir()
+    calls = []
+
+    def missing():
+        calls.append(1)
+        return "torchao is not installed"
+
+    stages = [
+        Stage("needs_lib", [_py("pass")], precondition=missing),
+        Stage("too_big", [_py("pass")], precondition=missing),
+    ]
+    results = run_all(stages, {"needs_lib": (10, 1), "too_big": (10, 60)}, 20, str(out), str(scratch), "# t")
+    assert results[0].status == "skipped: torchao is not installed"
+    assert results[1].status.startswith("skipped:") and "needs 60 s" in results[1].status
+    assert len(calls) == 1
+
+
+def test_fp8_stage_reports_its_speed_against_the_bf16_run(tmp_path):
+    """speed_fp8's figures give its median step time over speed_fused_p0's (read back from
+    $OUT/speed.jsonl, the first two iterations left out as warm-up)."""
+    out = tmp_path
+    lines = lambda ms: [  # noqa: E731
+        {"iteration": i, "lm_loss": 5.0, "tokens_per_sec": 8192 / t * 1000, "elapsed_ms": t}
+        for i, t in enumerate(ms, 1)
+    ]
+    for run, ms in (("speed_fused_p0", [900, 500, 100, 100, 102]), ("speed_fp8", [900, 500, 80, 80, 79])):
+        path = tmp_path / f"{run}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in lines(ms)))
+        words = gpu_check.speed_figures(str(path), run, str(out), "speed_fused_p0" if run == "speed_fp8" else None)("")
+    assert "80 ms/step" in words and "1.25x speed_fused_p0's speed" in words, words
+    runs = [json.loads(line)["run"] for line in (out / "speed.jsonl").read_text().splitlines()]
+    assert runs == ["speed_fused_p0"] * 5 + ["speed_fp8"] * 5
+
+
+def test_speed_stages_are_valid_command_lines():
+    """Every speed stage's command line, on the GPU's shapes and the dry run's, is one the program
+    accepts (the FP8 one included): a bad flag would cost a lent GPU session its stage."""
+    from megatron_sp.training.arguments import parse_args
+
+    for device in ("cuda", "cpu"):
+        speed = [s for s in gpu_check.stages(device, "/nonexistent", "/nonexistent") if s.name.startswith("speed")]
+        assert [s.name for s in speed] == ["speed_reference", "speed_fused_p0", "speed_fp8", "speed_fused_p01"]
+        for stage in speed:
+            (cmd,) = stage.commands
+            assert cmd[1] == "pretrain_gpt_sp.py"
+            args = parse_args(cmd[2:])
+            assert args.device == device and args.train_iters > 2
+        fp8 = parse_args(speed[2].commands[0][2:])
+        assert (fp8.fp8, fp8.fp8_recipe, fp8.use_fused_kernels) == ("hybrid", "tensorwise", True)
+        assert (fp8.bf16, fp8.hidden_size) == ((True, 2048) if device == "cuda" else (False, 64))
