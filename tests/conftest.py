@@ -94,7 +94,10 @@ def _group_lost(item):
     (xdist's suffix, added after our marks), or the groups are silently ignored: each file's tests are
     spread over the workers, every worker builds the file's worlds, and the suite runs minutes longer
     (pytest 9.2 with pytest-xdist 3.8 did). Each test then fails, saying so."""
-    if "@" in item.nodeid or not os.environ.get("PYTEST_XDIST_WORKER") or not item.config.getvalue("loadgroup"):
+    # (workerinput: this process is itself a worker; a pytest run started by a test inherits the
+    # worker's environment but is not one)
+    on_worker = hasattr(item.config, "workerinput") and getattr(item.config.option, "loadgroup", False)
+    if "@" in item.nodeid or not on_worker:
         return None
     import xdist
 
