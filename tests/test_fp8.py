@@ -121,6 +121,56 @@ def test_tensorwise_is_torchaos_float8_linear():
     assert torch.equal(ours.weight.grad, ref[0].weight.grad)
 
 
+def _two_steps(recipe, row, dtype, hold=False):
+    """A TP1 column (or row) FP8 linear, two forward/backward steps in `dtype`: outputs and gradients.
+    hold: the weight holds FP8 values with a held scale, as --fp8-param-gather leaves it."""
+    from megatron_sp.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(0)
+    gemms = fp8_gemms.Fp8Gemms(fp8_gemms.Fp8Recipe("hybrid", recipe), fp8_gemms.AmaxGroups(), row=row)
+    lin = (RowParallelLinear if row else ColumnParallelLinear)(64, 48, init="normal", bias=False, fp8=gemms)
+    lin.weight.data.normal_()
+    lin = lin.to(dtype)
+    if hold:
+        scale = fp8_gemms.amax_to_scale(lin.weight.detach().abs().amax().float(), torch.float8_e4m3fn)
+        q = fp8_gemms.to_fp8(lin.weight.detach(), scale, torch.float8_e4m3fn)
+        lin.weight.data.copy_((q.float() / scale).to(dtype))
+        gemms.hold_weight(lin.weight, scale)
+    out = []
+    for step in range(2):
+        x = torch.randn(16, 2, 64, dtype=dtype, requires_grad=True)
+        y = lin(x)
+        y.backward((torch.randn(16, 2, 48) * 1e-3).to(dtype))
+        out += [y.detach(), x.grad, lin.weight.grad.clone()]
+        lin.weight.grad = None
+    return out
+
+
+@pytest.mark.parametrize(
+    "recipe,hold", [("tensorwise", False), ("delayed", False), ("tensorwise", True), ("rowwise", False)]
+)
+@pytest.mark.parametrize("row", [False, True], ids=["column", "row"])
+def test_cuda_gemm_path_gives_the_emulations_numbers(monkeypatch, recipe, hold, row):
+    """The GEMMs a GPU runs (torch._scaled_mm through torchao, fast accumulation in the output GEMM:
+    _mm_config's CUDA settings), forced on CPU, where _scaled_mm runs too: in bf16 the tensor-scaled
+    recipes give the emulated CPU path's outputs and gradients bit for bit (a held --fp8-param-gather
+    weight included), rowwise within bf16's rounding of the same products; so what the CPU tests hold
+    holds for that path."""
+    calls, scaled_mm = [], torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(1) or scaled_mm(*a, **k))
+    emulated = _two_steps(recipe, row, torch.bfloat16, hold)
+    assert not calls
+    real = fp8_gemms._mm_config
+    monkeypatch.setattr(fp8_gemms, "_mm_config", lambda device: real(device, emulate=False))
+    cuda_path = _two_steps(recipe, row, torch.bfloat16, hold)
+    assert len(calls) == 6, len(calls)  # fprop, dgrad and wgrad of each step
+    for name, a, b in zip(["y", "dx", "dw"] * 2, emulated, cuda_path):
+        if recipe == "rowwise":
+            torch.testing.assert_close(b, a, rtol=2**-7, atol=1e-5, msg=name)
+        else:
+            assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("algo,margin", [("max", 0), ("most_recent", 1)])
 def test_delayed_scaling_rule(algo, margin):
     """Transformer Engine's: cast with the scale of the history so far (1 at first), then record."""

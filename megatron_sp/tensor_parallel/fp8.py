@@ -218,10 +218,12 @@ def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return float8_utils.amax_to_scale(amax, dtype)
 
 
-def _mm_config(device):
+def _mm_config(device, emulate=None):
+    """torchao's GEMM settings: torch._scaled_mm on CUDA (fast accumulation for the output GEMM, as
+    torchao's Float8Linear), its emulation elsewhere unless emulate=False (tests run the CUDA path on CPU)."""
     from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
 
-    emulate = device.type != "cuda"
+    emulate = device.type != "cuda" if emulate is None else emulate
     return LinearMMConfig(*(ScaledMMConfig(emulate, not emulate and i == 0, False, True) for i in range(3)))
 
 
