@@ -1,8 +1,10 @@
-"""`--fp8-param-gather` with the distributed optimizer: the FP8 linears' weights are cast to FP8 once per
-step, from the fp32 main weights, by the replica that owns them, and broadcast as FP8 bytes.
+"""`--fp8-param-gather`: the FP8 linears' weights are cast to FP8 once per step, from the fp32 main
+weights, and moved as FP8 bytes. With the distributed optimizer (Fp8ParamGather, below) the replica that
+owns a weight casts it and broadcasts the bytes; under FSDP2 (Fsdp2Fp8Weight, at the end) each rank casts
+its shard and FSDP2 all-gathers the bytes.
 
-Megatron-LM's meaning is "keep the compute param in FP8 and all-gather it in FP8". Here, per step after
-the AdamW step (distributed/optimizer.py):
+Megatron-LM's meaning is "keep the compute param in FP8 and all-gather it in FP8". With the distributed
+optimizer, per step after the AdamW step (distributed/optimizer.py):
 
   1. the owner of an FP8 linear's weight takes the amax of its fp32 main weight, all-reduced (MAX) over
      the TP group, so that it is the whole logical tensor's (every TP rank of a replica owns its shard
