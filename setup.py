@@ -13,10 +13,30 @@ from setuptools import find_packages, setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
+def _cuda_home():
+    """The CUDA toolkit, when CUDA_HOME / CUDA_PATH do not name one: torch guesses it as nvcc's
+    directory's parent, which is wrong where `nvcc` on PATH is a wrapper (this project's machines have
+    /usr/local/bin/nvcc exec-ing /usr/local/cuda-13.0/bin/nvcc: the guess /usr/local has no
+    cuda_runtime.h and the bindings fail to compile). The first candidate with the runtime's header."""
+    import shutil
+
+    nvcc = shutil.which("nvcc")
+    guesses = [os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))] if nvcc else []
+    guesses += ["/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"), reverse=True)]
+    for home in guesses:
+        if os.path.exists(os.path.join(home, "include", "cuda_runtime.h")) and os.path.exists(
+            os.path.join(home, "bin", "nvcc")
+        ):
+            return home
+    return None
+
+
 def _extensions():
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     if not sources:
         return [], {}
+    if not (os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")) and _cuda_home():
+        os.environ["CUDA_HOME"] = _cuda_home()  # (read when torch.utils.cpp_extension is imported)
     from torch.utils import cpp_extension
 
     # Per op (csrc/module.cpp): csrc/<op>.cpp (schema, CPU kernel), csrc/cuda/<op>.cu (torch-free kernels:

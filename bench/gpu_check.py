@@ -257,10 +257,21 @@ def ptxas_figures(text: str) -> str:
             regs.append(int(used.group(1)))
         spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
         if spill and (int(spill.group(1)) or int(spill.group(2))):
-            spills.append(f"{(name or '?')[:40]} ({spill.group(1)} B stores)")
+            spills.append(f"{_kernel_name(name or '?')} ({spill.group(1)} B stores)")
     if not regs:
         return "no ptxas report"
     return f"{len(regs)} kernels, at most {max(regs)} registers, spills: {', '.join(spills) or 'none'}"
+
+
+def _kernel_name(mangled: str) -> str:
+    """A kernel's short name from its mangled one (c++filt, then `name<template args>`), e.g.
+    ln_fwd_kernel<__half, float, 8, 4>; the mangled name's start where c++filt is missing."""
+    try:
+        text = subprocess.run(["c++filt", mangled], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return mangled[:40]
+    short = re.search(r"(\w+)(<[^()]*>)?\(", text)
+    return "".join(g for g in short.groups() if g) if short else mangled[:40]
 
 
 def last_line(pattern: str) -> Callable[[str], str]:

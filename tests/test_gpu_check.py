@@ -6,6 +6,7 @@ $OUT. The runner with stand-in commands, then the real script as a CPU dry run o
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -132,3 +133,26 @@ def test_speed_stages_are_valid_command_lines():
         fp8 = parse_args(speed[2].commands[0][2:])
         assert (fp8.fp8, fp8.fp8_recipe, fp8.use_fused_kernels) == ("hybrid", "tensorwise", True)
         assert (fp8.bf16, fp8.hidden_size) == ((True, 2048) if device == "cuda" else (False, 64))
+
+
+def test_ptxas_figures_name_the_kernels_that_spill():
+    """The build stage's figures: kernel count, most registers, and each spilling kernel by a short
+    name (c++filt's, where it is installed) with its spill stores; kernels without spills are left out."""
+    mangled = (
+        "_ZN3msp4cuda46_GLOBAL__N__a0485f2e_13_layer_norm_cu_904e686713ln_fwd_kernel"
+        "I6__halffLi8ELi4EEEvPKT_PKT0_S9_PS4_PfSB_lf"
+    )
+    text = "\n".join(
+        [
+            f"ptxas info    : Compiling entry function '{mangled}' for 'sm_90'",
+            "    16 bytes stack frame, 16 bytes spill stores, 40 bytes spill loads",
+            "ptxas info    : Used 255 registers, used 1 barriers, 16 bytes cumulative stack size",
+            "ptxas info    : Compiling entry function '_ZN3msp4cuda7fwd_kernelIfEEvv' for 'sm_90'",
+            "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
+            "ptxas info    : Used 40 registers",
+        ]
+    )
+    figures = gpu_check.ptxas_figures(text)
+    name = "ln_fwd_kernel<__half, float, 8, 4>" if shutil.which("c++filt") else mangled[:40]
+    assert figures == f"2 kernels, at most 255 registers, spills: {name} (16 B stores)", figures
+    assert gpu_check.ptxas_figures("nothing") == "no ptxas report"

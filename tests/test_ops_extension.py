@@ -79,3 +79,37 @@ def test_required_extension_fails_the_op_tests_when_missing():
     assert "1 error" in proc.stdout and "skipped" not in proc.stdout, proc.stdout
     assert "megatron_sp._C did not load (ModuleNotFoundError: import of megatron_sp._C halted" in proc.stdout
     assert "MEGATRON_SP_REQUIRE_EXTENSION=1 requires it: rebuild it with" in proc.stdout, proc.stdout
+
+
+def _setup_cuda_home():
+    """setup.py's _cuda_home, taken out of the file (importing setup.py would run setup())."""
+    import ast
+    import glob
+
+    tree = ast.parse(open(os.path.join(REPO, "setup.py")).read())
+    (func,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_cuda_home"]
+    namespace = {"os": os, "glob": glob}
+    exec(compile(ast.Module([func], []), "setup.py", "exec"), namespace)
+    return namespace["_cuda_home"]
+
+
+def test_setup_finds_the_cuda_toolkit_behind_nvcc(tmp_path, monkeypatch):
+    """torch guesses CUDA_HOME as nvcc's directory's parent; setup.py looks behind a symlinked nvcc
+    for the toolkit with cuda_runtime.h, and behind a wrapper script never takes the wrong guess."""
+    cuda_home = _setup_cuda_home()
+    toolkit = tmp_path / "cuda-99.0"
+    (toolkit / "bin").mkdir(parents=True), (toolkit / "include").mkdir()
+    (toolkit / "include" / "cuda_runtime.h").write_text("")
+    (toolkit / "bin" / "nvcc").write_text("#!/bin/sh\n")
+    (toolkit / "bin" / "nvcc").chmod(0o755)
+    on_path = tmp_path / "local" / "bin"
+    on_path.mkdir(parents=True)
+    (on_path / "nvcc").symlink_to(toolkit / "bin" / "nvcc")
+    monkeypatch.setenv("PATH", str(on_path))
+    assert cuda_home() == str(toolkit)
+    (on_path / "nvcc").unlink()  # a wrapper script, as this project's machines have
+    (on_path / "nvcc").write_text(f'#!/bin/sh\nexec {toolkit}/bin/nvcc "$@"\n')
+    (on_path / "nvcc").chmod(0o755)
+    found = cuda_home()
+    assert found != str(tmp_path / "local")
+    assert found is None or os.path.exists(os.path.join(found, "include", "cuda_runtime.h"))
