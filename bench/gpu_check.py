@@ -8,7 +8,8 @@ should learn, most important first, inside one deadline that cannot be overrun.
     environment      GPU, driver, torch / CUDA / nvcc / compiler versions
     speed_reference  the speed-goal config, reference ops, dropout 0, 12 iterations   (no build)
     build            megatron_sp._C with its CUDA kernels; ptxas -v registers and spills kept
-    tests            tests/test_cuda_ops.py, test_ops_attention_lse.py, test_cuda_tp_overlap.py  build
+    tests            tests/test_cuda_ops.py, test_ops_attention_lse.py, test_cuda_tp_overlap.py,  build
+                     test_model_init.py
     speed_fused_p0   the speed-goal config, fused ops, dropout 0, 12 iterations       build
     speed_fp8        the same with --fp8-format hybrid --fp8-recipe tensorwise        build, torchao
     speed_fused_p01  the same at dropout 0.1, 6 iterations                           build
@@ -387,6 +388,7 @@ def _tests():
     # the CUDA op cases, the log-sum-exp vendor kernels of ring / Ulysses attention, and the
     # --tp-comm-overlap symmetric-memory ops in a one-rank NCCL group (seconds each; no nvcc run)
     cmd += ["tests/test_cuda_ops.py", "tests/test_ops_attention_lse.py", "tests/test_cuda_tp_overlap.py"]
+    cmd += ["tests/test_model_init.py"]  # (the initial weights drawn on the GPU)
     figures = last_line(r"passed|failed|error")
     return Stage("tests", [cmd], log="tests.log", needs=("build",), figures=figures, precondition=no_pytest)
 

@@ -27,6 +27,13 @@ bound = sqrt(6 / (fan_in + fan_out)) of the full (serial, unpadded) tensor.
 
 Elementwise float kernels of torch give each element the same result whatever the length of the call
 (tests/test_model_init.py checks it), so drawing a slice equals slicing the whole, bit for bit.
+
+A parameter on a GPU is drawn there, in larger chunks (on the CPU a 1.3B-parameter model's draws take
+about a minute on one core). The Philox words are the same integers; CUDA's float64 log, sqrt, cos and
+sin are within its documented 1-2 ulp of the CPU's, so a value can round to a neighbouring fp32 number
+only when its float64 value lies that close to a rounding boundary: about one element in 10^8 may
+differ from a CPU-built model's, by one fp32 ulp. Every layout built on GPUs starts bit-identical, as
+on CPUs.
 """
 
 from __future__ import annotations
@@ -40,7 +47,11 @@ from megatron_sp.ops.philox import MASK32, philox4x32
 from megatron_sp.tensor_parallel.sharding import segment_shards
 
 INIT_DOMAIN = 0x494E4954  # "INIT" in the counter's last word; dropout's is the sample id // 2^32
-CHUNK_ELEMENTS = 1 << 16  # elements drawn per call: bounds a draw's temporaries (~4 MiB; larger is no faster)
+CHUNK_ELEMENTS = (
+    1 << 16
+)  # elements drawn per call on the CPU: bounds a draw's temporaries (~4 MiB; larger is no faster)
+# on a GPU: a draw is ~150 small kernels, whose launches dominate at 2^16 elements (~256 MiB of temporaries)
+CHUNK_ELEMENTS_CUDA = 1 << 22
 
 
 def init_std(tag: str, cfg) -> float:
@@ -60,27 +71,27 @@ def _name_key(name: str) -> tuple[int, int]:
     return zlib.crc32(name.encode()) & MASK32, zlib.crc32(name[::-1].encode()) & MASK32
 
 
-def _line_words(name: str, seed: int, first_line: int, lines: int, length: int):
+def _line_words(name: str, seed: int, first_line: int, lines: int, length: int, device=None):
     """The four Philox words [lines, ceil(length / 4)] of lines first_line .. first_line + lines - 1."""
     k0, k1 = _name_key(name)
     groups = (length + 3) // 4
-    zero = torch.zeros((), dtype=torch.int64)
-    c0 = torch.arange(groups, dtype=torch.int64).view(1, groups) + zero
-    c1 = torch.arange(first_line, first_line + lines, dtype=torch.int64).view(lines, 1) + zero
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    c0 = torch.arange(groups, dtype=torch.int64, device=device).view(1, groups) + zero
+    c1 = torch.arange(first_line, first_line + lines, dtype=torch.int64, device=device).view(lines, 1) + zero
     shape = (lines, groups)
     return philox4x32(c0.expand(shape), c1.expand(shape), zero + (seed & MASK32), zero + INIT_DOMAIN, k0, k1)
 
 
-def uniform_lines(name: str, seed: int, first_line: int, lines: int, length: int) -> torch.Tensor:
+def uniform_lines(name: str, seed: int, first_line: int, lines: int, length: int, device=None) -> torch.Tensor:
     """Uniforms on [-1, 1) [lines, length] (fp32) of lines first_line .. first_line + lines - 1 of `name`."""
-    words = _line_words(name, seed, first_line, lines, length)
+    words = _line_words(name, seed, first_line, lines, length, device)
     u = torch.stack([w.double() * 2.0**-32 for w in words], dim=-1).view(lines, -1)  # lanes 0..3 of each group
     return (2.0 * u[:, :length] - 1.0).float()
 
 
-def normal_lines(name: str, seed: int, first_line: int, lines: int, length: int) -> torch.Tensor:
+def normal_lines(name: str, seed: int, first_line: int, lines: int, length: int, device=None) -> torch.Tensor:
     """Standard normals [lines, length] (fp32) of lines first_line .. first_line + lines - 1 of `name`."""
-    words = _line_words(name, seed, first_line, lines, length)  # 4 x [lines, groups]
+    words = _line_words(name, seed, first_line, lines, length, device)  # 4 x [lines, groups]
     groups = words[0].shape[1]
     pairs = []
     for w_radius, w_angle in ((words[0], words[1]), (words[2], words[3])):
@@ -114,7 +125,9 @@ def initialise_(param: torch.Tensor, name: str, tag: str, spec, cfg, tp_rank: in
     lines_view = param.movedim(axis, 0)  # [local lines, ...]: a view of param
     full = spec.full if spec is not None and spec.full is not None else None
     length = lines_view[0].numel() if lines_view.shape[0] else 0
-    per_chunk = max(1, CHUNK_ELEMENTS // max(length, 1))
+    on_gpu = param.device.type == "cuda"  # (drawn there; anything else on the CPU)
+    device = param.device if on_gpu else None
+    per_chunk = max(1, (CHUNK_ELEMENTS_CUDA if on_gpu else CHUNK_ELEMENTS) // max(length, 1))
     if cfg.init_method_xavier_uniform:  # Megatron's: every normal init Xavier's, on the full tensor's fans
         draw, scale = uniform_lines, _xavier_bound(param, spec, axis, tp_size)
     else:
@@ -123,7 +136,7 @@ def initialise_(param: torch.Tensor, name: str, tag: str, spec, cfg, tp_rank: in
         real = count if full is None else max(0, min(count, full - first))  # rows past `full`: padding
         for start in range(0, real, per_chunk):
             n = min(per_chunk, real - start)
-            block = draw(name, cfg.seed, first + start, n, length).mul_(scale)
+            block = draw(name, cfg.seed, first + start, n, length, device).mul_(scale)
             lines_view[local + start : local + start + n].copy_(block.view((n,) + tuple(lines_view.shape[1:])))
         lines_view[local + real : local + count].zero_()
     return param
