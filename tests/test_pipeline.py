@@ -431,6 +431,24 @@ def test_fsdp2_under_the_pipeline_trains_like_the_replicated_optimizer(world, tm
         assert root is None or resumed == 0.0
 
 
+def test_zbv_is_refused_under_a_torch_whose_schedule_hangs(monkeypatch):
+    """ZBVZeroBubble hangs under torch 2.11 (seen: its ranks spin, no step ends); --pipeline-schedule zbv
+    is refused there in one sentence before any work, and accepted under this torch (2.13)."""
+    from megatron_sp.pipeline_parallel.model import schedule_problem
+    from megatron_sp.training.arguments import ArgumentError, parse_args
+
+    flags = ["--mock-data", "--device", "cpu", "--pipeline-model-parallel-size", "2", "--num-layers", "4"]
+    flags += ["--pipeline-schedule", "zbv", "--global-batch-size", "4", "--micro-batch-size", "1"]
+    flags += ["--untie-embeddings-and-output-weights"]
+    assert schedule_problem("zbv") is None and parse_args(flags, world_size=2).pipeline_schedule == "zbv"
+    problem = schedule_problem("zbv", "2.11.0+cu130")
+    assert problem.startswith("--pipeline-schedule zbv needs torch 2.13") and problem.count(". ") == 0
+    assert schedule_problem("interleaved-zb", "2.11.0") is None and schedule_problem("zbv", "2.14.1") is None
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    with pytest.raises(ArgumentError, match="needs torch 2.13 or newer: torch 2.11.0"):
+        parse_args(flags, world_size=2)
+
+
 def test_fsdp2_refuses_the_v_with_a_tied_embedding_before_any_work():
     """zbv puts both ends of the V on rank 0, whose tied word embedding cannot belong to two FSDP2 roots:
     one sentence naming the flags, before the world starts (an untied model runs: FSDP2_CASES)."""

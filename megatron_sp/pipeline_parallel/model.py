@@ -317,9 +317,25 @@ class PipelineGPT(GPTModel):
         return merged
 
 
+def schedule_problem(name: str, version: Optional[str] = None) -> Optional[str]:
+    """Why this torch cannot run schedule `name`, or None. ZBVZeroBubble hangs (ranks spinning, no
+    step ends) under torch 2.11's pipelining, seen on gloo with our stages; it runs under 2.13, the
+    pinned torch (2.12 not tried)."""
+    version = version or torch.__version__
+    if name == "zbv" and tuple(int(p) for p in version.split("+")[0].split(".")[:2]) < (2, 13):
+        return (
+            f"--pipeline-schedule zbv needs torch 2.13 or newer: torch {version}'s ZBVZeroBubble schedule hangs "
+            "(seen under 2.11); use interleaved-zb, or 1f1b with virtual stages."
+        )
+    return None
+
+
 def _make_schedule(name: str, stages: list, num_microbatches: int, loss_fn):
     """The torch.distributed.pipelining schedule of --pipeline-schedule for this rank's stages."""
     from torch.distributed import pipelining
+
+    if schedule_problem(name):
+        raise RuntimeError(schedule_problem(name))
 
     kwargs = dict(n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False)
     if name == "gpipe":
