@@ -47,9 +47,8 @@ from megatron_sp.ops.philox import MASK32, philox4x32
 from megatron_sp.tensor_parallel.sharding import segment_shards
 
 INIT_DOMAIN = 0x494E4954  # "INIT" in the counter's last word; dropout's is the sample id // 2^32
-CHUNK_ELEMENTS = (
-    1 << 16
-)  # elements drawn per call on the CPU: bounds a draw's temporaries (~4 MiB; larger is no faster)
+# elements drawn per call on the CPU: bounds a draw's temporaries (~4 MiB; larger is no faster)
+CHUNK_ELEMENTS = 1 << 16
 # on a GPU: a draw is ~150 small kernels, whose launches dominate at 2^16 elements (~256 MiB of temporaries)
 CHUNK_ELEMENTS_CUDA = 1 << 22
 
