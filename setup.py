@@ -35,8 +35,9 @@ def _extensions():
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     if not sources:
         return [], {}
-    if not (os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")) and _cuda_home():
-        os.environ["CUDA_HOME"] = _cuda_home()  # (read when torch.utils.cpp_extension is imported)
+    home = None if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") else _cuda_home()
+    if home:
+        os.environ["CUDA_HOME"] = home  # (read when torch.utils.cpp_extension is imported)
     from torch.utils import cpp_extension
 
     # Per op (csrc/module.cpp): csrc/<op>.cpp (schema, CPU kernel), csrc/cuda/<op>.cu (torch-free kernels:

@@ -334,8 +334,9 @@ def _make_schedule(name: str, stages: list, num_microbatches: int, loss_fn):
     """The torch.distributed.pipelining schedule of --pipeline-schedule for this rank's stages."""
     from torch.distributed import pipelining
 
-    if schedule_problem(name):
-        raise RuntimeError(schedule_problem(name))
+    problem = schedule_problem(name)
+    if problem:
+        raise RuntimeError(problem)
 
     kwargs = dict(n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False)
     if name == "gpipe":

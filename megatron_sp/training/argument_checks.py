@@ -451,8 +451,9 @@ def _check_pipeline(args) -> None:
         return
     from megatron_sp.pipeline_parallel.model import schedule_problem
 
-    if schedule_problem(args.pipeline_schedule):
-        raise ArgumentError(schedule_problem(args.pipeline_schedule))
+    problem = schedule_problem(args.pipeline_schedule)
+    if problem:
+        raise ArgumentError(problem)
     if args.torch_compile and args.pipeline_schedule in ZERO_BUBBLE:
         raise ArgumentError(
             f"--torch-compile cannot run --pipeline-schedule {args.pipeline_schedule}: a zero-bubble schedule "
